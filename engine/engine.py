@@ -1,0 +1,226 @@
+"""LLMEngine: the step loop that prefill and decode workers both drive.
+
+add_request() validates and queues; step() schedules, runs the model once, samples, applies
+stop conditions and returns what each request produced. Finished and aborted requests free
+their blocks immediately (unless the caller asked to hold them for a KV export).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidRequestError, KVTransferError
+from .events import EventListener
+from .kv_cache import KVCache
+from .request import Request, RequestStatus
+from .runner import ModelRunner
+from .sampler import TokenLogprobs, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .tokenizer import Tokenizer
+from .weights import LoadedModel, load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    new_text: str = ""                  # only when the engine has a tokenizer
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None, event_listener: EventListener | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.tokenizer = tokenizer
+        self.kv_cache = KVCache(loaded.config, config.cache, _DTYPES[config.dtype], config.device)
+        self.blocks = BlockManager(self.kv_cache.num_blocks, config.cache.block_size,
+                                   config.cache.enable_prefix_caching, config.cache.cache_namespace,
+                                   event_listener)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks)
+        # a request can never need more blocks than the cache holds (it would preempt itself forever)
+        self.max_model_len = min(loaded.config.max_position_embeddings,
+                                 self.kv_cache.num_blocks * config.cache.block_size)
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer else loaded.config.eos_token_id
+        self._rng = random.Random(config.seed)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._held: dict[str, Request] = {}   # finished, blocks kept for export
+        self._hold: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
+        """Load the configured model (default: SmolLM2-135M-Instruct) and its tokenizer."""
+        loaded = load_model(config.model or None, _DTYPES[config.dtype], config.device, config.max_model_len)
+        return cls(loaded, config, Tokenizer.from_model_path(loaded.path), event_listener)
+
+    # ---- requests -----------------------------------------------------------------------
+    def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        if request_id in self.scheduler.requests or request_id in self._held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params.validate(self.model_config.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass token ids", param="prompt")
+            prompt = self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty: give at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {vocab})", param="prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's context length is {self.max_model_len} "
+                f"tokens, which leaves no room to generate: shorten the prompt", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                f"of {self.max_model_len} tokens: lower max_tokens to at most {room}", param="max_tokens")
+        gen = torch.Generator()
+        gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
+        req = Request(request_id, ids, params, max_tokens, self.eos_token_id, generator=gen)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        elif params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+        return req
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    hold_kv: bool = False) -> None:
+        """Queue a request. With `hold_kv`, its blocks outlive it until `release_kv` (the
+        prefill worker exports them after the first token)."""
+        req = self._make_request(request_id, prompt, params or SamplingParams())
+        if hold_kv:
+            self._hold.add(request_id)
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks now. False if unknown."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return self.release_kv(request_id)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        completed, logits = self.runner.execute(sched.chunks)
+        for c in sched.chunks:
+            c.request.num_computed_tokens += c.num_new_tokens
+        reqs = [c.request for c in completed]
+        tokens, logprobs = sample(logits, reqs) if reqs else ([], [])
+        return [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+
+    def _on_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        req.append_output(token)
+        out = RequestOutput(req.request_id, [token], logprobs=[lp] if lp else [],
+                            num_prompt_tokens=req.num_prompt_tokens,
+                            num_cached_tokens=max(req.num_cached_tokens, 0))
+        status = None
+        p = req.params
+        if token == req.eos_token_id and not p.ignore_eos:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in p.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            out.new_text = detok.push([token])
+            if detok.stopped_on is not None and status is None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_on
+        if status is None and len(req.output_token_ids) >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if detok is not None:
+                out.new_text += detok.flush()
+            self._finish(req, status)
+            out.finished, out.finish_reason, out.stop_reason = True, status.finish_reason, req.stop_reason
+        return out
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        hold = req.request_id in self._hold and status != RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish(req, status, free_blocks=not hold)
+        self._hold.discard(req.request_id)
+        self._detok.pop(req.request_id, None)
+        if hold:
+            self._held[req.request_id] = req
+
+    # ---- KV transfer hooks ----------------------------------------------------------------
+    def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:
+        """The held request's computed tokens and the KV of their blocks,
+        (layers, 2, n_blocks, block_size, n_kv_heads, head_dim)."""
+        req = self._held.get(request_id)
+        if req is None:
+            raise KVTransferError(f"request {request_id!r} holds no KV (add it with hold_kv=True)")
+        return req.all_token_ids[:req.num_computed_tokens], self.kv_cache.export_blocks(self.blocks.block_table(request_id))
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a held request's blocks (after export)."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        self.blocks.free(request_id)
+        return True
+
+    def add_remote_request(self, request_id: str, prompt: list[int], params: SamplingParams | None = None) -> list[int] | None:
+        """Admit a request whose prompt KV will be imported. Returns its destination block ids,
+        or None if the blocks are not free now (retry later)."""
+        req = self._make_request(request_id, prompt, params or SamplingParams())
+        if not self.scheduler.add_remote(req):
+            self._detok.pop(request_id, None)
+            return None
+        return self.blocks.block_table(request_id)
+
+    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int) -> RequestOutput:
+        """Write the prompt KV into the request's blocks and continue from `first_token`
+        (sampled by the prefill side). The request then decodes in the batch."""
+        req = self.scheduler.remote.get(request_id)
+        if req is None:
+            raise KVTransferError(f"request {request_id!r} is not waiting for remote KV")
+        self.kv_cache.import_blocks(self.blocks.block_table(request_id), kv)
+        self.scheduler.remote_kv_ready(req, req.num_prompt_tokens)
+        return self._on_token(req, first_token, None)
+
+    # ---- conveniences ---------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion in one continuous batch; returns generated token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{id(self)}-{i}-{self._rng.random()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        return {"num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
+                "cached_blocks": self.blocks.num_cached_blocks, "kv_usage": self.blocks.usage,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "prefix_queries": self.blocks.prefix_queries, "prefix_hits": self.blocks.prefix_hits}

@@ -1,0 +1,54 @@
+"""Paged KV cache tensors, sized from a memory budget.
+
+One preallocated tensor `(layers, 2, num_blocks, block_size, n_kv_heads, head_dim)` holds K
+(index 0) and V (index 1) of every layer, so the KV of a set of blocks is one indexed slice:
+that is what export/import (the kv_transfer hook) move.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import CacheConfig, ModelConfig
+from .errors import KVTransferError
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * elem
+
+
+class KVCache:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        per_block = bytes_per_block(model, cache.block_size, dtype)
+        self.num_blocks = cache.kv_cache_memory // per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block: one block of "
+                f"{cache.block_size} tokens needs {per_block} bytes for this model")
+        self.block_size = cache.block_size
+        self.bytes_per_block = per_block
+        # zeros, not empty: padded attention slots must hold finite values (0 * NaN = NaN)
+        self.kv = torch.zeros(model.num_hidden_layers, 2, self.num_blocks, cache.block_size,
+                              model.num_key_value_heads, model.head_dim, dtype=dtype, device=device)
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """(layers, 2, block_size, n_kv_heads, head_dim): what a KV import must match."""
+        L, two, _, bs, h, d = self.kv.shape
+        return (L, two, bs, h, d)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.kv.shape[0])]
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks' KV, (layers, 2, len(block_ids), block_size, n_kv, hd)."""
+        return self.kv[:, :, torch.tensor(block_ids, dtype=torch.long)].clone()
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        expected = (self.kv.shape[0], 2, len(block_ids), *self.kv.shape[3:])
+        if tuple(data.shape) != expected:
+            raise KVTransferError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
+        if data.dtype != self.kv.dtype:
+            raise KVTransferError(f"KV data has dtype {data.dtype}, the cache holds {self.kv.dtype}")
+        self.kv[:, :, torch.tensor(block_ids, dtype=torch.long)] = data.to(self.kv.device)

@@ -1,0 +1,165 @@
+"""Llama-family decoder in plain torch (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
+
+Parameter names match Hugging Face `LlamaForCausalLM` checkpoints so weights load by name.
+The model works on a flat batch: every scheduled token of every request is one row of a
+`(T, hidden)` tensor, so the linear layers see one big matmul per step; attention over the
+paged KV cache is delegated to an `AttentionBackend` (engine/attention.py) that knows which
+rows belong to which request.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables (HF's rotate-half convention), indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (T, 1, head_dim): broadcasts over heads
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """Store q/k/v as one matrix (one matmul per step); the named weights become views of it."""
+        w = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data])
+        sizes = (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
+        for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), w.split(sizes)):
+            proj.weight.data = view
+        self.qkv_weight = w
+
+    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        T = x.shape[0]
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight).split(
+                (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(q.view(T, self.n_heads, self.hd), cos, sin)  # (T, n_heads, hd)
+        k = apply_rope(k.view(T, self.n_kv, self.hd), cos, sin)     # (T, n_kv, hd)
+        v = v.view(T, self.n_kv, self.hd)
+        out = backend.forward(q, k, v, kv[0], kv[1], meta)         # (T, n_heads, hd)
+        return self.o_proj(out.reshape(T, self.n_heads * self.hd))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        self.gate_proj.weight.data, self.up_proj.weight.data = w.chunk(2)
+        self.gate_up_weight = w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, kv, meta, backend):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head. `forward` returns final hidden states; `compute_logits` the
+    vocabulary logits of the rows that need sampling (the LM head is the largest matmul, so it
+    only runs on those)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.backend = backend or TorchAttentionBackend()
+
+    def fuse(self) -> "LlamaForCausalLM":
+        """Fuse q/k/v and gate/up into single matrices for inference (weights unchanged)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,). kv_caches: per layer (K, V) paged tensors.
+        Returns the final normed hidden states, (T, hidden)."""
+        h = self.model.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary(positions)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv, meta, self.backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

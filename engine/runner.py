@@ -1,0 +1,70 @@
+"""Model runner: turns a scheduled step into input tensors, runs the model, returns logits.
+
+Rows are laid out decode-first (one row per request taking a single token) and then each
+prefill chunk as a contiguous span, which is the layout `AttentionMetadata` describes.
+Logits are computed only for rows whose request completes this step.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSpan
+from .block_manager import BlockManager
+from .kv_cache import KVCache
+from .model import LlamaForCausalLM
+from .scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, blocks: BlockManager):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.blocks = blocks
+        self.block_size = kv_cache.block_size
+        self._kv_layers = kv_cache.layers()
+        self.device = kv_cache.kv.device
+
+    def _build(self, chunks: list[ScheduledChunk]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        spans: list[PrefillSpan] = []
+        sample_rows: list[int] = []
+        for c in chunks:
+            req = c.request
+            start, n = req.num_computed_tokens, c.num_new_tokens
+            table = self.blocks.block_table(req.request_id)
+            row = len(ids)
+            ids.extend(req.all_token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                spans.append(PrefillSpan(row, row + n, start, table))
+            if c.completes:
+                sample_rows.append(row + n - 1)
+        width = max((len(t) for t in decode_tables), default=0)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long).reshape(len(decode_tables), width)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode_tokens=len(decode_tables), decode_block_tables=tables.to(self.device),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+            prefills=spans, block_size=bs)
+        return (torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(pos, dtype=torch.long, device=self.device), meta, sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run one step. Returns the chunks that complete (in row order) and their logits."""
+        # decode rows first: the attention backend expects that layout
+        ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
+        input_ids, positions, meta, sample_rows = self._build(ordered)
+        self.model.backend.prepare(meta)
+        hidden = self.model(input_ids, positions, self._kv_layers, meta)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return [c for c in ordered if c.completes], logits

@@ -1,0 +1,92 @@
+"""Turns the logits of the rows that finished a step into next tokens.
+
+Greedy rows (temperature 0) take the argmax in one batched op. Other rows are sampled one by
+one with their request's own `torch.Generator`, so a seeded request draws the same tokens
+whether it runs alone or in any batch. Sampling uses the exponential-race form of the
+Gumbel trick (argmax(p / E), E ~ Exp(1)), which needs one random draw per vocabulary entry
+and no sort. Logprobs are those of the model's raw distribution (before temperature and
+truncation), as OpenAI reports them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """Repetition penalty over prompt + output (HF semantics: shrink positive logits, grow
+    negative ones); presence and frequency penalties over the output (OpenAI semantics)."""
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, the top-p nucleus, or below min_p * max prob."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_row(logits: torch.Tensor, req: Request) -> int:
+    p = req.params
+    if p.has_penalties:
+        logits = apply_penalties(logits.clone(), req)
+    if p.greedy:
+        return int(torch.argmax(logits))
+    logits = _truncate(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+    probs = torch.softmax(logits, dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=req.generator)
+    return int(torch.argmax(probs / race))
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: (N, vocab) fp32, one row per request in `reqs`."""
+    logits = logits.float()
+    tokens: list[int | None] = [None] * len(reqs)
+    simple = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
+    if simple:
+        picked = torch.argmax(logits[simple], dim=-1).tolist()
+        for i, t in zip(simple, picked):
+            tokens[i] = t
+    for i, r in enumerate(reqs):
+        if tokens[i] is None:
+            tokens[i] = sample_row(logits[i], r)
+    logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+    want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(logits[want], dim=-1)
+        for row, i in enumerate(want):
+            n = reqs[i].params.logprobs
+            top = torch.topk(lp[row], n) if n else None
+            logprobs[i] = TokenLogprobs(
+                tokens[i], float(lp[row, tokens[i]]),
+                list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+    return tokens, logprobs  # type: ignore[return-value]

@@ -1,0 +1,73 @@
+"""Per-request sampling parameters and their validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop. temperature 0 is greedy."""
+
+    max_tokens: int | None = 16
+    """New tokens at most; None: up to the context length."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0          # 0: off
+    min_p: float = 0.0      # 0: off
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives (0..20)."""
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        def bad(param, msg):
+            raise InvalidRequestError(f"{param} {msg}", param=param)
+
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "entries must be non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

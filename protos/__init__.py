@@ -1,0 +1,1 @@
+"""Protobuf contracts between processes and their generated stubs (later issues)."""

@@ -1,0 +1,64 @@
+"""Shared fixtures. Engines built here are checked after each test: every KV block back in
+its pool, no request left, block accounting exact."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# converted-model caches live in the checkout (ignored by git), not in the user's home
+os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.tiny import tiny_llama  # noqa: E402
+
+
+def assert_engine_clean(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished_requests(), "requests left in the engine"
+    assert engine.blocks.num_used_blocks == 0, f"{engine.blocks.num_used_blocks} KV blocks leaked"
+    engine.blocks.check_invariants()
+
+
+@pytest.fixture
+def make_engine():
+    """make_engine(tiny=True, **config) -> LLMEngine; all engines are leak-checked at teardown."""
+    made: list[LLMEngine] = []
+
+    def factory(tiny: bool = True, seed: int = 0, block_size: int = 16, kv_cache_memory: int = 4 << 20,
+                max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                long_prefill_token_threshold: int = 0, listener=None, loaded=None, tokenizer=None):
+        cfg = EngineConfig(
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      long_prefill_token_threshold=long_prefill_token_threshold))
+        loaded = loaded or (tiny_llama(seed) if tiny else None)
+        eng = LLMEngine(loaded, cfg, tokenizer, listener)
+        made.append(eng)
+        return eng
+
+    yield factory
+    for eng in made:
+        assert_engine_clean(eng)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real default model (loaded once per session) and its tokenizer."""
+    from engine.tokenizer import Tokenizer
+    from engine.weights import load_model
+
+    loaded = load_model()
+    return loaded, Tokenizer.from_model_path(loaded.path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm):
+    """transformers' own GGUF loader: an independent reference for weights and logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = smollm[0].path
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
