@@ -45,7 +45,8 @@ class ModelConfig:
         arch = d.get("model_type", "llama")
         if arch not in ("llama", "mistral"):
             raise ValueError(f"unsupported architecture {arch!r}: pdserve runs Llama-family models")
-        scaling = d.get("rope_scaling") or {}
+        # transformers >= 5 writes RoPE settings as `rope_parameters`; older ones as rope_theta/rope_scaling
+        scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind != "default":
             raise ValueError(f"unsupported rope_scaling type {kind!r} (only default RoPE is implemented)")
@@ -58,7 +59,7 @@ class ModelConfig:
             num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=d.get("rope_theta", 10000.0),
+            rope_theta=d.get("rope_theta") or scaling.get("rope_theta", 10000.0),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos)

@@ -1,0 +1,141 @@
+"""The real default model against Hugging Face transformers (an independent implementation
+that loads the same GGUF with its own dequantizer): logits, greedy text, tokenizer, and the
+Hugging Face directory loader."""
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List three colors: red, green,",
+]
+
+
+def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position from one prefill through the paged path."""
+    req = engine._make_request("ref", ids, SamplingParams(max_tokens=1))
+    assert engine.blocks.allocate("ref", len(ids))
+    try:
+        input_ids, positions, meta, _ = engine.runner._build([ScheduledChunk(req, len(ids))])
+        with torch.inference_mode():
+            engine.runner.model.backend.prepare(meta)
+            hidden = engine.runner.model(input_ids, positions, engine.runner._kv_layers, meta)
+            return engine.runner.model.compute_logits(hidden)
+    finally:
+        engine.blocks.free("ref")
+
+
+@pytest.fixture(scope="module")
+def engine(smollm):
+    loaded, tok = smollm
+    eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)), tok)
+    yield eng
+    assert eng.blocks.num_used_blocks == 0
+
+
+def test_weights_equal_transformers_gguf_loader(smollm, hf_smollm):
+    ours = smollm[0].model.state_dict()
+    for name, ref in hf_smollm.state_dict().items():
+        assert name in ours, name
+        assert torch.equal(ours[name], ref), f"{name} differs by {(ours[name] - ref).abs().max()}"
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_logits_match_transformers(engine, hf_smollm, text):
+    ids = engine.tokenizer.encode(text)
+    with torch.no_grad():
+        ref = hf_smollm(torch.tensor([ids])).logits[0]
+    ours = engine_logits(engine, ids)
+    diff = (ours - ref).abs().max().item()
+    assert diff < 1e-4, f"max abs logit difference {diff:.2e} on {text!r}"
+
+
+def test_greedy_64_tokens_identical_to_transformers(engine, hf_smollm):
+    tok = engine.tokenizer
+    for content in ("Write a haiku about the ocean.", "Explain what a CPU cache is."):
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]))
+        with torch.no_grad():
+            # explicit mask: otherwise transformers masks every pad id (= <|im_end|>) in the prompt
+            ref = hf_smollm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=64, do_sample=False,
+                                     eos_token_id=None, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        ours = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0]
+        assert ours == ref, f"first divergence at {next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)}"
+
+
+def test_batched_real_model_equals_alone(engine):
+    tok = engine.tokenizer
+    ps = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]))
+          for c in ("Hi!", "Name a fruit.", "What is 2+2?", "Tell me a joke about cats.")]
+    params = [SamplingParams(max_tokens=24, temperature=0),
+              SamplingParams(max_tokens=24, temperature=0.7, seed=3),
+              SamplingParams(max_tokens=24, temperature=0),
+              SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=4)]
+    together = engine.generate(ps, params)
+    alone = [engine.generate([p], [sp])[0] for p, sp in zip(ps, params)]
+    assert together == alone
+
+
+TOKENIZER_TEXTS = [
+    "Hello world", "  leading and trailing  ", "multiple\n\n\nnewlines\tand\ttabs",
+    "def f(x):\n    return x ** 2  # square\n", "for (int i = 0; i < 10; ++i) { sum += a[i]; }",
+    "数字 12345 和中文字符，日本語のテキスト", "한국어 텍스트", "emoji 🎉🚀👩‍💻 mixed ✓",
+    "numbers 3.14159 and 1,000,000 and 2024-11-29", "<|im_start|>user\nhi<|im_end|>\n",
+    "special <|endoftext|> in the middle", "Ünïcödé àccents ñ ß", "a" * 50 + " " * 7 + "b",
+    "URL: https://example.com/path?q=1&r=2", "",
+]
+
+
+def test_tokenizer_matches_transformers(smollm):
+    from transformers import AutoTokenizer
+
+    path = smollm[0].path
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = smollm[1]
+    for text in TOKENIZER_TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=True), text
+        assert ours.decode(ids) == ref.decode(ids) == text
+    assert ours.eos_token_id == ref.eos_token_id == 2
+
+
+def test_chat_template_matches_transformers(smollm):
+    from transformers import AutoTokenizer
+
+    path = smollm[0].path
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    for m in (msgs, msgs[1:2]):
+        for gen in (True, False):
+            assert smollm[1].apply_chat_template(m, add_generation_prompt=gen) == \
+                ref.apply_chat_template(m, add_generation_prompt=gen, tokenize=False)
+
+
+def test_hf_directory_loader(smollm, hf_smollm, tmp_path, engine):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from engine.tokenizer import Tokenizer
+    from engine.weights import load_model
+
+    # transformers writes the directory (config.json + model.safetensors) from its own model
+    plain = LlamaForCausalLM(LlamaConfig(**smollm[0].config.to_hf_dict()))
+    plain.load_state_dict(hf_smollm.state_dict())
+    plain.save_pretrained(tmp_path)
+    path = smollm[0].path
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.config == smollm[0].config
+    tok = Tokenizer.from_model_path(tmp_path)
+    ids = tok.encode(PROMPTS[2])
+    assert ids == smollm[1].encode(PROMPTS[2])
+    other = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok)
+    assert torch.equal(engine_logits(other, ids), engine_logits(engine, ids))
