@@ -62,3 +62,12 @@ def hf_smollm(smollm):
 
     path = smollm[0].path
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer alone (no weights)."""
+    from engine.tokenizer import Tokenizer
+    from engine.weights import default_model_path
+
+    return Tokenizer.from_model_path(default_model_path())

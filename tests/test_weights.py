@@ -1,0 +1,156 @@
+"""GGUF and Hugging Face loading on small files written here: every supported tensor type,
+the Q/K permutation, the conversion cache, and clear errors."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q, GGUFWriter
+from gguf.quants import quantize
+from safetensors.torch import save_file
+
+from engine.errors import ModelLoadError
+from engine.tiny import tiny_config, tiny_state_dict
+from engine.weights import _GGUF_LAYER_NAMES, load_model
+
+HF_TO_GGUF = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q_proj/k_proj rows (the loader must undo it)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, cfg, state, qtype=Q.F32, arch="llama", skip=()):
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    for name, t in state.items():
+        if name in skip:
+            continue
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            parts = name.split(".")
+            gname = f"blk.{parts[2]}.{HF_TO_GGUF['.'.join(parts[3:-1])]}.weight"
+        arr = t.numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            arr = llama_cpp_permute(arr, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = llama_cpp_permute(arr, cfg.num_key_value_heads)
+        if arr.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(gname, arr)
+        elif qtype == Q.F16:
+            w.add_tensor(gname, arr.astype(np.float16))
+        else:
+            w.add_tensor(gname, quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# max abs error bound relative to each tensor's max magnitude, per type
+TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.1}
+
+
+@pytest.mark.parametrize("qtype", list(TOLERANCE), ids=lambda q: q.name)
+def test_gguf_types_load_and_unpermute(tmp_path, qtype, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny_config()
+    state = tiny_state_dict(cfg, seed=3)
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, cfg, state, qtype)
+    loaded = load_model(path)
+    assert loaded.config.num_hidden_layers == cfg.num_hidden_layers
+    assert not loaded.config.tie_word_embeddings
+    ours = loaded.model.state_dict()
+    for name, ref in state.items():
+        err = (ours[name] - ref).abs().max().item()
+        bound = TOLERANCE[qtype] * ref.abs().max().item()
+        assert err <= bound + 1e-7, f"{name}: {qtype.name} error {err:.3g} > {bound:.3g}"
+    # the conversion cache is written, used on the second load, and gives the same weights
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
+    import engine.weights
+    monkeypatch.setattr(engine.weights, "read_gguf_state_dict", lambda p: pytest.fail("cache not used"))
+    again = load_model(path).model.state_dict()
+    assert all(torch.equal(again[k], ours[k]) for k in ours)
+
+
+def test_tied_embeddings_when_no_output_tensor(tmp_path):
+    cfg = tiny_config(tie_word_embeddings=True)
+    state = tiny_state_dict(cfg)
+    write_gguf(tmp_path / "tied.gguf", cfg, state)
+    loaded = load_model(tmp_path / "tied.gguf")
+    assert loaded.config.tie_word_embeddings
+    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    cfg = tiny_config()
+    write_gguf(tmp_path / "m.gguf", cfg, tiny_state_dict(cfg), arch="gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    cfg = tiny_config()
+    write_gguf(tmp_path / "m.gguf", cfg, tiny_state_dict(cfg), skip={"model.layers.1.mlp.up_proj.weight"})
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        load_model(tmp_path / "m.gguf")
+
+
+def write_hf_dir(path, cfg, state, config_overrides=None):
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**cfg.to_hf_dict(), **(config_overrides or {})}))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+
+
+def test_hf_dir_round_trip(tmp_path):
+    cfg = tiny_config()
+    state = tiny_state_dict(cfg, seed=5)
+    write_hf_dir(tmp_path / "m", cfg, state)
+    ours = load_model(tmp_path / "m").model.state_dict()
+    assert all(torch.equal(ours[k], v) for k, v in state.items())
+
+
+def test_shape_mismatch_is_named(tmp_path):
+    cfg = tiny_config()
+    state = tiny_state_dict(cfg)
+    state["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 32)
+    write_hf_dir(tmp_path / "m", cfg, state)
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight' has shape \(64, 32\)"):
+        load_model(tmp_path / "m")
+
+
+def test_unexpected_tensor_and_architecture_in_hf_dir(tmp_path):
+    cfg = tiny_config()
+    state = tiny_state_dict(cfg)
+    write_hf_dir(tmp_path / "a", cfg, {**state, "model.layers.0.mlp.extra.weight": torch.zeros(2)})
+    with pytest.raises(ModelLoadError, match="unexpected tensor 'model.layers.0.mlp.extra.weight'"):
+        load_model(tmp_path / "a")
+    write_hf_dir(tmp_path / "b", cfg, state, {"model_type": "gpt_neox"})
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt_neox'"):
+        load_model(tmp_path / "b")
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf")
+    (tmp_path / "x.bin").write_bytes(b"\0")
+    with pytest.raises(ModelLoadError, match="expected a .gguf"):
+        load_model(tmp_path / "x.bin")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path / "empty")
