@@ -59,14 +59,12 @@ class TorchAttentionBackend:
         bs = meta.block_size
         D = meta.num_decode_tokens
         if D:
-            max_len = int(meta.decode_seq_lens.max())
-            pos = torch.arange(max_len)
-            # slot of position p of request r: block_table[r, p // bs] * bs + p % bs
-            blocks = meta.decode_block_tables[:, : (max_len + bs - 1) // bs]
-            slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).reshape(D, -1)[:, :max_len]
-            valid = pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (D, L)
-            st["decode_slots"] = torch.where(valid, slots, 0)
-            st["decode_mask"] = valid[:, None, None, :]  # (D, 1, 1, L)
+            # gather whole blocks (contiguous 16-token runs), not single slots: far fewer,
+            # larger copies. Padding entries point at block 0 and are masked out.
+            n_blocks = (int(meta.decode_seq_lens.max()) + bs - 1) // bs
+            st["decode_blocks"] = meta.decode_block_tables[:, :n_blocks].contiguous()
+            pos = torch.arange(n_blocks * bs, device=meta.decode_seq_lens.device)
+            st["decode_mask"] = (pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1))[:, None, None, :]  # (D, 1, 1, L)
         spans = []
         for sp in meta.prefills:
             n = sp.end - sp.start
@@ -91,9 +89,9 @@ class TorchAttentionBackend:
         st = meta.backend_state
         D = meta.num_decode_tokens
         if D:
-            slots = st["decode_slots"]
-            kd = k_flat[slots].transpose(1, 2)  # (D, n_kv, L, hd)
-            vd = v_flat[slots].transpose(1, 2)
+            blocks = st["decode_blocks"]
+            kd = k_cache[blocks].view(D, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
+            vd = v_cache[blocks].view(D, -1, n_kv, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(q[:D].unsqueeze(2), kd, vd,
                                                attn_mask=st["decode_mask"], enable_gqa=True)
             out[:D] = o.squeeze(2)

@@ -152,6 +152,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     """Seed for requests that give none."""
+    packed_weights: bool = True
+    """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
+    matmuls for the same fp32 math, at the cost of a second copy of the weights."""
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -68,7 +68,8 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
         """Load the configured model (default: SmolLM2-135M-Instruct) and its tokenizer."""
-        loaded = load_model(config.model or None, _DTYPES[config.dtype], config.device, config.max_model_len)
+        loaded = load_model(config.model or None, _DTYPES[config.dtype], config.device, config.max_model_len,
+                            config.packed_weights)
         return cls(loaded, config, Tokenizer.from_model_path(loaded.path), event_listener)
 
     # ---- requests -----------------------------------------------------------------------

@@ -243,7 +243,7 @@ class LoadedModel:
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                device: str = "cpu") -> LlamaForCausalLM:
+                device: str = "cpu", packed_weights: bool = True) -> LlamaForCausalLM:
     """Instantiate the model for `cfg` with `state`'s weights, fused for inference."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -251,15 +251,15 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     # the RoPE tables are computed, not loaded: build them for real (fp32 for accuracy)
     from .model import RotaryEmbedding
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-    return model.to(device).eval().fuse()
+    return model.to(device).eval().fuse(packed_weights)
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-               device: str = "cpu", max_model_len: int = 0) -> LoadedModel:
+               device: str = "cpu", max_model_len: int = 0, packed_weights: bool = True) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct).
     `max_model_len` (if > 0) overrides the model's context length."""
     path = resolve_model_path(model)
     state, cfg, fingerprint = load_state_dict(path)
     if max_model_len:
         cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
-    return LoadedModel(build_model(cfg, state, dtype, device), cfg, path, fingerprint)
+    return LoadedModel(build_model(cfg, state, dtype, device, packed_weights), cfg, path, fingerprint)
