@@ -62,7 +62,7 @@ class TorchAttentionBackend:
             # gather whole blocks (contiguous 16-token runs), not single slots: far fewer,
             # larger copies. Padding entries point at block 0 and are masked out.
             n_blocks = (int(meta.decode_seq_lens.max()) + bs - 1) // bs
-            st["decode_blocks"] = meta.decode_block_tables[:, :n_blocks].contiguous()
+            st["decode_blocks"] = meta.decode_block_tables[:, :n_blocks].reshape(-1)
             pos = torch.arange(n_blocks * bs, device=meta.decode_seq_lens.device)
             st["decode_mask"] = (pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1))[:, None, None, :]  # (D, 1, 1, L)
         spans = []
@@ -90,8 +90,9 @@ class TorchAttentionBackend:
         D = meta.num_decode_tokens
         if D:
             blocks = st["decode_blocks"]
-            kd = k_cache[blocks].view(D, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
-            vd = v_cache[blocks].view(D, -1, n_kv, hd).transpose(1, 2)
+            # index_select copies whole rows; advanced indexing is ~5x slower here
+            kd = k_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
+            vd = v_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(q[:D].unsqueeze(2), kd, vd,
                                                attn_mask=st["decode_mask"], enable_gqa=True)
             out[:D] = o.squeeze(2)
@@ -102,8 +103,8 @@ class TorchAttentionBackend:
                 vs = v[sp.start:sp.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
-                ks = k_flat[slots].transpose(0, 1).unsqueeze(0)  # (1, n_kv, ctx, hd)
-                vs = v_flat[slots].transpose(0, 1).unsqueeze(0)
+                ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, ctx, hd)
+                vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[sp.start:sp.end] = o.squeeze(0).transpose(0, 1)
         return out

@@ -66,5 +66,7 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self._build(ordered)
         self.model.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self._kv_layers, meta)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        if len(sample_rows) != hidden.shape[0]:  # all rows sample in a pure decode step
+            hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(hidden)
         return [c for c in ordered if c.completes], logits

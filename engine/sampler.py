@@ -73,7 +73,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[T
     tokens: list[int | None] = [None] * len(reqs)
     simple = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
     if simple:
-        picked = torch.argmax(logits[simple], dim=-1).tolist()
+        rows = logits if len(simple) == len(reqs) else logits[simple]  # skip a (N, vocab) copy
+        picked = torch.argmax(rows, dim=-1).tolist()
         for i, t in zip(simple, picked):
             tokens[i] = t
     for i, r in enumerate(reqs):
