@@ -64,7 +64,9 @@ class TorchAttentionBackend:
             n_blocks = (int(meta.decode_seq_lens.max()) + bs - 1) // bs
             st["decode_blocks"] = meta.decode_block_tables[:, :n_blocks].reshape(-1)
             pos = torch.arange(n_blocks * bs, device=meta.decode_seq_lens.device)
-            st["decode_mask"] = (pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1))[:, None, None, :]  # (D, 1, 1, L)
+            valid = (pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1))[:, None, None, :]  # (D, 1, 1, L)
+            # an additive float mask, built once: SDPA would convert a bool mask in every layer
+            st["decode_mask"] = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
         spans = []
         for sp in meta.prefills:
             n = sp.end - sp.start
