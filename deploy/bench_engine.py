@@ -101,7 +101,7 @@ def bench_pdserve_decode(engine, B, prompt_len, n_tokens, seed) -> float:
         if decoding:
             elapsed += time.perf_counter() - t
             tokens += len(outs)
-    return tokens / elapsed
+    return tokens / elapsed if elapsed else float("nan")  # nan: too few tokens for a pure-decode step
 
 
 def bench_pdserve_prefill(engine, length, seed) -> float:
@@ -172,25 +172,43 @@ def cmd_bench_engine(args) -> int:
     prefill_engine = LLMEngine(engine.loaded, EngineConfig(
         cache=CacheConfig(kv_cache_memory=256 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=max(args.prefill_len, 512))), engine.tokenizer)
-    baseline = None if args.no_baseline else hf_baseline(engine.loaded)
+    # warm-up (oneDNN primitive creation, allocator) at every shape, then this process's peak
+    # memory is pdserve's alone: the baseline model is built only after it is read
     for B in batch_sizes:
-        ours = [bench_pdserve_decode(engine, B, args.prompt_len, args.decode_tokens, s) for s in range(args.repeats)]
+        bench_pdserve_decode(engine, B, args.prompt_len, 16, seed=99)
+    bench_pdserve_prefill(prefill_engine, args.prefill_len, seed=99)
+    result["memory_mb"] = _rss_mb() | {"kv_cache": engine.kv_cache.kv.numel() * engine.kv_cache.kv.element_size() / 2**20}
+    log(f"pdserve peak RSS {result['memory_mb'].get('VmHWM', 0):.0f} MB "
+        f"(KV cache {result['memory_mb']['kv_cache']:.0f} MB)")
+    baseline = None
+    if not args.no_baseline:
+        baseline = hf_baseline(engine.loaded)
+        bench_hf_decode(baseline, vocab, 1, args.prompt_len, 4, seed=99)
+    # repeats alternate between the two systems so that machine noise hits both alike
+    for B in batch_sizes:
+        ours, hf = [], []
+        for s in range(args.repeats):
+            ours.append(bench_pdserve_decode(engine, B, args.prompt_len, args.decode_tokens, s))
+            if baseline is not None:
+                hf.append(bench_hf_decode(baseline, vocab, B, args.prompt_len, args.decode_tokens, s))
         result["pdserve"][f"decode_tok_s_b{B}"] = _median(ours)
         line = f"decode batch {B:3d}: pdserve {_median(ours):7.1f} tok/s"
-        if baseline is not None:
-            hf = [bench_hf_decode(baseline, vocab, B, args.prompt_len, args.decode_tokens, s) for s in range(args.repeats)]
+        if hf:
             result["transformers"][f"decode_tok_s_b{B}"] = _median(hf)
             line += f" | transformers {_median(hf):7.1f} tok/s | ratio {_median(ours) / _median(hf):.2f}x"
         log(line)
-    ours = [bench_pdserve_prefill(prefill_engine, args.prefill_len, s) for s in range(args.repeats)]
-    result["pdserve"][f"prefill_tok_s_{args.prefill_len}"] = _median(ours)
+    ours, hf = [], []
+    for s in range(args.repeats):
+        ours.append(bench_pdserve_prefill(prefill_engine, args.prefill_len, s))
+        if baseline is not None:
+            hf.append(bench_hf_prefill(baseline, vocab, args.prefill_len, s))
+    key = f"prefill_tok_s_{args.prefill_len}"
+    result["pdserve"][key] = _median(ours)
     line = f"prefill {args.prefill_len} tokens: pdserve {_median(ours):7.1f} tok/s"
-    if baseline is not None:
-        hf = [bench_hf_prefill(baseline, vocab, args.prefill_len, s) for s in range(args.repeats)]
-        result["transformers"][f"prefill_tok_s_{args.prefill_len}"] = _median(hf)
+    if hf:
+        result["transformers"][key] = _median(hf)
         line += f" | transformers {_median(hf):7.1f} tok/s | ratio {_median(ours) / _median(hf):.2f}x"
     log(line)
-    result["memory_mb"] = _rss_mb() | {"kv_cache": engine.kv_cache.kv.numel() * engine.kv_cache.kv.element_size() / 2**20}
     if baseline is not None:
         result["ratios"] = {k: result["pdserve"][k] / result["transformers"][k] for k in result["pdserve"]}
     for B, r in result["roofline"]["per_batch"].items():

@@ -6,6 +6,7 @@ their blocks immediately (unless the caller asked to hold them for a KV export).
 """
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -60,7 +61,8 @@ class LLMEngine:
         self.max_model_len = min(loaded.config.max_position_embeddings,
                                  self.kv_cache.num_blocks * config.cache.block_size)
         self.eos_token_id = tokenizer.eos_token_id if tokenizer else loaded.config.eos_token_id
-        self._rng = random.Random(config.seed)
+        self._rng = random.Random(config.seed)  # seeds for requests that give none
+        self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, Request] = {}   # finished, blocks kept for export
         self._hold: set[str] = set()
@@ -204,14 +206,14 @@ class LLMEngine:
         if req is None:
             raise KVTransferError(f"request {request_id!r} is not waiting for remote KV")
         self.kv_cache.import_blocks(self.blocks.block_table(request_id), kv)
-        self.scheduler.remote_kv_ready(req, req.num_prompt_tokens)
+        self.scheduler.remote_kv_ready(req)
         return self._on_token(req, first_token, None)
 
     # ---- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion in one continuous batch; returns generated token ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"gen-{id(self)}-{i}-{self._rng.random()}" for i in range(len(prompts))]
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p)
         results: dict[str, list[int]] = {rid: [] for rid in ids}

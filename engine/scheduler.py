@@ -24,11 +24,13 @@ from .request import Request, RequestStatus
 class ScheduledChunk:
     request: Request
     num_new_tokens: int
+    completes: bool = False
+    """After this chunk every token has KV, so the step samples the next token (fixed when
+    scheduled: the request's progress counter moves once the step has run)."""
 
-    @property
-    def completes(self) -> bool:
-        """After this chunk every token has KV, so the step samples the next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, req: Request, n: int) -> "ScheduledChunk":
+        return cls(req, n, req.num_computed_tokens + n == req.num_tokens)
 
 
 @dataclass
@@ -65,12 +67,13 @@ class Scheduler:
         self.remote[req.request_id] = req
         return True
 
-    def remote_kv_ready(self, req: Request, num_tokens: int) -> None:
-        """The KV of the first `num_tokens` tokens has landed: the request joins the batch."""
+    def remote_kv_ready(self, req: Request) -> None:
+        """The prompt's KV has landed: the request joins the batch and, once the first token
+        sampled by the prefill side is appended, decodes from its next step."""
         del self.remote[req.request_id]
-        req.num_computed_tokens = num_tokens
-        self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, num_tokens)
-        req.status = RequestStatus.DECODING if num_tokens == req.num_tokens - 1 else RequestStatus.PREFILLING
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_prompt_tokens)
+        req.status = RequestStatus.DECODING
         self.running.append(req)
 
     def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
@@ -155,7 +158,7 @@ class Scheduler:
             budget -= n
 
     def _commit(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        chunk = ScheduledChunk(req, n)
+        chunk = ScheduledChunk.of(req, n)
         req.status = RequestStatus.DECODING if n == 1 and chunk.completes and req.output_token_ids else RequestStatus.PREFILLING
         # the KV of these tokens is computed in this step, before anyone can look them up
         self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens + n)

@@ -34,7 +34,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = add_bos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.special_ids = {t.id if hasattr(t, "id") else i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self._template = None
 
     # ---- construction -----------------------------------------------------------------

@@ -24,7 +24,7 @@ def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     req = engine._make_request("ref", ids, SamplingParams(max_tokens=1))
     assert engine.blocks.allocate("ref", len(ids))
     try:
-        input_ids, positions, meta, _ = engine.runner._build([ScheduledChunk(req, len(ids))])
+        input_ids, positions, meta, _ = engine.runner._build([ScheduledChunk.of(req, len(ids))])
         with torch.inference_mode():
             engine.runner.model.backend.prepare(meta)
             hidden = engine.runner.model(input_ids, positions, engine.runner._kv_layers, meta)

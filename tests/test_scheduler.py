@@ -104,7 +104,7 @@ def test_remote_kv_request_joins_batch_when_ready():
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KV and len(bm.block_table("remote")) == 3
     assert run_step(sched).chunks == []  # not scheduled while its KV is in flight
     r.append_output(5)
-    sched.remote_kv_ready(r, 9)
+    sched.remote_kv_ready(r)
     assert r.status == RequestStatus.DECODING
     assert [c.num_new_tokens for c in run_step(sched).chunks] == [1]
     sched.finish(r, RequestStatus.FINISHED_ABORTED)
