@@ -42,12 +42,13 @@ def test_interactive_chat_keeps_history_until_reset(smollm):
     def chat(stdin):
         r = pdserve("chat", "--max-tokens", "24", "--kv-cache-memory", "64MiB", stdin=stdin)
         assert r.returncode == 0, r.stderr  # EOF ends the session cleanly
-        return [line for line in r.stdout.splitlines() if line.strip()]
+        return r.stdout
 
     q1, q2 = "My name is Ada and I love astronomy.", "What should I read next?"
     fresh = chat(q2 + "\n")
     with_history = chat(f"{q1}\n{q2}\n")
     after_reset = chat(f"{q1}\n/reset\n{q2}\n")
-    assert len(with_history) == 2 and len(after_reset) == 2
-    assert with_history[1] != fresh[0]   # the first turn is part of the second prompt (greedy)
-    assert after_reset[1] == fresh[0]    # /reset forgets it
+    assert fresh.strip()
+    # greedy replies: after /reset the answer to q2 is the fresh one; with history it is not
+    assert after_reset.endswith(fresh) and len(after_reset) > len(fresh)
+    assert not with_history.endswith(fresh)
