@@ -1,5 +1,8 @@
-"""KV block transport (filled by the "Disaggregated serving" issue).
+"""KV block transport between prefill and decode workers.
 
-In: KV blocks exported by a prefill engine. Out: the same blocks imported into a decode
-engine's pre-allocated blocks, checked (header, checksum) and leased.
+In: a prefill engine's exported blocks (`LLMEngine.export_kv`) and the destination blocks a
+decode engine allocated (`LLMEngine.add_remote_request`). Out: checked arrivals that the decode
+worker imports (`LLMEngine.import_kv`). `wire.py` is the format (a `KVHeader` + raw payload in
+chunks), `receiver.py` the decode side's leases and checks, `grpc_transport.py` and `local.py`
+the transports behind the `KVSender` interface (`base.py`); UCX comes later.
 """

@@ -1,0 +1,125 @@
+"""KV transfer over gRPC (grpc.aio): a client-streaming `Push` of a header and 1 MiB chunks.
+
+The server refuses a push as early as it can: a header that matches no lease is rejected
+before any data is read, and a stream that carries more bytes than the header announced is
+cut off.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import torch
+
+from engine.errors import KVTransferError
+from protos import kv_transfer_pb2 as pb
+from protos import kv_transfer_pb2_grpc as pb_grpc
+
+from .receiver import KVReceiver
+from .wire import CHUNK_BYTES, iter_chunks, make_header, tensor_bytes
+
+# the default 4 MB limit is far below a long prompt's KV; chunks keep each message small
+# anyway, this only matters for future single-message senders
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+class _Servicer(pb_grpc.KVTransferServicer):
+    def __init__(self, receiver: KVReceiver, on_arrival):
+        self.receiver = receiver
+        self.on_arrival = on_arrival
+
+    async def Push(self, request_iterator, context):
+        header, buf = None, bytearray()
+        try:
+            async for chunk in request_iterator:
+                if header is None:
+                    if chunk.WhichOneof("kind") != "header":
+                        raise KVTransferError("KV push must start with a header")
+                    header = chunk.header
+                    self.receiver.check_header(header)
+                    continue
+                buf += chunk.data
+                if len(buf) > header.payload_bytes:
+                    raise KVTransferError(f"KV push for {header.request_id!r} carries more than "
+                                          f"the {header.payload_bytes} bytes announced")
+            if header is None:
+                raise KVTransferError("empty KV push")
+            self.receiver.accept(header, buf)
+        except KVTransferError as e:
+            return pb.KVPushReply(ok=False, error=str(e), bytes_received=len(buf))
+        if self.on_arrival is not None:
+            self.on_arrival()
+        return pb.KVPushReply(ok=True, bytes_received=len(buf))
+
+
+class GrpcKVServer:
+    """Serves `KVTransfer` for one decode worker's receiver."""
+
+    def __init__(self, receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0, on_arrival=None):
+        self.receiver = receiver
+        self.host, self.port = host, port
+        self.on_arrival = on_arrival
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> str:
+        """Start serving; returns the bound address."""
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        pb_grpc.add_KVTransferServicer_to_server(_Servicer(self.receiver, self.on_arrival), self._server)
+        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        await self._server.start()
+        return self.address
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+
+
+class GrpcKVSender:
+    """Pushes KV blocks to decode workers; one channel per target, reused."""
+
+    def __init__(self, sender_id: str, cluster_token: str = "", chunk_bytes: int = CHUNK_BYTES):
+        self.sender_id = sender_id
+        self.cluster_token = cluster_token
+        self.chunk_bytes = chunk_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, target: str) -> pb_grpc.KVTransferStub:
+        ch = self._channels.get(target)
+        if ch is None:
+            ch = self._channels[target] = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return pb_grpc.KVTransferStub(ch)
+
+    async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],
+                   num_tokens: int, first_token: int, model_fingerprint: str, timeout_s: float,
+                   layer_start: int = 0) -> None:
+        payload = tensor_bytes(kv)
+        header = make_header(request_id, kv, sender_id=self.sender_id, model_fingerprint=model_fingerprint,
+                             dest_block_ids=dest_block_ids, num_tokens=num_tokens, first_token=first_token,
+                             payload=payload, layer_start=layer_start, cluster_token=self.cluster_token)
+        await self.push_chunks(target, iter_chunks(header, payload, self.chunk_bytes), timeout_s)
+
+    async def push_chunks(self, target: str, chunks, timeout_s: float) -> None:
+        """Send prepared chunks (tests use this to inject faults)."""
+        start = time.monotonic()
+        try:
+            reply = await asyncio.wait_for(self._stub(target).Push(chunks, timeout=timeout_s), timeout_s + 1.0)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+            if time.monotonic() - start >= timeout_s:
+                # with a streaming request the deadline can surface as DEADLINE_EXCEEDED or INTERNAL
+                raise KVTransferError(f"KV push to {target} timed out after {timeout_s:g}s") from e
+            raise KVTransferError(f"KV push to {target} failed: {e.code().name}: {e.details()}") from e
+        if not reply.ok:
+            raise KVTransferError(reply.error)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()

@@ -1,0 +1,144 @@
+"""The decode side's view of incoming KV: leases and checks, no networking.
+
+A decode worker calls `expect()` when it allocates a request's destination blocks; the lease
+says exactly what may arrive (which blocks, how many tokens, from which senders, until when).
+A transport hands each push to `accept()`, which refuses anything that does not match the
+lease or whose checksum is wrong; complete arrivals wait in `take_ready()` for the worker's
+step loop to import them. Leases past their deadline come out of `expired()` so the worker
+can free the blocks and fail or recompute the request.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.errors import KVTransferError
+from protos import kv_transfer_pb2 as pb
+
+from .wire import DTYPES, checksum, tensor_from_bytes
+
+
+@dataclass
+class Lease:
+    request_id: str
+    dest_block_ids: list[int]
+    num_tokens: int
+    deadline: float
+    senders: frozenset[str] | None = None  # None: any sender that has the cluster token
+    layers_done: set[int] = field(default_factory=set)
+    buffer: torch.Tensor | None = None     # filled layer range by layer range
+
+
+@dataclass
+class Arrival:
+    request_id: str
+    kv: torch.Tensor  # (layers, 2, n_blocks, block_size, n_kv_heads, head_dim)
+    first_token: int
+    num_tokens: int
+
+
+class KVReceiver:
+    def __init__(self, model_fingerprint: str, layout: tuple[int, ...], dtype: str = "float32",
+                 cluster_token: str = "", clock: Callable[[], float] = time.monotonic):
+        """layout: this worker's (layers, 2, block_size, n_kv_heads, head_dim)."""
+        self.fingerprint = model_fingerprint
+        self.layout = tuple(layout)
+        self.dtype = dtype
+        self.cluster_token = cluster_token
+        self.clock = clock
+        self._leases: dict[str, Lease] = {}
+        self._ready: list[Arrival] = []
+
+    def expect(self, request_id: str, dest_block_ids: list[int], num_tokens: int, timeout_s: float,
+               senders: set[str] | None = None) -> Lease:
+        lease = Lease(request_id, list(dest_block_ids), num_tokens, self.clock() + timeout_s,
+                      frozenset(senders) if senders else None)
+        self._leases[request_id] = lease
+        return lease
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a lease (the request was aborted); a later push for it is refused."""
+        self._leases.pop(request_id, None)
+        self._ready = [a for a in self._ready if a.request_id != request_id]
+
+    def pending(self) -> list[str]:
+        return list(self._leases)
+
+    def expired(self) -> list[str]:
+        """Remove and return the leases whose deadline has passed."""
+        now = self.clock()
+        gone = [rid for rid, lease in self._leases.items() if lease.deadline <= now]
+        for rid in gone:
+            del self._leases[rid]
+        return gone
+
+    def take_ready(self) -> list[Arrival]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    # ---- checks -------------------------------------------------------------------------
+    def check_header(self, h: pb.KVHeader) -> Lease:
+        """Raise KVTransferError unless the header matches a live lease exactly."""
+        if not hmac.compare_digest(h.cluster_token.encode(), self.cluster_token.encode()):
+            raise KVTransferError("KV push refused: wrong or missing cluster token")
+        lease = self._leases.get(h.request_id)
+        if lease is None:
+            raise KVTransferError(f"KV push for unknown or expired request {h.request_id!r}")
+        if lease.deadline <= self.clock():
+            raise KVTransferError(f"KV push for {h.request_id!r} arrived after its lease expired")
+        if lease.senders is not None and h.sender_id not in lease.senders:
+            raise KVTransferError(f"KV push for {h.request_id!r} from unexpected sender {h.sender_id!r}")
+        if h.model_fingerprint != self.fingerprint:
+            raise KVTransferError(f"KV push for {h.request_id!r}: model fingerprint {h.model_fingerprint!r} "
+                                  f"does not match this worker's {self.fingerprint!r}")
+        if h.dtype != self.dtype:
+            raise KVTransferError(f"KV push for {h.request_id!r}: dtype {h.dtype} but this cache holds {self.dtype}")
+        L, two, bs, heads, hd = self.layout
+        if tuple(h.layout) != (h.layer_end - h.layer_start, two, bs, heads, hd) or not 0 <= h.layer_start < h.layer_end <= L:
+            raise KVTransferError(f"KV push for {h.request_id!r}: layout {tuple(h.layout)} layers "
+                                  f"[{h.layer_start}, {h.layer_end}) does not fit this cache {self.layout}")
+        if list(h.dest_block_ids) != lease.dest_block_ids or h.num_tokens != lease.num_tokens:
+            raise KVTransferError(f"KV push for {h.request_id!r}: blocks/tokens do not match the lease")
+        expected = (h.layer_end - h.layer_start) * two * len(lease.dest_block_ids) * bs * heads * hd \
+            * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        if h.payload_bytes != expected:
+            raise KVTransferError(f"KV push for {h.request_id!r}: payload of {h.payload_bytes} bytes, expected {expected}")
+        return lease
+
+    def accept(self, h: pb.KVHeader, payload: bytes | bytearray) -> None:
+        """Check a complete push (header, payload bytes, checksum) and file it."""
+        self.check_header(h)
+        if len(payload) != h.payload_bytes:
+            raise KVTransferError(f"KV push for {h.request_id!r} truncated: {len(payload)} of {h.payload_bytes} bytes")
+        if checksum(payload) != h.checksum:
+            raise KVTransferError(f"KV push for {h.request_id!r}: checksum mismatch (corrupted in transit)")
+        shape = (h.layer_end - h.layer_start, 2, len(h.dest_block_ids), *self.layout[2:])
+        self._land(h, tensor_from_bytes(payload, h.dtype, shape))
+
+    def accept_tensor(self, h: pb.KVHeader, kv: torch.Tensor) -> None:
+        """In-process arrival: the same checks except the checksum (nothing crossed a wire)."""
+        self.check_header(h)
+        shape = (h.layer_end - h.layer_start, 2, len(h.dest_block_ids), *self.layout[2:])
+        if tuple(kv.shape) != shape:
+            raise KVTransferError(f"KV push for {h.request_id!r}: tensor shape {tuple(kv.shape)}, expected {shape}")
+        self._land(h, kv)
+
+    def _land(self, h: pb.KVHeader, kv: torch.Tensor) -> None:
+        lease = self._leases[h.request_id]
+        L = self.layout[0]
+        if h.layer_start == 0 and h.layer_end == L:
+            full = kv
+        else:  # layer-wise streaming: collect ranges until every layer is there
+            if lease.buffer is None:
+                lease.buffer = torch.empty((L, *kv.shape[1:]), dtype=kv.dtype)
+            lease.buffer[h.layer_start:h.layer_end] = kv
+            lease.layers_done.update(range(h.layer_start, h.layer_end))
+            if len(lease.layers_done) < L:
+                return
+            full = lease.buffer
+        del self._leases[h.request_id]
+        self._ready.append(Arrival(h.request_id, full, h.first_token, h.num_tokens))

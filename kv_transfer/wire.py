@@ -1,0 +1,58 @@
+"""Wire format of a KV push: a `KVHeader` then the payload (the blocks' KV as raw bytes of
+a contiguous `(layers, 2, n_blocks, block_size, n_kv_heads, head_dim)` tensor) in chunks."""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator
+
+import torch
+
+from protos import kv_transfer_pb2 as pb
+
+CHUNK_BYTES = 1 << 20  # 1 MiB data chunks: far under gRPC's limits, small enough to pipeline
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def checksum(payload: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def tensor_bytes(kv: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (made contiguous first if it is not)."""
+    kv = kv.contiguous()
+    return memoryview(kv.view(torch.uint8).numpy()).cast("B")
+
+
+def tensor_from_bytes(buf: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    t = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=DTYPES[dtype])
+    return t.view(shape)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}")
+
+
+def make_header(request_id: str, kv: torch.Tensor, *, sender_id: str, model_fingerprint: str,
+                dest_block_ids: list[int], num_tokens: int, first_token: int,
+                payload: memoryview | None = None, layer_start: int = 0,
+                cluster_token: str = "") -> pb.KVHeader:
+    """Header for pushing `kv` (layers [layer_start, layer_start + kv.shape[0])). Without a
+    payload (in-process transfer) there is no checksum."""
+    L, two, n_blocks, bs, h, d = kv.shape
+    assert n_blocks == len(dest_block_ids), "one destination block per exported block"
+    return pb.KVHeader(
+        request_id=request_id, sender_id=sender_id, model_fingerprint=model_fingerprint,
+        dtype=dtype_name(kv.dtype), layout=[L, two, bs, h, d], layer_start=layer_start,
+        layer_end=layer_start + L, dest_block_ids=dest_block_ids, num_tokens=num_tokens,
+        payload_bytes=kv.numel() * kv.element_size(),
+        checksum=checksum(payload) if payload is not None else b"", first_token=first_token,
+        cluster_token=cluster_token)
+
+
+def iter_chunks(header: pb.KVHeader, payload: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.KVChunk]:
+    yield pb.KVChunk(header=header)
+    for off in range(0, len(payload), chunk_bytes):
+        yield pb.KVChunk(data=bytes(payload[off:off + chunk_bytes]))

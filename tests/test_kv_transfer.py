@@ -1,0 +1,240 @@
+"""KV transfer: bit-exact delivery over gRPC and in-process, every refusal path, and the
+prefill -> transfer -> decode hand-off on two real engines (tiny model)."""
+import asyncio
+
+import pytest
+import torch
+
+from engine.errors import KVTransferError
+from engine.sampling_params import SamplingParams
+from kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
+from kv_transfer.local import LocalKVSender
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.wire import iter_chunks, make_header, tensor_bytes
+
+LAYOUT = (2, 2, 16, 2, 16)  # the tiny model: layers, K/V, block size, kv heads, head dim
+FP = "tiny-0"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def random_kv(n_blocks, layers=2, seed=0):
+    return torch.randn(layers, 2, n_blocks, 16, 2, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def with_grpc(fn, receiver, **sender_kw):
+    async def main():
+        server = GrpcKVServer(receiver)
+        addr = await server.start()
+        sender = GrpcKVSender("prefill-0", **sender_kw)
+        try:
+            return await fn(sender, addr)
+        finally:
+            await sender.close()
+            await server.stop()
+    return asyncio.run(main())
+
+
+def push(sender, addr, kv, rid="r1", blocks=(3, 4, 5), tokens=40, fp=FP, timeout=10.0, first=7):
+    return sender.push(addr, rid, kv, dest_block_ids=list(blocks), num_tokens=tokens, first_token=first,
+                       model_fingerprint=fp, timeout_s=timeout)
+
+
+@pytest.mark.parametrize("n_blocks", [1, 3, 64])  # 64 blocks = 1 MiB+: several chunks
+def test_grpc_delivers_random_blocks_bit_exact(n_blocks):
+    rx = KVReceiver(FP, LAYOUT)
+    blocks = list(range(10, 10 + n_blocks))
+    rx.expect("r1", blocks, n_blocks * 16 - 3, timeout_s=30)
+    kv = random_kv(n_blocks, seed=n_blocks)
+    with_grpc(lambda s, a: push(s, a, kv, blocks=blocks, tokens=n_blocks * 16 - 3), rx)
+    [arrival] = rx.take_ready()
+    assert arrival.request_id == "r1" and arrival.first_token == 7 and torch.equal(arrival.kv, kv)
+    assert rx.pending() == []
+
+
+def test_corrupted_chunk_is_refused():
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    kv = random_kv(3)
+    payload = tensor_bytes(kv)
+    header = make_header("r1", kv, sender_id="p", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
+                         num_tokens=40, first_token=7, payload=payload)
+    chunks = list(iter_chunks(header, payload, chunk_bytes=4096))
+    bad = bytearray(chunks[2].data)
+    bad[100] ^= 0xFF
+    chunks[2].data = bytes(bad)
+    with pytest.raises(KVTransferError, match="checksum"):
+        with_grpc(lambda s, a: s.push_chunks(a, iter(chunks), 10.0), rx)
+    assert rx.take_ready() == []
+
+
+def test_truncated_and_oversized_pushes_are_refused():
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    kv = random_kv(3)
+    payload = tensor_bytes(kv)
+    header = make_header("r1", kv, sender_id="p", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
+                         num_tokens=40, first_token=7, payload=payload)
+    chunks = list(iter_chunks(header, payload, chunk_bytes=4096))
+    with pytest.raises(KVTransferError, match="truncated"):
+        with_grpc(lambda s, a: s.push_chunks(a, iter(chunks[:-1]), 10.0), rx)
+    with pytest.raises(KVTransferError, match="more than"):
+        with_grpc(lambda s, a: s.push_chunks(a, iter(chunks + chunks[1:2]), 10.0), rx)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(fp="other-model"), "fingerprint"),
+    (dict(rid="nobody"), "unknown or expired"),
+    (dict(blocks=(3, 4, 6)), "do not match the lease"),
+    (dict(tokens=41), "do not match the lease"),
+])
+def test_mismatched_headers_are_refused(change, message):
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    with pytest.raises(KVTransferError, match=message):
+        with_grpc(lambda s, a: push(s, a, random_kv(3), **change), rx)
+    assert rx.take_ready() == []
+
+
+def test_wrong_layout_dtype_and_token_are_refused():
+    rx = KVReceiver(FP, LAYOUT, cluster_token="s3cret")
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    with pytest.raises(KVTransferError, match="cluster token"):
+        with_grpc(lambda s, a: push(s, a, random_kv(3)), rx, cluster_token="guess")
+    with pytest.raises(KVTransferError, match="dtype"):
+        with_grpc(lambda s, a: push(s, a, random_kv(3).half()), rx, cluster_token="s3cret")
+    with pytest.raises(KVTransferError, match="layout"):
+        with_grpc(lambda s, a: push(s, a, random_kv(3, layers=3)), rx, cluster_token="s3cret")
+    with_grpc(lambda s, a: push(s, a, random_kv(3)), rx, cluster_token="s3cret")
+    assert len(rx.take_ready()) == 1
+
+
+def test_unknown_sender_refused_when_senders_are_named():
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30, senders={"prefill-9"})
+    with pytest.raises(KVTransferError, match="unexpected sender 'prefill-0'"):
+        with_grpc(lambda s, a: push(s, a, random_kv(3)), rx)
+
+
+def test_lease_expiry_and_late_push():
+    clock = Clock()
+    rx = KVReceiver(FP, LAYOUT, clock=clock)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=5)
+    rx.expect("r2", [6], 10, timeout_s=50)
+    clock.t = 6
+    assert rx.expired() == ["r1"] and rx.pending() == ["r2"]
+    with pytest.raises(KVTransferError, match="unknown or expired"):
+        with_grpc(lambda s, a: push(s, a, random_kv(3)), rx)
+
+
+def test_unreachable_receiver_and_timeout_fail_cleanly():
+    async def main():
+        sender = GrpcKVSender("p")
+        try:
+            await push(sender, "127.0.0.1:1", random_kv(1), blocks=(1,), tokens=5, timeout=2.0)
+        finally:
+            await sender.close()
+    with pytest.raises(KVTransferError, match="UNAVAILABLE|timed out"):
+        asyncio.run(main())
+
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+
+    async def slow_chunks(chunks):
+        for c in chunks:
+            yield c
+            await asyncio.sleep(0.5)
+
+    kv = random_kv(3)
+    payload = tensor_bytes(kv)
+    header = make_header("r1", kv, sender_id="p", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
+                         num_tokens=40, first_token=7, payload=payload)
+    with pytest.raises(KVTransferError, match="timed out after 0.5s"):
+        with_grpc(lambda s, a: s.push_chunks(a, slow_chunks(list(iter_chunks(header, payload, 4096))), 0.5), rx)
+    assert rx.take_ready() == []
+
+
+def test_layer_wise_pushes_assemble_the_request():
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4], 20, timeout_s=30)
+    kv = random_kv(2)
+
+    async def two_halves(s, a):
+        for layer in (1, 0):  # any order
+            await s.push(a, "r1", kv[layer:layer + 1], dest_block_ids=[3, 4], num_tokens=20, first_token=7,
+                         model_fingerprint=FP, timeout_s=10, layer_start=layer)
+            if layer == 1:
+                assert rx.take_ready() == []  # incomplete: not ready yet
+    with_grpc(two_halves, rx)
+    [arrival] = rx.take_ready()
+    assert torch.equal(arrival.kv, kv)
+
+
+def test_local_transport_same_checks_no_copy():
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    sender = LocalKVSender({"decode-0": rx})
+    kv = random_kv(3)
+    with pytest.raises(KVTransferError, match="fingerprint"):
+        asyncio.run(push(sender, "decode-0", kv, fp="x"))
+    asyncio.run(push(sender, "decode-0", kv))
+    [arrival] = rx.take_ready()
+    assert arrival.kv.data_ptr() == kv.data_ptr()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "local"])
+def test_prefill_decode_handoff_matches_one_engine(make_engine, transport):
+    """Prefill on one engine, ship the blocks, decode on another: the same greedy tokens."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(20 + 13 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = make_engine().generate(prompts, params)
+    prefill, decode = make_engine(), make_engine()
+    fp = prefill.loaded.fingerprint
+    rx = KVReceiver(fp, decode.kv_cache.layout)
+
+    async def run(sender, target):
+        for i, p in enumerate(prompts):
+            rid = f"h{i}"
+            dest = decode.add_remote_request(rid, p, params)
+            rx.expect(rid, dest, len(p), timeout_s=30)
+            prefill.add_request(rid, p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
+            first = [o.new_token_ids[0] for o in prefill.step()][0]
+            tokens, kv = prefill.export_kv(rid)
+            try:
+                await sender.push(target, rid, kv, dest_block_ids=dest, num_tokens=len(tokens), first_token=first,
+                                  model_fingerprint=fp, timeout_s=10)
+            finally:
+                prefill.release_kv(rid)
+
+    if transport == "grpc":
+        with_grpc(run, rx)
+    else:
+        asyncio.run(run(LocalKVSender({"d": rx}), "d"))
+    got = {}
+    for arrival in rx.take_ready():
+        out = decode.import_kv(arrival.request_id, arrival.kv, arrival.first_token)
+        got[arrival.request_id] = list(out.new_token_ids)
+    while decode.has_unfinished_requests():
+        for o in decode.step():
+            got[o.request_id].extend(o.new_token_ids)
+    assert [got[f"h{i}"] for i in range(3)] == expected
+
+
+def test_failed_transfer_frees_destination_blocks(make_engine):
+    decode = make_engine()
+    rx = KVReceiver("tiny-0", decode.kv_cache.layout)
+    dest = decode.add_remote_request("r", list(range(3, 40)), SamplingParams(max_tokens=4))
+    rx.expect("r", dest, 37, timeout_s=30)
+    with pytest.raises(KVTransferError):
+        with_grpc(lambda s, a: s.push(a, "r", random_kv(len(dest)), dest_block_ids=dest, num_tokens=37,
+                                      first_token=1, model_fingerprint="wrong", timeout_s=5), rx)
+    # the decode worker's failure path: drop the lease, abort the request -> blocks back
+    rx.cancel("r")
+    assert decode.abort("r")
+    assert decode.blocks.num_used_blocks == 0
