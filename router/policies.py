@@ -1,0 +1,97 @@
+"""Routing policies: pick a prefill worker and a decode worker for a request.
+
+Plain Python over a snapshot of worker loads (from heartbeats) and the prefix index, so they
+are tested without a network. `prefix_aware` prices a prefill worker by the prompt tokens it
+would have to compute (the prompt minus the prefix it already holds) plus the prefill tokens
+already queued on it; decode workers are picked by load in every policy but round-robin.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .prefix_index import PrefixIndex
+
+
+class NoWorkerError(RuntimeError):
+    """No healthy worker of the needed role is registered."""
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    queued_prefill_tokens: int = 0
+    running: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    worker_id: str
+    cached_tokens: int  # prefix tokens the chosen worker already holds (per the index)
+
+
+def _healthy(workers: list[WorkerLoad], role: str) -> list[WorkerLoad]:
+    ok = [w for w in workers if w.healthy]
+    if not ok:
+        raise NoWorkerError(f"no healthy {role} worker is available")
+    return ok
+
+
+def _decode_load(w: WorkerLoad) -> tuple:
+    return (w.kv_usage, w.running, w.worker_id)
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self):
+        self._prefill = itertools.count()
+        self._decode = itertools.count()
+
+    def pick_prefill(self, workers, block_hashes, num_tokens, block_size) -> PrefillChoice:
+        ok = sorted(_healthy(workers, "prefill"), key=lambda w: w.worker_id)
+        return PrefillChoice(ok[next(self._prefill) % len(ok)].worker_id, 0)
+
+    def pick_decode(self, workers) -> str:
+        ok = sorted(_healthy(workers, "decode"), key=lambda w: w.worker_id)
+        return ok[next(self._decode) % len(ok)].worker_id
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def pick_prefill(self, workers, block_hashes, num_tokens, block_size) -> PrefillChoice:
+        w = min(_healthy(workers, "prefill"), key=lambda w: (w.queued_prefill_tokens, w.running, w.worker_id))
+        return PrefillChoice(w.worker_id, 0)
+
+    def pick_decode(self, workers) -> str:
+        return min(_healthy(workers, "decode"), key=_decode_load).worker_id
+
+
+class PrefixAware(LeastLoaded):
+    name = "prefix_aware"
+
+    def __init__(self, index: PrefixIndex):
+        self.index = index
+
+    def pick_prefill(self, workers, block_hashes, num_tokens, block_size) -> PrefillChoice:
+        held = self.index.match(block_hashes)
+
+        def cost(w: WorkerLoad) -> tuple:
+            uncached = num_tokens - held.get(w.worker_id, 0) * block_size
+            return (uncached + w.queued_prefill_tokens, w.running, w.worker_id)
+
+        w = min(_healthy(workers, "prefill"), key=cost)
+        return PrefillChoice(w.worker_id, held.get(w.worker_id, 0) * block_size)
+
+
+def make_policy(name: str, index: PrefixIndex):
+    if name == "prefix_aware":
+        return PrefixAware(index)
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    raise ValueError(f"unknown routing policy {name!r}: use prefix_aware, round_robin or least_loaded")
