@@ -1,0 +1,88 @@
+"""AsyncEngine: the engine on its own thread, driven from asyncio."""
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+PROMPTS = [[3 + i, 40 + i, 77, 5 * i + 9] * (i + 1) for i in range(4)]
+
+
+def test_concurrent_streams_match_the_sync_engine(make_engine):
+    expected = make_engine().generate(PROMPTS, GREEDY)
+    ae = AsyncEngine(make_engine())
+    ae.start()
+
+    async def one(i):
+        return [t async for out in ae.generate(f"r{i}", PROMPTS[i], GREEDY) for t in out.new_token_ids]
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        ae.stop()
+
+
+def test_leaving_a_stream_early_aborts_the_request(make_engine):
+    eng = make_engine()
+    ae = AsyncEngine(eng)
+    ae.start()
+
+    async def main():
+        agen = ae.generate("r", PROMPTS[0], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        async for out in agen:
+            break  # the client went away after the first token
+        await agen.aclose()
+        for _ in range(100):  # the abort runs on the engine thread
+            if await ae.run(lambda e: not e.has_unfinished_requests()):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        assert asyncio.run(main())
+        assert asyncio.run(_used_blocks(ae)) == 0
+    finally:
+        ae.stop()
+
+
+async def _used_blocks(ae):
+    return await ae.run(lambda e: e.blocks.num_used_blocks)
+
+
+def test_errors_come_back_to_the_caller(make_engine):
+    ae = AsyncEngine(make_engine())
+    ae.start()
+
+    async def main():
+        async for _ in ae.generate("bad", [], GREEDY):
+            pass
+
+    try:
+        with pytest.raises(Exception, match="empty"):
+            asyncio.run(main())
+    finally:
+        ae.stop()
+
+
+def test_stop_fails_requests_in_flight(make_engine):
+    eng = make_engine()
+    ae = AsyncEngine(eng)
+    ae.start()
+
+    async def main():
+        got = []
+        with pytest.raises(EngineDeadError):
+            async for out in ae.generate("r", PROMPTS[1], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)):
+                got.append(out)
+                if len(got) == 2:
+                    await asyncio.get_running_loop().run_in_executor(None, ae.stop)
+        return got
+
+    assert len(asyncio.run(main())) >= 2
+    with pytest.raises(EngineDeadError):
+        ae.call(lambda e: None).result()
