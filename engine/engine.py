@@ -199,7 +199,8 @@ class LLMEngine:
             return None
         return self.blocks.block_table(request_id)
 
-    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int) -> RequestOutput:
+    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
+                  logprob: TokenLogprobs | None = None) -> RequestOutput:
         """Write the prompt KV into the request's blocks and continue from `first_token`
         (sampled by the prefill side). The request then decodes in the batch."""
         req = self.scheduler.remote.get(request_id)
@@ -207,7 +208,11 @@ class LLMEngine:
             raise KVTransferError(f"request {request_id!r} is not waiting for remote KV")
         self.kv_cache.import_blocks(self.blocks.block_table(request_id), kv)
         self.scheduler.remote_kv_ready(req)
-        return self._on_token(req, first_token, None)
+        if not req.params.greedy:
+            # the prefill side drew the first token from the same seeded stream: skip that
+            # draw so that the rest equals a single-engine run
+            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
+        return self._on_token(req, first_token, logprob)
 
     # ---- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -80,6 +80,13 @@ class KVReceiver:
         ready, self._ready = self._ready, []
         return ready
 
+    def take(self, request_id: str) -> Arrival | None:
+        """Remove and return one request's complete arrival, if it is here."""
+        for i, a in enumerate(self._ready):
+            if a.request_id == request_id:
+                return self._ready.pop(i)
+        return None
+
     # ---- checks -------------------------------------------------------------------------
     def check_header(self, h: pb.KVHeader) -> Lease:
         """Raise KVTransferError unless the header matches a live lease exactly."""

@@ -1,0 +1,163 @@
+"""The decode service: admit a request, get its prompt KV, decode it in the batch, stream.
+
+`Generate` allocates the request's blocks, asks the prefill worker the router chose to fill
+them (the KV arrives through this worker's KV transfer server and is checked against a
+lease), imports it with the first token, and streams token ids as the batch produces them.
+With no prefill worker, a short prompt, or a failed transfer under the `recompute` policy,
+the prompt is prefilled here instead. Every exit path releases the request's blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError, KVTransferError
+from kv_transfer.grpc_transport import GrpcKVServer
+from kv_transfer.receiver import KVReceiver
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc as pb_grpc
+from protos.convert import logprob_from_proto, output_to_proto, params_from_proto, params_to_proto, worker_stats
+
+TRANSFER_POLICIES = ("recompute", "fail")
+
+
+class DecodeServicer(pb_grpc.DecodeServiceServicer):
+    def __init__(self, worker: "DecodeWorker"):
+        self.w = worker
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        w = self.w
+        await w.check_token(request.cluster_token, context)
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        params = params_from_proto(request.params)
+        q = w.engine.open_stream(rid)
+        try:
+            remote = await w.admit(rid, prompt, params, request.prefill_address, context)
+            async for out in w.engine.stream(rid, q):
+                yield output_to_proto(out, prefilled_remotely=remote)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            w.engine.close_stream(rid)
+
+    async def Abort(self, request, context):
+        await self.w.check_token(request.cluster_token, context)
+        self.w.receiver.cancel(request.request_id)
+        found = await self.w.engine.run(lambda e: e.abort(request.request_id))
+        return pb.AbortReply(found=found)
+
+    async def Stats(self, request, context):
+        w = self.w
+        return await w.engine.run(lambda e: worker_stats(
+            e, w.worker_id, "decode", remote_prefills=w.remote_prefills, local_prefills=w.local_prefills,
+            transfer_failures=w.transfer_failures))
+
+
+class DecodeWorker:
+    """One decode engine behind a gRPC `DecodeService` plus its KV transfer endpoint."""
+
+    _ids = itertools.count()
+
+    def __init__(self, engine: AsyncEngine, worker_id: str | None = None, cluster_token: str = "",
+                 transfer_policy: str = "recompute", transfer_timeout_s: float = 30.0,
+                 local_prefill_threshold: int = 0):
+        if transfer_policy not in TRANSFER_POLICIES:
+            raise ValueError(f"transfer_policy must be one of {TRANSFER_POLICIES}, got {transfer_policy!r}")
+        self.engine = engine
+        self.worker_id = worker_id or f"decode-{next(self._ids)}"
+        self.cluster_token = cluster_token
+        self.transfer_policy = transfer_policy
+        self.transfer_timeout_s = transfer_timeout_s
+        self.local_prefill_threshold = local_prefill_threshold
+        eng = engine.engine
+        self.receiver = KVReceiver(eng.loaded.fingerprint, eng.kv_cache.layout,
+                                   str(eng.kv_cache.kv.dtype).removeprefix("torch."), cluster_token)
+        self.remote_prefills = self.local_prefills = self.transfer_failures = 0
+        self._kv_server: GrpcKVServer | None = None
+        self._server: grpc.aio.Server | None = None
+        self._prefill_stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self.address = self.kv_address = ""
+
+    async def check_token(self, token: str, context) -> None:
+        if not hmac.compare_digest(token.encode(), self.cluster_token.encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+    # ---- admission ------------------------------------------------------------------------
+    async def admit(self, rid: str, prompt: list[int], params, prefill_address: str, context) -> bool:
+        """Start the request; returns True if its prompt was prefilled remotely."""
+        if prefill_address and len(prompt) > self.local_prefill_threshold:
+            try:
+                if await self._remote_prefill(rid, prompt, params, prefill_address):
+                    return True
+            except KVTransferError as e:
+                self.transfer_failures += 1
+                if self.transfer_policy == "fail":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV hand-off failed: {e}")
+        self.local_prefills += 1
+        await self.engine.run(lambda e: e.add_request(rid, prompt, params))
+        return False
+
+    async def _remote_prefill(self, rid, prompt, params, prefill_address) -> bool:
+        """False: no blocks free now (prefill locally, queued); raises KVTransferError on failure
+        after releasing the destination blocks."""
+        dest = await self.engine.run(lambda e: e.add_remote_request(rid, prompt, params))
+        if dest is None:
+            return False
+        self.receiver.expect(rid, dest, len(prompt), self.transfer_timeout_s)
+        try:
+            reply = await self._prefill_stub(prefill_address).Prefill(pb.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params),
+                kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer_timeout_s,
+                cluster_token=self.cluster_token), timeout=self.transfer_timeout_s)
+            arrival = self.receiver.take(rid)
+            if arrival is None:
+                raise KVTransferError(f"prefill worker at {prefill_address} answered but no KV arrived for {rid!r}")
+            lp = logprob_from_proto(reply.logprob) if reply.HasField("logprob") else None
+            out = await self.engine.run(lambda e: e.import_kv(rid, arrival.kv, reply.first_token, lp))
+        except grpc.aio.AioRpcError as e:
+            await self._release(rid)
+            raise KVTransferError(f"prefill at {prefill_address} failed: {e.code().name}: {e.details()}") from e
+        except BaseException:
+            await self._release(rid)
+            raise
+        self.remote_prefills += 1
+        self.engine.publish([out])
+        return True
+
+    async def _release(self, rid: str) -> None:
+        self.receiver.cancel(rid)
+        await self.engine.run(lambda e: e.abort(rid))
+
+    def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:
+        stub = self._prefill_stubs.get(address)
+        if stub is None:
+            ch = grpc.aio.insecure_channel(address)
+            self._channels.append(ch)
+            stub = self._prefill_stubs[address] = pb_grpc.PrefillServiceStub(ch)
+        return stub
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0, kv_port: int = 0) -> str:
+        self.engine.start()
+        self._kv_server = GrpcKVServer(self.receiver, host, kv_port)
+        self.kv_address = await self._kv_server.start()
+        self._server = grpc.aio.server()
+        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self._server)
+        port = self._server.add_insecure_port(f"{host}:{port}")
+        await self._server.start()
+        self.address = f"{host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        for server in (self._server, self._kv_server):
+            if server is not None:
+                await server.stop(1.0)
+        self._server = self._kv_server = None
+        for ch in self._channels:
+            await ch.close()
+        self.engine.stop()

@@ -1,0 +1,101 @@
+"""The prefill service: compute a prompt's KV, sample the first token, push the blocks.
+
+`Prefill` runs the prompt through this worker's engine as a one-token request whose blocks
+are held after it finishes, exports them, pushes them into the decode worker's destination
+blocks, then frees its own copy (the full blocks stay in its prefix cache for later hits).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import itertools
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError, KVTransferError
+from kv_transfer.base import KVSender
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc as pb_grpc
+from protos.convert import logprob_to_proto, params_from_proto, worker_stats
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, worker: "PrefillWorker"):
+        self.w = worker
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+        w = self.w
+        await w.check_token(request.cluster_token, context)
+        rid = request.request_id
+        params = dataclasses.replace(params_from_proto(request.params), max_tokens=1, stop_token_ids=[])
+        first = None
+        try:
+            async for out in w.engine.generate(rid, list(request.prompt_token_ids), params, hold_kv=True):
+                first = out
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            tokens, kv = await w.engine.run(lambda e: e.export_kv(rid))
+        finally:
+            await w.engine.run(lambda e: e.release_kv(rid))
+        try:
+            await w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
+                                num_tokens=len(tokens), first_token=first.new_token_ids[0],
+                                model_fingerprint=w.fingerprint, timeout_s=request.timeout_s or 30.0)
+        except KVTransferError as e:
+            w.transfer_failures += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        w.prefills += 1
+        reply = pb.PrefillReply(first_token=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens)
+        if first.logprobs:
+            reply.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
+        return reply
+
+    async def Abort(self, request, context):
+        await self.w.check_token(request.cluster_token, context)
+        found = await self.w.engine.run(lambda e: e.abort(request.request_id))
+        return pb.AbortReply(found=found)
+
+    async def Stats(self, request, context):
+        w = self.w
+        return await w.engine.run(lambda e: worker_stats(e, w.worker_id, "prefill", remote_prefills=w.prefills,
+                                                         transfer_failures=w.transfer_failures))
+
+
+class PrefillWorker:
+    """One prefill engine behind a gRPC `PrefillService`."""
+
+    _ids = itertools.count()
+
+    def __init__(self, engine: AsyncEngine, sender: KVSender, worker_id: str | None = None,
+                 cluster_token: str = ""):
+        self.engine = engine
+        self.sender = sender
+        self.worker_id = worker_id or f"prefill-{next(self._ids)}"
+        self.cluster_token = cluster_token
+        self.fingerprint = engine.engine.loaded.fingerprint
+        self.prefills = 0
+        self.transfer_failures = 0
+        self._server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def check_token(self, token: str, context) -> None:
+        if not hmac.compare_digest(token.encode(), self.cluster_token.encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self.engine.start()
+        self._server = grpc.aio.server()
+        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self._server)
+        port = self._server.add_insecure_port(f"{host}:{port}")
+        await self._server.start()
+        self.address = f"{host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(1.0)
+            self._server = None
+        await self.sender.close()
+        self.engine.stop()

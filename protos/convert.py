@@ -1,0 +1,63 @@
+"""Conversions between the protobuf messages and the engine's Python types (both ways, so
+that every process agrees on one mapping)."""
+from __future__ import annotations
+
+from engine.engine import LLMEngine, RequestOutput
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+from . import worker_pb2 as pb
+
+
+def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                            frequency_penalty=p.frequency_penalty, stop_token_ids=p.stop_token_ids,
+                            ignore_eos=p.ignore_eos)
+    if p.max_tokens is not None:
+        msg.max_tokens = p.max_tokens
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Stop strings never travel to workers: the router applies them on text."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, temperature=msg.temperature,
+        top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None, repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                           top_logprobs=[v for _, v in lp.top])
+
+
+def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, list(zip(msg.top_ids, msg.top_logprobs)))
+
+
+def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        token_ids=out.new_token_ids, logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
+        finished=out.finished, finish_reason=out.finish_reason or "",
+        stop_reason="" if out.stop_reason is None else str(out.stop_reason),
+        num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+        prefilled_remotely=prefilled_remotely)
+
+
+def worker_stats(engine: LLMEngine, worker_id: str, role: str, **counters) -> pb.WorkerStats:
+    """Run on the engine thread: a consistent snapshot of blocks, queues and counters."""
+    sched, blocks = engine.scheduler, engine.blocks
+    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting) + \
+        sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_computed_tokens < r.num_tokens - 1)
+    return pb.WorkerStats(worker_id=worker_id, role=role, num_blocks=blocks.num_blocks,
+                          free_blocks=blocks.num_free_blocks, running=len(sched.running), waiting=len(sched.waiting),
+                          queued_prefill_tokens=queued, kv_usage=blocks.usage, prefix_queries=blocks.prefix_queries,
+                          prefix_hits=blocks.prefix_hits, **counters)

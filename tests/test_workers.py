@@ -1,0 +1,143 @@
+"""Prefill and decode services over real gRPC on loopback (tiny model, one process): the
+disaggregated path gives the single-engine tokens, failures fall back or fail cleanly, and
+every block comes back."""
+import asyncio
+
+import grpc
+import pytest
+
+from decode_worker.service import DecodeWorker
+from engine.async_engine import AsyncEngine
+from engine.sampling_params import SamplingParams
+from kv_transfer.grpc_transport import GrpcKVSender
+from prefill_worker.service import PrefillWorker
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc as pb_grpc
+from protos.convert import params_to_proto
+
+PROMPTS = [[(11 * i + j) % 500 + 3 for j in range(18 + 21 * i)] for i in range(3)]
+PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+          SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=2),
+          SamplingParams(max_tokens=9, temperature=1.0, seed=11, ignore_eos=True)]
+
+
+class Cluster:
+    def __init__(self, make_engine, token="", policy="recompute", threshold=0):
+        self.prefill_engine, self.decode_engine = make_engine(), make_engine()
+        self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), GrpcKVSender("prefill-0", token), "prefill-0", token)
+        self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
+                                   local_prefill_threshold=threshold)
+        self.token = token
+
+    async def __aenter__(self):
+        await self.prefill.start()
+        await self.decode.start()
+        self.channel = grpc.aio.insecure_channel(self.decode.address)
+        self.stub = pb_grpc.DecodeServiceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        await self.decode.stop()
+        await self.prefill.stop()
+
+    async def generate(self, rid, prompt, params, prefill=True, token=None):
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params),
+                                 prefill_address=self.prefill.address if prefill is True else (prefill or ""),
+                                 cluster_token=self.token if token is None else token)
+        tokens, last = [], None
+        async for msg in self.stub.Generate(req):
+            tokens += list(msg.token_ids)
+            last = msg
+        return tokens, last
+
+
+def expected(make_engine):
+    eng = make_engine()
+    return [eng.generate([p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
+
+
+def test_disaggregated_equals_single_engine(make_engine):
+    want = expected(make_engine)
+
+    async def main():
+        async with Cluster(make_engine) as c:
+            outs = await asyncio.gather(*(c.generate(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))))
+            stats = await c.stub.Stats(pb.StatsRequest())
+            return outs, stats
+
+    outs, stats = asyncio.run(main())
+    assert [t for t, _ in outs] == want
+    assert all(last.finished and last.finish_reason == "length" and last.prefilled_remotely for _, last in outs)
+    assert stats.remote_prefills == 3 and stats.local_prefills == 0 and stats.free_blocks == stats.num_blocks
+
+
+def test_short_prompts_prefill_locally(make_engine):
+    async def main():
+        async with Cluster(make_engine, threshold=30) as c:
+            _, short = await c.generate("s", PROMPTS[0], PARAMS[0])
+            _, long = await c.generate("l", PROMPTS[1], PARAMS[0])
+            return short, long
+
+    short, long = asyncio.run(main())
+    assert not short.prefilled_remotely and long.prefilled_remotely
+
+
+def test_dead_prefill_worker_recompute_policy_gives_same_tokens(make_engine):
+    want = expected(make_engine)
+
+    async def main():
+        async with Cluster(make_engine) as c:
+            out = await c.generate("r", PROMPTS[1], PARAMS[1], prefill="127.0.0.1:1")
+            return out, await c.stub.Stats(pb.StatsRequest())
+
+    (tokens, last), stats = asyncio.run(main())
+    assert tokens == want[1] and not last.prefilled_remotely
+    assert stats.transfer_failures == 1 and stats.free_blocks == stats.num_blocks
+
+
+def test_dead_prefill_worker_fail_policy_errors_cleanly(make_engine):
+    async def main():
+        async with Cluster(make_engine, policy="fail") as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("r", PROMPTS[1], PARAMS[0], prefill="127.0.0.1:1")
+            return e.value, await c.stub.Stats(pb.StatsRequest())
+
+    err, stats = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "KV hand-off failed" in err.details()
+    assert stats.free_blocks == stats.num_blocks and stats.running == 0
+
+
+def test_client_cancel_frees_blocks(make_engine):
+    async def main():
+        async with Cluster(make_engine) as c:
+            req = pb.GenerateRequest(request_id="c", prompt_token_ids=PROMPTS[2], prefill_address=c.prefill.address,
+                                     params=params_to_proto(SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)))
+            call = c.stub.Generate(req)
+            async for _ in call:
+                break
+            call.cancel()
+            for _ in range(200):
+                stats = await c.stub.Stats(pb.StatsRequest())
+                if stats.running == 0 and stats.free_blocks == stats.num_blocks:
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+    assert asyncio.run(main())
+
+
+def test_bad_requests_and_tokens_are_refused(make_engine):
+    async def main():
+        async with Cluster(make_engine, token="t0k") as c:
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await c.generate("b", [], PARAMS[0])
+            with pytest.raises(grpc.aio.AioRpcError) as unauth:
+                await c.generate("u", PROMPTS[0], PARAMS[0], token="nope")
+            ok, _ = await c.generate("ok", PROMPTS[0], PARAMS[0])
+            return bad.value, unauth.value, ok
+
+    bad, unauth, ok = asyncio.run(main())
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in bad.details()
+    assert unauth.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert len(ok) == 12
