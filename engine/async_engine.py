@@ -94,13 +94,17 @@ class AsyncEngine:
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
+            idle = True
             while not self._stopping:
-                block = not self.engine.has_unfinished_requests()
-                self._drain(block)
+                # nothing ran last time (no requests, or all waiting on remote KV or memory):
+                # only a command can change that, so sleep until one arrives, never spin
+                self._drain(block=idle)
                 if self._stopping:
                     break
+                idle = True
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())
+                    idle = not self.engine.last_step_progress
         except BaseException as e:  # noqa: BLE001 - report to every waiter, then stop
             self.error = e
         finally:

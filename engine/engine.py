@@ -65,6 +65,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, Request] = {}   # finished, blocks kept for export
+        self.last_step_progress = False
         self._hold: set[str] = set()
 
     @classmethod
@@ -132,6 +133,9 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        # False: nothing ran and nothing changed (all waiting on remote KV or on memory), so
+        # stepping again before the next add/abort/import would only spin
+        self.last_step_progress = sched.num_tokens > 0 or bool(sched.preempted)
         if not sched.chunks:
             return []
         completed, logits = self.runner.execute(sched.chunks)

@@ -1,0 +1,201 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions and chat completions, streaming
+(SSE) and not, models, health and Prometheus metrics."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.tokenizer import Tokenizer
+
+from .cluster import ClusterClient
+from .generation import Delta, Generation
+from .metrics import RouterMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Router:
+    def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, model_name: str,
+                 refresh_interval_s: float = 0.5):
+        self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
+        self.refresh_interval_s = refresh_interval_s
+        self.metrics = RouterMetrics()
+
+    # ---- formatting ---------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, d: Delta, offset: int) -> dict:
+        toks = [self._token_text(lp.token_id) for lp in d.logprobs]
+        offsets, pos = [], offset
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": toks, "token_logprobs": [lp.logprob for lp in d.logprobs],
+                "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in d.logprobs],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, d: Delta) -> dict:
+        def entry(t, v):
+            s = self._token_text(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+        return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in d.logprobs]}
+
+    # ---- requests -----------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _encode_prompt(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            p = p[0]
+        ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return ids
+
+    async def completions(self, req: CompletionRequest):
+        req.check_supported()
+        self._check_model(req.model)
+        ids = self._encode_prompt(req)
+        gen = Generation(self.cluster, self.tokenizer, self.metrics, ids,
+                         req.sampling_params(req.max_tokens, req.logprobs), "cmpl")
+        await gen.start()
+        base = {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": self.model_name}
+        want_lp = req.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunk(d: Delta, offset: int) -> dict:
+                return base | {"choices": [{"index": 0, "text": d.text, "finish_reason": None,
+                                            "logprobs": self._completion_logprobs(d, offset) if want_lp else None}]}
+
+            return self._stream(gen, chunk, lambda: base | {"choices": [{"index": 0, "text": "", "logprobs": None,
+                                                                        "finish_reason": gen.finish_reason}]},
+                                base, include_usage)
+        text, lps = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        async for d in gen.deltas():
+            if want_lp:
+                for k, v in self._completion_logprobs(d, len(text)).items():
+                    lps[k] += v
+            text += d.text
+        return base | {"choices": [{"index": 0, "text": text, "logprobs": lps if want_lp else None,
+                                    "finish_reason": gen.finish_reason}], "usage": gen.usage()}
+
+    async def chat(self, req: ChatCompletionRequest):
+        req.check_supported()
+        self._check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        ids = self.tokenizer.encode(prompt)
+        gen = Generation(self.cluster, self.tokenizer, self.metrics, ids,
+                         req.sampling_params(req.max_new_tokens(), req.wanted_logprobs()), "chatcmpl")
+        await gen.start()
+        base = {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": self.model_name}
+        want_lp = req.logprobs
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            sbase = base | {"object": "chat.completion.chunk"}
+            first = [True]
+
+            def chunk(d: Delta, offset: int) -> dict:
+                delta = {"role": "assistant", "content": d.text} if first[0] else {"content": d.text}
+                first[0] = False
+                return sbase | {"choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                             "logprobs": self._chat_logprobs(d) if want_lp else None}]}
+
+            return self._stream(gen, chunk, lambda: sbase | {"choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                                         "finish_reason": gen.finish_reason}]},
+                                sbase, include_usage)
+        text, content_lps = "", []
+        async for d in gen.deltas():
+            text += d.text
+            if want_lp:
+                content_lps += self._chat_logprobs(d)["content"]
+        return base | {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                    "logprobs": {"content": content_lps} if want_lp else None,
+                                    "finish_reason": gen.finish_reason}], "usage": gen.usage()}
+
+    def _stream(self, gen: Generation, chunk, final, base: dict, include_usage: bool) -> StreamingResponse:
+        async def events():
+            offset = 0
+            try:
+                async for d in gen.deltas():
+                    yield _sse(chunk(d, offset))
+                    offset += len(d.text)
+                yield _sse(final())
+                if include_usage:
+                    yield _sse(base | {"choices": [], "usage": gen.usage()})
+            except APIError as e:  # after the first byte the status is sent: report in-band
+                yield _sse(e.body())
+            finally:
+                await gen.close()
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def refresher():
+            while True:
+                await router.cluster.refresh()
+                await asyncio.sleep(router.refresh_interval_s)
+        task = asyncio.create_task(refresher())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await router.cluster.close()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        err = validation_error(e.errors())
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await router.completions(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        return await router.chat(req)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": router.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "pdserve"}]}
+
+    @app.get("/health")
+    async def health():
+        if router.cluster.ready():
+            return {"status": "ok", "workers": len(router.cluster.workers)}
+        return JSONResponse({"status": "unavailable", "workers": len(router.cluster.workers)}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        router.metrics.observe_workers(router.cluster.stats)
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,125 @@
+"""The router's view of the cluster: workers, their loads, the prefix index, gRPC clients.
+
+Workers come from the registry (or a static list); `refresh()` polls each one's `Stats` and
+marks those that do not answer unhealthy, so routing skips them at once.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from engine.block_hash import hash_blocks
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc as pb_grpc
+from protos.convert import params_to_proto
+
+from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy
+from .prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    worker_id: str
+    role: str        # "prefill" | "decode" | "aggregated"
+    address: str     # gRPC service address
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: WorkerEndpoint
+    prefill: WorkerEndpoint | None
+    cached_tokens: int
+
+
+class ClusterClient:
+    def __init__(self, policy: str = "prefix_aware", block_size: int = 16, namespace: str = "",
+                 cluster_token: str = "", stats_timeout_s: float = 2.0):
+        self.index = PrefixIndex()
+        self.policy = make_policy(policy, self.index)
+        self.block_size, self.namespace = block_size, namespace
+        self.cluster_token = cluster_token
+        self.stats_timeout_s = stats_timeout_s
+        self.workers: dict[str, WorkerEndpoint] = {}
+        self.stats: dict[str, pb.WorkerStats] = {}
+        self.healthy: dict[str, bool] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # ---- membership ---------------------------------------------------------------------
+    def set_workers(self, workers: list[WorkerEndpoint]) -> None:
+        new = {w.worker_id: w for w in workers}
+        for wid in set(self.workers) - set(new):
+            self.index.remove_worker(wid)
+            self.stats.pop(wid, None)
+            self.healthy.pop(wid, None)
+        self.workers = new
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    def _stub(self, w: WorkerEndpoint):
+        ch = self._channel(w.address)
+        return pb_grpc.PrefillServiceStub(ch) if w.role == "prefill" else pb_grpc.DecodeServiceStub(ch)
+
+    async def refresh(self) -> None:
+        """Poll every worker's stats; a worker that does not answer is unhealthy."""
+        async def one(w: WorkerEndpoint):
+            try:
+                self.stats[w.worker_id] = await self._stub(w).Stats(pb.StatsRequest(), timeout=self.stats_timeout_s)
+                self.healthy[w.worker_id] = True
+            except grpc.aio.AioRpcError:
+                self.healthy[w.worker_id] = False
+        await asyncio.gather(*(one(w) for w in list(self.workers.values())))
+
+    def ready(self) -> bool:
+        """True when at least one decode-capable worker answers (and a prefill worker, if the
+        cluster has a prefill pool)."""
+        roles = {w.role for w in self.workers.values() if self.healthy.get(w.worker_id)}
+        has_prefill_pool = any(w.role == "prefill" for w in self.workers.values())
+        return bool(roles & {"decode", "aggregated"}) and ("prefill" in roles or not has_prefill_pool)
+
+    def _loads(self, roles: set[str]) -> list[WorkerLoad]:
+        out = []
+        for w in self.workers.values():
+            if w.role not in roles:
+                continue
+            s = self.stats.get(w.worker_id)
+            out.append(WorkerLoad(w.worker_id, s.queued_prefill_tokens if s else 0, s.running if s else 0,
+                                  s.kv_usage if s else 0.0, self.healthy.get(w.worker_id, False)))
+        return out
+
+    # ---- routing ------------------------------------------------------------------------
+    def route(self, prompt: list[int]) -> Route:
+        decode_id = self.policy.pick_decode(self._loads({"decode", "aggregated"}))
+        prefill: PrefillChoice | None = None
+        try:
+            hashes = hash_blocks(prompt, self.block_size, self.namespace)
+            prefill = self.policy.pick_prefill(self._loads({"prefill"}), hashes, len(prompt), self.block_size)
+        except NoWorkerError:
+            pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
+        return Route(self.workers[decode_id], self.workers[prefill.worker_id] if prefill else None,
+                     prefill.cached_tokens if prefill else 0)
+
+    async def generate(self, route: Route, request_id: str, prompt: list[int], params) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream a request's outputs from its decode worker; closing the iterator early
+        cancels the call, which aborts the request on the worker."""
+        req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params),
+                                 prefill_address=route.prefill.address if route.prefill else "",
+                                 prefill_worker_id=route.prefill.worker_id if route.prefill else "",
+                                 cluster_token=self.cluster_token)
+        call = self._stub(route.decode).Generate(req)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()

@@ -1,0 +1,138 @@
+"""One request through the cluster, as the router sees it: route, stream token ids from the
+decode worker, detokenize incrementally, apply stop strings, record latencies.
+
+`start()` waits for the first token before anything is sent to the client, so that errors
+raised before it (bad request, no worker, failed hand-off) still become proper HTTP errors.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from protos.convert import logprob_from_proto
+
+from .cluster import ClusterClient
+from .metrics import RouterMetrics
+from .policies import NoWorkerError
+from .protocol import APIError
+
+_GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 500,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+
+def api_error_from_grpc(e: grpc.aio.AioRpcError) -> APIError:
+    status = _GRPC_TO_HTTP.get(e.code(), 503)
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return APIError(status, e.details() or e.code().name, kind)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class Generation:
+    def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, metrics: RouterMetrics,
+                 prompt: list[int], params: SamplingParams, prefix: str = "cmpl"):
+        self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
+        self.prompt, self.params = prompt, params
+        self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop)
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.t_arrival = time.perf_counter()
+        self._stream = None
+        self._first = None
+        self._t_last = 0.0
+        self.ttft = 0.0
+
+    async def start(self) -> None:
+        try:
+            route = self.cluster.route(self.prompt)
+        except NoWorkerError as e:
+            raise APIError(503, str(e), "server_error", code="no_worker") from e
+        self.metrics.queue.observe(time.perf_counter() - self.t_arrival)
+        self._stream = self.cluster.generate(route, self.request_id, self.prompt, self._worker_params())
+        try:
+            self._first = await anext(self._stream)
+        except StopAsyncIteration as e:
+            raise APIError(503, "the decode worker ended the request without output", "server_error") from e
+        except grpc.aio.AioRpcError as e:
+            await self.close()
+            raise api_error_from_grpc(e) from e
+        self._t_last = time.perf_counter()
+        self.ttft = self._t_last - self.t_arrival
+        self.metrics.ttft.observe(self.ttft)
+        self.metrics.prompt_tokens.inc(len(self.prompt))
+
+    def _worker_params(self) -> SamplingParams:
+        # stop strings are applied here, on text; workers only see token-level stops
+        return replace(self.params, stop=[])
+
+    async def deltas(self):
+        """Yield `Delta`s until the request finishes; then `finish_reason` is set."""
+        msg = self._first
+        try:
+            while msg is not None:
+                delta = self._consume(msg)
+                if delta.text or delta.token_ids:
+                    yield delta
+                if self.finish_reason is not None:
+                    break
+                try:
+                    msg = await anext(self._stream)
+                except StopAsyncIteration:
+                    self.finish_reason = self.finish_reason or "abort"
+                    break
+                now = time.perf_counter()
+                self.metrics.itl.observe(now - self._t_last)
+                self._t_last = now
+        except grpc.aio.AioRpcError as e:
+            self.finish_reason = "error"
+            raise api_error_from_grpc(e) from e
+        finally:
+            await self.close()
+            self._record()
+
+    def _consume(self, msg) -> Delta:
+        ids = list(msg.token_ids)
+        self.completion_tokens += len(ids)
+        self.cached_tokens = max(self.cached_tokens, msg.num_cached_tokens)
+        text = self.detok.push(ids)
+        if self.detok.stopped_on is not None:
+            self.finish_reason = "stop"  # closing the stream cancels the request on the worker
+        elif msg.finished:
+            text += self.detok.flush()
+            self.finish_reason = msg.finish_reason or "stop"
+        return Delta(text, ids, [logprob_from_proto(lp) for lp in msg.logprobs])
+
+    def _record(self) -> None:
+        e2e = time.perf_counter() - self.t_arrival
+        self.metrics.e2e.observe(e2e)
+        self.metrics.generation_tokens.inc(self.completion_tokens)
+        if self.completion_tokens > 1:
+            self.metrics.tpot.observe((e2e - self.ttft) / (self.completion_tokens - 1))
+        self.metrics.requests.labels(self.finish_reason or "error").inc()
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.aclose()
+
+    def usage(self) -> dict:
+        u = {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,
+             "total_tokens": len(self.prompt) + self.completion_tokens}
+        if self.cached_tokens:
+            u["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return u

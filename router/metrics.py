@@ -1,0 +1,40 @@
+"""Prometheus metrics of one router (its own registry: no process-wide state)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed tokens", registry=r, buckets=_LATENCY)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the first",
+                              registry=r, buckets=_LATENCY)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request latency", registry=r, buckets=_LATENCY)
+        self.queue = Histogram("pdserve_request_queue_seconds", "Time from arrival to being routed", registry=r,
+                               buckets=_LATENCY)
+        self.requests = Counter("pdserve_requests", "Requests by status", ["status"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
+        self.kv_usage = Gauge("pdserve_kv_usage_ratio", "KV blocks in use", ["worker", "role"], registry=r)
+        self.prefix_queries = Gauge("pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+                                    ["worker", "role"], registry=r)
+        self.prefix_hits = Gauge("pdserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
+                                 ["worker", "role"], registry=r)
+        self.running = Gauge("pdserve_running_requests", "Requests running on a worker", ["worker", "role"], registry=r)
+        self.waiting = Gauge("pdserve_waiting_requests", "Requests queued on a worker", ["worker", "role"], registry=r)
+
+    def observe_workers(self, stats: dict) -> None:
+        for wid, s in stats.items():
+            labels = (wid, s.role)
+            self.kv_usage.labels(*labels).set(s.kv_usage)
+            self.prefix_queries.labels(*labels).set(s.prefix_queries)
+            self.prefix_hits.labels(*labels).set(s.prefix_hits)
+            self.running.labels(*labels).set(s.running)
+            self.waiting.labels(*labels).set(s.waiting)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

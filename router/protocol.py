@@ -1,0 +1,154 @@
+"""OpenAI request models, their validation, and OpenAI-style errors.
+
+Unknown fields are refused by name (a silently ignored parameter is a wrong answer served
+as success); out-of-range values are refused by the engine's own `SamplingParams.validate`
+so that the router and the workers agree on what is valid.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error the API returns as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # extensions that vLLM and SGLang also accept
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        p = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                           min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
+                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                           stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids),
+                           ignore_eos=self.ignore_eos, logprobs=logprobs)
+        try:
+            p.validate()
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        return p
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported yet", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported", param="best_of")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise APIError(400, f"logprobs must be in [0, 5], got {self.logprobs}", param="logprobs")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise APIError(400, f"content part type {part.get('type')!r} is not supported (text only)",
+                               param="messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise APIError(400, "messages must contain at least one message", param="messages")
+        if self.tools:
+            raise APIError(400, "tools are not supported yet", param="tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format other than text is not supported yet", param="response_format")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """Turn pydantic's errors into one OpenAI-style error naming the first bad field."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if e.get("type") == "extra_forbidden":
+        return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {e.get('msg')}", code="invalid_json")
+    return APIError(400, f"{param}: {e.get('msg')}", param=param)

@@ -1,0 +1,158 @@
+"""End to end through HTTP with the official openai client: a prefill worker, a decode
+worker and the router on loopback, the real default model. Disaggregated greedy output
+equals the engine's own, token for token."""
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+
+from deploy.local import LocalCluster, LocalClusterConfig
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm):
+    loaded, tok = smollm
+    cfg = LocalClusterConfig(model_name=MODEL, engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)))
+    c = LocalCluster(loaded, tok, cfg).start()
+    yield c
+    c.stop()
+    for eng in c.engines():
+        assert eng.blocks.num_used_blocks == 0 and not eng.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm):
+    loaded, tok = smollm
+    eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)), tok)
+
+    def run(ids, max_tokens):
+        return eng.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+    return run
+
+
+@pytest.fixture
+def client(cluster):
+    from openai import OpenAI
+    return OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat_ids(tok, content):
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]))
+
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain.",
+             "What is 12 times 12?"]
+
+
+def test_chat_greedy_equals_engine(client, smollm, reference):
+    tok = smollm[1]
+    for q in QUESTIONS[:2]:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                           max_tokens=40, temperature=0)
+        ref = reference(chat_ids(tok, q), 40)
+        assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(ref)
+        assert r.usage.prompt_tokens == len(chat_ids(tok, q))
+        assert r.choices[0].finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
+
+
+def test_concurrent_requests_each_equal_engine(client, smollm, reference):
+    tok = smollm[1]
+
+    def ask(q):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                              max_tokens=24, temperature=0).choices[0].message.content
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ask, QUESTIONS))
+    assert got == [tok.decode(reference(chat_ids(tok, q), 24), skip_special_tokens=True) for q in QUESTIONS]
+
+
+def test_streaming_equals_non_streaming(client):
+    kw = dict(model=MODEL, prompt="The three laws of robotics are", max_tokens=30, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                               max_tokens=10, temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings_and_seeded_sampling(client):
+    base = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0).choices[0].text
+    assert " 5" in base
+    cut = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0, stop=[" 5"])
+    assert cut.choices[0].text == base[:base.index(" 5")] and cut.choices[0].finish_reason == "stop"
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.9, seed=42)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say yes."}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.tokens) == 4 and len(c.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "nope", "prompt": "hi"}, 404, "model"),
+    ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [99999999]}, 400, None),
+    ({"model": MODEL, "prompt": "hi " * 9000}, 400, None),
+    ({"model": MODEL}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors(cluster, body, status, param):
+    r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and (param is None or err["param"] == param)
+
+
+def test_invalid_json_and_chat_errors(cluster):
+    r = httpx.post(cluster.url + "/v1/chat/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(cluster.url + "/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(cluster.url + "/v1/chat/completions", timeout=10,
+                   json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400
+
+
+def test_health_models_metrics(cluster, client):
+    assert httpx.get(cluster.url + "/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    client.completions.create(model=MODEL, prompt="Metrics test", max_tokens=3, temperature=0)
+    text = httpx.get(cluster.url + "/metrics").text
+    for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_inter_token_latency_seconds_bucket",
+                 "pdserve_time_per_output_token_seconds", "pdserve_e2e_request_latency_seconds",
+                 "pdserve_request_queue_seconds", 'pdserve_requests_total{status="length"}',
+                 'pdserve_kv_usage_ratio{role="decode",worker="decode-0"}', "pdserve_prefix_cache_hits_tokens"):
+        assert name in text, name
+    assert "pdserve_time_to_first_token_seconds_count 0.0" not in text
+
+
+def test_disaggregation_really_happened(cluster):
+    stats = cluster.run(cluster.router.cluster.refresh())
+    s = cluster.router.cluster.stats
+    assert s["decode-0"].remote_prefills > 0 and s["prefill-0"].remote_prefills == s["decode-0"].remote_prefills
+    assert stats is None
