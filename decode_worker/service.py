@@ -20,7 +20,7 @@ from kv_transfer.grpc_transport import GrpcKVServer
 from kv_transfer.receiver import KVReceiver
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import logprob_from_proto, output_to_proto, params_from_proto, params_to_proto, worker_stats
+from protos.convert import logprob_from_proto, output_to_proto, params_from_proto, params_to_proto, worker_stats, block_snapshot
 
 TRANSFER_POLICIES = ("recompute", "fail")
 
@@ -49,6 +49,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.w.receiver.cancel(request.request_id)
         found = await self.w.engine.run(lambda e: e.abort(request.request_id))
         return pb.AbortReply(found=found)
+
+    async def CachedBlocks(self, request, context):
+        return await self.w.engine.run(block_snapshot)
 
     async def Stats(self, request, context):
         w = self.w

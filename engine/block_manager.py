@@ -166,6 +166,11 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[bid] = None
 
+    def snapshot(self) -> tuple[list[int], int]:
+        """Hashes of every cached block and the number of the last event emitted: the
+        state a prefix index resyncs to."""
+        return list(self._cached), self._event_seq
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; only possible when no block is in use."""
         if self.num_used_blocks:

@@ -17,7 +17,7 @@ from engine.errors import InvalidRequestError, KVTransferError
 from kv_transfer.base import KVSender
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import logprob_to_proto, params_from_proto, worker_stats
+from protos.convert import logprob_to_proto, params_from_proto, worker_stats, block_snapshot
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -56,6 +56,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         await self.w.check_token(request.cluster_token, context)
         found = await self.w.engine.run(lambda e: e.abort(request.request_id))
         return pb.AbortReply(found=found)
+
+    async def CachedBlocks(self, request, context):
+        return await self.w.engine.run(block_snapshot)
 
     async def Stats(self, request, context):
         w = self.w

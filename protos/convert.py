@@ -61,3 +61,9 @@ def worker_stats(engine: LLMEngine, worker_id: str, role: str, **counters) -> pb
                           free_blocks=blocks.num_free_blocks, running=len(sched.running), waiting=len(sched.waiting),
                           queued_prefill_tokens=queued, kv_usage=blocks.usage, prefix_queries=blocks.prefix_queries,
                           prefix_hits=blocks.prefix_hits, **counters)
+
+
+def block_snapshot(engine: LLMEngine) -> pb.BlockSnapshot:
+    """Run on the engine thread, so the hashes and the event number agree."""
+    hashes, seq = engine.blocks.snapshot()
+    return pb.BlockSnapshot(block_hashes=hashes, seq=seq)

@@ -130,6 +130,14 @@ class WorkerStats(_message.Message):
     transfer_failures: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ...) -> None: ...
 
+class BlockSnapshot(_message.Message):
+    __slots__ = ("block_hashes", "seq")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    seq: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "kv_address", "dest_block_ids", "timeout_s", "cluster_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class DecodeServiceStub:
                 request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.CachedBlocks = channel.unary_unary(
+                '/pdserve.worker.DecodeService/CachedBlocks',
+                request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.BlockSnapshot.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -72,6 +77,12 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CachedBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'CachedBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CachedBlocks,
+                    request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.BlockSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +198,33 @@ class DecodeService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def CachedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.DecodeService/CachedBlocks',
+            protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            protos_dot_worker__pb2.BlockSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -207,6 +250,11 @@ class PrefillServiceStub:
                 request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.CachedBlocks = channel.unary_unary(
+                '/pdserve.worker.PrefillService/CachedBlocks',
+                request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.BlockSnapshot.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -230,6 +278,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CachedBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +301,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'CachedBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CachedBlocks,
+                    request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.BlockSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -330,6 +389,33 @@ class PrefillService:
             '/pdserve.worker.PrefillService/Stats',
             protos_dot_worker__pb2.StatsRequest.SerializeToString,
             protos_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CachedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.PrefillService/CachedBlocks',
+            protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            protos_dot_worker__pb2.BlockSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

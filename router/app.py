@@ -25,8 +25,11 @@ def _sse(obj) -> str:
 
 class Router:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, model_name: str,
-                 refresh_interval_s: float = 0.5):
+                 refresh_interval_s: float = 0.5, discovery=None):
+        """discovery: a RegistryDiscovery that keeps `cluster` in step with Redis (None:
+        the worker list is static)."""
         self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
+        self.discovery = discovery
         self.refresh_interval_s = refresh_interval_s
         self.metrics = RouterMetrics()
 
@@ -152,6 +155,8 @@ def create_app(router: Router) -> FastAPI:
     async def lifespan(app: FastAPI):
         async def refresher():
             while True:
+                if router.discovery is not None:
+                    await router.discovery.sync()
                 await router.cluster.refresh()
                 await asyncio.sleep(router.refresh_interval_s)
         task = asyncio.create_task(refresher())
@@ -162,6 +167,8 @@ def create_app(router: Router) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await router.cluster.close()
+            if router.discovery is not None:
+                await router.discovery.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
 

@@ -1,0 +1,69 @@
+"""Starts one worker (prefill, decode or aggregated) with everything around it: its engine
+thread, gRPC services, KV events to Redis and its registry heartbeat. The same code runs in
+a Ray actor (deploy/launch.py) and in the in-process cluster (deploy/local.py)."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from decode_worker.service import DecodeWorker
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.tokenizer import Tokenizer
+from engine.weights import LoadedModel
+from kv_transfer.grpc_transport import GrpcKVSender
+from prefill_worker.service import PrefillWorker
+
+from .registry import EventPublisher, WorkerRecord, WorkerRegistration
+
+
+@dataclass
+class WorkerSpec:
+    role: str                      # "prefill" | "decode" | "aggregated"
+    worker_id: str
+    cluster: str = "default"
+    redis_url: str = ""            # "" : no registry, no events (static wiring)
+    cluster_token: str = ""
+    host: str = "127.0.0.1"
+    transfer_policy: str = "recompute"
+    local_prefill_threshold: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+class HostedWorker:
+    def __init__(self, spec: WorkerSpec, loaded: LoadedModel, tokenizer: Tokenizer):
+        self.spec = spec
+        self.publisher = EventPublisher(spec.redis_url, spec.cluster, spec.worker_id) if spec.redis_url else None
+        engine = AsyncEngine(LLMEngine(loaded, spec.engine, tokenizer, self.publisher))
+        if spec.role == "prefill":
+            self.worker = PrefillWorker(engine, GrpcKVSender(spec.worker_id, spec.cluster_token), spec.worker_id,
+                                        spec.cluster_token)
+        else:  # decode, or aggregated: a decode worker that always prefills itself
+            self.worker = DecodeWorker(engine, spec.worker_id, spec.cluster_token, spec.transfer_policy,
+                                       local_prefill_threshold=spec.local_prefill_threshold)
+        self.registration: WorkerRegistration | None = None
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.worker.engine.engine
+
+    async def start(self) -> WorkerRecord:
+        s = self.spec
+        address = await self.worker.start(s.host)
+        record = WorkerRecord(s.worker_id, s.role, address, getattr(self.worker, "kv_address", ""), uuid.uuid4().hex)
+        if self.publisher is not None:
+            await self.publisher.reset_stream()
+            self.publisher.start()
+            self.registration = WorkerRegistration(s.redis_url, s.cluster, record)
+            await self.registration.beat()
+            self.registration.start()
+        self.record = record
+        return record
+
+    async def stop(self) -> None:
+        if self.registration is not None:
+            await self.registration.stop()
+        await self.worker.stop()
+        if self.publisher is not None:
+            await self.publisher.stop()
