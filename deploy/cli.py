@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    u = sub.add_parser("up", help="start the cluster (Redis, Ray pools, router) behind an OpenAI endpoint")
+    from .up import add_up_args
+    add_up_args(u)
+    add_engine_args(u)
     b = sub.add_parser("bench-engine", help="engine throughput vs a transformers baseline; writes JSON")
     from .bench_engine import add_bench_args
     add_bench_args(b)

@@ -156,3 +156,22 @@ def test_disaggregation_really_happened(cluster):
     s = cluster.router.cluster.stats
     assert s["decode-0"].remote_prefills > 0 and s["prefill-0"].remote_prefills == s["decode-0"].remote_prefills
     assert stats is None
+
+
+def test_aggregated_mode_equals_engine(smollm, reference):
+    loaded, tok = smollm
+    cfg = LocalClusterConfig(mode="aggregated", model_name=MODEL,
+                             engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)))
+    c = LocalCluster(loaded, tok, cfg).start()
+    try:
+        r = httpx.post(c.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(reference(chat_ids(tok, QUESTIONS[0]), 24),
+                                                                          skip_special_tokens=True)
+        c.run(c.router.cluster.refresh())
+        s = c.router.cluster.stats["aggregated-0"]
+        assert s.local_prefills == 1 and s.remote_prefills == 0
+    finally:
+        c.stop()
+    assert all(e.blocks.num_used_blocks == 0 for e in c.engines())
