@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from .up import add_up_args
     add_up_args(u)
     add_engine_args(u)
+    bc = sub.add_parser("bench-cluster", help="disaggregated vs aggregated under a mixed workload; KV transfer GB/s")
+    from .bench_cluster import add_bench_cluster_args
+    add_bench_cluster_args(bc)
     b = sub.add_parser("bench-engine", help="engine throughput vs a transformers baseline; writes JSON")
     from .bench_engine import add_bench_args
     add_bench_args(b)

@@ -2,7 +2,7 @@
 a contiguous `(layers, 2, n_blocks, block_size, n_kv_heads, head_dim)` tensor) in chunks."""
 from __future__ import annotations
 
-import hashlib
+import zlib
 from typing import Iterator
 
 import torch
@@ -14,7 +14,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def checksum(payload: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+    """CRC-32 of the payload: catches corruption and truncation in transit at ~4 GB/s here
+    (blake2b took 4x longer and made the checksum a third of a 1k-token hand-off). It is
+    not an authenticator: the cluster token and TLS protect against forged pushes."""
+    return zlib.crc32(payload).to_bytes(4, "big")
 
 
 def tensor_bytes(kv: torch.Tensor) -> memoryview:
