@@ -175,3 +175,23 @@ def test_aggregated_mode_equals_engine(smollm, reference):
     finally:
         c.stop()
     assert all(e.blocks.num_used_blocks == 0 for e in c.engines())
+
+
+def test_client_disconnect_aborts_everywhere(cluster):
+    """A client that goes away mid-stream: the request is aborted on every worker and its
+    blocks are freed within a second."""
+    import time
+
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon. " * 8, "max_tokens": 500,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", cluster.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # first token seen: hang up
+    deadline = time.time() + 1.0
+    while time.time() < deadline:
+        if all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines()):
+            break
+        time.sleep(0.02)
+    assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines())

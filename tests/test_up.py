@@ -72,6 +72,16 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
         assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert 'role="prefill"' in metrics and 'role="decode"' in metrics
+        deadline = time.time() + 5  # every KV block back in its pool, in both actor processes
+        while time.time() < deadline:
+            usage = [line for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
+                     if line.startswith("pdserve_kv_usage_ratio{")]
+            running = [line for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
+                       if line.startswith("pdserve_running_requests{")]
+            if len(usage) == 2 and all(line.endswith(" 0.0") for line in usage + running):
+                break
+            time.sleep(0.3)
+        assert len(usage) == 2 and all(line.endswith(" 0.0") for line in usage + running), usage + running
     finally:
         proc.send_signal(signal.SIGINT)
         try:
