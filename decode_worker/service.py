@@ -8,8 +8,6 @@ the prompt is prefilled here instead. Every exit path releases the request's blo
 """
 from __future__ import annotations
 
-import asyncio
-import hmac
 import itertools
 
 import grpc
@@ -20,7 +18,8 @@ from kv_transfer.grpc_transport import GrpcKVServer
 from kv_transfer.receiver import KVReceiver
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import logprob_from_proto, output_to_proto, params_from_proto, params_to_proto, worker_stats, block_snapshot
+from protos.convert import (block_snapshot, check_cluster_token, logprob_from_proto, output_to_proto,
+                            params_from_proto, params_to_proto, worker_stats)
 
 TRANSFER_POLICIES = ("recompute", "fail")
 
@@ -87,8 +86,7 @@ class DecodeWorker:
         self.address = self.kv_address = ""
 
     async def check_token(self, token: str, context) -> None:
-        if not hmac.compare_digest(token.encode(), self.cluster_token.encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+        await check_cluster_token(self.cluster_token, token, context)
 
     # ---- admission ------------------------------------------------------------------------
     async def admit(self, rid: str, prompt: list[int], params, prefill_address: str, context) -> bool:

@@ -7,7 +7,6 @@ blocks, then frees its own copy (the full blocks stay in its prefix cache for la
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import itertools
 
 import grpc
@@ -17,7 +16,7 @@ from engine.errors import InvalidRequestError, KVTransferError
 from kv_transfer.base import KVSender
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import logprob_to_proto, params_from_proto, worker_stats, block_snapshot
+from protos.convert import block_snapshot, check_cluster_token, logprob_to_proto, params_from_proto, worker_stats
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -84,8 +83,7 @@ class PrefillWorker:
         self.address = ""
 
     async def check_token(self, token: str, context) -> None:
-        if not hmac.compare_digest(token.encode(), self.cluster_token.encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+        await check_cluster_token(self.cluster_token, token, context)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self.engine.start()

@@ -2,6 +2,10 @@
 that every process agrees on one mapping)."""
 from __future__ import annotations
 
+import hmac
+
+import grpc
+
 from engine.engine import LLMEngine, RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -67,3 +71,9 @@ def block_snapshot(engine: LLMEngine) -> pb.BlockSnapshot:
     """Run on the engine thread, so the hashes and the event number agree."""
     hashes, seq = engine.blocks.snapshot()
     return pb.BlockSnapshot(block_hashes=hashes, seq=seq)
+
+
+async def check_cluster_token(expected: str, given: str, context) -> None:
+    """Abort the RPC unless `given` is the cluster token (constant-time compare)."""
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")

@@ -58,14 +58,18 @@ def test_grpc_delivers_random_blocks_bit_exact(n_blocks):
     assert rx.pending() == []
 
 
-def test_corrupted_chunk_is_refused():
-    rx = KVReceiver(FP, LAYOUT)
-    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
-    kv = random_kv(3)
+def prepared_chunks(kv, chunk_bytes=4096):
+    """A valid push of `kv` for lease ("r1", blocks [3, 4, 5], 40 tokens), as chunks to tamper with."""
     payload = tensor_bytes(kv)
     header = make_header("r1", kv, sender_id="p", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
                          num_tokens=40, first_token=7, payload=payload)
-    chunks = list(iter_chunks(header, payload, chunk_bytes=4096))
+    return list(iter_chunks(header, payload, chunk_bytes))
+
+
+def test_corrupted_chunk_is_refused():
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    chunks = prepared_chunks(random_kv(3))
     bad = bytearray(chunks[2].data)
     bad[100] ^= 0xFF
     chunks[2].data = bytes(bad)
@@ -77,11 +81,7 @@ def test_corrupted_chunk_is_refused():
 def test_truncated_and_oversized_pushes_are_refused():
     rx = KVReceiver(FP, LAYOUT)
     rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
-    kv = random_kv(3)
-    payload = tensor_bytes(kv)
-    header = make_header("r1", kv, sender_id="p", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
-                         num_tokens=40, first_token=7, payload=payload)
-    chunks = list(iter_chunks(header, payload, chunk_bytes=4096))
+    chunks = prepared_chunks(random_kv(3))
     with pytest.raises(KVTransferError, match="truncated"):
         with_grpc(lambda s, a: s.push_chunks(a, iter(chunks[:-1]), 10.0), rx)
     with pytest.raises(KVTransferError, match="more than"):
@@ -151,12 +151,8 @@ def test_unreachable_receiver_and_timeout_fail_cleanly():
             yield c
             await asyncio.sleep(0.5)
 
-    kv = random_kv(3)
-    payload = tensor_bytes(kv)
-    header = make_header("r1", kv, sender_id="p", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
-                         num_tokens=40, first_token=7, payload=payload)
     with pytest.raises(KVTransferError, match="timed out after 0.5s"):
-        with_grpc(lambda s, a: s.push_chunks(a, slow_chunks(list(iter_chunks(header, payload, 4096))), 0.5), rx)
+        with_grpc(lambda s, a: s.push_chunks(a, slow_chunks(prepared_chunks(random_kv(3))), 0.5), rx)
     assert rx.take_ready() == []
 
 

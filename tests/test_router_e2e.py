@@ -2,7 +2,6 @@
 worker and the router on loopback, the real default model. Disaggregated greedy output
 equals the engine's own, token for token."""
 import concurrent.futures
-import json
 
 import httpx
 import pytest
