@@ -8,6 +8,7 @@ the prompt is prefilled here instead. Every exit path releases the request's blo
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import grpc
@@ -83,6 +84,7 @@ class DecodeWorker:
         self._server: grpc.aio.Server | None = None
         self._prefill_stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
+        self._reaper: asyncio.Task | None = None
         self.address = self.kv_address = ""
 
     async def check_token(self, token: str, context) -> None:
@@ -142,9 +144,19 @@ class DecodeWorker:
             stub = self._prefill_stubs[address] = pb_grpc.PrefillServiceStub(ch)
         return stub
 
+    async def _reap_expired_leases(self, interval_s: float = 1.0) -> None:
+        """Safety net: a lease past its deadline frees its blocks even if the request's own
+        handler is stuck (its RPC timeout normally gets there first)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for rid in self.receiver.expired():
+                self.transfer_failures += 1
+                await self.engine.run(lambda e, rid=rid: e.abort(rid))
+
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, kv_port: int = 0) -> str:
         self.engine.start()
+        self._reaper = asyncio.ensure_future(self._reap_expired_leases())
         self._kv_server = GrpcKVServer(self.receiver, host, kv_port)
         self.kv_address = await self._kv_server.start()
         self._server = grpc.aio.server()
@@ -155,6 +167,9 @@ class DecodeWorker:
         return self.address
 
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         for server in (self._server, self._kv_server):
             if server is not None:
                 await server.stop(1.0)

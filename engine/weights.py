@@ -166,9 +166,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
+def content_fingerprint(files: list[Path]) -> str:
+    """The model's identity for KV transfers: a hash of each file's size and first and last
+    4 MiB (headers, metadata and boundary tensors), so two hosts with the same weights agree
+    wherever the files live, and reading it costs milliseconds."""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(size.to_bytes(8, "little"))
+        with open(f, "rb") as fh:
+            h.update(fh.read(4 << 20))
+            if size > 8 << 20:
+                fh.seek(-(4 << 20), os.SEEK_END)
+                h.update(fh.read())
+    return h.hexdigest()[:24]
+
+
 def file_fingerprint(path: Path) -> str:
-    """Identifies a model file's version cheaply (path, size, mtime): used as the conversion
-    cache key and as the model fingerprint that KV transfers check."""
+    """Identifies a model file's version on this host cheaply (path, size, mtime): the key
+    of the conversion cache."""
     st = path.stat()
     key = f"{_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     return hashlib.sha256(key.encode()).hexdigest()[:24]
@@ -181,12 +197,11 @@ def load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, s
 
     if path.is_dir():
         state, cfg = read_hf_state_dict(path)
-        fp = hashlib.sha256("|".join(file_fingerprint(f) for f in sorted(path.glob("*.safetensors"))).encode()).hexdigest()[:24]
-        return state, cfg, fp
+        return state, cfg, content_fingerprint(sorted(path.glob("*.safetensors")))
     if path.suffix != ".gguf":
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face directory")
-    fp = file_fingerprint(path)
-    cached = cache_dir() / f"{path.stem}-{fp}.safetensors"
+    fp = content_fingerprint([path])
+    cached = cache_dir() / f"{path.stem}-{file_fingerprint(path)}.safetensors"
     if cached.exists():
         try:
             from safetensors import safe_open

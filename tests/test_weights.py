@@ -154,3 +154,14 @@ def test_bad_paths(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json"):
         load_model(tmp_path / "empty")
+
+
+def test_fingerprint_follows_content_not_location(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny_config()
+    write_gguf(tmp_path / "a.gguf", cfg, tiny_state_dict(cfg, seed=1))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.gguf").write_bytes((tmp_path / "a.gguf").read_bytes())
+    write_gguf(tmp_path / "c.gguf", cfg, tiny_state_dict(cfg, seed=2))
+    a, b, c = (load_model(p).fingerprint for p in (tmp_path / "a.gguf", tmp_path / "elsewhere" / "b.gguf", tmp_path / "c.gguf"))
+    assert a == b != c

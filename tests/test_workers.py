@@ -141,3 +141,29 @@ def test_bad_requests_and_tokens_are_refused(make_engine):
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in bad.details()
     assert unauth.code() == grpc.StatusCode.UNAUTHENTICATED
     assert len(ok) == 12
+
+
+class _HangingPrefill(pb_grpc.PrefillServiceServicer):
+    async def Prefill(self, request, context):
+        await asyncio.sleep(30)  # never answers in time, never pushes KV
+
+
+def test_hanging_prefill_worker_times_out_and_recomputes(make_engine):
+    want = expected(make_engine)
+
+    async def main():
+        server = grpc.aio.server()
+        pb_grpc.add_PrefillServiceServicer_to_server(_HangingPrefill(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with Cluster(make_engine) as c:
+                c.decode.transfer_timeout_s = 0.5
+                out = await c.generate("h", PROMPTS[1], PARAMS[1], prefill=f"127.0.0.1:{port}")
+                return out, await c.stub.Stats(pb.StatsRequest()), c.decode.receiver.pending()
+        finally:
+            await server.stop(0)
+
+    (tokens, last), stats, pending = asyncio.run(main())
+    assert tokens == want[1] and not last.prefilled_remotely
+    assert stats.transfer_failures >= 1 and pending == [] and stats.free_blocks == stats.num_blocks
