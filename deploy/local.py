@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from engine.weights import LoadedModel
-from router.app import Router, create_app
+from router.app import Router, RouterConfig, create_app
 from router.cluster import ClusterClient, WorkerEndpoint
 from router.discovery import RegistryDiscovery
 
@@ -35,6 +35,7 @@ class LocalClusterConfig:
     transfer_policy: str = "recompute"
     local_prefill_threshold: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 class LocalCluster:
@@ -69,7 +70,8 @@ class LocalCluster:
         else:
             cluster.set_workers([WorkerEndpoint(w.record.worker_id, w.record.role, w.record.address)
                                  for w in self.workers])
-        self.router = Router(cluster, self.tokenizer, c.model_name, refresh_interval_s=0.1, discovery=discovery)
+        self.router = Router(cluster, self.tokenizer, replace(c.router, model_name=c.model_name, refresh_interval_s=0.1),
+                             discovery=discovery)
         server = uvicorn.Server(uvicorn.Config(create_app(self.router), host=c.host, port=c.port,
                                                log_level="warning", lifespan="on"))
         self._server = server

@@ -13,6 +13,9 @@ import uuid
 import uvicorn
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def served_model_name(path) -> str:
     return path.name.split(".")[0] if path.is_file() else path.name
 
@@ -37,6 +40,13 @@ def add_up_args(p) -> None:
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts of at most this many tokens are prefilled on the decode worker")
     p.add_argument("--served-model-name", default="", help="model id in the API (default: from the file name)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
+                   help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY); required when "
+                        "--host is not a loopback address")
+    p.add_argument("--max-inflight", type=int, default=256,
+                   help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before an unfinished request gets 504 and is aborted (0: none)")
     p.set_defaults(func=cmd_up)
 
 
@@ -59,7 +69,7 @@ def cmd_up(args) -> int:
 
     from engine.tokenizer import Tokenizer
     from engine.weights import resolve_model_path
-    from router.app import Router, create_app
+    from router.app import Router, RouterConfig, create_app
     from router.cluster import ClusterClient
     from router.discovery import RegistryDiscovery
 
@@ -68,6 +78,9 @@ def cmd_up(args) -> int:
     from .redis_server import EmbeddedRedis
     from .worker_host import WorkerSpec
 
+    if args.host not in LOOPBACK and not args.api_key:
+        raise ValueError(f"--host {args.host} exposes the API beyond this machine: set --api-key (or "
+                         "PDSERVE_API_KEY) so that only clients with the key are served")
     t0 = time.monotonic()
     log = lambda msg: print(f"[pdserve {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
     engine_cfg = engine_config(args)
@@ -93,8 +106,9 @@ def cmd_up(args) -> int:
                 log(f"{r['role']} worker {r['worker_id']} (pid {r['pid']}) on {r['address']}")
         client = ClusterClient(args.routing, engine_cfg.cache.block_size, engine_cfg.cache.cache_namespace,
                                args.cluster_token)
-        router = Router(client, Tokenizer.from_model_path(model_path),
-                        args.served_model_name or served_model_name(model_path), refresh_interval_s=0.25,
+        router_cfg = RouterConfig(args.served_model_name or served_model_name(model_path), 0.25,
+                                  (args.api_key,) if args.api_key else (), args.max_inflight, args.request_timeout)
+        router = Router(client, Tokenizer.from_model_path(model_path), router_cfg,
                         discovery=RegistryDiscovery(redis_url, cluster_name, client))
         server = uvicorn.Server(uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level="warning"))
 
@@ -103,7 +117,8 @@ def cmd_up(args) -> int:
                 await asyncio.sleep(0.1)
             url = f"http://{args.host}:{args.port}"
             log(f"ready in {time.monotonic() - t0:.1f}s: {url}/v1 (model {router.model_name!r})")
-            print(f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+            auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if args.api_key else ""
+            print(f"curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
                   f"'{{\"model\": \"{router.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
                   flush=True)
 

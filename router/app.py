@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
+from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -23,15 +25,49 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+@dataclass(frozen=True)
+class RouterConfig:
+    model_name: str = "default"
+    """The model id clients must name."""
+    refresh_interval_s: float = 0.5
+    """How often worker loads (and, with a registry, membership and KV events) are read."""
+    api_keys: tuple[str, ...] = ()
+    """Accepted `Authorization: Bearer` keys for /v1; empty: no authentication."""
+    max_inflight: int = 0
+    """Requests admitted at once; beyond it 429 with Retry-After. 0: unbounded."""
+    request_timeout_s: float = 0.0
+    """A request not finished after this long gets 504 (and is aborted). 0: no limit."""
+
+    def __post_init__(self):
+        if self.max_inflight < 0 or self.request_timeout_s < 0:
+            raise ValueError("max_inflight and request_timeout_s must be >= 0")
+
+
 class Router:
-    def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, model_name: str,
-                 refresh_interval_s: float = 0.5, discovery=None):
+    def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, config: RouterConfig | None = None,
+                 discovery=None):
         """discovery: a RegistryDiscovery that keeps `cluster` in step with Redis (None:
         the worker list is static)."""
-        self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
+        self.config = config = config or RouterConfig()
+        self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, config.model_name
         self.discovery = discovery
-        self.refresh_interval_s = refresh_interval_s
+        self.refresh_interval_s = config.refresh_interval_s
         self.metrics = RouterMetrics()
+        self.inflight = 0
+
+    def _generation(self, prompt: list[int], params, prefix: str) -> Generation:
+        """Admit a request (or refuse it with 429) and make its Generation."""
+        limit = self.config.max_inflight
+        if limit and self.inflight >= limit:
+            self.metrics.requests.labels("rejected").inc()
+            raise APIError(429, f"the server is at capacity ({limit} requests in flight); retry shortly",
+                           "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.inflight += 1
+
+        def done():
+            self.inflight -= 1
+        return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
+                          timeout_s=self.config.request_timeout_s, on_done=done)
 
     # ---- formatting ---------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str:
@@ -73,8 +109,7 @@ class Router:
         req.check_supported()
         self._check_model(req.model)
         ids = self._encode_prompt(req)
-        gen = Generation(self.cluster, self.tokenizer, self.metrics, ids,
-                         req.sampling_params(req.max_tokens, req.logprobs), "cmpl")
+        gen = self._generation(ids, req.sampling_params(req.max_tokens, req.logprobs), "cmpl")
         await gen.start()
         base = {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": self.model_name}
         want_lp = req.logprobs is not None
@@ -103,8 +138,7 @@ class Router:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         ids = self.tokenizer.encode(prompt)
-        gen = Generation(self.cluster, self.tokenizer, self.metrics, ids,
-                         req.sampling_params(req.max_new_tokens(), req.wanted_logprobs()), "chatcmpl")
+        gen = self._generation(ids, req.sampling_params(req.max_new_tokens(), req.wanted_logprobs()), "chatcmpl")
         await gen.start()
         base = {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": self.model_name}
         want_lp = req.logprobs
@@ -174,22 +208,36 @@ def create_app(router: Router) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    keys = [k.encode() for k in router.config.api_keys]
+
+    async def authorized(request: Request) -> None:
+        if not keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # compare against every key in constant time: timing reveals nothing about them
+        ok = False
+        for k in keys:
+            ok |= hmac.compare_digest(given.strip().encode(), k)
+        if scheme.lower() != "bearer" or not ok:
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         err = validation_error(e.errors())
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(req: CompletionRequest):
         return await router.completions(req)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(req: ChatCompletionRequest):
         return await router.chat(req)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
         return {"object": "list", "data": [{"id": router.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "pdserve"}]}

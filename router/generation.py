@@ -6,6 +6,7 @@ raised before it (bad request, no worker, failed hand-off) still become proper H
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -42,7 +43,10 @@ class Delta:
 
 class Generation:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, metrics: RouterMetrics,
-                 prompt: list[int], params: SamplingParams, prefix: str = "cmpl"):
+                 prompt: list[int], params: SamplingParams, prefix: str = "cmpl", timeout_s: float = 0.0,
+                 on_done=None):
+        """timeout_s > 0: the request fails with 504 (and is aborted) if it is not done by then.
+        on_done: called once when the request ends, however it ends."""
         self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -56,8 +60,17 @@ class Generation:
         self._first = None
         self._t_last = 0.0
         self.ttft = 0.0
+        self.timeout_s = timeout_s
+        self._on_done = on_done
 
     async def start(self) -> None:
+        try:
+            await self._open()
+        except BaseException:
+            await self.close()  # releases the admission slot on every failure path
+            raise
+
+    async def _open(self) -> None:
         try:
             route = self.cluster.route(self.prompt)
         except NoWorkerError as e:
@@ -65,11 +78,10 @@ class Generation:
         self.metrics.queue.observe(time.perf_counter() - self.t_arrival)
         self._stream = self.cluster.generate(route, self.request_id, self.prompt, self._worker_params())
         try:
-            self._first = await anext(self._stream)
+            self._first = await self._next()
         except StopAsyncIteration as e:
             raise APIError(503, "the decode worker ended the request without output", "server_error") from e
         except grpc.aio.AioRpcError as e:
-            await self.close()
             raise api_error_from_grpc(e) from e
         self._t_last = time.perf_counter()
         self.ttft = self._t_last - self.t_arrival
@@ -91,7 +103,7 @@ class Generation:
                 if self.finish_reason is not None:
                     break
                 try:
-                    msg = await anext(self._stream)
+                    msg = await self._next()
                 except StopAsyncIteration:
                     self.finish_reason = self.finish_reason or "abort"
                     break
@@ -104,6 +116,18 @@ class Generation:
         finally:
             await self.close()
             self._record()
+
+    async def _next(self):
+        """The next worker message, within the request's deadline."""
+        if not self.timeout_s:
+            return await anext(self._stream)
+        remaining = self.t_arrival + self.timeout_s - time.perf_counter()
+        try:
+            return await asyncio.wait_for(anext(self._stream), max(remaining, 0.001))
+        except asyncio.TimeoutError as e:
+            self.finish_reason = "timeout"
+            raise APIError(504, f"the request did not finish within {self.timeout_s:g}s and was aborted",
+                           "timeout_error", code="timeout") from e
 
     def _consume(self, msg) -> Delta:
         ids = list(msg.token_ids)
@@ -129,6 +153,9 @@ class Generation:
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.aclose()
+        if self._on_done is not None:
+            done, self._on_done = self._on_done, None
+            done()
 
     def usage(self) -> dict:
         u = {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,

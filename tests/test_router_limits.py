@@ -1,0 +1,92 @@
+"""Router protections: API keys, bounded admission (429 + Retry-After), request timeout (504),
+and `pdserve up` refusing to expose an unauthenticated API."""
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from deploy.local import LocalCluster, LocalClusterConfig
+from engine.config import CacheConfig, EngineConfig
+from router.app import RouterConfig
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+KEY = "sk-test-123"
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm):
+    loaded, tok = smollm
+    cfg = LocalClusterConfig(model_name=MODEL, engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)),
+                             router=RouterConfig(api_keys=(KEY,), max_inflight=2))
+    c = LocalCluster(loaded, tok, cfg).start()
+    yield c
+    c.stop()
+    for eng in c.engines():
+        assert eng.blocks.num_used_blocks == 0 and not eng.has_unfinished_requests()
+
+
+def post(c, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.post(c.url + "/v1/completions", json=body, headers=headers, timeout=30, **kw)
+
+
+BODY = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+
+
+def test_api_key_required_on_v1_only(cluster):
+    from openai import AuthenticationError, OpenAI
+
+    for key in (None, "wrong", KEY + "x", KEY[:-1]):
+        r = post(cluster, BODY, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(cluster.url + "/v1/completions", json=BODY, headers={"Authorization": KEY})  # no scheme
+    assert r.status_code == 401
+    assert post(cluster, BODY).status_code == 200
+    assert httpx.get(cluster.url + "/health").status_code == 200  # probes need no key
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=cluster.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert OpenAI(base_url=cluster.url + "/v1", api_key=KEY, max_retries=0).models.list().data[0].id == MODEL
+
+
+def test_admission_limit_gives_429_with_retry_after(cluster):
+    long = BODY | {"max_tokens": 1000, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", cluster.url + "/v1/completions", json=long, headers=headers) as a, \
+                http.stream("POST", cluster.url + "/v1/completions", json=long, headers=headers) as b:
+            lines_a, lines_b = a.iter_lines(), b.iter_lines()  # kept: dropping one closes its stream
+            next(lines_a), next(lines_b)  # both admitted and streaming
+            r = post(cluster, BODY)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+    deadline = time.time() + 5
+    while time.time() < deadline and cluster.router.inflight:
+        time.sleep(0.05)
+    assert cluster.router.inflight == 0
+    assert post(cluster, BODY).status_code == 200
+    assert 'pdserve_requests_total{status="rejected"}' in httpx.get(cluster.url + "/metrics").text
+
+
+def test_request_timeout_gives_504_and_aborts(cluster):
+    from dataclasses import replace
+
+    cluster.router.config = replace(cluster.router.config, request_timeout_s=2.0)
+    t = time.time()
+    r = post(cluster, BODY | {"max_tokens": 1000, "ignore_eos": True})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert time.time() - t < 10
+    deadline = time.time() + 2
+    while time.time() < deadline and any(e.blocks.num_used_blocks for e in cluster.engines()):
+        time.sleep(0.05)
+    assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines())
+
+
+def test_up_refuses_public_host_without_key():
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--host", "0.0.0.0"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 2 and "--api-key" in r.stderr
