@@ -120,7 +120,7 @@ class Router:
                 return base | {"choices": [{"index": 0, "text": d.text, "finish_reason": None,
                                             "logprobs": self._completion_logprobs(d, offset) if want_lp else None}]}
 
-            return self._stream(gen, chunk, lambda: base | {"choices": [{"index": 0, "text": "", "logprobs": None,
+            return await self._stream(gen, chunk, lambda: base | {"choices": [{"index": 0, "text": "", "logprobs": None,
                                                                         "finish_reason": gen.finish_reason}]},
                                 base, include_usage)
         text, lps = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -153,7 +153,7 @@ class Router:
                 return sbase | {"choices": [{"index": 0, "delta": delta, "finish_reason": None,
                                              "logprobs": self._chat_logprobs(d) if want_lp else None}]}
 
-            return self._stream(gen, chunk, lambda: sbase | {"choices": [{"index": 0, "delta": {}, "logprobs": None,
+            return await self._stream(gen, chunk, lambda: sbase | {"choices": [{"index": 0, "delta": {}, "logprobs": None,
                                                                          "finish_reason": gen.finish_reason}]},
                                 sbase, include_usage)
         text, content_lps = "", []
@@ -165,7 +165,7 @@ class Router:
                                     "logprobs": {"content": content_lps} if want_lp else None,
                                     "finish_reason": gen.finish_reason}], "usage": gen.usage()}
 
-    def _stream(self, gen: Generation, chunk, final, base: dict, include_usage: bool) -> StreamingResponse:
+    async def _stream(self, gen: Generation, chunk, final, base: dict, include_usage: bool) -> StreamingResponse:
         async def events():
             offset = 0
             try:
@@ -180,7 +180,19 @@ class Router:
             finally:
                 await gen.close()
             yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream",
+
+        # Start the generator now: a started async generator is closed (its `finally` runs,
+        # aborting the request) whenever it is dropped, even if the client vanished before
+        # the server began to send the body and the body was never iterated.
+        inner = events()
+        first = await anext(inner)
+
+        async def body():
+            yield first
+            async for item in inner:
+                yield item
+
+        return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -2,6 +2,7 @@
 worker and the router on loopback, the real default model. Disaggregated greedy output
 equals the engine's own, token for token."""
 import concurrent.futures
+import json
 
 import httpx
 import pytest
@@ -193,4 +194,28 @@ def test_client_disconnect_aborts_everywhere(cluster):
         if all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines()):
             break
         time.sleep(0.02)
+    assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines())
+
+
+def test_client_gone_before_the_body_frees_everything(cluster):
+    """The client sends a streaming request and hangs up at once, before any byte of the
+    response: the router still aborts the request on the workers."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    u = urlparse(cluster.url)
+    body = json.dumps({"model": MODEL, "prompt": "Tell me everything about the sea. " * 4, "max_tokens": 800,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection((u.hostname, u.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.time() + 5
+    time.sleep(0.5)
+    while time.time() < deadline:
+        if cluster.router.inflight == 0 and all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests()
+                                                for e in cluster.engines()):
+            break
+        time.sleep(0.05)
+    assert cluster.router.inflight == 0
     assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines())
