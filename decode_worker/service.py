@@ -36,7 +36,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         params = params_from_proto(request.params)
         q = w.engine.open_stream(rid)
         try:
-            remote = await w.admit(rid, prompt, params, request.prefill_address, context)
+            remote = await w.admit(rid, prompt, params, request.prefill_address, context,
+                                   list(request.resume_token_ids))
             async for out in w.engine.stream(rid, q):
                 yield output_to_proto(out, prefilled_remotely=remote)
         except InvalidRequestError as e:
@@ -91,9 +92,11 @@ class DecodeWorker:
         await check_cluster_token(self.cluster_token, token, context)
 
     # ---- admission ------------------------------------------------------------------------
-    async def admit(self, rid: str, prompt: list[int], params, prefill_address: str, context) -> bool:
-        """Start the request; returns True if its prompt was prefilled remotely."""
-        if prefill_address and len(prompt) > self.local_prefill_threshold:
+    async def admit(self, rid: str, prompt: list[int], params, prefill_address: str, context,
+                    resume: list[int] | None = None) -> bool:
+        """Start the request; returns True if its prompt was prefilled remotely. A migrated
+        request (`resume`: tokens it already produced) is recomputed here."""
+        if prefill_address and len(prompt) > self.local_prefill_threshold and not resume:
             try:
                 if await self._remote_prefill(rid, prompt, params, prefill_address):
                     return True
@@ -102,7 +105,7 @@ class DecodeWorker:
                 if self.transfer_policy == "fail":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV hand-off failed: {e}")
         self.local_prefills += 1
-        await self.engine.run(lambda e: e.add_request(rid, prompt, params))
+        await self.engine.run(lambda e: e.add_request(rid, prompt, params, resume=resume))
         return False
 
     async def _remote_prefill(self, rid, prompt, params, prefill_address) -> bool:

@@ -111,13 +111,34 @@ class LLMEngine:
         return req
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    hold_kv: bool = False) -> None:
+                    hold_kv: bool = False, resume: list[int] | None = None) -> None:
         """Queue a request. With `hold_kv`, its blocks outlive it until `release_kv` (the
-        prefill worker exports them after the first token)."""
+        prefill worker exports them after the first token). `resume`: tokens this request
+        already produced elsewhere (a migration): they count against max_tokens and for
+        penalties, and a seeded request continues its random stream after them, so the
+        rest equals an uninterrupted run."""
         req = self._make_request(request_id, prompt, params or SamplingParams())
+        if resume:
+            try:
+                self._resume(req, list(resume))
+            except InvalidRequestError:
+                self._detok.pop(request_id, None)
+                raise
         if hold_kv:
             self._hold.add(request_id)
         self.scheduler.add(req)
+
+    def _resume(self, req: Request, tokens: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise InvalidRequestError("resume tokens outside the vocabulary", param="resume")
+        if len(tokens) >= req.max_tokens:
+            raise InvalidRequestError(f"{len(tokens)} tokens already generated: nothing left of "
+                                      f"max_tokens={req.max_tokens}", param="resume")
+        for t in tokens:
+            req.append_output(t)
+            if not req.params.greedy:  # one draw per sampled token, as the sampler makes
+                torch.empty(vocab).exponential_(generator=req.generator)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now. False if unknown."""

@@ -94,8 +94,10 @@ class ClusterClient:
         return out
 
     # ---- routing ------------------------------------------------------------------------
-    def route(self, prompt: list[int]) -> Route:
-        decode_id = self.policy.pick_decode(self._loads({"decode", "aggregated"}))
+    def route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> Route:
+        """Pick workers for `prompt`; `exclude`: decode workers that just failed it."""
+        decode_id = self.policy.pick_decode([w for w in self._loads({"decode", "aggregated"})
+                                             if w.worker_id not in exclude])
         prefill: PrefillChoice | None = None
         try:
             hashes = hash_blocks(prompt, self.block_size, self.namespace)
@@ -105,13 +107,15 @@ class ClusterClient:
         return Route(self.workers[decode_id], self.workers[prefill.worker_id] if prefill else None,
                      prefill.cached_tokens if prefill else 0)
 
-    async def generate(self, route: Route, request_id: str, prompt: list[int], params) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, route: Route, request_id: str, prompt: list[int], params,
+                       resume: list[int] | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a request's outputs from its decode worker; closing the iterator early
-        cancels the call, which aborts the request on the worker."""
+        cancels the call, which aborts the request on the worker. `resume`: tokens already
+        streamed (a migration from a failed worker)."""
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params),
                                  prefill_address=route.prefill.address if route.prefill else "",
                                  prefill_worker_id=route.prefill.worker_id if route.prefill else "",
-                                 cluster_token=self.cluster_token)
+                                 cluster_token=self.cluster_token, resume_token_ids=resume or [])
         call = self._stub(route.decode).Generate(req)
         try:
             async for msg in call:

@@ -24,6 +24,9 @@ from .metrics import RouterMetrics
 from .policies import NoWorkerError
 from .protocol import APIError
 
+# a decode worker that died or restarted, as opposed to a request it refused
+_WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                    grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED}
 _GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 500,
                  grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 
@@ -62,6 +65,11 @@ class Generation:
         self.ttft = 0.0
         self.timeout_s = timeout_s
         self._on_done = on_done
+        self.generated: list[int] = []   # token ids streamed so far (replayed on migration)
+        self.route = None
+        self.migrations = 0
+        self.max_migrations = 2
+        self._failed: set[str] = set()
 
     async def start(self) -> None:
         try:
@@ -76,6 +84,7 @@ class Generation:
         except NoWorkerError as e:
             raise APIError(503, str(e), "server_error", code="no_worker") from e
         self.metrics.queue.observe(time.perf_counter() - self.t_arrival)
+        self.route = route
         self._stream = self.cluster.generate(route, self.request_id, self.prompt, self._worker_params())
         try:
             self._first = await self._next()
@@ -118,6 +127,33 @@ class Generation:
             self._record()
 
     async def _next(self):
+        """The next worker message; if the decode worker fails, the request moves to another
+        one, which recomputes prompt + the tokens streamed so far and continues."""
+        while True:
+            try:
+                return await self._next_from_worker()
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _WORKER_FAILURES or self.migrations >= self.max_migrations:
+                    raise
+                await self._migrate(e)
+
+    async def _migrate(self, e: grpc.aio.AioRpcError) -> None:
+        failed = self.route.decode.worker_id
+        self._failed.add(failed)
+        self.cluster.healthy[failed] = False  # until its next successful stats poll
+        old, self._stream = self._stream, None
+        await old.aclose()
+        try:
+            self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed))
+        except NoWorkerError as no:
+            raise APIError(503, f"decode worker {failed} failed ({e.code().name}) and no other decode worker "
+                                "is available", "server_error", code="worker_failed") from no
+        self.migrations += 1
+        self.metrics.migrations.inc()
+        self._stream = self.cluster.generate(self.route, f"{self.request_id}-m{self.migrations}", self.prompt,
+                                             self._worker_params(), resume=self.generated)
+
+    async def _next_from_worker(self):
         """The next worker message, within the request's deadline."""
         if not self.timeout_s:
             return await anext(self._stream)
@@ -131,6 +167,7 @@ class Generation:
 
     def _consume(self, msg) -> Delta:
         ids = list(msg.token_ids)
+        self.generated += ids
         self.completion_tokens += len(ids)
         self.cached_tokens = max(self.cached_tokens, msg.num_cached_tokens)
         text = self.detok.push(ids)

@@ -17,6 +17,8 @@ class RouterMetrics:
         self.queue = Histogram("pdserve_request_queue_seconds", "Time from arrival to being routed", registry=r,
                                buckets=_LATENCY)
         self.requests = Counter("pdserve_requests", "Requests by status", ["status"], registry=r)
+        self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker after a failure",
+                                  registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
         self.kv_usage = Gauge("pdserve_kv_usage_ratio", "KV blocks in use", ["worker", "role"], registry=r)

@@ -231,3 +231,21 @@ def test_logprobs_are_log_softmax_of_logits(make_engine):
         assert lp.logprob == pytest.approx(lp.top[0][1])
         assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
         assert lp.logprob <= 0
+
+
+def test_resume_continues_like_an_uninterrupted_run(make_engine):
+    """Migration: a request re-added with the tokens it already produced continues exactly."""
+    p = prompts(1, seed=9, lo=30, hi=30)[0]
+    for params in (SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True,
+                                  presence_penalty=0.5)):
+        full = make_engine().generate([p], params)[0]
+        other = make_engine()
+        other.add_request("m", p, params, resume=full[:7])
+        rest = []
+        while other.has_unfinished_requests():
+            for o in other.step():
+                rest += o.new_token_ids
+        assert full[:7] + rest == full
+    with pytest.raises(InvalidRequestError, match="nothing left"):
+        make_engine().add_request("x", p, SamplingParams(max_tokens=3), resume=[5, 6, 7])

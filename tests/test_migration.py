@@ -1,0 +1,72 @@
+"""A decode worker dies mid-stream: the router moves the request to another decode worker,
+which recomputes prompt + the tokens already streamed, and the client's stream continues
+with exactly the tokens an uninterrupted run gives. With no other decode worker, the stream
+ends with an OpenAI-style error event instead of hanging."""
+import json
+
+import httpx
+import pytest
+
+from deploy.local import LocalCluster, LocalClusterConfig
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+PROMPT = "The history of the printing press begins"
+
+
+def start(smollm, num_decode):
+    loaded, tok = smollm
+    return LocalCluster(loaded, tok, LocalClusterConfig(
+        num_decode=num_decode, model_name=MODEL,
+        engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)))).start()
+
+
+def stream_and_kill(c, body, kill_after=8):
+    """Stream `body`; after `kill_after` chunks, stop the decode worker serving it."""
+    texts, events = [], []
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", c.url + "/v1/completions", json=body | {"stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                events.append(ev)
+                if ev.get("choices"):
+                    texts.append(ev["choices"][0]["text"])
+                if len(texts) == kill_after:
+                    victim = next(w for w in c.workers if w.spec.role == "decode" and w.engine.has_unfinished_requests())
+                    c.run(victim.worker._server.stop(0))  # the worker's process is gone, as far as gRPC can tell
+    return "".join(texts), events
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=17)], ids=["greedy", "seeded"])
+def test_migration_continues_the_stream_exactly(smollm, sampling):
+    loaded, tok = smollm
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **sampling)
+    ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok).generate(
+        [tok.encode(PROMPT)], params)[0]
+    c = start(smollm, num_decode=2)
+    try:
+        text, events = stream_and_kill(c, {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True,
+                                           **sampling})
+        metrics = httpx.get(c.url + "/metrics").text
+    finally:
+        c.stop()
+    assert text == tok.decode(ref, skip_special_tokens=True)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "pdserve_migrations_total 1.0" in metrics
+    assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in c.engines())
+
+
+def test_no_other_decode_worker_ends_the_stream_with_an_error_event(smollm):
+    c = start(smollm, num_decode=1)
+    try:
+        text, events = stream_and_kill(c, {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
+                                           "temperature": 0})
+    finally:
+        c.stop()
+    assert text and "error" in events[-1] and events[-1]["error"]["code"] == "worker_failed"
+    assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in c.engines())
