@@ -34,13 +34,13 @@ class SamplingParams:
         def bad(param, msg):
             raise InvalidRequestError(f"{param} {msg}", param=param)
 
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < 2**31):
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
             bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -58,10 +58,10 @@ class SamplingParams:
             bad("stop", "entries must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not 0 <= t < vocab_size:
-                    bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+        limit = vocab_size if vocab_size is not None else 2**31
+        for t in self.stop_token_ids:
+            if not 0 <= t < limit:
+                bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {limit})")
 
     @property
     def greedy(self) -> bool:

@@ -103,13 +103,18 @@ class Router:
         ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt is empty", param="prompt")
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt contains token id {bad}, outside the vocabulary [0, {vocab})", param="prompt")
         return ids
 
     async def completions(self, req: CompletionRequest):
         req.check_supported()
         self._check_model(req.model)
         ids = self._encode_prompt(req)
-        gen = self._generation(ids, req.sampling_params(req.max_tokens, req.logprobs), "cmpl")
+        gen = self._generation(ids, req.sampling_params(req.max_tokens, req.logprobs, self.tokenizer.vocab_size),
+                               "cmpl")
         await gen.start()
         base = {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": self.model_name}
         want_lp = req.logprobs is not None
@@ -138,7 +143,8 @@ class Router:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         ids = self.tokenizer.encode(prompt)
-        gen = self._generation(ids, req.sampling_params(req.max_new_tokens(), req.wanted_logprobs()), "chatcmpl")
+        gen = self._generation(ids, req.sampling_params(req.max_new_tokens(), req.wanted_logprobs(),
+                                                      self.tokenizer.vocab_size), "chatcmpl")
         await gen.start()
         base = {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": self.model_name}
         want_lp = req.logprobs

@@ -62,14 +62,15 @@ class _Common(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        vocab_size: int | None = None) -> SamplingParams:
         p = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                            min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                            stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids),
                            ignore_eos=self.ignore_eos, logprobs=logprobs)
         try:
-            p.validate()
+            p.validate(vocab_size)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from e
         return p

@@ -116,7 +116,12 @@ def test_logprobs(client):
     ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ({"model": MODEL, "prompt": [99999999]}, 400, None),
+    ({"model": MODEL, "prompt": [99999999]}, 400, "prompt"),
+    # found by fuzzing: values past int32 used to fail the worker RPC with a 500
+    ({"model": MODEL, "prompt": [2**31]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "top_k": 2**31}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [2**31]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2**40}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi " * 9000}, 400, None),
     ({"model": MODEL}, 400, "prompt"),
 ])
