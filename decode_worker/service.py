@@ -20,9 +20,18 @@ from kv_transfer.receiver import KVReceiver
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from protos.convert import (block_snapshot, check_cluster_token, logprob_from_proto, output_to_proto,
-                            params_from_proto, params_to_proto, worker_stats)
+                            params_from_proto, params_to_proto, refuse_when_full, refused_by, worker_stats)
 
 TRANSFER_POLICIES = ("recompute", "fail")
+
+
+class PrefillWorkerFull(Exception):
+    """The chosen prefill worker refused the prompt: its queue is full. The request is
+    refused in turn (naming that worker), so the router can pick another or answer 429."""
+
+    def __init__(self, worker_id: str):
+        super().__init__(f"prefill worker {worker_id} is at its queue limit")
+        self.worker_id = worker_id
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -32,17 +41,28 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         w = self.w
         await w.check_token(request.cluster_token, context)
+        if w.max_queue and w.queued >= w.max_queue:
+            w.refused += 1
+            await refuse_when_full(context, w.worker_id, "decode worker", w.max_queue)
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         params = params_from_proto(request.params)
         q = w.engine.open_stream(rid)
+        w.queued += 1  # until its first token: waiting for KV or for a place in the batch
+        queued = True
         try:
             remote = await w.admit(rid, prompt, params, request.prefill_address, context,
                                    list(request.resume_token_ids))
             async for out in w.engine.stream(rid, q):
+                if queued:
+                    w.queued, queued = w.queued - 1, False
                 yield output_to_proto(out, prefilled_remotely=remote)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except PrefillWorkerFull as e:
+            await refuse_when_full(context, e.worker_id, "prefill worker")
         finally:
+            if queued:
+                w.queued -= 1
             w.engine.close_stream(rid)
 
     async def Abort(self, request, context):
@@ -58,7 +78,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         w = self.w
         return await w.engine.run(lambda e: worker_stats(
             e, w.worker_id, "decode", remote_prefills=w.remote_prefills, local_prefills=w.local_prefills,
-            transfer_failures=w.transfer_failures))
+            transfer_failures=w.transfer_failures, refused=w.refused, queue_limit=w.max_queue))
 
 
 class DecodeWorker:
@@ -68,7 +88,9 @@ class DecodeWorker:
 
     def __init__(self, engine: AsyncEngine, worker_id: str | None = None, cluster_token: str = "",
                  transfer_policy: str = "recompute", transfer_timeout_s: float = 30.0,
-                 local_prefill_threshold: int = 0):
+                 local_prefill_threshold: int = 0, max_queue: int = 0):
+        """max_queue > 0: at most this many requests here waiting for their first token
+        (for KV or for a place in the batch); more are refused with RESOURCE_EXHAUSTED."""
         if transfer_policy not in TRANSFER_POLICIES:
             raise ValueError(f"transfer_policy must be one of {TRANSFER_POLICIES}, got {transfer_policy!r}")
         self.engine = engine
@@ -81,6 +103,7 @@ class DecodeWorker:
         self.receiver = KVReceiver(eng.loaded.fingerprint, eng.kv_cache.layout,
                                    str(eng.kv_cache.kv.dtype).removeprefix("torch."), cluster_token)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
+        self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self._kv_server: GrpcKVServer | None = None
         self._server: grpc.aio.Server | None = None
         self._prefill_stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
@@ -127,6 +150,8 @@ class DecodeWorker:
             out = await self.engine.run(lambda e: e.import_kv(rid, arrival.kv, reply.first_token, lp))
         except grpc.aio.AioRpcError as e:
             await self._release(rid)
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise PrefillWorkerFull(refused_by(e)) from e  # back-pressure, not a fault: no recompute
             raise KVTransferError(f"prefill at {prefill_address} failed: {e.code().name}: {e.details()}") from e
         except BaseException:
             await self._release(rid)

@@ -50,6 +50,7 @@ class PoolSpec:
     replicas: int
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    max_queue: int = 0
 
 
 class Pool:
@@ -67,7 +68,7 @@ class Pool:
         opts = dict(num_cpus=s.num_cpus, num_gpus=s.num_gpus)
         for i in range(s.replicas):
             threads = self.base.engine.num_threads or max(1, int(s.num_cpus))
-            spec = replace(self.base, role=s.role, worker_id=f"{self.name_prefix}{s.role}-{i}",
+            spec = replace(self.base, role=s.role, worker_id=f"{self.name_prefix}{s.role}-{i}", max_queue=s.max_queue,
                            engine=replace(self.base.engine, num_threads=threads))
             self.actors.append(WorkerActor.options(**opts).remote(spec))
         return [a.start.remote() for a in self.actors]

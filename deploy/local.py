@@ -34,6 +34,8 @@ class LocalClusterConfig:
     model_name: str = "default"
     transfer_policy: str = "recompute"
     local_prefill_threshold: int = 0
+    prefill_max_queue: int = 0     # per worker; 0: unbounded
+    decode_max_queue: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 
@@ -53,9 +55,12 @@ class LocalCluster:
         base = WorkerSpec("prefill", "", c.cluster, c.redis_url, c.cluster_token, c.host, c.transfer_policy,
                           c.local_prefill_threshold, c.engine)
         if c.mode == "aggregated":
-            return [replace(base, role="aggregated", worker_id=f"aggregated-{i}") for i in range(c.num_decode)]
-        return ([replace(base, role="prefill", worker_id=f"prefill-{i}") for i in range(c.num_prefill)] +
-                [replace(base, role="decode", worker_id=f"decode-{i}") for i in range(c.num_decode)])
+            return [replace(base, role="aggregated", worker_id=f"aggregated-{i}", max_queue=c.decode_max_queue)
+                    for i in range(c.num_decode)]
+        return ([replace(base, role="prefill", worker_id=f"prefill-{i}", max_queue=c.prefill_max_queue)
+                 for i in range(c.num_prefill)] +
+                [replace(base, role="decode", worker_id=f"decode-{i}", max_queue=c.decode_max_queue)
+                 for i in range(c.num_decode)])
 
     async def _start(self) -> None:
         c = self.config

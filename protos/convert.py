@@ -77,3 +77,23 @@ async def check_cluster_token(expected: str, given: str, context) -> None:
     """Abort the RPC unless `given` is the cluster token (constant-time compare)."""
     if not hmac.compare_digest(given.encode(), expected.encode()):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+
+REFUSED_BY = "pdserve-refused-by"
+"""Trailing-metadata key naming the worker that refused a request because its queue is full."""
+
+
+async def refuse_when_full(context, worker_id: str, what: str, limit: int = 0) -> None:
+    """Abort the RPC with RESOURCE_EXHAUSTED, naming the refusing worker so the router can
+    try another one of its pool (or answer 429 when the whole pool is full)."""
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{what} {worker_id} is at its queue limit" + (f" ({limit} requests)" if limit else ""),
+                        trailing_metadata=((REFUSED_BY, worker_id),))
+
+
+def refused_by(e: grpc.aio.AioRpcError) -> str:
+    """The worker named by `refuse_when_full`, or "" if the error does not name one."""
+    for key, value in e.trailing_metadata() or ():
+        if key == REFUSED_BY:
+            return value
+    return ""

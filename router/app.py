@@ -60,6 +60,7 @@ class Router:
         limit = self.config.max_inflight
         if limit and self.inflight >= limit:
             self.metrics.requests.labels("rejected").inc()
+            self.metrics.rejected.labels("router_inflight").inc()
             raise APIError(429, f"the server is at capacity ({limit} requests in flight); retry shortly",
                            "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.inflight += 1

@@ -95,13 +95,20 @@ class ClusterClient:
 
     # ---- routing ------------------------------------------------------------------------
     def route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> Route:
-        """Pick workers for `prompt`; `exclude`: decode workers that just failed it."""
+        """Pick workers for `prompt`; `exclude`: workers that just failed or refused it.
+        Raises NoWorkerError if no decode worker is left, or if every prefill worker is
+        excluded (refused: its queue is full; prefilling on the decode pool instead would
+        defeat the limit)."""
         decode_id = self.policy.pick_decode([w for w in self._loads({"decode", "aggregated"})
                                              if w.worker_id not in exclude])
         prefill: PrefillChoice | None = None
+        prefill_pool = self._loads({"prefill"})
+        candidates = [w for w in prefill_pool if w.worker_id not in exclude]
+        if prefill_pool and not candidates:
+            raise NoWorkerError("every prefill worker refused the request")
         try:
             hashes = hash_blocks(prompt, self.block_size, self.namespace)
-            prefill = self.policy.pick_prefill(self._loads({"prefill"}), hashes, len(prompt), self.block_size)
+            prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
         except NoWorkerError:
             pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
         return Route(self.workers[decode_id], self.workers[prefill.worker_id] if prefill else None,

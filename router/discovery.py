@@ -5,10 +5,9 @@ import logging
 import time
 
 import grpc
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from deploy.registry import EventFollower, list_workers
+from deploy.registry import EventFollower, connect, describe_error, list_workers
 from protos import worker_pb2 as pb
 
 from .cluster import ClusterClient, WorkerEndpoint
@@ -20,7 +19,7 @@ class RegistryDiscovery:
     def __init__(self, redis_url: str, cluster_name: str, client: ClusterClient, grace_s: float = 10.0):
         """grace_s: how long a worker missing from the registry is still routed to (Redis
         restarted and it has not re-registered yet); unhealthy workers are skipped anyway."""
-        self.redis = aioredis.from_url(redis_url)
+        self.redis, self._url = connect(redis_url), redis_url
         self.cluster_name, self.client = cluster_name, client
         self.grace_s = grace_s
         self.follower = EventFollower(self.redis, cluster_name, client.index)
@@ -34,7 +33,7 @@ class RegistryDiscovery:
         try:
             records = await list_workers(self.redis, self.cluster_name)
         except (RedisError, OSError) as e:
-            log.warning("registry unreachable, keeping the last known workers: %s", e)
+            log.warning("registry unreachable, keeping the last known workers: %s", describe_error(e, self._url))
             return
         now = time.monotonic()
         for r in records:
@@ -48,7 +47,7 @@ class RegistryDiscovery:
         try:
             await self.follower.poll([r.worker_id for r in records])
         except (RedisError, OSError) as e:
-            log.warning("KV event streams unreachable: %s", e)
+            log.warning("KV event streams unreachable: %s", describe_error(e, self._url))
         for wid in list(self.client.index.needs_resync):
             await self._resync(wid)
 

@@ -17,7 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from protos.convert import logprob_from_proto
+from protos.convert import logprob_from_proto, refused_by
 
 from .cluster import ClusterClient
 from .metrics import RouterMetrics
@@ -79,19 +79,32 @@ class Generation:
             raise
 
     async def _open(self) -> None:
-        try:
-            route = self.cluster.route(self.prompt)
-        except NoWorkerError as e:
-            raise APIError(503, str(e), "server_error", code="no_worker") from e
-        self.metrics.queue.observe(time.perf_counter() - self.t_arrival)
-        self.route = route
-        self._stream = self.cluster.generate(route, self.request_id, self.prompt, self._worker_params())
-        try:
-            self._first = await self._next()
-        except StopAsyncIteration as e:
-            raise APIError(503, "the decode worker ended the request without output", "server_error") from e
-        except grpc.aio.AioRpcError as e:
-            raise api_error_from_grpc(e) from e
+        refused: set[str] = set()  # workers whose queue is full: try the others of their pool
+        while True:
+            try:
+                self.route = self.cluster.route(self.prompt, exclude=frozenset(refused))
+            except NoWorkerError as e:
+                if refused:
+                    self.metrics.rejected.labels("pool_full").inc()
+                    self.metrics.requests.labels("rejected").inc()
+                    raise APIError(429, f"the cluster is at capacity (queue limit reached on {', '.join(sorted(refused))}"
+                                        "); retry shortly", "rate_limit_error", code="rate_limit_exceeded",
+                                   headers={"Retry-After": "1"}) from e
+                raise APIError(503, str(e), "server_error", code="no_worker") from e
+            if not refused:
+                self.metrics.queue.observe(time.perf_counter() - self.t_arrival)
+            self._stream = self.cluster.generate(self.route, self.request_id, self.prompt, self._worker_params())
+            try:
+                self._first = await self._next()
+                break
+            except StopAsyncIteration as e:
+                raise APIError(503, "the decode worker ended the request without output", "server_error") from e
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise api_error_from_grpc(e) from e
+                refused.add(refused_by(e) or self.route.decode.worker_id)
+                stream, self._stream = self._stream, None
+                await stream.aclose()
         self._t_last = time.perf_counter()
         self.ttft = self._t_last - self.t_arrival
         self.metrics.ttft.observe(self.ttft)

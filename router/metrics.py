@@ -17,6 +17,9 @@ class RouterMetrics:
         self.queue = Histogram("pdserve_request_queue_seconds", "Time from arrival to being routed", registry=r,
                                buckets=_LATENCY)
         self.requests = Counter("pdserve_requests", "Requests by status", ["status"], registry=r)
+        self.rejected = Counter("pdserve_rejected_requests", "Requests refused with 429, by reason "
+                                "(router_inflight: --max-inflight; pool_full: every worker of a pool at its queue limit)",
+                                ["reason"], registry=r)
         self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker after a failure",
                                   registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)

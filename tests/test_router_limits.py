@@ -90,3 +90,50 @@ def test_up_refuses_public_host_without_key():
     r = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--host", "0.0.0.0"], capture_output=True, text=True,
                        timeout=60, env=env)
     assert r.returncode == 2 and "--api-key" in r.stderr
+
+
+def _wait_for(cond, timeout=30.0):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_pool_queue_limits_give_429_once_every_worker_of_the_pool_is_full(smollm):
+    """Per-pool bounded admission: a full worker refuses (RESOURCE_EXHAUSTED naming itself),
+    the router tries the others of its pool and answers 429 only when all are full."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    loaded, tok = smollm
+    cfg = LocalClusterConfig(model_name=MODEL, num_prefill=2, prefill_max_queue=1,
+                             engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)))
+    c = LocalCluster(loaded, tok, cfg).start()
+    prefill = [c.worker(f"prefill-{i}").worker for i in range(2)]
+    decode = c.worker("decode-0").worker
+
+    def long_body(i):  # distinct prompts: no prefix hits, each prefill takes a while
+        return {"model": MODEL, "prompt": f"{i} " + "the quick brown fox jumps over the lazy dog " * 60,
+                "max_tokens": 2, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(post, c, long_body(i)) for i in range(2)]
+            _wait_for(lambda: all(p.inflight == 1 for p in prefill))  # one prompt on each prefill worker
+            r = post(c, long_body(2))
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "rate_limit_exceeded" and "prefill-" in r.json()["error"]["message"]
+            assert [f.result().status_code for f in held] == [200, 200]  # the admitted ones are unaffected
+
+            decode.max_queue = 1
+            held = pool.submit(post, c, long_body(3))
+            _wait_for(lambda: decode.queued == 1)
+            r = post(c, long_body(4))
+            assert r.status_code == 429 and "decode-0" in r.json()["error"]["message"]
+            assert held.result().status_code == 200
+        assert post(c, BODY, key=None).status_code == 200  # capacity back: admitted at once
+        metrics = httpx.get(c.url + "/metrics").text
+        assert 'pdserve_rejected_requests_total{reason="pool_full"} 2.0' in metrics
+        assert sum(p.refused for p in prefill) >= 2 and decode.refused == 1
+        assert all(p.inflight == 0 for p in prefill) and decode.queued == 0
+    finally:
+        c.stop()
+    assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in c.engines())
