@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from .up import add_up_args
     add_up_args(u)
     add_engine_args(u)
+    r = sub.add_parser("router", help="run a router alone against a running cluster's registry")
+    from .router_server import add_router_cmd_args
+    add_router_cmd_args(r)
     bc = sub.add_parser("bench-cluster", help="disaggregated vs aggregated under a mixed workload; KV transfer GB/s")
     from .bench_cluster import add_bench_cluster_args
     add_bench_cluster_args(bc)

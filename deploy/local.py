@@ -27,8 +27,8 @@ class LocalClusterConfig:
     mode: str = "disaggregated"    # or "aggregated": decode workers prefill themselves, no prefill pool
     policy: str = "prefix_aware"
     cluster: str = "local"
-    cluster_token: str = ""
-    redis_url: str = ""            # "": static wiring, no KV events
+    cluster_token: str = field(default="", repr=False)
+    redis_url: str = field(default="", repr=False)  # "": static wiring, no KV events
     host: str = "127.0.0.1"
     port: int = 0
     model_name: str = "default"

@@ -23,8 +23,8 @@ class WorkerSpec:
     role: str                      # "prefill" | "decode" | "aggregated"
     worker_id: str
     cluster: str = "default"
-    redis_url: str = ""            # "" : no registry, no events (static wiring)
-    cluster_token: str = ""
+    redis_url: str = field(default="", repr=False)  # "" : no registry, no events (static wiring)
+    cluster_token: str = field(default="", repr=False)
     host: str = "127.0.0.1"
     transfer_policy: str = "recompute"
     local_prefill_threshold: int = 0

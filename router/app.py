@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from engine.tokenizer import Tokenizer
 
 from .cluster import ClusterClient
 from .generation import Delta, Generation
 from .metrics import RouterMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, http_error, validation_error
 
 
 def _sse(obj) -> str:
@@ -243,6 +244,10 @@ def create_app(router: Router) -> FastAPI:
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
+    @app.exception_handler(HTTPException)  # e.g. a body that is not UTF-8: same error shape as ours
+    async def _http_error(request: Request, e: HTTPException):
+        return JSONResponse(http_error(e.status_code, e.detail).body(), status_code=e.status_code, headers=e.headers)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         err = validation_error(e.errors())
@@ -266,6 +271,18 @@ def create_app(router: Router) -> FastAPI:
         if router.cluster.ready():
             return {"status": "ok", "workers": len(router.cluster.workers)}
         return JSONResponse({"status": "unavailable", "workers": len(router.cluster.workers)}, status_code=503)
+
+    @app.get("/admin/workers", dependencies=[Depends(authorized)])
+    async def workers():
+        """What this router routes to: each worker's role, address, health and last stats."""
+        out = []
+        for w in router.cluster.workers.values():
+            s = router.cluster.stats.get(w.worker_id)
+            out.append({"worker_id": w.worker_id, "role": w.role, "address": w.address,
+                        "healthy": bool(router.cluster.healthy.get(w.worker_id)),
+                        "running": s.running if s else None, "waiting": s.waiting if s else None,
+                        "kv_usage": s.kv_usage if s else None, "refused": s.refused if s else None})
+        return {"workers": sorted(out, key=lambda w: w["worker_id"])}
 
     @app.get("/metrics")
     async def metrics():

@@ -154,3 +154,9 @@ def validation_error(errors: list[dict]) -> APIError:
     if e.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {e.get('msg')}", code="invalid_json")
     return APIError(400, f"{param}: {e.get('msg')}", param=param)
+
+
+def http_error(status: int, detail: Any) -> APIError:
+    """Starlette's own HTTP errors (a body that is not UTF-8 or not parseable, an unknown
+    path, a wrong method) in the OpenAI shape, so that every 4xx has the same body."""
+    return APIError(status, str(detail), "invalid_request_error" if status < 500 else "server_error")

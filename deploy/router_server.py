@@ -1,0 +1,111 @@
+"""The router as a process: `pdserve up` runs it next to its pools, and `pdserve router`
+runs it alone against a running cluster's registry (more routers, or a restarted one: it
+keeps no state of its own, so a new router serves as soon as it has read the registry)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import uvicorn
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def served_model_name(path) -> str:
+    return path.name.split(".")[0] if path.is_file() else path.name
+
+
+def add_router_args(p) -> None:
+    """Flags of the HTTP front end, shared by `pdserve up` and `pdserve router`."""
+    p.add_argument("--host", default="127.0.0.1", help="router bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="router port (default: %(default)s)")
+    p.add_argument("--routing", choices=("prefix_aware", "round_robin", "least_loaded"), default="prefix_aware")
+    p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
+                   help="shared secret of the internal services (env PDSERVE_CLUSTER_TOKEN)")
+    p.add_argument("--served-model-name", default="", help="model id in the API (default: from the file name)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
+                   help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY); required when "
+                        "--host is not a loopback address")
+    p.add_argument("--max-inflight", type=int, default=256,
+                   help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before an unfinished request gets 504 and is aborted (0: none)")
+
+
+def check_exposure(args) -> None:
+    if args.host not in LOOPBACK and not args.api_key:
+        raise ValueError(f"--host {args.host} exposes the API beyond this machine: set --api-key (or "
+                         "PDSERVE_API_KEY) so that only clients with the key are served")
+
+
+def make_logger(t0: float):
+    return lambda msg: print(f"[pdserve {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def serve_router(args, model_path, block_size: int, namespace: str, redis_url: str, cluster_name: str,
+                 log, t0: float) -> None:
+    """Serve the OpenAI API until Ctrl-C; prints a ready `curl` line on stdout once the
+    cluster can serve."""
+    from engine.tokenizer import Tokenizer
+    from router.app import Router, RouterConfig, create_app
+    from router.cluster import ClusterClient
+    from router.discovery import RegistryDiscovery
+
+    client = ClusterClient(args.routing, block_size, namespace, args.cluster_token)
+    router_cfg = RouterConfig(args.served_model_name or served_model_name(model_path), 0.25,
+                              (args.api_key,) if args.api_key else (), args.max_inflight, args.request_timeout)
+    router = Router(client, Tokenizer.from_model_path(model_path), router_cfg,
+                    discovery=RegistryDiscovery(redis_url, cluster_name, client))
+    server = uvicorn.Server(uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level="warning"))
+
+    async def announce():
+        while not (server.started and client.ready()):
+            await asyncio.sleep(0.1)
+        url = f"http://{args.host}:{args.port}"
+        log(f"ready in {time.monotonic() - t0:.1f}s: {url}/v1 (model {router.model_name!r})")
+        auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if args.api_key else ""
+        print(f"curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{router.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+              flush=True)
+
+    async def serve():
+        task = asyncio.ensure_future(announce())
+        try:
+            await server.serve()
+        finally:
+            task.cancel()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled gracefully
+        pass
+
+
+def add_router_cmd_args(p) -> None:
+    add_router_args(p)
+    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", ""),
+                   help="the cluster's registry (see `pdserve up`'s log; env PDSERVE_REDIS_URL)")
+    p.add_argument("--cluster-name", required=True, help="the cluster's registry namespace")
+    p.add_argument("--model", default="", help="the cluster's model file or directory (for the tokenizer)")
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix hashing)")
+    p.set_defaults(func=cmd_router)
+
+
+def cmd_router(args) -> int:
+    from engine.config import CacheConfig
+    from engine.weights import resolve_model_path
+
+    from .registry import redact_url
+
+    check_exposure(args)
+    if not args.redis_url:
+        raise ValueError("pdserve router needs the cluster's registry: --redis-url (or PDSERVE_REDIS_URL)")
+    t0 = time.monotonic()
+    log = make_logger(t0)
+    log(f"router for cluster {args.cluster_name!r} at {redact_url(args.redis_url)}")
+    serve_router(args, resolve_model_path(args.model or None), args.block_size, CacheConfig().cache_namespace,
+                 args.redis_url, args.cluster_name, log, t0)
+    log("stopped")
+    return 0
