@@ -18,6 +18,7 @@ from engine.errors import InvalidRequestError, KVTransferError
 from kv_transfer.grpc_transport import GrpcKVServer
 from kv_transfer.receiver import KVReceiver
 from protos import worker_pb2 as pb
+from protos.security import TLSConfig, add_port, open_channel
 from protos import worker_pb2_grpc as pb_grpc
 from protos.convert import (block_snapshot, check_cluster_token, logprob_from_proto, output_to_proto,
                             params_from_proto, params_to_proto, refuse_when_full, refused_by, worker_stats)
@@ -88,7 +89,7 @@ class DecodeWorker:
 
     def __init__(self, engine: AsyncEngine, worker_id: str | None = None, cluster_token: str = "",
                  transfer_policy: str = "recompute", transfer_timeout_s: float = 30.0,
-                 local_prefill_threshold: int = 0, max_queue: int = 0):
+                 local_prefill_threshold: int = 0, max_queue: int = 0, tls: TLSConfig | None = None):
         """max_queue > 0: at most this many requests here waiting for their first token
         (for KV or for a place in the batch); more are refused with RESOURCE_EXHAUSTED."""
         if transfer_policy not in TRANSFER_POLICIES:
@@ -104,6 +105,7 @@ class DecodeWorker:
                                    str(eng.kv_cache.kv.dtype).removeprefix("torch."), cluster_token)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
+        self.tls = tls
         self._kv_server: GrpcKVServer | None = None
         self._server: grpc.aio.Server | None = None
         self._prefill_stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
@@ -167,7 +169,7 @@ class DecodeWorker:
     def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:
         stub = self._prefill_stubs.get(address)
         if stub is None:
-            ch = grpc.aio.insecure_channel(address)
+            ch = open_channel(address, self.tls)
             self._channels.append(ch)
             stub = self._prefill_stubs[address] = pb_grpc.PrefillServiceStub(ch)
         return stub
@@ -185,11 +187,11 @@ class DecodeWorker:
     async def start(self, host: str = "127.0.0.1", port: int = 0, kv_port: int = 0) -> str:
         self.engine.start()
         self._reaper = asyncio.ensure_future(self._reap_expired_leases())
-        self._kv_server = GrpcKVServer(self.receiver, host, kv_port)
+        self._kv_server = GrpcKVServer(self.receiver, host, kv_port, tls=self.tls)
         self.kv_address = await self._kv_server.start()
         self._server = grpc.aio.server()
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self._server)
-        port = self._server.add_insecure_port(f"{host}:{port}")
+        port = add_port(self._server, f"{host}:{port}", self.tls)
         await self._server.start()
         self.address = f"{host}:{port}"
         return self.address

@@ -16,6 +16,7 @@ from engine.weights import LoadedModel
 from router.app import Router, RouterConfig, create_app
 from router.cluster import ClusterClient, WorkerEndpoint
 from router.discovery import RegistryDiscovery
+from protos.security import TLSConfig
 
 from .worker_host import HostedWorker, WorkerSpec
 
@@ -34,6 +35,7 @@ class LocalClusterConfig:
     model_name: str = "default"
     transfer_policy: str = "recompute"
     local_prefill_threshold: int = 0
+    tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS between router and workers
     prefill_max_queue: int = 0     # per worker; 0: unbounded
     decode_max_queue: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -53,7 +55,7 @@ class LocalCluster:
     def _specs(self) -> list[WorkerSpec]:
         c = self.config
         base = WorkerSpec("prefill", "", c.cluster, c.redis_url, c.cluster_token, c.host, c.transfer_policy,
-                          c.local_prefill_threshold, c.engine)
+                          c.local_prefill_threshold, engine=c.engine, tls=c.tls)
         if c.mode == "aggregated":
             return [replace(base, role="aggregated", worker_id=f"aggregated-{i}", max_queue=c.decode_max_queue)
                     for i in range(c.num_decode)]
@@ -68,7 +70,8 @@ class LocalCluster:
             w = HostedWorker(spec, self.loaded, self.tokenizer)
             await w.start()
             self.workers.append(w)
-        cluster = ClusterClient(c.policy, c.engine.cache.block_size, c.engine.cache.cache_namespace, c.cluster_token)
+        cluster = ClusterClient(c.policy, c.engine.cache.block_size, c.engine.cache.cache_namespace, c.cluster_token,
+                                tls=c.tls)
         discovery = None
         if c.redis_url:
             discovery = RegistryDiscovery(c.redis_url, c.cluster, cluster)

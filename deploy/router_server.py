@@ -28,6 +28,12 @@ def add_router_args(p) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
                    help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY); required when "
                         "--host is not a loopback address")
+    g = p.add_argument_group("internal TLS (mutual TLS between router and workers; all three files, or none)")
+    g.add_argument("--tls-cert", default=os.environ.get("PDSERVE_TLS_CERT", ""), help="certificate chain, PEM")
+    g.add_argument("--tls-key", default=os.environ.get("PDSERVE_TLS_KEY", ""), help="its private key, PEM")
+    g.add_argument("--tls-ca", default=os.environ.get("PDSERVE_TLS_CA", ""), help="the cluster CA, PEM")
+    g.add_argument("--tls-server-name", default=os.environ.get("PDSERVE_TLS_SERVER_NAME", ""),
+                   help="name to verify in the workers' certificates (default: the address dialled)")
     p.add_argument("--max-inflight", type=int, default=256,
                    help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -38,6 +44,16 @@ def check_exposure(args) -> None:
     if args.host not in LOOPBACK and not args.api_key:
         raise ValueError(f"--host {args.host} exposes the API beyond this machine: set --api-key (or "
                          "PDSERVE_API_KEY) so that only clients with the key are served")
+
+
+def tls_config(args):
+    """The internal TLS settings from the flags, checked now (not on the first request)."""
+    from protos.security import TLSConfig
+
+    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    if tls.enabled:
+        tls.server_credentials()  # raises TLSConfigError (a ValueError) naming what is missing
+    return tls
 
 
 def make_logger(t0: float):
@@ -53,7 +69,7 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
     from router.cluster import ClusterClient
     from router.discovery import RegistryDiscovery
 
-    client = ClusterClient(args.routing, block_size, namespace, args.cluster_token)
+    client = ClusterClient(args.routing, block_size, namespace, args.cluster_token, tls=tls_config(args))
     router_cfg = RouterConfig(args.served_model_name or served_model_name(model_path), 0.25,
                               (args.api_key,) if args.api_key else (), args.max_inflight, args.request_timeout)
     router = Router(client, Tokenizer.from_model_path(model_path), router_cfg,

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 
-from .router_server import add_router_args, check_exposure, make_logger, serve_router
+from .router_server import add_router_args, check_exposure, make_logger, serve_router, tls_config
 
 
 def add_up_args(p) -> None:
@@ -65,6 +65,7 @@ def cmd_up(args) -> int:
     from .worker_host import WorkerSpec
 
     check_exposure(args)
+    tls = tls_config(args)
     t0 = time.monotonic()
     log = make_logger(t0)
     engine_cfg = engine_config(args)
@@ -88,7 +89,7 @@ def cmd_up(args) -> int:
         _start_ray(args, sum(p.replicas * p.num_cpus for p in pools))
         log(f"ray: {ray.get_runtime_context().gcs_address}")
         base = WorkerSpec("", "", cluster_name, redis_url, args.cluster_token, "127.0.0.1", args.transfer_policy,
-                          args.local_prefill_threshold, engine_cfg)
+                          args.local_prefill_threshold, tls=tls, engine=engine_cfg)
         started = [Pool(spec, base) for spec in pools]
         pending = [pool.launch() for pool in started]  # all pools load their model at once
         for pool, refs in zip(started, pending):

@@ -14,6 +14,7 @@ from engine.tokenizer import Tokenizer
 from engine.weights import LoadedModel
 from kv_transfer.grpc_transport import GrpcKVSender
 from prefill_worker.service import PrefillWorker
+from protos.security import TLSConfig
 
 from .registry import EventPublisher, WorkerRecord, WorkerRegistration
 
@@ -28,6 +29,7 @@ class WorkerSpec:
     host: str = "127.0.0.1"
     transfer_policy: str = "recompute"
     local_prefill_threshold: int = 0
+    tls: TLSConfig = field(default_factory=TLSConfig)
     max_queue: int = 0             # requests queued at this worker before it refuses more (0: unbounded)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -38,11 +40,12 @@ class HostedWorker:
         self.publisher = EventPublisher(spec.redis_url, spec.cluster, spec.worker_id) if spec.redis_url else None
         engine = AsyncEngine(LLMEngine(loaded, spec.engine, tokenizer, self.publisher))
         if spec.role == "prefill":
-            self.worker = PrefillWorker(engine, GrpcKVSender(spec.worker_id, spec.cluster_token), spec.worker_id,
-                                        spec.cluster_token, spec.max_queue)
+            self.worker = PrefillWorker(engine, GrpcKVSender(spec.worker_id, spec.cluster_token, tls=spec.tls), spec.worker_id,
+                                        spec.cluster_token, spec.max_queue, spec.tls)
         else:  # decode, or aggregated: a decode worker that always prefills itself
             self.worker = DecodeWorker(engine, spec.worker_id, spec.cluster_token, spec.transfer_policy,
-                                       local_prefill_threshold=spec.local_prefill_threshold, max_queue=spec.max_queue)
+                                       local_prefill_threshold=spec.local_prefill_threshold, max_queue=spec.max_queue,
+                                       tls=spec.tls)
         self.registration: WorkerRegistration | None = None
 
     @property

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from engine.errors import KVTransferError
+from protos.security import TLSConfig, add_port, open_channel
 from protos import kv_transfer_pb2 as pb
 from protos import kv_transfer_pb2_grpc as pb_grpc
 
@@ -58,8 +59,10 @@ class _Servicer(pb_grpc.KVTransferServicer):
 class GrpcKVServer:
     """Serves `KVTransfer` for one decode worker's receiver."""
 
-    def __init__(self, receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0, on_arrival=None):
+    def __init__(self, receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0, on_arrival=None,
+                 tls: TLSConfig | None = None):
         self.receiver = receiver
+        self.tls = tls
         self.host, self.port = host, port
         self.on_arrival = on_arrival
         self._server: grpc.aio.Server | None = None
@@ -68,7 +71,7 @@ class GrpcKVServer:
         """Start serving; returns the bound address."""
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self.receiver, self.on_arrival), self._server)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        self.port = add_port(self._server, f"{self.host}:{self.port}", self.tls)
         await self._server.start()
         return self.address
 
@@ -85,8 +88,10 @@ class GrpcKVServer:
 class GrpcKVSender:
     """Pushes KV blocks to decode workers; one channel per target, reused."""
 
-    def __init__(self, sender_id: str, cluster_token: str = "", chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, sender_id: str, cluster_token: str = "", chunk_bytes: int = CHUNK_BYTES,
+                 tls: TLSConfig | None = None):
         self.sender_id = sender_id
+        self.tls = tls
         self.cluster_token = cluster_token
         self.chunk_bytes = chunk_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -94,7 +99,7 @@ class GrpcKVSender:
     def _stub(self, target: str) -> pb_grpc.KVTransferStub:
         ch = self._channels.get(target)
         if ch is None:
-            ch = self._channels[target] = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            ch = self._channels[target] = open_channel(target, self.tls, CHANNEL_OPTIONS)
         return pb_grpc.KVTransferStub(ch)
 
     async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],

@@ -15,6 +15,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, KVTransferError
 from kv_transfer.base import KVSender
 from protos import worker_pb2 as pb
+from protos.security import TLSConfig, add_port
 from protos import worker_pb2_grpc as pb_grpc
 from protos.convert import (block_snapshot, check_cluster_token, logprob_to_proto, params_from_proto,
                             refuse_when_full, worker_stats)
@@ -84,12 +85,13 @@ class PrefillWorker:
     _ids = itertools.count()
 
     def __init__(self, engine: AsyncEngine, sender: KVSender, worker_id: str | None = None,
-                 cluster_token: str = "", max_queue: int = 0):
+                 cluster_token: str = "", max_queue: int = 0, tls: TLSConfig | None = None):
         """max_queue > 0: at most this many prompts queued or prefilling here; more are
         refused with RESOURCE_EXHAUSTED (the router tries another worker, then answers 429)."""
         self.engine = engine
         self.max_queue = max_queue
         self.inflight = self.refused = 0
+        self.tls = tls
         self.sender = sender
         self.worker_id = worker_id or f"prefill-{next(self._ids)}"
         self.cluster_token = cluster_token
@@ -106,7 +108,7 @@ class PrefillWorker:
         self.engine.start()
         self._server = grpc.aio.server()
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self._server)
-        port = self._server.add_insecure_port(f"{host}:{port}")
+        port = add_port(self._server, f"{host}:{port}", self.tls)
         await self._server.start()
         self.address = f"{host}:{port}"
         return self.address

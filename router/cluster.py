@@ -15,6 +15,7 @@ from engine.block_hash import hash_blocks
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from protos.convert import params_to_proto
+from protos.security import TLSConfig, open_channel
 
 from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy
 from .prefix_index import PrefixIndex
@@ -36,12 +37,14 @@ class Route:
 
 class ClusterClient:
     def __init__(self, policy: str = "prefix_aware", block_size: int = 16, namespace: str = "",
-                 cluster_token: str = "", stats_timeout_s: float = 2.0):
+                 cluster_token: str = "", stats_timeout_s: float = 2.0, tls: TLSConfig | None = None):
+        """tls: mutual TLS to the workers (their services must use the same CA)."""
         self.index = PrefixIndex()
         self.policy = make_policy(policy, self.index)
         self.block_size, self.namespace = block_size, namespace
         self.cluster_token = cluster_token
         self.stats_timeout_s = stats_timeout_s
+        self.tls = tls
         self.workers: dict[str, WorkerEndpoint] = {}
         self.stats: dict[str, pb.WorkerStats] = {}
         self.healthy: dict[str, bool] = {}
@@ -59,7 +62,7 @@ class ClusterClient:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = open_channel(address, self.tls)
         return ch
 
     def _stub(self, w: WorkerEndpoint):
