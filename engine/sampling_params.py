@@ -7,6 +7,8 @@ from .errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy."""
 
 
 @dataclass
@@ -44,8 +46,8 @@ class SamplingParams:
             bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 10.0:  # tiny penalties overflow the logits
+            bad("repetition_penalty", f"must be in [0.01, 10], got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -65,7 +67,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below 1e-5 dividing the logits by the temperature overflows float32 (inf, then NaN
+        # probabilities); such a temperature means "greedy" anyway
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -25,6 +25,24 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _valid_unicode(value: Any) -> Any:
+    """Refuse text that is not valid Unicode: JSON's `\\ud800` escape carries a lone UTF-16
+    surrogate, which the tokenizer cannot encode (found by fuzzing: it raised a TypeError, a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ValueError("contains a lone surrogate (\\ud800-\\udfff): not valid Unicode text") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _valid_unicode(k)
+            _valid_unicode(v)
+    elif isinstance(value, list):
+        for v in value:
+            _valid_unicode(v)
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -52,6 +70,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[str, float] | None = None
+
+    _unicode_only = field_validator("*")(_valid_unicode)
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -103,6 +123,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    _unicode_only = field_validator("content")(_valid_unicode)
+
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
@@ -137,6 +159,16 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
 
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        vocab_size: int | None = None) -> SamplingParams:
+        try:
+            return super().sampling_params(max_tokens, logprobs, vocab_size)
+        except APIError as e:  # name the field the client sent, not the engine's
+            if e.param == "max_tokens" and self.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"
+                e.message = e.message.replace("max_tokens", "max_completion_tokens", 1)
+            raise
+
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -153,7 +185,8 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
     if e.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {e.get('msg')}", code="invalid_json")
-    return APIError(400, f"{param}: {e.get('msg')}", param=param)
+    msg = e["ctx"]["error"] if e.get("type") == "value_error" and "error" in e.get("ctx", {}) else e.get("msg")
+    return APIError(400, f"{param}: {msg}", param=param)
 
 
 def http_error(status: int, detail: Any) -> APIError:

@@ -192,7 +192,8 @@ def test_events_follow_block_lifecycle(make_engine):
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"),
     (dict(top_k=-1), "top_k"), (dict(min_p=2.0), "min_p"), (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logprobs=99), "logprobs"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=1e-45), "repetition_penalty"),
+    (dict(logprobs=99), "logprobs"),
     (dict(stop_token_ids=[10_000]), "stop_token_ids"), (dict(seed=-1), "seed"),
 ])
 def test_invalid_params_raise_named_error(make_engine, kwargs, param):
@@ -200,6 +201,14 @@ def test_invalid_params_raise_named_error(make_engine, kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
         eng.add_request("bad", [1, 2, 3], SamplingParams(**kwargs))
     assert e.value.param == param and param in str(e.value)
+
+
+def test_tiny_temperature_is_greedy_not_nan(make_engine):
+    """Found by fuzzing the API: temperature 1e-45 overflowed the logits to inf and NaN
+    probabilities picked token 0, served as a success."""
+    ps = prompts(2, seed=5)
+    greedy = make_engine().generate(ps, SamplingParams(max_tokens=8, temperature=0.0))
+    assert make_engine().generate(ps, SamplingParams(max_tokens=8, temperature=1e-45, seed=1)) == greedy
 
 
 def test_invalid_prompts_raise_named_error(make_engine):

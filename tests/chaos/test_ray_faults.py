@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from deploy.redis_server import free_port
+from deploy.redis_server import EmbeddedRedis, free_port
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -93,6 +93,8 @@ def cluster():
         except subprocess.TimeoutExpired:
             up.p.kill()
             raise
+    if getattr(up, "redis", None) is not None:  # the Redis a test restarted in place of the embedded one
+        up.redis.stop()
     assert rc == 0, "".join(up.log)
     assert "Traceback" not in "".join(up.log), "".join(up.log)
     wait_until(lambda: not [p for p in procs if alive(p)], 30, "every process of the cluster to exit")
@@ -203,3 +205,28 @@ def test_router_sigkill_then_restart(cluster):
     wait_until(lambda: clean(cluster.url), 10, "all KV blocks back")
     print(f"\n(router: workers aborted the dead router's stream within {aborted_in:.2f} s)")
     report("router SIGKILL mid-stream, restarted", 0, 0, ready)
+
+
+def test_redis_killed_then_restarted(cluster):
+    """The registry dies: routing goes on from what the router last knew; when Redis is back
+    (empty: no persistence), every worker registers again and the cluster serves as before."""
+    import redis
+
+    pid = int(cluster.find("embedded redis-server, pid").split("pid ")[1].split(")")[0])
+    url = cluster.find("registry: ").split("registry: ")[1].split()[0]
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    os.kill(pid, signal.SIGKILL)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    time.sleep(2)  # heartbeats and event pushes fail meanwhile
+    r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text  # served from the last known membership
+    cluster.redis = EmbeddedRedis(host, int(port)).start()  # the operator restarts it, empty
+    restarted = time.monotonic()
+    db = redis.Redis(host=host, port=int(port))
+    wait_until(lambda: len(db.keys("pdserve:chaos:worker:*")) == 4, 30, "every worker to register again")
+    recovery = time.monotonic() - restarted
+    db.close()
+    wait_until(lambda: clean(cluster.url), 10, "all workers healthy, no block held")
+    r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    report("Redis SIGKILL, restarted empty (workers re-register)", 0, 0, recovery)
