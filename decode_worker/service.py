@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import grpc
 
@@ -133,10 +134,21 @@ class DecodeWorker:
         await self.engine.run(lambda e: e.add_request(rid, prompt, params, resume=resume))
         return False
 
+    async def _destination_blocks(self, rid, prompt, params) -> list[int] | None:
+        """Blocks for the prompt's KV, waiting (up to the transfer timeout) while the batch
+        holds them all: under KV pressure a request queues for blocks here rather than having
+        its prompt computed on this decode worker, where it would stall every stream."""
+        deadline = time.monotonic() + self.transfer_timeout_s
+        while True:
+            dest = await self.engine.run(lambda e: e.add_remote_request(rid, prompt, params))
+            if dest is not None or time.monotonic() >= deadline:
+                return dest
+            await asyncio.sleep(0.05)  # blocks come back as running requests finish
+
     async def _remote_prefill(self, rid, prompt, params, prefill_address) -> bool:
-        """False: no blocks free now (prefill locally, queued); raises KVTransferError on failure
-        after releasing the destination blocks."""
-        dest = await self.engine.run(lambda e: e.add_remote_request(rid, prompt, params))
+        """False: no blocks free in time (prefill locally, queued); raises KVTransferError on
+        failure after releasing the destination blocks."""
+        dest = await self._destination_blocks(rid, prompt, params)
         if dest is None:
             return False
         self.receiver.expect(rid, dest, len(prompt), self.transfer_timeout_s)

@@ -59,8 +59,9 @@ class Scheduler:
 
     def add_remote(self, req: Request) -> bool:
         """Admit `req` with blocks for its whole prompt, to be filled by a KV import. Returns
-        False (nothing allocated) if the blocks are not free now."""
-        if not self.blocks.allocate(req.request_id, req.num_prompt_tokens):
+        False (nothing allocated) if the blocks are not free now, or if requests already wait
+        for blocks here (preempted ones first: a stream of new arrivals must not starve them)."""
+        if self.waiting or not self.blocks.allocate(req.request_id, req.num_prompt_tokens):
             return False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req

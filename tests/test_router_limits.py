@@ -105,7 +105,7 @@ def test_pool_queue_limits_give_429_once_every_worker_of_the_pool_is_full(smollm
     from concurrent.futures import ThreadPoolExecutor
 
     loaded, tok = smollm
-    # KV room for all of them on the decode worker (short of blocks it would prefill a prompt itself)
+    # KV room for all of them on the decode worker (short of blocks, a request waits there for them)
     cfg = LocalClusterConfig(model_name=MODEL, num_prefill=2, prefill_max_queue=1,
                              engine=EngineConfig(cache=CacheConfig(kv_cache_memory=256 << 20)))
     c = LocalCluster(loaded, tok, cfg).start()

@@ -22,8 +22,8 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 
 
 class Cluster:
-    def __init__(self, make_engine, token="", policy="recompute", threshold=0):
-        self.prefill_engine, self.decode_engine = make_engine(), make_engine()
+    def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20):
+        self.prefill_engine, self.decode_engine = make_engine(), make_engine(kv_cache_memory=decode_kv)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), GrpcKVSender("prefill-0", token), "prefill-0", token)
         self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
                                    local_prefill_threshold=threshold)
@@ -70,6 +70,24 @@ def test_disaggregated_equals_single_engine(make_engine):
     assert [t for t, _ in outs] == want
     assert all(last.finished and last.finish_reason == "length" and last.prefilled_remotely for _, last in outs)
     assert stats.remote_prefills == 3 and stats.local_prefills == 0 and stats.free_blocks == stats.num_blocks
+
+
+def test_under_kv_pressure_requests_wait_for_blocks_not_prefill_locally(make_engine):
+    """The decode worker's KV (8 blocks) holds one 70+40-token request at a time: the second
+    waits for blocks and still gets its prompt from the prefill worker (prefilling it on the
+    decode worker would stall the batch)."""
+    prompt, params = PROMPTS[2] + PROMPTS[1][:10], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = make_engine().generate([prompt], params)[0]
+
+    async def main():
+        async with Cluster(make_engine, decode_kv=8 * 8192) as c:  # 8 blocks of 16 tokens (tiny model, fp32)
+            assert c.decode_engine.blocks.num_blocks == 8
+            outs = await asyncio.gather(c.generate("a", prompt, params), c.generate("b", prompt + [7], params))
+            return outs, await c.stub.Stats(pb.StatsRequest())
+
+    outs, stats = asyncio.run(main())
+    assert outs[0][0] == want and len(outs[1][0]) == 40
+    assert stats.remote_prefills == 2 and stats.local_prefills == 0
 
 
 def test_short_prompts_prefill_locally(make_engine):
