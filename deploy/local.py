@@ -81,7 +81,8 @@ class LocalCluster:
         self.router = Router(cluster, self.tokenizer, replace(c.router, model_name=c.model_name, refresh_interval_s=0.1),
                              discovery=discovery)
         server = uvicorn.Server(uvicorn.Config(create_app(self.router), host=c.host, port=c.port,
-                                               log_level="warning", lifespan="on"))
+                                               log_level="warning", lifespan="on",
+                                               timeout_graceful_shutdown=10))
         self._server = server
         self._serve_task = asyncio.ensure_future(server.serve())
         while not server.started:
@@ -114,7 +115,14 @@ class LocalCluster:
 
     def stop(self) -> None:
         try:
-            self.run(self._stop())
+            try:
+                self.run(self._stop())
+            except TimeoutError:  # say what it is stuck on: a hang here is a bug worth a clear report
+                stuck = [t.get_stack() and f"{t.get_name()}: {t.get_coro()!r}\n" + "".join(
+                    f"  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}\n" for f in t.get_stack())
+                    for t in asyncio.all_tasks(self.loop)]
+                raise TimeoutError("the local cluster did not stop within 60 s; pending tasks:\n" +
+                                   "\n".join(stuck)) from None
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)

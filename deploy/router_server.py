@@ -74,7 +74,8 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
                               (args.api_key,) if args.api_key else (), args.max_inflight, args.request_timeout)
     router = Router(client, Tokenizer.from_model_path(model_path), router_cfg,
                     discovery=RegistryDiscovery(redis_url, cluster_name, client))
-    server = uvicorn.Server(uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=30))  # Ctrl-C: streams get 30 s to finish
 
     async def announce():
         while not (server.started and client.ready()):
