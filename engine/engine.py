@@ -104,6 +104,10 @@ class LLMEngine:
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
         req = Request(request_id, ids, params, max_tokens, self.eos_token_id, generator=gen)
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
+            req.grammar = self.tokenizer.grammar_compiler(self.model_config.vocab_size).matcher(params.structured)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         elif params.stop:
@@ -136,6 +140,8 @@ class LLMEngine:
             raise InvalidRequestError(f"{len(tokens)} tokens already generated: nothing left of "
                                       f"max_tokens={req.max_tokens}", param="resume")
         for t in tokens:
+            if req.grammar is not None and not req.grammar.consume(t):
+                raise InvalidRequestError("resume tokens do not follow the request's constraint", param="resume")
             req.append_output(t)
             if not req.params.greedy:  # one draw per sampled token, as the sampler makes
                 torch.empty(vocab).exponential_(generator=req.generator)
@@ -177,6 +183,11 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED
         elif token in p.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        if req.grammar is not None and status is None:
+            # masked sampling only picks allowed tokens; a refused one can only be an imported
+            # first token from a prefill worker with another constraint: stop rather than drift
+            if not req.grammar.consume(token) or req.grammar.done:
+                status = RequestStatus.FINISHED_STOPPED
         detok = self._detok.get(req.request_id)
         if detok is not None:
             out.new_text = detok.push([token])

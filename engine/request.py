@@ -48,6 +48,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
+    grammar: object | None = None  # structured.GrammarState of a constrained request
 
     def __post_init__(self):
         if not self.all_token_ids:

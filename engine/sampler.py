@@ -69,7 +69,14 @@ def sample_row(logits: torch.Tensor, req: Request) -> int:
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: (N, vocab) fp32, one row per request in `reqs`."""
-    logits = logits.float()
+    raw = logits = logits.float()
+    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if constrained:  # grammar masks apply to sampling; logprobs stay those of the model
+        logits = logits.clone()
+        for i in constrained:
+            allowed = reqs[i].grammar.allowed()
+            if allowed.any():  # an empty mask (a broken grammar state) would make every row -inf
+                logits[i].masked_fill_(~allowed, float("-inf"))
     tokens: list[int | None] = [None] * len(reqs)
     simple = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
     if simple:
@@ -83,7 +90,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[T
     logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
     want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
+        lp = torch.log_softmax(raw[want], dim=-1)
         for row, i in enumerate(want):
             n = reqs[i].params.logprobs
             top = torch.topk(lp[row], n) if n else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
+from .structured import Structured
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -30,6 +31,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    structured: Structured | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -60,6 +63,8 @@ class SamplingParams:
             bad("stop", "entries must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured is not None:
+            self.structured.validate()
         limit = vocab_size if vocab_size is not None else 2**31
         for t in self.stop_token_ids:
             if not 0 <= t < limit:

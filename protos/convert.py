@@ -9,6 +9,7 @@ import grpc
 from engine.engine import LLMEngine, RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured import Structured
 
 from . import worker_pb2 as pb
 
@@ -24,6 +25,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured is not None:
+        msg.structured_kind, msg.structured_spec = p.structured.kind, p.structured.spec
     return msg
 
 
@@ -35,7 +38,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None, repetition_penalty=msg.repetition_penalty,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        structured=Structured(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None)
 
 
 def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:

@@ -5,25 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from engine.tokenizer import Tokenizer
 
 from .cluster import ClusterClient
-from .generation import Delta, Generation
+from .generation import Generation
 from .metrics import RouterMetrics
+from .openai_api import OpenAIHandlers
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, http_error, validation_error
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 @dataclass(frozen=True)
@@ -44,7 +40,7 @@ class RouterConfig:
             raise ValueError("max_inflight and request_timeout_s must be >= 0")
 
 
-class Router:
+class Router(OpenAIHandlers):
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, config: RouterConfig | None = None,
                  discovery=None):
         """discovery: a RegistryDiscovery that keeps `cluster` in step with Redis (None:
@@ -71,27 +67,6 @@ class Router:
         return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
                           timeout_s=self.config.request_timeout_s, on_done=done)
 
-    # ---- formatting ---------------------------------------------------------------------
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _completion_logprobs(self, d: Delta, offset: int) -> dict:
-        toks = [self._token_text(lp.token_id) for lp in d.logprobs]
-        offsets, pos = [], offset
-        for t in toks:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": toks, "token_logprobs": [lp.logprob for lp in d.logprobs],
-                "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in d.logprobs],
-                "text_offset": offsets}
-
-    def _chat_logprobs(self, d: Delta) -> dict:
-        def entry(t, v):
-            s = self._token_text(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode())}
-        return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in d.logprobs]}
-
     # ---- requests -----------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -110,98 +85,6 @@ class Router:
         if bad is not None:
             raise APIError(400, f"prompt contains token id {bad}, outside the vocabulary [0, {vocab})", param="prompt")
         return ids
-
-    async def completions(self, req: CompletionRequest):
-        req.check_supported()
-        self._check_model(req.model)
-        ids = self._encode_prompt(req)
-        gen = self._generation(ids, req.sampling_params(req.max_tokens, req.logprobs, self.tokenizer.vocab_size),
-                               "cmpl")
-        await gen.start()
-        base = {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": self.model_name}
-        want_lp = req.logprobs is not None
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            def chunk(d: Delta, offset: int) -> dict:
-                return base | {"choices": [{"index": 0, "text": d.text, "finish_reason": None,
-                                            "logprobs": self._completion_logprobs(d, offset) if want_lp else None}]}
-
-            return await self._stream(gen, chunk, lambda: base | {"choices": [{"index": 0, "text": "", "logprobs": None,
-                                                                        "finish_reason": gen.finish_reason}]},
-                                base, include_usage)
-        text, lps = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        async for d in gen.deltas():
-            if want_lp:
-                for k, v in self._completion_logprobs(d, len(text)).items():
-                    lps[k] += v
-            text += d.text
-        return base | {"choices": [{"index": 0, "text": text, "logprobs": lps if want_lp else None,
-                                    "finish_reason": gen.finish_reason}], "usage": gen.usage()}
-
-    async def chat(self, req: ChatCompletionRequest):
-        req.check_supported()
-        self._check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        ids = self.tokenizer.encode(prompt)
-        gen = self._generation(ids, req.sampling_params(req.max_new_tokens(), req.wanted_logprobs(),
-                                                      self.tokenizer.vocab_size), "chatcmpl")
-        await gen.start()
-        base = {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": self.model_name}
-        want_lp = req.logprobs
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            sbase = base | {"object": "chat.completion.chunk"}
-            first = [True]
-
-            def chunk(d: Delta, offset: int) -> dict:
-                delta = {"role": "assistant", "content": d.text} if first[0] else {"content": d.text}
-                first[0] = False
-                return sbase | {"choices": [{"index": 0, "delta": delta, "finish_reason": None,
-                                             "logprobs": self._chat_logprobs(d) if want_lp else None}]}
-
-            return await self._stream(gen, chunk, lambda: sbase | {"choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                                         "finish_reason": gen.finish_reason}]},
-                                sbase, include_usage)
-        text, content_lps = "", []
-        async for d in gen.deltas():
-            text += d.text
-            if want_lp:
-                content_lps += self._chat_logprobs(d)["content"]
-        return base | {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                    "logprobs": {"content": content_lps} if want_lp else None,
-                                    "finish_reason": gen.finish_reason}], "usage": gen.usage()}
-
-    async def _stream(self, gen: Generation, chunk, final, base: dict, include_usage: bool) -> StreamingResponse:
-        async def events():
-            offset = 0
-            try:
-                async for d in gen.deltas():
-                    yield _sse(chunk(d, offset))
-                    offset += len(d.text)
-                yield _sse(final())
-                if include_usage:
-                    yield _sse(base | {"choices": [], "usage": gen.usage()})
-            except APIError as e:  # after the first byte the status is sent: report in-band
-                yield _sse(e.body())
-            finally:
-                await gen.close()
-            yield "data: [DONE]\n\n"
-
-        # Start the generator now: a started async generator is closed (its `finally` runs,
-        # aborting the request) whenever it is dropped, even if the client vanished before
-        # the server began to send the body and the body was never iterated.
-        inner = events()
-        first = await anext(inner)
-
-        async def body():
-            yield first
-            async for item in inner:
-                yield item
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def create_app(router: Router) -> FastAPI:

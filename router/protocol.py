@@ -14,6 +14,10 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 
+MAX_N = 16
+"""Choices per request at most."""
+
+
 class APIError(Exception):
     """An error the API returns as `{"error": {"message", "type", "param", "code"}}`."""
 
@@ -70,12 +74,13 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (+ regex, choice, grammar)
 
     _unicode_only = field_validator("*")(_valid_unicode)
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
@@ -106,12 +111,12 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported yet", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported", param="best_of")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, "best_of is not supported (other than best_of == n)", param="best_of")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
@@ -143,7 +148,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True
@@ -152,10 +156,6 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if not self.messages:
             raise APIError(400, "messages must contain at least one message", param="messages")
-        if self.tools:
-            raise APIError(400, "tools are not supported yet", param="tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than text is not supported yet", param="response_format")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
 

@@ -111,12 +111,13 @@ def _tame(body, keep_model: bool, stream: bool, budget: int):
     return body
 
 
-# Plausible ranges of the numeric knobs, and the features the router refuses outright; only
-# used to steer half the positive cases past validation (see _plausible), not as the spec.
+# Plausible ranges of the numeric knobs, and the features the router refuses outright or that
+# random values almost never get right (tools, response_format); only used to steer half the
+# positive cases past validation (see _plausible), not as the spec.
 RANGES = {"temperature": (0, 2), "top_p": (0.01, 1), "min_p": (0, 1), "repetition_penalty": (0.5, 2),
           "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2), "top_k": (0, 1000), "seed": (0, 2**63 - 1),
           "logprobs": (0, 5), "top_logprobs": (0, 20), "n": (1, 1), "best_of": (1, 1)}
-REFUSED = ("echo", "suffix", "logit_bias", "tools", "response_format")
+REFUSED = ("suffix", "logit_bias", "tools", "tool_choice", "response_format")
 
 
 def _plausible(body, vocab_size: int):

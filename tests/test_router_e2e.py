@@ -111,7 +111,12 @@ def test_logprobs(client):
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
     ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "frobnicate"}}}}, 400, "response_format"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "regex", "regex": "([a-z]"}}, 400, "response_format"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),

@@ -1,0 +1,127 @@
+"""Structured output: a grammar constrains which tokens may come next.
+
+A request's `SamplingParams.structured` names a constraint (a JSON schema, any JSON object, a
+regex, a choice among strings, or a Lark grammar). The engine compiles it with llguidance
+for the model's tokenizer and keeps one matcher per request: before each sampling step the
+matcher's token bitmask sets every disallowed logit to -inf, and each produced token
+advances the matcher. The matcher's state is a function of the tokens produced so far, so
+it crosses process boundaries by replay: the prefill worker masks the first token, the
+decode worker rebuilds the matcher from the constraint and consumes that token (and, after a
+migration, every token already streamed).
+
+llguidance was picked over xgrammar by `bench/grammar_backends.py`: both compute a mask in
+microseconds on this CPU (a decode step takes tens of milliseconds); llguidance compiles
+faster and needs nothing else installed (xgrammar pulls in transformers and triton).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import InvalidRequestError
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# JSON with fixed separators and no free whitespace: flexible whitespace lets a small model
+# loop on newlines until max_tokens and leave the document unfinished; this way a bounded
+# schema always ends within a bounded number of tokens
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_SPEC_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class Structured:
+    """A constraint on the output. `spec`: the JSON schema (as JSON text) for json_schema,
+    the pattern for regex, a JSON list of strings for choice, Lark text for grammar."""
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {KINDS}, got {self.kind!r}",
+                                      param="response_format")
+        if len(self.spec.encode()) > MAX_SPEC_BYTES:
+            raise InvalidRequestError(f"the {self.kind} constraint is larger than {MAX_SPEC_BYTES} bytes",
+                                      param="response_format")
+
+    def grammar(self) -> str:
+        """The llguidance grammar text; raises InvalidRequestError on a malformed spec."""
+        from llguidance import LLMatcher
+
+        try:
+            if self.kind == "json_object":
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+            if self.kind == "json_schema":
+                return LLMatcher.grammar_from_json_schema(json.loads(self.spec), overrides=JSON_OPTIONS)
+            if self.kind == "regex":
+                return LLMatcher.grammar_from_regex(self.spec)
+            if self.kind == "choice":
+                choices = json.loads(self.spec)
+                if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+                    raise ValueError("choice needs a non-empty list of strings")
+                return LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})" for c in choices))
+            return LLMatcher.grammar_from_lark(self.spec)
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(f"invalid {self.kind} constraint: {e}", param="response_format") from e
+
+
+class GrammarCompiler:
+    """Builds matchers for one tokenizer and vocabulary (the model's embedding rows)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import llguidance
+
+        eos = tokenizer.eos_token_id
+        # building the token trie takes ~0.2 s: once per process and tokenizer
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend_json(), n_vocab=vocab_size, eos_token=eos)
+        self.vocab_size = vocab_size
+
+    def check(self, structured: Structured) -> str:
+        """The grammar for `structured`, validated; raises InvalidRequestError naming the problem."""
+        from llguidance import LLMatcher
+
+        structured.validate()
+        grammar = structured.grammar()
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise InvalidRequestError(f"invalid {structured.kind} constraint: {messages[0]}", param="response_format")
+        return grammar
+
+    def matcher(self, structured: Structured) -> "GrammarState":
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.tokenizer, self.check(structured), log_level=0)
+        if m.is_error():
+            raise InvalidRequestError(f"invalid {structured.kind} constraint: {m.get_error()}", param="response_format")
+        return GrammarState(m, self.vocab_size)
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+
+    def allowed(self) -> torch.Tensor:
+        """Bool mask over the vocabulary of the tokens the grammar accepts next."""
+        self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[:self.vocab_size]
+        return torch.from_numpy(bits.astype(np.bool_))
+
+    def consume(self, token: int) -> bool:
+        """Advance by `token`; False if the grammar does not allow it."""
+        return self.matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: the grammar allows nothing more."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() if self.matcher.is_error() else ""

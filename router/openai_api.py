@@ -1,0 +1,247 @@
+"""The OpenAI endpoints' request handling: a request becomes n `Generation`s (choices), whose
+deltas are formatted as completions or chat completions, streamed (SSE) or collected.
+
+n > 1 shares the prompt: the first choice runs ahead until its first token, so its prompt
+blocks are in the prefix caches (prefill and decode side) and the other choices reuse them by
+reference count; each choice then computes only the prompt's last, partial block and its own
+tokens. Seeded choices use seed, seed+1, ... so that they differ and are reproducible.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+from fastapi.responses import StreamingResponse
+
+from .generation import Delta, Generation
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .tools import check_tools, forced_tool, parse_tool_call, render_messages, structured_from_response_format
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(gens: list[Generation]) -> dict:
+    u = gens[0].usage()
+    done = sum(g.completion_tokens for g in gens)
+    u |= {"completion_tokens": done, "total_tokens": u["prompt_tokens"] + done}
+    return u
+
+
+class OpenAIHandlers:
+    """Mixed into `Router` (router/app.py), which provides `_generation`, `tokenizer`,
+    `model_name` and the admission bookkeeping."""
+
+    # ---- formatting ---------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, d: Delta, offset: int) -> dict:
+        toks = [self._token_text(lp.token_id) for lp in d.logprobs]
+        offsets, pos = [], offset
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": toks, "token_logprobs": [lp.logprob for lp in d.logprobs],
+                "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in d.logprobs],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, d: Delta) -> dict:
+        def entry(t, v):
+            s = self._token_text(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+        return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in d.logprobs]}
+
+    # ---- choices ------------------------------------------------------------------------
+    def _check_structured(self, params) -> None:
+        if params.structured is not None:  # a bad schema is a 400 here, before any worker sees it
+            from engine.errors import InvalidRequestError
+            try:
+                self.tokenizer.grammar_compiler(self.tokenizer.vocab_size).check(params.structured)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param=e.param) from e
+
+    async def _start_choices(self, ids: list[int], params, n: int, prefix: str) -> list[Generation]:
+        self._check_structured(params)
+        gens: list[Generation] = []
+        try:
+            gens.append(self._generation(ids, params, prefix))
+            await gens[0].start()  # runs ahead: the prompt's blocks are cached for the others
+            for i in range(1, n):
+                gens.append(self._generation(ids, replace(params, seed=params.seed + i)
+                                             if params.seed is not None else params, prefix))
+            await asyncio.gather(*(g.start() for g in gens[1:]))
+        except BaseException:
+            await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+            raise
+        return gens
+
+    async def _collect(self, gens: list[Generation], on_delta) -> list[str]:
+        async def one(i: int, g: Generation) -> str:
+            text = ""
+            async for d in g.deltas():
+                on_delta(i, d, len(text))
+                text += d.text
+            return text
+        try:
+            return list(await asyncio.gather(*(one(i, g) for i, g in enumerate(gens))))
+        finally:
+            await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+
+    async def _stream(self, gens: list[Generation], chunk, final, base: dict, include_usage: bool) -> StreamingResponse:
+        """SSE of every choice's deltas as they come; `chunk(i, delta, offset)` and `final(i)`
+        give the events (or None to send nothing)."""
+        async def events():
+            q: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, g: Generation):
+                try:
+                    async for d in g.deltas():
+                        await q.put((i, d))
+                    await q.put((i, None))
+                except BaseException as e:  # noqa: BLE001 - reported in-band below
+                    await q.put((i, e))
+            tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+            offsets, left = [0] * len(gens), len(gens)
+            try:
+                while left:
+                    i, item = await q.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        left -= 1
+                        for ev in final(i):
+                            yield _sse(ev)
+                        continue
+                    ev = chunk(i, item, offsets[i])
+                    offsets[i] += len(item.text)
+                    if ev is not None:
+                        yield _sse(ev)
+                if include_usage:
+                    yield _sse(base | {"choices": [], "usage": _usage(gens)})
+            except APIError as e:  # after the first byte the status is sent: report in-band
+                yield _sse(e.body())
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+            yield "data: [DONE]\n\n"
+
+        # Start the generator now: a started async generator is closed (its `finally` runs,
+        # aborting the requests) whenever it is dropped, even if the client vanished before
+        # the server began to send the body and the body was never iterated.
+        inner = events()
+        first = await anext(inner)
+
+        async def body():
+            yield first
+            async for item in inner:
+                yield item
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ---- endpoints ----------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest):
+        req.check_supported()
+        self._check_model(req.model)
+        ids = self._encode_prompt(req)
+        params = req.sampling_params(req.max_tokens, req.logprobs, self.tokenizer.vocab_size)
+        params.structured = structured_from_response_format(req.response_format)
+        gens = await self._start_choices(ids, params, req.n, "cmpl")
+        base = {"id": gens[0].request_id, "object": "text_completion", "created": gens[0].created,
+                "model": self.model_name}
+        want_lp = req.logprobs is not None
+        echo = self.tokenizer.decode(ids) if req.echo else ""
+        if req.stream:
+            echoed = [not echo] * len(gens)
+
+            def chunk(i: int, d: Delta, offset: int) -> dict:
+                text = d.text if echoed[i] else echo + d.text
+                echoed[i] = True
+                lp = self._completion_logprobs(d, len(echo) + offset) if want_lp else None
+                return base | {"choices": [{"index": i, "text": text, "finish_reason": None, "logprobs": lp}]}
+
+            def final(i: int) -> list[dict]:
+                return [base | {"choices": [{"index": i, "text": "", "logprobs": None,
+                                             "finish_reason": gens[i].finish_reason}]}]
+            return await self._stream(gens, chunk, final, base,
+                                      bool(req.stream_options and req.stream_options.include_usage))
+        lps = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in gens]
+
+        def on_delta(i: int, d: Delta, offset: int) -> None:
+            if want_lp:
+                for k, v in self._completion_logprobs(d, len(echo) + offset).items():
+                    lps[i][k] += v
+        texts = await self._collect(gens, on_delta)
+        return base | {"choices": [{"index": i, "text": echo + t, "logprobs": lps[i] if want_lp else None,
+                                    "finish_reason": g.finish_reason} for i, (t, g) in enumerate(zip(texts, gens))],
+                       "usage": _usage(gens)}
+
+    async def chat(self, req: ChatCompletionRequest):
+        req.check_supported()
+        self._check_model(req.model)
+        specs = check_tools(req.tools, req.tool_choice)
+        messages = render_messages([{"role": m.role, "content": m.text()} | (m.model_extra or {}) for m in req.messages],
+                                   req.tools, req.tool_choice)
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        ids = self.tokenizer.encode(prompt)
+        params = req.sampling_params(req.max_new_tokens(), req.wanted_logprobs(), self.tokenizer.vocab_size)
+        forced = forced_tool(req.tools, req.tool_choice, specs)
+        if forced is not None and req.response_format and req.response_format.get("type") != "text":
+            raise APIError(400, "response_format cannot be combined with a required tool call (tool_choice)",
+                           param="response_format")
+        params.structured = forced or structured_from_response_format(req.response_format)
+        calls_possible = bool(specs) and req.tool_choice != "none"
+        gens = await self._start_choices(ids, params, req.n, "chatcmpl")
+        base = {"id": gens[0].request_id, "object": "chat.completion", "created": gens[0].created,
+                "model": self.model_name}
+        want_lp = req.logprobs
+
+        def finish(i: int, text: str) -> tuple[dict, str]:
+            """The message (or delta) and finish_reason of choice i, its whole text known."""
+            calls = parse_tool_call(text, specs) if calls_possible else None
+            if calls:
+                return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            return {"role": "assistant", "content": text}, gens[i].finish_reason
+        if req.stream:
+            sbase = base | {"object": "chat.completion.chunk"}
+            started, held = [False] * len(gens), [""] * len(gens)
+
+            def chunk(i: int, d: Delta, offset: int) -> dict | None:
+                if calls_possible:  # a tool call is only known once the answer is complete
+                    held[i] += d.text
+                    return None
+                delta = {"content": d.text} | ({} if started[i] else {"role": "assistant"})
+                started[i] = True
+                return sbase | {"choices": [{"index": i, "delta": delta, "finish_reason": None,
+                                             "logprobs": self._chat_logprobs(d) if want_lp else None}]}
+
+            def final(i: int) -> list[dict]:
+                events, reason = [], gens[i].finish_reason
+                if calls_possible:
+                    message, reason = finish(i, held[i])
+                    if message.get("tool_calls"):
+                        message["tool_calls"] = [c | {"index": k} for k, c in enumerate(message["tool_calls"])]
+                    events.append(sbase | {"choices": [{"index": i, "delta": message, "finish_reason": None,
+                                                        "logprobs": None}]})
+                return events + [sbase | {"choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                       "finish_reason": reason}]}]
+            return await self._stream(gens, chunk, final, sbase,
+                                      bool(req.stream_options and req.stream_options.include_usage))
+        content_lps: list[list] = [[] for _ in gens]
+
+        def on_delta(i: int, d: Delta, offset: int) -> None:
+            if want_lp:
+                content_lps[i] += self._chat_logprobs(d)["content"]
+        texts = await self._collect(gens, on_delta)
+        choices = []
+        for i, text in enumerate(texts):
+            message, reason = finish(i, text)
+            choices.append({"index": i, "message": message, "finish_reason": reason,
+                            "logprobs": {"content": content_lps[i]} if want_lp else None})
+        return base | {"choices": choices, "usage": _usage(gens)}
