@@ -105,6 +105,7 @@ class DecodeWorker:
         self.receiver = KVReceiver(eng.loaded.fingerprint, eng.kv_cache.layout,
                                    str(eng.kv_cache.kv.dtype).removeprefix("torch."), cluster_token)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
+        self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self.tls = tls
         self._kv_server: GrpcKVServer | None = None
@@ -171,6 +172,7 @@ class DecodeWorker:
             await self._release(rid)
             raise
         self.remote_prefills += 1
+        self.blocks_received += len(dest)
         self.engine.publish([out])
         return True
 

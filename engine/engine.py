@@ -227,13 +227,14 @@ class LLMEngine:
         return True
 
     def add_remote_request(self, request_id: str, prompt: list[int], params: SamplingParams | None = None) -> list[int] | None:
-        """Admit a request whose prompt KV will be imported. Returns its destination block ids,
-        or None if the blocks are not free now (retry later)."""
+        """Admit a request whose prompt KV will be imported. Returns the block ids to fill:
+        those after the prefix this engine already caches (shared, not sent again); None if
+        the blocks are not free now (retry later)."""
         req = self._make_request(request_id, prompt, params or SamplingParams())
         if not self.scheduler.add_remote(req):
             self._detok.pop(request_id, None)
             return None
-        return self.blocks.block_table(request_id)
+        return self.blocks.block_table(request_id)[req.num_cached_tokens // self.blocks.block_size:]
 
     def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
                   logprob: TokenLogprobs | None = None) -> RequestOutput:
@@ -242,7 +243,10 @@ class LLMEngine:
         req = self.scheduler.remote.get(request_id)
         if req is None:
             raise KVTransferError(f"request {request_id!r} is not waiting for remote KV")
-        self.kv_cache.import_blocks(self.blocks.block_table(request_id), kv)
+        table = self.blocks.block_table(request_id)
+        if kv.dim() != 6 or kv.shape[2] > len(table):
+            raise KVTransferError(f"KV for {request_id!r} has shape {tuple(kv.shape)}: more blocks than its {len(table)}")
+        self.kv_cache.import_blocks(table[len(table) - kv.shape[2]:], kv)  # the uncached tail
         self.scheduler.remote_kv_ready(req)
         if not req.params.greedy:
             # the prefill side drew the first token from the same seeded stream: skip that

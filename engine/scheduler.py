@@ -60,9 +60,15 @@ class Scheduler:
     def add_remote(self, req: Request) -> bool:
         """Admit `req` with blocks for its whole prompt, to be filled by a KV import. Returns
         False (nothing allocated) if the blocks are not free now, or if requests already wait
-        for blocks here (preempted ones first: a stream of new arrivals must not starve them)."""
-        if self.waiting or not self.blocks.allocate(req.request_id, req.num_prompt_tokens):
+        for blocks here (preempted ones first: a stream of new arrivals must not starve them).
+        Cached blocks of the prompt's prefix are shared (by reference count), not imported
+        again: `num_cached_tokens` says how many tokens they hold."""
+        if self.waiting:
             return False
+        prefix = self.blocks.match_prefix(req.all_token_ids)
+        if not self.blocks.allocate(req.request_id, req.num_prompt_tokens, prefix):
+            return False
+        req.num_cached_tokens = prefix.num_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req
         self.remote[req.request_id] = req

@@ -51,6 +51,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             tokens, kv = await w.engine.run(lambda e: e.export_kv(rid))
         finally:
             await w.engine.run(lambda e: e.release_kv(rid))
+        dest = list(request.dest_block_ids)
+        if 0 < len(dest) < kv.shape[2]:  # the decode worker caches the prefix: send only the tail
+            kv = kv[:, :, kv.shape[2] - len(dest):].contiguous()
         try:
             await w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
                                 num_tokens=len(tokens), first_token=first.new_token_ids[0],

@@ -90,6 +90,26 @@ def test_under_kv_pressure_requests_wait_for_blocks_not_prefill_locally(make_eng
     assert stats.remote_prefills == 2 and stats.local_prefills == 0
 
 
+def test_a_prefix_the_decode_worker_caches_is_not_sent_again(make_engine):
+    """Same prompt twice (n > 1 choices, a shared system prompt): the second hand-off sends
+    only the blocks after the prefix the decode worker already caches, which it shares by
+    reference count; the outputs are those of a single engine."""
+    prompt = PROMPTS[2] + PROMPTS[1]  # 99 tokens: 6 full blocks of 16 and a partial one
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=s, ignore_eos=True) for s in (1, 2)]
+    want = [make_engine().generate([prompt], [p])[0] for p in params]
+
+    async def main():
+        async with Cluster(make_engine) as c:
+            first = await c.generate("a", prompt, params[0])
+            after_first = c.decode.blocks_received
+            second = await c.generate("b", prompt, params[1])
+            return [first[0], second[0]], after_first, c.decode.blocks_received - after_first
+
+    outs, first_blocks, second_blocks = asyncio.run(main())
+    assert outs == want
+    assert first_blocks == 7 and second_blocks == 1  # only the partial last block travels again
+
+
 def test_short_prompts_prefill_locally(make_engine):
     async def main():
         async with Cluster(make_engine, threshold=30) as c:
