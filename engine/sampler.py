@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
+from .structured import disallowed_rows
 
 
 @dataclass
@@ -72,11 +73,17 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[T
     raw = logits = logits.float()
     constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if constrained:  # grammar masks apply to sampling; logprobs stay those of the model
-        logits = logits.clone()
-        for i in constrained:
-            allowed = reqs[i].grammar.allowed()
-            if allowed.any():  # an empty mask (a broken grammar state) would make every row -inf
-                logits[i].masked_fill_(~allowed, float("-inf"))
+        masked = disallowed_rows([reqs[i].grammar for i in constrained])
+        # an empty mask (a broken grammar state) would make a whole row -inf: leave it be
+        masked &= ~masked.all(dim=1, keepdim=True)
+        if len(constrained) < len(reqs):  # one in-place fill over the batch beats gather + scatter
+            full = torch.zeros(logits.shape, dtype=torch.bool)
+            full[torch.tensor(constrained)] = masked
+            masked = full
+        if any(r.params.logprobs is not None for r in reqs):
+            logits = logits.clone()  # `raw` keeps the model's distribution for the logprobs
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            logits.masked_fill_(masked, float("-inf"))
     tokens: list[int | None] = [None] * len(reqs)
     simple = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
     if simple:

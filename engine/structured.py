@@ -99,19 +99,32 @@ class GrammarCompiler:
         return GrammarState(m, self.vocab_size)
 
 
+def disallowed_rows(states: list["GrammarState"]) -> torch.Tensor:
+    """(len(states), vocab) bool: True where a token is NOT allowed next. One unpack for the
+    whole batch; each row's bitmask is computed by llguidance without the GIL."""
+    vocab = states[0].vocab_size
+    words = np.empty((len(states), (vocab + 31) // 32), dtype=np.int32)
+    for row, s in zip(words, states):
+        s.fill(row)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(bits) == 0
+
+
 class GrammarState:
     """One request's position in its grammar."""
 
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+
+    def fill(self, words: np.ndarray) -> None:
+        """Write the next-token bitmask (bit t of word t // 32: token t allowed) into `words`,
+        a C-contiguous int32 row of (vocab_size + 31) // 32 words."""
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
     def allowed(self) -> torch.Tensor:
         """Bool mask over the vocabulary of the tokens the grammar accepts next."""
-        self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[:self.vocab_size]
-        return torch.from_numpy(bits.astype(np.bool_))
+        return disallowed_rows([self])[0].logical_not()
 
     def consume(self, token: int) -> bool:
         """Advance by `token`; False if the grammar does not allow it."""
