@@ -123,7 +123,9 @@ class DecodeWorker:
                     resume: list[int] | None = None) -> bool:
         """Start the request; returns True if its prompt was prefilled remotely. A migrated
         request (`resume`: tokens it already produced) is recomputed here."""
-        if prefill_address and len(prompt) > self.local_prefill_threshold and not resume:
+        # prompt logprobs come from the prompt's logits: computed here, where they are returned
+        if (prefill_address and len(prompt) > self.local_prefill_threshold and not resume
+                and params.prompt_logprobs is None):
             try:
                 if await self._remote_prefill(rid, prompt, params, prefill_address):
                     return True

@@ -40,6 +40,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output: prompt tokens 1..
 
 
 class LLMEngine:
@@ -177,6 +178,8 @@ class LLMEngine:
         out = RequestOutput(req.request_id, [token], logprobs=[lp] if lp else [],
                             num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=max(req.num_cached_tokens, 0))
+        if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            out.prompt_logprobs = list(req.prompt_logprobs or [])
         status = None
         p = req.params
         if token == req.eos_token_id and not p.ignore_eos:

@@ -49,6 +49,8 @@ class Request:
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
     grammar: object | None = None  # structured.GrammarState of a constrained request
+    # logprobs of prompt tokens 1.. (token 0 has none), filled as the prompt is computed
+    prompt_logprobs: list | None = None
 
     def __post_init__(self):
         if not self.all_token_ids:

@@ -23,6 +23,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self._kv_layers = kv_cache.layers()
         self.device = kv_cache.kv.device
+        self._prompt_spans: list = []
 
     def _build(self, chunks: list[ScheduledChunk]):
         bs = self.block_size
@@ -48,6 +49,8 @@ class ModelRunner:
                 spans.append(PrefillSpan(row, row + n, start, table))
             if c.completes:
                 sample_rows.append(row + n - 1)
+            if req.params.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
+                self._prompt_spans.append((req, row, start, n))
         width = max((len(t) for t in decode_tables), default=0)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long).reshape(len(decode_tables), width)
         meta = AttentionMetadata(
@@ -63,10 +66,34 @@ class ModelRunner:
         """Run one step. Returns the chunks that complete (in row order) and their logits."""
         # decode rows first: the attention backend expects that layout
         ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
+        self._prompt_spans = []
         input_ids, positions, meta, sample_rows = self._build(ordered)
         self.model.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self._kv_layers, meta)
+        for req, row, start, n in self._prompt_spans:
+            self._prompt_logprobs(req, hidden[row:row + n], start)
         if len(sample_rows) != hidden.shape[0]:  # all rows sample in a pure decode step
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)
         return [c for c in ordered if c.completes], logits
+
+    def _prompt_logprobs(self, req, hidden: torch.Tensor, start: int, rows_per_pass: int = 64) -> None:
+        """Append the logprobs of prompt tokens start+1.. (predicted by rows start..) to
+        `req.prompt_logprobs`, a few rows at a time (full-vocabulary logits of a long prompt
+        would not fit). Recomputed positions (after a preemption) are not appended twice."""
+        from .sampler import TokenLogprobs
+
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = []
+        k = req.params.prompt_logprobs
+        end = min(hidden.shape[0], req.num_prompt_tokens - 1 - start)
+        for a in range(0, end, rows_per_pass):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[a:min(end, a + rows_per_pass)]).float(), dim=-1)
+            top = torch.topk(lp, k, dim=-1) if k else None
+            for j in range(lp.shape[0]):
+                target = start + a + j + 1
+                if target != len(req.prompt_logprobs) + 1:
+                    continue
+                tok = req.all_token_ids[target]
+                req.prompt_logprobs.append(TokenLogprobs(tok, float(lp[j, tok]), list(zip(
+                    top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []))

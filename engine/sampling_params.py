@@ -31,6 +31,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    prompt_logprobs: int | None = None
+    """Also return each prompt token's logprob (and this many top alternatives); such a
+    prompt is always computed in full (no prefix-cache reuse: cached tokens have no logits)."""
     structured: Structured | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
 
@@ -63,6 +66,8 @@ class SamplingParams:
             bad("stop", "entries must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.structured is not None:
             self.structured.validate()
         limit = vocab_size if vocab_size is not None else 2**31

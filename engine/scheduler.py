@@ -151,7 +151,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             prefix = PrefixMatch()
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 prefix = self.blocks.match_prefix(req.all_token_ids)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = prefix.num_tokens

@@ -25,6 +25,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.structured is not None:
         msg.structured_kind, msg.structured_spec = p.structured.kind, p.structured.spec
     return msg
@@ -39,7 +41,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        structured=Structured(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None)
+        structured=Structured(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
 
 
 def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
@@ -57,7 +60,8 @@ def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False) -> pb.
         finished=out.finished, finish_reason=out.finish_reason or "",
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-        prefilled_remotely=prefilled_remotely)
+        prefilled_remotely=prefilled_remotely,
+        prompt_logprobs=[logprob_to_proto(lp) for lp in out.prompt_logprobs or ()])
 
 
 def worker_stats(engine: LLMEngine, worker_id: str, role: str, **counters) -> pb.WorkerStats:

@@ -66,6 +66,7 @@ class Generation:
         self.timeout_s = timeout_s
         self._on_done = on_done
         self.generated: list[int] = []   # token ids streamed so far (replayed on migration)
+        self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.., when asked for
         self.route = None
         self.migrations = 0
         self.max_migrations = 2
@@ -180,6 +181,8 @@ class Generation:
 
     def _consume(self, msg) -> Delta:
         ids = list(msg.token_ids)
+        if msg.prompt_logprobs:
+            self.prompt_logprobs = [logprob_from_proto(lp) for lp in msg.prompt_logprobs]
         self.generated += ids
         self.completion_tokens += len(ids)
         self.cached_tokens = max(self.cached_tokens, msg.num_cached_tokens)

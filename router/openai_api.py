@@ -48,6 +48,17 @@ class OpenAIHandlers:
                 "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in d.logprobs],
                 "text_offset": offsets}
 
+    def _echo_logprobs(self, ids: list[int], g: Generation) -> dict:
+        """The prompt's tokens with their logprobs (the first token has none), for echo."""
+        toks = [self._token_text(t) for t in ids]
+        offsets, pos = [], 0
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": toks, "token_logprobs": [None] + [lp.logprob for lp in g.prompt_logprobs],
+                "top_logprobs": [None] + [{self._token_text(t): v for t, v in lp.top} for lp in g.prompt_logprobs],
+                "text_offset": offsets}
+
     def _chat_logprobs(self, d: Delta) -> dict:
         def entry(t, v):
             s = self._token_text(t)
@@ -152,6 +163,8 @@ class OpenAIHandlers:
         ids = self._encode_prompt(req)
         params = req.sampling_params(req.max_tokens, req.logprobs, self.tokenizer.vocab_size)
         params.structured = structured_from_response_format(req.response_format)
+        if req.echo and req.logprobs is not None:
+            params.prompt_logprobs = req.logprobs
         gens = await self._start_choices(ids, params, req.n, "cmpl")
         base = {"id": gens[0].request_id, "object": "text_completion", "created": gens[0].created,
                 "model": self.model_name}
@@ -162,8 +175,10 @@ class OpenAIHandlers:
 
             def chunk(i: int, d: Delta, offset: int) -> dict:
                 text = d.text if echoed[i] else echo + d.text
-                echoed[i] = True
                 lp = self._completion_logprobs(d, len(echo) + offset) if want_lp else None
+                if lp is not None and not echoed[i]:
+                    lp = {k: v + lp[k] for k, v in self._echo_logprobs(ids, gens[i]).items()}
+                echoed[i] = True
                 return base | {"choices": [{"index": i, "text": text, "finish_reason": None, "logprobs": lp}]}
 
             def final(i: int) -> list[dict]:
@@ -178,6 +193,8 @@ class OpenAIHandlers:
                 for k, v in self._completion_logprobs(d, len(echo) + offset).items():
                     lps[i][k] += v
         texts = await self._collect(gens, on_delta)
+        if echo and want_lp:
+            lps = [{k: v + lp[k] for k, v in self._echo_logprobs(ids, g).items()} for lp, g in zip(lps, gens)]
         return base | {"choices": [{"index": i, "text": echo + t, "logprobs": lps[i] if want_lp else None,
                                     "finish_reason": g.finish_reason} for i, (t, g) in enumerate(zip(texts, gens))],
                        "usage": _usage(gens)}

@@ -117,6 +117,24 @@ def test_echo(cluster):
     assert r.json()["choices"][0]["text"].startswith("Hello there")
 
 
+def test_echo_with_prompt_logprobs(cluster, smollm):
+    tok = smollm[1]
+    prompt = "The capital of France is"
+    ids = tok.encode(prompt)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+    r = httpx.post(cluster.url + "/v1/completions", timeout=60, json=body).json()["choices"][0]
+    lp = r["logprobs"]
+    assert r["text"].startswith(prompt) and len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(len(t) == 2 for t in lp["top_logprobs"][1:]) and lp["text_offset"][0] == 0
+    events = [json.loads(line[6:]) for line in httpx.post(cluster.url + "/v1/completions", timeout=60,
+                                                         json=body | {"stream": True}).text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = [v for e in events if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+
+
 def test_forced_tool_call(cluster):
     msgs = [{"role": "user", "content": "What's the weather in Oslo?"}]
     r = client(cluster).chat.completions.create(

@@ -154,3 +154,28 @@ def test_hf_directory_loader(smollm, hf_smollm, tmp_path, engine):
     assert ids == smollm[1].encode(PROMPTS[2])
     other = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok)
     assert torch.equal(engine_logits(other, ids), engine_logits(engine, ids))
+
+
+def test_prompt_logprobs_match_transformers(smollm, hf_smollm):
+    """Prompt logprobs (echo + logprobs): every prompt token's logprob as transformers gives
+    it, whether the prompt is prefilled whole or in chunks, and also when it is cached."""
+    from engine.config import SchedulerConfig
+
+    loaded, tok = smollm
+    ids = tok.encode(PROMPTS[2])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = torch.tensor([float(ref[p, ids[p + 1]]) for p in range(len(ids) - 1)])
+    for budget in (512, 7):  # whole, and chunks of 7 tokens
+        eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20),
+                                             scheduler=SchedulerConfig(max_num_batched_tokens=budget)), tok)
+        for attempt in range(2):  # the second time the prompt is in the prefix cache
+            eng.add_request(f"r{attempt}", ids, SamplingParams(max_tokens=1, prompt_logprobs=2))
+            outs = []
+            while eng.has_unfinished_requests():
+                outs += eng.step()
+            got = outs[0].prompt_logprobs
+            assert [lp.token_id for lp in got] == ids[1:]
+            assert torch.allclose(torch.tensor([lp.logprob for lp in got]), want, atol=2e-3)
+            assert [lp.top[0][0] for lp in got] == ref[:-1].argmax(-1).tolist()
+        assert eng.blocks.num_used_blocks == 0
