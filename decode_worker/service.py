@@ -43,9 +43,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         w = self.w
         await w.check_token(request.cluster_token, context)
-        if w.max_queue and w.queued >= w.max_queue:
+        if w.draining or (w.max_queue and w.queued >= w.max_queue):
             w.refused += 1
-            await refuse_when_full(context, w.worker_id, "decode worker", w.max_queue)
+            await refuse_when_full(context, w.worker_id, "decode worker", w.max_queue, "draining" if w.draining else "")
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         params = params_from_proto(request.params)
         q = w.engine.open_stream(rid)
@@ -107,6 +107,7 @@ class DecodeWorker:
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
+        self.draining = False  # set when the pool shrinks: refuse new requests, finish the rest
         self.tls = tls
         self._kv_server: GrpcKVServer | None = None
         self._server: grpc.aio.Server | None = None

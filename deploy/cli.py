@@ -23,11 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=0, help="context length (default: the model's)")
     g.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    g.add_argument("--device", default="cpu", help="torch device of the model and KV cache, e.g. cuda (default: cpu)")
 
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
-        model=args.model, max_model_len=args.max_model_len, num_threads=args.threads,
+        model=args.model, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
@@ -123,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("router", help="run a router alone against a running cluster's registry")
     from .router_server import add_router_cmd_args
     add_router_cmd_args(r)
+    sc = sub.add_parser("scale", help="resize the prefill/decode pools of a running `pdserve up`")
+    from .router_server import add_scale_args
+    add_scale_args(sc)
     bc = sub.add_parser("bench-cluster", help="disaggregated vs aggregated under a mixed workload; KV transfer GB/s")
     from .bench_cluster import add_bench_cluster_args
     add_bench_cluster_args(bc)

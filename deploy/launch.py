@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -52,6 +53,9 @@ class WorkerActor:
         e = self.host.engine
         return {"used_blocks": e.blocks.num_used_blocks, "unfinished": e.scheduler.num_unfinished}
 
+    async def drain(self, timeout_s: float) -> bool:
+        return await self.host.drain(timeout_s)
+
     async def stop(self) -> None:
         await self.host.stop()
 
@@ -64,40 +68,90 @@ class PoolSpec:
     num_gpus: float = 0.0
     max_queue: int = 0
     max_restarts: int = 10         # Ray restarts a dead worker process up to this many times (-1: always)
+    resource: str = ""             # a custom Ray resource each worker takes 1 of (e.g. a KubeRay worker group's)
 
 
 class Pool:
-    """A group of WorkerActors of one role."""
+    """A group of WorkerActors of one role, started, supervised and resized on its own."""
 
     def __init__(self, spec: PoolSpec, base: WorkerSpec, name_prefix: str = ""):
         self.spec, self.base = spec, base
         self.name_prefix = name_prefix
         self.actors: list = []
         self.records: list[dict] = []
+        self._down_since: list[float | None] = []
+        self._next_index = 0
+        # scale() and supervise_once() run on different threads; both change the lists
+        self._lock = threading.Lock()
+
+    def _new_actors(self, n: int) -> list:
+        s = self.spec
+        opts = dict(num_cpus=s.num_cpus, num_gpus=s.num_gpus, max_restarts=s.max_restarts)
+        if s.resource:
+            opts["resources"] = {s.resource: 1}
+        threads = self.base.engine.num_threads or max(1, int(s.num_cpus))
+        actors = []
+        for _ in range(n):  # ids are never reused: a removed worker's id stays retired
+            spec = replace(self.base, role=s.role, worker_id=f"{self.name_prefix}{s.role}-{self._next_index}",
+                           max_queue=s.max_queue, engine=replace(self.base.engine, num_threads=threads))
+            self._next_index += 1
+            actors.append(WorkerActor.options(**opts).remote(spec))
+        return actors
 
     def launch(self) -> list:
         """Create the actors and ask them to start; returns the pending start results."""
-        s = self.spec
-        opts = dict(num_cpus=s.num_cpus, num_gpus=s.num_gpus, max_restarts=s.max_restarts)
-        for i in range(s.replicas):
-            threads = self.base.engine.num_threads or max(1, int(s.num_cpus))
-            spec = replace(self.base, role=s.role, worker_id=f"{self.name_prefix}{s.role}-{i}", max_queue=s.max_queue,
-                           engine=replace(self.base.engine, num_threads=threads))
-            self.actors.append(WorkerActor.options(**opts).remote(spec))
+        self.actors = self._new_actors(self.spec.replicas)
         return [a.start.remote() for a in self.actors]
 
     def wait(self, refs: list) -> list[dict]:
         self.records = ray.get(refs)
-        self._down_since: list[float | None] = [None] * len(self.records)
+        self._down_since = [None] * len(self.records)
         return self.records
 
     def start(self) -> list[dict]:
         return self.wait(self.launch())
 
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def scale(self, n: int, drain_timeout_s: float = 60.0) -> list[str]:
+        """Grow to `n` workers (new ones load, start and register before this returns) or
+        shrink to `n` (the newest ones drain: they refuse new requests and leave the registry,
+        their requests in flight finish (or, after `drain_timeout_s`, migrate), then they
+        stop). Returns a line per worker added or removed."""
+        with self._lock:
+            notes = []
+            if n > len(self.actors):
+                added = self._new_actors(n - len(self.actors))
+                records = ray.get([a.start.remote() for a in added])
+                self.actors += added
+                self.records += records
+                self._down_since += [None] * len(added)
+                notes += [f"{r['role']} worker {r['worker_id']} added (pid {r['pid']}) on {r['address']}"
+                          for r in records]
+            elif n < len(self.actors):
+                gone, records = self.actors[n:], self.records[n:]
+                drained = ray.get([a.drain.remote(drain_timeout_s) for a in gone], timeout=drain_timeout_s + 60)
+                self._stop_actors(gone)
+                self.actors, self.records, self._down_since = self.actors[:n], self.records[:n], self._down_since[:n]
+                notes += [f"{r['role']} worker {r['worker_id']} removed after draining"
+                          + ("" if ok else f" (requests still running after {drain_timeout_s:g}s were cut off)")
+                          for r, ok in zip(records, drained)]
+            return notes
+
     def supervise_once(self, timeout_s: float = 1.0) -> list[str]:
         """Ask every actor to be started. An actor Ray restarted after its process died loads
         its model again; this starts its services, and it re-registers under its worker id
         (new incarnation, new address). Returns a line per worker that came back."""
+        if not self._lock.acquire(blocking=False):
+            return []  # being resized: next round
+        try:
+            return self._supervise(timeout_s)
+        finally:
+            self._lock.release()
+
+    def _supervise(self, timeout_s: float) -> list[str]:
         refs = [a.start.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         notes = []
@@ -120,12 +174,45 @@ class Pool:
             self._down_since[i] = None
         return notes
 
+    @staticmethod
+    def _stop_actors(actors: list) -> None:
+        try:
+            ray.get([a.stop.remote() for a in actors], timeout=30)
+        except Exception:  # noqa: BLE001 - a dead actor is stopped already
+            pass
+        for a in actors:
+            ray.kill(a)
+
     def stop(self) -> None:
-        if self.actors:
-            try:
-                ray.get([a.stop.remote() for a in self.actors], timeout=30)
-            except Exception:  # noqa: BLE001 - a dead actor is stopped already
-                pass
-            for a in self.actors:
-                ray.kill(a)
-        self.actors, self.records = [], []
+        with self._lock:
+            if self.actors:
+                self._stop_actors(self.actors)
+            self.actors, self.records = [], []
+
+
+class PoolControl:
+    """What the admin endpoint (POST /admin/scale) and the autoscaler act through: the
+    pools of this `pdserve up`, by role."""
+
+    def __init__(self, pools: list[Pool], log=lambda msg: None, max_replicas: int = 64):
+        self.pools = {p.spec.role: p for p in pools}
+        self.log, self.max_replicas = log, max_replicas
+
+    def sizes(self) -> dict[str, int]:
+        return {role: p.size for role, p in self.pools.items()}
+
+    def check(self, sizes: dict[str, int]) -> None:
+        """Raise ValueError naming the first size this cluster cannot take."""
+        for role, n in sizes.items():
+            if role not in self.pools:
+                raise ValueError(f"this cluster has no {role!r} pool (pools: {', '.join(self.pools)})")
+            low = 0 if role == "prefill" else 1  # without prefill workers, decode workers prefill themselves
+            if not isinstance(n, int) or not low <= n <= self.max_replicas:
+                raise ValueError(f"{role} must be an integer in [{low}, {self.max_replicas}], got {n!r}")
+
+    async def scale(self, sizes: dict[str, int]) -> dict[str, int]:
+        self.check(sizes)
+        for role, n in sizes.items():
+            for note in await asyncio.to_thread(self.pools[role].scale, n):
+                self.log(note)
+        return self.sizes()

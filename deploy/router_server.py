@@ -60,10 +60,24 @@ def make_logger(t0: float):
     return lambda msg: print(f"[pdserve {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
+def serve_pools_only(args, control, log) -> None:
+    """`pdserve up --no-router`: /health and the admin endpoints on --port until Ctrl-C or
+    SIGTERM (uvicorn handles both)."""
+    from router.app import create_admin_app
+
+    app = create_admin_app(control, (args.api_key,) if args.api_key else ())
+    log(f"pools ready: {control.sizes()}; admin endpoints on http://{args.host}:{args.port}/admin/pools")
+    print(f"pools ready: {control.sizes()}", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled gracefully
+        pass
+
+
 def serve_router(args, model_path, block_size: int, namespace: str, redis_url: str, cluster_name: str,
-                 log, t0: float) -> None:
+                 log, t0: float, control=None) -> None:
     """Serve the OpenAI API until Ctrl-C; prints a ready `curl` line on stdout once the
-    cluster can serve."""
+    cluster can serve. `control`: the pools this process runs (for /admin/scale)."""
     from engine.tokenizer import Tokenizer
     from router.app import Router, RouterConfig, create_app
     from router.cluster import ClusterClient
@@ -74,6 +88,7 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
                               (args.api_key,) if args.api_key else (), args.max_inflight, args.request_timeout)
     router = Router(client, Tokenizer.from_model_path(model_path), router_cfg,
                     discovery=RegistryDiscovery(redis_url, cluster_name, client))
+    router.control = control
     server = uvicorn.Server(uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=30))  # Ctrl-C: streams get 30 s to finish
 
@@ -126,3 +141,40 @@ def cmd_router(args) -> int:
                  args.redis_url, args.cluster_name, log, t0)
     log("stopped")
     return 0
+
+
+def add_scale_args(p) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the `pdserve up` whose pools to resize")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""), help="(env PDSERVE_API_KEY)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
+    p.add_argument("--decode", type=int, default=None, help="decode workers wanted")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (removed workers drain first)")
+    p.set_defaults(func=cmd_scale)
+
+
+def cmd_scale(args) -> int:
+    """POST /admin/scale; prints the pool sizes once new workers serve and removed ones drained."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    sizes = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
+    if not sizes:
+        raise ValueError("say what to scale: --prefill N and/or --decode M")
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
+    req = urllib.request.Request(args.url.rstrip("/") + "/admin/scale", json.dumps(sizes).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            print(json.dumps(json.loads(r.read())["pools"]))
+        return 0
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        print(f"pdserve scale: {e.code}: {detail}", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as e:
+        print(f"pdserve scale: cannot reach {args.url}: {e.reason}", file=sys.stderr)
+        return 1

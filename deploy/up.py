@@ -8,8 +8,9 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import replace
 
-from .router_server import add_router_args, check_exposure, make_logger, serve_router, tls_config
+from .router_server import add_router_args, check_exposure, make_logger, serve_pools_only, serve_router, tls_config
 
 
 def add_up_args(p) -> None:
@@ -20,6 +21,14 @@ def add_up_args(p) -> None:
                    help="aggregated: --decode workers that prefill themselves, no prefill pool")
     p.add_argument("--prefill-cpus", type=float, default=1.0, help="Ray CPUs per prefill worker")
     p.add_argument("--decode-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
+    p.add_argument("--prefill-gpus", type=float, default=0.0, help="GPUs per prefill worker (with --device cuda)")
+    p.add_argument("--decode-gpus", type=float, default=0.0, help="GPUs per decode worker (with --device cuda)")
+    p.add_argument("--prefill-resource", default="", help="custom Ray resource each prefill worker takes 1 of "
+                   "(e.g. the one a KubeRay worker group advertises): places the pool on those nodes")
+    p.add_argument("--decode-resource", default="", help="the same for decode workers")
+    p.add_argument("--no-router", action="store_true",
+                   help="run the pools only (routers run elsewhere: `pdserve router`); --port then serves "
+                        "/health and the admin endpoints")
     p.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
     p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", ""),
                    help="use this Redis instead of an embedded redis-server (env PDSERVE_REDIS_URL, which keeps a "
@@ -59,7 +68,7 @@ def cmd_up(args) -> int:
     from engine.weights import resolve_model_path
 
     from .cli import engine_config
-    from .launch import Pool, PoolSpec
+    from .launch import Pool, PoolControl, PoolSpec
     from .redis_server import EmbeddedRedis
     from .registry import redact_url
     from .worker_host import WorkerSpec
@@ -75,14 +84,13 @@ def cmd_up(args) -> int:
     log(f"registry: {redact_url(redis_url)}" + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
     cluster_name = args.cluster_name or uuid.uuid4().hex[:8]
     log(f"cluster name: {cluster_name} (`pdserve router --redis-url URL --cluster-name {cluster_name}` adds a router)")
+    decode = PoolSpec("decode", args.decode, args.decode_cpus, args.decode_gpus, args.decode_max_queue,
+                      args.max_restarts, args.decode_resource)
     if args.mode == "aggregated":
-        pools = [PoolSpec("aggregated", args.decode, args.decode_cpus, max_queue=args.decode_max_queue,
-                          max_restarts=args.max_restarts)]
+        pools = [replace(decode, role="aggregated")]
     else:
-        pools = [PoolSpec("prefill", args.prefill, args.prefill_cpus, max_queue=args.prefill_max_queue,
-                          max_restarts=args.max_restarts),
-                 PoolSpec("decode", args.decode, args.decode_cpus, max_queue=args.decode_max_queue,
-                          max_restarts=args.max_restarts)]
+        pools = [PoolSpec("prefill", args.prefill, args.prefill_cpus, args.prefill_gpus, args.prefill_max_queue,
+                          args.max_restarts, args.prefill_resource), decode]
     started: list[Pool] = []
     supervisor = None
     try:
@@ -104,8 +112,12 @@ def cmd_up(args) -> int:
                         log(note)
         supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
         supervisor.start()
-        serve_router(args, model_path, engine_cfg.cache.block_size, engine_cfg.cache.cache_namespace, redis_url,
-                     cluster_name, log, t0)
+        control = PoolControl(started, log)
+        if args.no_router:
+            serve_pools_only(args, control, log)
+        else:
+            serve_router(args, model_path, engine_cfg.cache.block_size, engine_cfg.cache.cache_namespace, redis_url,
+                         cluster_name, log, t0, control=control)
         return 0
     finally:
         log("shutting down")

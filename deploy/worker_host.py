@@ -3,6 +3,8 @@ thread, gRPC services, KV events to Redis and its registry heartbeat. The same c
 a Ray actor (deploy/launch.py) and in the in-process cluster (deploy/local.py)."""
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -64,6 +66,28 @@ class HostedWorker:
             self.registration.start()
         self.record = record
         return record
+
+    def busy(self) -> bool:
+        """Requests in flight here (queued, running, or a prompt being handed off)."""
+        w = self.worker
+        return (self.engine.has_unfinished_requests() or getattr(w, "inflight", 0) > 0
+                or getattr(w, "queued", 0) > 0)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Leave the pool gracefully: refuse new requests (the router sends them to the rest of
+        the pool), leave the registry, and wait up to `timeout_s` for the requests in flight to
+        finish. True if they all did; streams still running when it stops are migrated by the
+        router to another decode worker."""
+        self.worker.draining = True
+        if self.registration is not None:
+            await self.registration.stop()
+            self.registration = None
+        deadline = time.monotonic() + timeout_s
+        while self.busy():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     async def stop(self) -> None:
         if self.registration is not None:

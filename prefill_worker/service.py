@@ -28,9 +28,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         w = self.w
         await w.check_token(request.cluster_token, context)
-        if w.max_queue and w.inflight >= w.max_queue:
+        if w.draining or (w.max_queue and w.inflight >= w.max_queue):
             w.refused += 1
-            await refuse_when_full(context, w.worker_id, "prefill worker", w.max_queue)
+            await refuse_when_full(context, w.worker_id, "prefill worker", w.max_queue,
+                                   "draining" if w.draining else "")
         w.inflight += 1
         try:
             return await self._prefill(request, context)
@@ -94,6 +95,7 @@ class PrefillWorker:
         self.engine = engine
         self.max_queue = max_queue
         self.inflight = self.refused = 0
+        self.draining = False  # set when the pool shrinks: refuse new prompts, finish the rest
         self.tls = tls
         self.sender = sender
         self.worker_id = worker_id or f"prefill-{next(self._ids)}"

@@ -91,11 +91,12 @@ REFUSED_BY = "pdserve-refused-by"
 """Trailing-metadata key naming the worker that refused a request because its queue is full."""
 
 
-async def refuse_when_full(context, worker_id: str, what: str, limit: int = 0) -> None:
+async def refuse_when_full(context, worker_id: str, what: str, limit: int = 0, state: str = "") -> None:
     """Abort the RPC with RESOURCE_EXHAUSTED, naming the refusing worker so the router can
-    try another one of its pool (or answer 429 when the whole pool is full)."""
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{what} {worker_id} is at its queue limit" + (f" ({limit} requests)" if limit else ""),
+    try another one of its pool (or answer 429 when the whole pool is full). `state`: why,
+    if not the queue limit (e.g. "draining")."""
+    why = state or "at its queue limit" + (f" ({limit} requests)" if limit else "")
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what} {worker_id} is {why}",
                         trailing_metadata=((REFUSED_BY, worker_id),))
 
 

@@ -51,6 +51,7 @@ class Router(OpenAIHandlers):
         self.refresh_interval_s = config.refresh_interval_s
         self.metrics = RouterMetrics()
         self.inflight = 0
+        self.control = None  # a deploy.launch.PoolControl when this router runs next to its pools
 
     def _generation(self, prompt: list[int], params, prefix: str) -> Generation:
         """Admit a request (or refuse it with 429) and make its Generation."""
@@ -87,6 +88,67 @@ class Router(OpenAIHandlers):
         return ids
 
 
+def api_key_auth(api_keys: tuple[str, ...]):
+    """A FastAPI dependency: 401 unless `Authorization: Bearer <one of api_keys>` (none: open)."""
+    keys = [k.encode() for k in api_keys]
+
+    async def authorized(request: Request) -> None:
+        if not keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # compare against every key in constant time: timing reveals nothing about them
+        ok = False
+        for k in keys:
+            ok |= hmac.compare_digest(given.strip().encode(), k)
+        if scheme.lower() != "bearer" or not ok:
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+    return authorized
+
+
+def add_admin_routes(app: FastAPI, control, authorized) -> None:
+    """GET /admin/pools and POST /admin/scale {"prefill": N, "decode": M} over a
+    `deploy.launch.PoolControl` (None: this process manages no pools, e.g. `pdserve router`)."""
+    @app.get("/admin/pools", dependencies=[Depends(authorized)])
+    async def pools():
+        if control is None:
+            raise APIError(404, "this router manages no pools: send it to the `pdserve up` that runs them",
+                           code="no_pools")
+        return {"pools": control.sizes()}
+
+    @app.post("/admin/scale", dependencies=[Depends(authorized)])
+    async def scale(request: Request):
+        if control is None:
+            raise APIError(404, "this router manages no pools: send it to the `pdserve up` that runs them",
+                           code="no_pools")
+        try:
+            sizes = await request.json()
+            if not isinstance(sizes, dict) or not sizes:
+                raise ValueError('send {"prefill": N, "decode": M} (either or both)')
+            control.check(sizes)
+        except ValueError as e:
+            raise APIError(400, f"bad scale request: {e}", param="body") from e
+        return {"pools": await control.scale(sizes)}
+
+
+def create_admin_app(control, api_keys: tuple[str, ...]) -> FastAPI:
+    """`pdserve up --no-router`: the pools' admin endpoints and a health probe, no API."""
+    app = FastAPI(title="pdserve pools")
+    authorized = api_key_auth(api_keys)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.get("/health")
+    async def health():
+        sizes = control.sizes()
+        return {"status": "ok", "pools": sizes}
+
+    add_admin_routes(app, control, authorized)
+    return app
+
+
 def create_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -113,19 +175,7 @@ def create_app(router: Router) -> FastAPI:
     async def _api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    keys = [k.encode() for k in router.config.api_keys]
-
-    async def authorized(request: Request) -> None:
-        if not keys:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # compare against every key in constant time: timing reveals nothing about them
-        ok = False
-        for k in keys:
-            ok |= hmac.compare_digest(given.strip().encode(), k)
-        if scheme.lower() != "bearer" or not ok:
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+    authorized = api_key_auth(router.config.api_keys)
 
     @app.exception_handler(HTTPException)  # e.g. a body that is not UTF-8: same error shape as ours
     async def _http_error(request: Request, e: HTTPException):
@@ -166,6 +216,8 @@ def create_app(router: Router) -> FastAPI:
                         "running": s.running if s else None, "waiting": s.waiting if s else None,
                         "kv_usage": s.kv_usage if s else None, "refused": s.refused if s else None})
         return {"workers": sorted(out, key=lambda w: w["worker_id"])}
+
+    add_admin_routes(app, router.control, authorized)
 
     @app.get("/metrics")
     async def metrics():

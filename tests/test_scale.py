@@ -1,0 +1,103 @@
+"""Scaling a pool of a running `pdserve up` (Ray actors) with `pdserve scale`: a new decode
+worker registers and takes traffic; removing it drains it: it refuses new requests (they go
+to the rest of the pool), its streams in flight finish untouched, then it stops. No request
+is lost, every KV block comes back, no process is left."""
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from deploy.redis_server import free_port
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.chaos.test_ray_faults import ENV, Proc, get_workers, wait_until
+from tests.test_up import alive, descendants
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def scale(url: str, **sizes) -> subprocess.CompletedProcess:
+    args = [f"--{k}={v}" for k, v in sizes.items()]
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "scale", "--url", url, *args], capture_output=True,
+                          text=True, timeout=300, env=ENV)
+
+
+def stream(url: str, prompt: str, out: dict, key: str) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 60, "ignore_eos": True, "temperature": 0, "stream": True}
+    texts, events = [], []
+    with httpx.Client(timeout=120) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                texts += [c["text"] for c in events[-1].get("choices", [])]
+    out[key] = ("".join(texts), events)
+
+
+def test_scale_decode_up_then_drain_down(smollm):
+    loaded, tok = smollm
+    port = free_port()
+    up = Proc("up", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-name", "scale",
+              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--threads", "1")
+    url = f"http://127.0.0.1:{port}"
+    procs: set[int] = set()
+    try:
+        up.wait_ready()
+        procs = descendants(up.p.pid)
+        r = scale(url, decode=2)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == {"prefill": 1, "decode": 2}
+        wait_until(lambda: get_workers(url).get("decode-1", {}).get("healthy"), 15, "decode-1 to register")
+        procs |= descendants(up.p.pid)
+
+        # one stream on each decode worker (least-loaded routing), then shrink back to one
+        results: dict = {}
+        prompts = {"a": "The history of the printing press begins", "b": "A short story about a lighthouse keeper"}
+        threads = {k: threading.Thread(target=stream, args=(url, p, results, k)) for k, p in prompts.items()}
+        threads["a"].start()
+        wait_until(lambda: sum(bool(w["running"]) for w in get_workers(url).values() if w["role"] == "decode") == 1,
+                   30, "the first stream to run")
+        threads["b"].start()
+        wait_until(lambda: all(w["running"] for w in get_workers(url).values() if w["role"] == "decode"),
+                   30, "a stream on each decode worker")
+        shrink: dict = {}
+        scaler = threading.Thread(target=lambda: shrink.setdefault("r", scale(url, decode=1)))
+        scaler.start()
+        time.sleep(1.0)  # decode-1 is draining now: new requests go to decode-0
+        during = httpx.post(url + "/v1/completions", timeout=120,
+                            json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert during.status_code == 200, during.text
+        for t in (*threads.values(), scaler):
+            t.join(180)
+        assert shrink["r"].returncode == 0 and json.loads(shrink["r"].stdout) == {"prefill": 1, "decode": 1}
+        ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)), tok)
+        for k, prompt in prompts.items():  # both streams finished untouched, the drained one too
+            text, events = results[k]
+            assert not any("error" in e for e in events), events[-1]
+            want = ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0]
+            assert text == tok.decode(want, skip_special_tokens=True)
+        assert "decode worker decode-1 removed after draining" in "".join(up.log)
+        assert "pdserve_migrations_total 0.0" in httpx.get(url + "/metrics").text  # finished, not migrated
+        wait_until(lambda: "decode-1" not in get_workers(url), 20, "the router to forget decode-1")
+        wait_until(lambda: clean_two(url), 10, "all KV blocks back")
+        bad = scale(url, decode=0)
+        assert bad.returncode == 1 and "decode must be an integer in [1, 64]" in bad.stderr
+        r = httpx.post(url + "/admin/scale", json={"embedding": 1}, timeout=10)
+        assert r.status_code == 400 and "no 'embedding' pool" in r.json()["error"]["message"]
+    finally:
+        procs |= descendants(up.p.pid)
+        up.p.send_signal(signal.SIGINT)
+        rc = up.p.wait(90)
+    assert rc == 0, "".join(up.log)
+    wait_until(lambda: not [p for p in procs if alive(p)], 30, "every process to exit")
+
+
+def clean_two(url: str) -> bool:
+    ws = get_workers(url).values()
+    return len(ws) == 2 and all(w["healthy"] and w["kv_usage"] == 0 and not w["running"] for w in ws)
