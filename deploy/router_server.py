@@ -103,11 +103,18 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
               flush=True)
 
     async def serve():
-        task = asyncio.ensure_future(announce())
+        tasks = [asyncio.ensure_future(announce())]
+        if control is not None and getattr(args, "autoscale", False):
+            from .autoscale_loop import AutoscaleLoop, autoscaler_config
+
+            loop = AutoscaleLoop(router, control, autoscaler_config(args), log, args.autoscale_interval)
+            tasks.append(asyncio.ensure_future(loop.run()))
+            log("autoscaler on: " + ", ".join(f"{r} 1..{args.autoscale_max}" for r in control.pools))
         try:
             await server.serve()
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
 
     try:
         asyncio.run(serve())

@@ -26,6 +26,17 @@ def add_up_args(p) -> None:
     p.add_argument("--prefill-resource", default="", help="custom Ray resource each prefill worker takes 1 of "
                    "(e.g. the one a KubeRay worker group advertises): places the pool on those nodes")
     p.add_argument("--decode-resource", default="", help="the same for decode workers")
+    p.add_argument("--autoscale", action="store_true",
+                   help="size each pool from its own signals (prefill: queued tokens, TTFT; decode: KV usage, ITL)")
+    p.add_argument("--autoscale-max", type=int, default=4, help="most workers per pool when autoscaling")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT p90 target of the autoscaler (s)")
+    p.add_argument("--itl-slo", type=float, default=0.1, help="ITL p90 target of the autoscaler (s)")
+    p.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds between autoscaler rounds")
+    p.add_argument("--autoscale-up-after", type=float, default=30.0,
+                   help="a pool overloaded this long (s, continuously) grows")
+    p.add_argument("--autoscale-down-after", type=float, default=300.0,
+                   help="a pool underused this long (s, continuously) shrinks")
+    p.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds between two changes of a pool")
     p.add_argument("--no-router", action="store_true",
                    help="run the pools only (routers run elsewhere: `pdserve router`); --port then serves "
                         "/health and the admin endpoints")

@@ -1,0 +1,55 @@
+"""`pdserve up --autoscale`: the thin shell around the autoscaler's decision core
+(deploy/autoscaler.py). Every `interval_s` it samples the router's view of the pools (worker
+stats, and TTFT/ITL p90 over the last interval from the router's histograms), asks the
+autoscaler, logs every decision with its reason, and resizes a pool through the same
+`PoolControl` as `pdserve scale` (so a removed worker drains first)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .autoscaler import (AutoscalerConfig, Autoscaler, DecodePolicy, IntervalQuantile, PrefillPolicy,
+                         histogram_buckets, signals_from_stats)
+
+
+def autoscaler_config(args) -> AutoscalerConfig:
+    """The policy from `pdserve up`'s flags (bounds and SLOs; the rest keeps its defaults)."""
+    bounds = dict(min_replicas=1, max_replicas=args.autoscale_max, scale_up_after_s=args.autoscale_up_after,
+                  scale_down_after_s=args.autoscale_down_after, cooldown_s=args.autoscale_cooldown)
+    return AutoscalerConfig(prefill=PrefillPolicy(ttft_slo_s=args.ttft_slo, **bounds),
+                            decode=DecodePolicy(itl_slo_s=args.itl_slo, **bounds))
+
+
+class AutoscaleLoop:
+    def __init__(self, router, control, config: AutoscalerConfig, log, interval_s: float = 5.0):
+        self.router, self.control, self.log = router, control, log
+        self.autoscaler = Autoscaler(config)
+        self.interval_s = interval_s
+        self._ttft, self._itl = IntervalQuantile(0.9), IntervalQuantile(0.9)
+        self._prev_stats = None
+        self.decisions: list = []  # the changes made, newest last
+
+    async def tick(self, now: float | None = None) -> list:
+        """One round: sample, decide, act. Returns the decisions that changed a pool."""
+        m, cluster = self.router.metrics, self.router.cluster
+        stats = dict(cluster.stats)
+        signals = signals_from_stats(
+            time.monotonic() if now is None else now, stats, prev_stats=self._prev_stats,
+            ttft_p90_s=self._ttft.update(histogram_buckets(m.ttft)), itl_p90_s=self._itl.update(histogram_buckets(m.itl)),
+            replicas=self.control.sizes(), healthy=dict(cluster.healthy))
+        self._prev_stats = stats
+        changed = [d for d in self.autoscaler.decide(signals).values() if d.changed and d.pool in self.control.pools]
+        for d in changed:
+            self.log(f"autoscaler: {d}")
+        if changed:
+            await self.control.scale({d.pool: d.desired for d in changed})
+            self.decisions += changed
+        return changed
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.tick()
+            except Exception as e:  # noqa: BLE001 - a failed round must not stop autoscaling
+                self.log(f"autoscaler: round failed: {e!r}")
