@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("router", help="run a router alone against a running cluster's registry")
     from .router_server import add_router_cmd_args
     add_router_cmd_args(r)
+    w = sub.add_parser("worker", help="run one prefill or decode worker as a plain process (no Ray)")
+    from .worker_cmd import add_worker_args
+    add_worker_args(w)
+    add_engine_args(w)
     sc = sub.add_parser("scale", help="resize the prefill/decode pools of a running `pdserve up`")
     from .router_server import add_scale_args
     add_scale_args(sc)

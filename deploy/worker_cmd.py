@@ -1,0 +1,65 @@
+"""`pdserve worker`: one prefill or decode worker as a plain process, without Ray. It loads
+the model, serves its gRPC services on --host (the address other hosts reach it at),
+registers in Redis and sends its KV events there, until Ctrl-C or SIGTERM. For hosts that
+run no Ray (a VM per pool, a network namespace in the tests), next to `pdserve router`."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+
+def add_worker_args(p) -> None:
+    p.add_argument("--role", choices=("prefill", "decode", "aggregated"), required=True)
+    p.add_argument("--worker-id", required=True, help="unique in the cluster, e.g. prefill-host3")
+    p.add_argument("--host", default="127.0.0.1", help="bind and advertise address of its services")
+    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", ""),
+                   help="the cluster's registry (env PDSERVE_REDIS_URL)")
+    p.add_argument("--cluster-name", required=True)
+    p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""))
+    p.add_argument("--transfer-policy", choices=("recompute", "fail"), default="recompute")
+    p.add_argument("--max-queue", type=int, default=64, help="requests queued here before it refuses more")
+    p.set_defaults(func=cmd_worker)
+
+
+def cmd_worker(args) -> int:
+    import torch
+
+    from engine.tokenizer import Tokenizer
+    from engine.weights import load_model
+
+    from .cli import engine_config
+    from .router_server import make_logger
+    from .worker_host import HostedWorker, WorkerSpec
+
+    if not args.redis_url:
+        raise ValueError("pdserve worker needs the cluster's registry: --redis-url (or PDSERVE_REDIS_URL)")
+    log = make_logger(time.monotonic())
+    cfg = engine_config(args)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    loaded = load_model(cfg.model or None, getattr(torch, cfg.dtype), cfg.device, cfg.max_model_len, cfg.packed_weights)
+    spec = WorkerSpec(args.role, args.worker_id, args.cluster_name, args.redis_url, args.cluster_token, args.host,
+                      args.transfer_policy, max_queue=args.max_queue, engine=cfg)
+    host = HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
+
+    async def main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        record = await host.start()
+        log(f"{args.role} worker {args.worker_id} (pid {os.getpid()}) on {record.address}"
+            + (f", KV on {record.kv_address}" if record.kv_address else ""))
+        print(f"ready {record.address}", flush=True)
+        await stop.wait()
+        log("draining")
+        await host.drain(30.0)
+        await host.stop()
+        log("stopped")
+
+    asyncio.run(main())
+    sys.stdout.flush()
+    return 0
