@@ -25,6 +25,7 @@ from protos.convert import (block_snapshot, check_cluster_token, logprob_from_pr
                             params_from_proto, params_to_proto, refuse_when_full, refused_by, worker_stats)
 
 TRANSFER_POLICIES = ("recompute", "fail")
+KV_TRANSPORTS = ("grpc", "ucx")
 
 
 class PrefillWorkerFull(Exception):
@@ -90,7 +91,8 @@ class DecodeWorker:
 
     def __init__(self, engine: AsyncEngine, worker_id: str | None = None, cluster_token: str = "",
                  transfer_policy: str = "recompute", transfer_timeout_s: float = 30.0,
-                 local_prefill_threshold: int = 0, max_queue: int = 0, tls: TLSConfig | None = None):
+                 local_prefill_threshold: int = 0, max_queue: int = 0, tls: TLSConfig | None = None,
+                 kv_transport: str = "grpc"):
         """max_queue > 0: at most this many requests here waiting for their first token
         (for KV or for a place in the batch); more are refused with RESOURCE_EXHAUSTED."""
         if transfer_policy not in TRANSFER_POLICIES:
@@ -109,6 +111,9 @@ class DecodeWorker:
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self.draining = False  # set when the pool shrinks: refuse new requests, finish the rest
         self.tls = tls
+        if kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {kv_transport!r}")
+        self.kv_transport = kv_transport
         self._kv_server: GrpcKVServer | None = None
         self._server: grpc.aio.Server | None = None
         self._prefill_stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
@@ -204,7 +209,11 @@ class DecodeWorker:
     async def start(self, host: str = "127.0.0.1", port: int = 0, kv_port: int = 0) -> str:
         self.engine.start()
         self._reaper = asyncio.ensure_future(self._reap_expired_leases())
-        self._kv_server = GrpcKVServer(self.receiver, host, kv_port, tls=self.tls)
+        if self.kv_transport == "ucx":
+            from kv_transfer.ucx_transport import UcxKVServer
+            self._kv_server = UcxKVServer(self.receiver, host, kv_port)
+        else:
+            self._kv_server = GrpcKVServer(self.receiver, host, kv_port, tls=self.tls)
         self.kv_address = await self._kv_server.start()
         self._server = grpc.aio.server()
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self._server)

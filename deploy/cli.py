@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     sc = sub.add_parser("scale", help="resize the prefill/decode pools of a running `pdserve up`")
     from .router_server import add_scale_args
     add_scale_args(sc)
+    bt = sub.add_parser("bench-transfer", help="KV hand-off GB/s: gRPC vs UCX vs a memory copy")
+    from .bench_transfer import add_bench_transfer_args
+    add_bench_transfer_args(bt)
     bc = sub.add_parser("bench-cluster", help="disaggregated vs aggregated under a mixed workload; KV transfer GB/s")
     from .bench_cluster import add_bench_cluster_args
     add_bench_cluster_args(bc)

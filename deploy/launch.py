@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, replace
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import GetTimeoutError, RayError
 
 from .worker_host import HostedWorker, WorkerSpec
 
@@ -28,6 +28,8 @@ class WorkerActor:
         from engine.tokenizer import Tokenizer
         from engine.weights import load_model
 
+        if spec.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
+            spec = replace(spec, host=ray.util.get_node_ip_address())
         self.spec = spec
         if spec.engine.num_threads:
             torch.set_num_threads(spec.engine.num_threads)
@@ -58,6 +60,10 @@ class WorkerActor:
 
     async def stop(self) -> None:
         await self.host.stop()
+
+
+class PoolScaleError(RuntimeError):
+    """A pool could not be resized (new workers did not start)."""
 
 
 @dataclass
@@ -115,16 +121,23 @@ class Pool:
     def size(self) -> int:
         return len(self.actors)
 
-    def scale(self, n: int, drain_timeout_s: float = 60.0) -> list[str]:
+    def scale(self, n: int, drain_timeout_s: float = 60.0, start_timeout_s: float = 300.0) -> list[str]:
         """Grow to `n` workers (new ones load, start and register before this returns) or
         shrink to `n` (the newest ones drain: they refuse new requests and leave the registry,
         their requests in flight finish (or, after `drain_timeout_s`, migrate), then they
-        stop). Returns a line per worker added or removed."""
+        stop). Returns a line per worker added or removed. Raises PoolScaleError if new
+        workers do not start within `start_timeout_s` (no node has room for them)."""
         with self._lock:
             notes = []
             if n > len(self.actors):
                 added = self._new_actors(n - len(self.actors))
-                records = ray.get([a.start.remote() for a in added])
+                try:
+                    records = ray.get([a.start.remote() for a in added], timeout=start_timeout_s)
+                except (GetTimeoutError, RayError) as e:
+                    for a in added:
+                        ray.kill(a)
+                    raise PoolScaleError(f"{len(added)} new {self.spec.role} worker(s) did not start within "
+                                         f"{start_timeout_s:g}s (no node with the resources they need?): {e}") from e
                 self.actors += added
                 self.records += records
                 self._down_since += [None] * len(added)

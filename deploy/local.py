@@ -36,6 +36,7 @@ class LocalClusterConfig:
     transfer_policy: str = "recompute"
     local_prefill_threshold: int = 0
     tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS between router and workers
+    kv_transport: str = "grpc"     # decode workers receive KV over grpc | ucx
     prefill_max_queue: int = 0     # per worker; 0: unbounded
     decode_max_queue: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -55,7 +56,7 @@ class LocalCluster:
     def _specs(self) -> list[WorkerSpec]:
         c = self.config
         base = WorkerSpec("prefill", "", c.cluster, c.redis_url, c.cluster_token, c.host, c.transfer_policy,
-                          c.local_prefill_threshold, engine=c.engine, tls=c.tls)
+                          c.local_prefill_threshold, engine=c.engine, tls=c.tls, kv_transport=c.kv_transport)
         if c.mode == "aggregated":
             return [replace(base, role="aggregated", worker_id=f"aggregated-{i}", max_queue=c.decode_max_queue)
                     for i in range(c.num_decode)]

@@ -41,10 +41,15 @@ def add_up_args(p) -> None:
                    help="run the pools only (routers run elsewhere: `pdserve router`); --port then serves "
                         "/health and the admin endpoints")
     p.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
+    p.add_argument("--worker-host", default="", help="address workers serve on: 'auto' (their node's IP, the "
+                   "default with --ray-address) or an address (default without: 127.0.0.1)")
     p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", ""),
                    help="use this Redis instead of an embedded redis-server (env PDSERVE_REDIS_URL, which keeps a "
                         "password out of `ps`)")
     p.add_argument("--cluster-name", default="", help="registry namespace (default: random)")
+    p.add_argument("--kv-transport", choices=("grpc", "ucx"), default="grpc",
+                   help="how decode workers receive KV: grpc, or ucx (pip install 'pdserve[ucx]'; RDMA/NVLink/"
+                        "shared memory where present, TCP elsewhere)")
     p.add_argument("--transfer-policy", choices=("recompute", "fail"), default="recompute",
                    help="when a KV hand-off fails: prefill on the decode worker, or fail the request")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
@@ -107,8 +112,9 @@ def cmd_up(args) -> int:
     try:
         _start_ray(args, sum(p.replicas * p.num_cpus for p in pools))
         log(f"ray: {ray.get_runtime_context().gcs_address}")
-        base = WorkerSpec("", "", cluster_name, redis_url, args.cluster_token, "127.0.0.1", args.transfer_policy,
-                          args.local_prefill_threshold, tls=tls, engine=engine_cfg)
+        worker_host = args.worker_host or ("auto" if args.ray_address else "127.0.0.1")
+        base = WorkerSpec("", "", cluster_name, redis_url, args.cluster_token, worker_host, args.transfer_policy,
+                          args.local_prefill_threshold, tls=tls, kv_transport=args.kv_transport, engine=engine_cfg)
         started = [Pool(spec, base) for spec in pools]
         pending = [pool.launch() for pool in started]  # all pools load their model at once
         for pool, refs in zip(started, pending):

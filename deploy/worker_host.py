@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from engine.weights import LoadedModel
-from kv_transfer.grpc_transport import GrpcKVSender
+from kv_transfer.senders import SchemeKVSender
 from prefill_worker.service import PrefillWorker
 from protos.security import TLSConfig
 
@@ -32,6 +32,7 @@ class WorkerSpec:
     transfer_policy: str = "recompute"
     local_prefill_threshold: int = 0
     tls: TLSConfig = field(default_factory=TLSConfig)
+    kv_transport: str = "grpc"     # what this decode worker receives KV over: grpc | ucx
     max_queue: int = 0             # requests queued at this worker before it refuses more (0: unbounded)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -42,12 +43,13 @@ class HostedWorker:
         self.publisher = EventPublisher(spec.redis_url, spec.cluster, spec.worker_id) if spec.redis_url else None
         engine = AsyncEngine(LLMEngine(loaded, spec.engine, tokenizer, self.publisher))
         if spec.role == "prefill":
-            self.worker = PrefillWorker(engine, GrpcKVSender(spec.worker_id, spec.cluster_token, tls=spec.tls), spec.worker_id,
+            sender = SchemeKVSender(spec.worker_id, spec.cluster_token, tls=spec.tls)
+            self.worker = PrefillWorker(engine, sender, spec.worker_id,
                                         spec.cluster_token, spec.max_queue, spec.tls)
         else:  # decode, or aggregated: a decode worker that always prefills itself
             self.worker = DecodeWorker(engine, spec.worker_id, spec.cluster_token, spec.transfer_policy,
                                        local_prefill_threshold=spec.local_prefill_threshold, max_queue=spec.max_queue,
-                                       tls=spec.tls)
+                                       tls=spec.tls, kv_transport=spec.kv_transport)
         self.registration: WorkerRegistration | None = None
 
     @property

@@ -17,7 +17,7 @@ from protos.security import TLSConfig, add_port, open_channel
 from protos import kv_transfer_pb2 as pb
 from protos import kv_transfer_pb2_grpc as pb_grpc
 
-from .receiver import KVReceiver
+from .receiver import KVReceiver, PushAssembler
 from .wire import CHUNK_BYTES, iter_chunks, make_header, tensor_bytes
 
 # the default 4 MB limit is far below a long prompt's KV; chunks keep each message small
@@ -33,27 +33,19 @@ class _Servicer(pb_grpc.KVTransferServicer):
         self.on_arrival = on_arrival
 
     async def Push(self, request_iterator, context):
-        header, buf = None, bytearray()
+        push = PushAssembler(self.receiver)
         try:
             async for chunk in request_iterator:
-                if header is None:
-                    if chunk.WhichOneof("kind") != "header":
-                        raise KVTransferError("KV push must start with a header")
-                    header = chunk.header
-                    self.receiver.check_header(header)
-                    continue
-                buf += chunk.data
-                if len(buf) > header.payload_bytes:
-                    raise KVTransferError(f"KV push for {header.request_id!r} carries more than "
-                                          f"the {header.payload_bytes} bytes announced")
-            if header is None:
-                raise KVTransferError("empty KV push")
-            self.receiver.accept(header, buf)
+                if chunk.WhichOneof("kind") == "header":
+                    push.start(chunk.header)
+                else:
+                    push.data(chunk.data)
+            push.finish()
         except KVTransferError as e:
-            return pb.KVPushReply(ok=False, error=str(e), bytes_received=len(buf))
+            return pb.KVPushReply(ok=False, error=str(e), bytes_received=push.received)
         if self.on_arrival is not None:
             self.on_arrival()
-        return pb.KVPushReply(ok=True, bytes_received=len(buf))
+        return pb.KVPushReply(ok=True, bytes_received=push.received)
 
 
 class GrpcKVServer:

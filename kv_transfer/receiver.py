@@ -149,3 +149,42 @@ class KVReceiver:
             full = lease.buffer
         del self._leases[h.request_id]
         self._ready.append(Arrival(h.request_id, full, h.first_token, h.num_tokens))
+
+
+class PushAssembler:
+    """One push as it arrives over a wire (header, then data pieces), refused as early as
+    possible: the header is checked against the lease before any payload memory is taken,
+    and data beyond the size the header announced is refused. Shared by the transports."""
+
+    def __init__(self, receiver: KVReceiver):
+        self.receiver = receiver
+        self.header: pb.KVHeader | None = None
+        self.buf: bytearray | None = None
+        self.received = 0
+
+    def start(self, h: pb.KVHeader) -> None:
+        if self.header is not None:
+            raise KVTransferError("KV push carries a second header")
+        self.receiver.check_header(h)
+        self.header, self.buf = h, bytearray(h.payload_bytes)  # payload_bytes was checked against the lease
+
+    def slot(self, nbytes: int) -> memoryview:
+        """Where the next `nbytes` of payload go (receive straight into it)."""
+        if self.header is None:
+            raise KVTransferError("KV push must start with a header")
+        if self.received + nbytes > len(self.buf):
+            raise KVTransferError(f"KV push for {self.header.request_id!r} carries more than "
+                                  f"the {self.header.payload_bytes} bytes announced")
+        view = memoryview(self.buf)[self.received:self.received + nbytes]
+        self.received += nbytes
+        return view
+
+    def data(self, piece: bytes) -> None:
+        self.slot(len(piece))[:] = piece
+
+    def finish(self) -> None:
+        """Check the whole push (size, checksum) and file it with the receiver."""
+        if self.header is None:
+            raise KVTransferError("empty KV push")
+        payload = self.buf if self.received == len(self.buf) else self.buf[:self.received]
+        self.receiver.accept(self.header, payload)

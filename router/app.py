@@ -128,7 +128,10 @@ def add_admin_routes(app: FastAPI, control, authorized) -> None:
             control.check(sizes)
         except ValueError as e:
             raise APIError(400, f"bad scale request: {e}", param="body") from e
-        return {"pools": await control.scale(sizes)}
+        try:
+            return {"pools": await control.scale(sizes)}
+        except RuntimeError as e:  # deploy.launch.PoolScaleError: new workers did not start
+            raise APIError(503, str(e), "server_error", code="scale_failed") from e
 
 
 def create_admin_app(control, api_keys: tuple[str, ...]) -> FastAPI:

@@ -1,5 +1,6 @@
-"""KV transfer: bit-exact delivery over gRPC and in-process, every refusal path, and the
-prefill -> transfer -> decode hand-off on two real engines (tiny model)."""
+"""KV transfer: bit-exact delivery over gRPC, UCX and in-process, every refusal path (the same
+suite for every wire transport), and the prefill -> transfer -> decode hand-off on two real
+engines (tiny model)."""
 import asyncio
 
 import pytest
@@ -28,11 +29,22 @@ def random_kv(n_blocks, layers=2, seed=0):
     return torch.randn(layers, 2, n_blocks, 16, 2, 16, generator=torch.Generator().manual_seed(seed))
 
 
-def with_grpc(fn, receiver, **sender_kw):
+@pytest.fixture(params=["grpc", "ucx"])
+def wire(request):
+    """Every wire transport runs the same suite."""
+    if request.param == "ucx":
+        pytest.importorskip("ucxx", reason="the UCX transport needs pdserve[ucx]")
+    return request.param
+
+
+def with_wire(wire, fn, receiver, **sender_kw):
     async def main():
-        server = GrpcKVServer(receiver)
+        if wire == "ucx":
+            from kv_transfer.ucx_transport import UcxKVSender, UcxKVServer
+            server, sender = UcxKVServer(receiver), UcxKVSender("prefill-0", **sender_kw)
+        else:
+            server, sender = GrpcKVServer(receiver), GrpcKVSender("prefill-0", **sender_kw)
         addr = await server.start()
-        sender = GrpcKVSender("prefill-0", **sender_kw)
         try:
             return await fn(sender, addr)
         finally:
@@ -47,12 +59,12 @@ def push(sender, addr, kv, rid="r1", blocks=(3, 4, 5), tokens=40, fp=FP, timeout
 
 
 @pytest.mark.parametrize("n_blocks", [1, 3, 64])  # 64 blocks = 1 MiB+: several chunks
-def test_grpc_delivers_random_blocks_bit_exact(n_blocks):
+def test_wire_delivers_random_blocks_bit_exact(n_blocks, wire):
     rx = KVReceiver(FP, LAYOUT)
     blocks = list(range(10, 10 + n_blocks))
     rx.expect("r1", blocks, n_blocks * 16 - 3, timeout_s=30)
     kv = random_kv(n_blocks, seed=n_blocks)
-    with_grpc(lambda s, a: push(s, a, kv, blocks=blocks, tokens=n_blocks * 16 - 3), rx)
+    with_wire(wire, lambda s, a: push(s, a, kv, blocks=blocks, tokens=n_blocks * 16 - 3), rx)
     [arrival] = rx.take_ready()
     assert arrival.request_id == "r1" and arrival.first_token == 7 and torch.equal(arrival.kv, kv)
     assert rx.pending() == []
@@ -66,7 +78,7 @@ def prepared_chunks(kv, chunk_bytes=4096):
     return list(iter_chunks(header, payload, chunk_bytes))
 
 
-def test_corrupted_chunk_is_refused():
+def test_corrupted_chunk_is_refused(wire):
     rx = KVReceiver(FP, LAYOUT)
     rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
     chunks = prepared_chunks(random_kv(3))
@@ -74,18 +86,18 @@ def test_corrupted_chunk_is_refused():
     bad[100] ^= 0xFF
     chunks[2].data = bytes(bad)
     with pytest.raises(KVTransferError, match="checksum"):
-        with_grpc(lambda s, a: s.push_chunks(a, iter(chunks), 10.0), rx)
+        with_wire(wire, lambda s, a: s.push_chunks(a, iter(chunks), 10.0), rx)
     assert rx.take_ready() == []
 
 
-def test_truncated_and_oversized_pushes_are_refused():
+def test_truncated_and_oversized_pushes_are_refused(wire):
     rx = KVReceiver(FP, LAYOUT)
     rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
     chunks = prepared_chunks(random_kv(3))
     with pytest.raises(KVTransferError, match="truncated"):
-        with_grpc(lambda s, a: s.push_chunks(a, iter(chunks[:-1]), 10.0), rx)
+        with_wire(wire, lambda s, a: s.push_chunks(a, iter(chunks[:-1]), 10.0), rx)
     with pytest.raises(KVTransferError, match="more than"):
-        with_grpc(lambda s, a: s.push_chunks(a, iter(chunks + chunks[1:2]), 10.0), rx)
+        with_wire(wire, lambda s, a: s.push_chunks(a, iter(chunks + chunks[1:2]), 10.0), rx)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -94,35 +106,35 @@ def test_truncated_and_oversized_pushes_are_refused():
     (dict(blocks=(3, 4, 6)), "do not match the lease"),
     (dict(tokens=41), "do not match the lease"),
 ])
-def test_mismatched_headers_are_refused(change, message):
+def test_mismatched_headers_are_refused(change, message, wire):
     rx = KVReceiver(FP, LAYOUT)
     rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
     with pytest.raises(KVTransferError, match=message):
-        with_grpc(lambda s, a: push(s, a, random_kv(3), **change), rx)
+        with_wire(wire, lambda s, a: push(s, a, random_kv(3), **change), rx)
     assert rx.take_ready() == []
 
 
-def test_wrong_layout_dtype_and_token_are_refused():
+def test_wrong_layout_dtype_and_token_are_refused(wire):
     rx = KVReceiver(FP, LAYOUT, cluster_token="s3cret")
     rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
     with pytest.raises(KVTransferError, match="cluster token"):
-        with_grpc(lambda s, a: push(s, a, random_kv(3)), rx, cluster_token="guess")
+        with_wire(wire, lambda s, a: push(s, a, random_kv(3)), rx, cluster_token="guess")
     with pytest.raises(KVTransferError, match="dtype"):
-        with_grpc(lambda s, a: push(s, a, random_kv(3).half()), rx, cluster_token="s3cret")
+        with_wire(wire, lambda s, a: push(s, a, random_kv(3).half()), rx, cluster_token="s3cret")
     with pytest.raises(KVTransferError, match="layout"):
-        with_grpc(lambda s, a: push(s, a, random_kv(3, layers=3)), rx, cluster_token="s3cret")
-    with_grpc(lambda s, a: push(s, a, random_kv(3)), rx, cluster_token="s3cret")
+        with_wire(wire, lambda s, a: push(s, a, random_kv(3, layers=3)), rx, cluster_token="s3cret")
+    with_wire(wire, lambda s, a: push(s, a, random_kv(3)), rx, cluster_token="s3cret")
     assert len(rx.take_ready()) == 1
 
 
-def test_unknown_sender_refused_when_senders_are_named():
+def test_unknown_sender_refused_when_senders_are_named(wire):
     rx = KVReceiver(FP, LAYOUT)
     rx.expect("r1", [3, 4, 5], 40, timeout_s=30, senders={"prefill-9"})
     with pytest.raises(KVTransferError, match="unexpected sender 'prefill-0'"):
-        with_grpc(lambda s, a: push(s, a, random_kv(3)), rx)
+        with_wire(wire, lambda s, a: push(s, a, random_kv(3)), rx)
 
 
-def test_lease_expiry_and_late_push():
+def test_lease_expiry_and_late_push(wire):
     clock = Clock()
     rx = KVReceiver(FP, LAYOUT, clock=clock)
     rx.expect("r1", [3, 4, 5], 40, timeout_s=5)
@@ -130,17 +142,21 @@ def test_lease_expiry_and_late_push():
     clock.t = 6
     assert rx.expired() == ["r1"] and rx.pending() == ["r2"]
     with pytest.raises(KVTransferError, match="unknown or expired"):
-        with_grpc(lambda s, a: push(s, a, random_kv(3)), rx)
+        with_wire(wire, lambda s, a: push(s, a, random_kv(3)), rx)
 
 
-def test_unreachable_receiver_and_timeout_fail_cleanly():
+def test_unreachable_receiver_and_timeout_fail_cleanly(wire):
     async def main():
-        sender = GrpcKVSender("p")
+        if wire == "ucx":
+            from kv_transfer.ucx_transport import UcxKVSender
+            sender, target = UcxKVSender("p"), "ucx://127.0.0.1:1"
+        else:
+            sender, target = GrpcKVSender("p"), "127.0.0.1:1"
         try:
-            await push(sender, "127.0.0.1:1", random_kv(1), blocks=(1,), tokens=5, timeout=2.0)
+            await push(sender, target, random_kv(1), blocks=(1,), tokens=5, timeout=2.0)
         finally:
             await sender.close()
-    with pytest.raises(KVTransferError, match="UNAVAILABLE|timed out"):
+    with pytest.raises(KVTransferError, match="UNAVAILABLE|timed out|failed"):
         asyncio.run(main())
 
     rx = KVReceiver(FP, LAYOUT)
@@ -152,11 +168,11 @@ def test_unreachable_receiver_and_timeout_fail_cleanly():
             await asyncio.sleep(0.5)
 
     with pytest.raises(KVTransferError, match="timed out after 0.5s"):
-        with_grpc(lambda s, a: s.push_chunks(a, slow_chunks(prepared_chunks(random_kv(3))), 0.5), rx)
+        with_wire(wire, lambda s, a: s.push_chunks(a, slow_chunks(prepared_chunks(random_kv(3))), 0.5), rx)
     assert rx.take_ready() == []
 
 
-def test_layer_wise_pushes_assemble_the_request():
+def test_layer_wise_pushes_assemble_the_request(wire):
     rx = KVReceiver(FP, LAYOUT)
     rx.expect("r1", [3, 4], 20, timeout_s=30)
     kv = random_kv(2)
@@ -167,7 +183,7 @@ def test_layer_wise_pushes_assemble_the_request():
                          model_fingerprint=FP, timeout_s=10, layer_start=layer)
             if layer == 1:
                 assert rx.take_ready() == []  # incomplete: not ready yet
-    with_grpc(two_halves, rx)
+    with_wire(wire, two_halves, rx)
     [arrival] = rx.take_ready()
     assert torch.equal(arrival.kv, kv)
 
@@ -184,7 +200,7 @@ def test_local_transport_same_checks_no_copy():
     assert arrival.kv.data_ptr() == kv.data_ptr()
 
 
-@pytest.mark.parametrize("transport", ["grpc", "local"])
+@pytest.mark.parametrize("transport", ["grpc", "ucx", "local"])
 def test_prefill_decode_handoff_matches_one_engine(make_engine, transport):
     """Prefill on one engine, ship the blocks, decode on another: the same greedy tokens."""
     prompts = [[(7 * i + j) % 500 + 3 for j in range(20 + 13 * i)] for i in range(3)]
@@ -208,8 +224,10 @@ def test_prefill_decode_handoff_matches_one_engine(make_engine, transport):
             finally:
                 prefill.release_kv(rid)
 
-    if transport == "grpc":
-        with_grpc(run, rx)
+    if transport == "ucx":
+        pytest.importorskip("ucxx", reason="the UCX transport needs pdserve[ucx]")
+    if transport != "local":
+        with_wire(transport, run, rx)
     else:
         asyncio.run(run(LocalKVSender({"d": rx}), "d"))
     got = {}
@@ -222,13 +240,13 @@ def test_prefill_decode_handoff_matches_one_engine(make_engine, transport):
     assert [got[f"h{i}"] for i in range(3)] == expected
 
 
-def test_failed_transfer_frees_destination_blocks(make_engine):
+def test_failed_transfer_frees_destination_blocks(make_engine, wire):
     decode = make_engine()
     rx = KVReceiver("tiny-0", decode.kv_cache.layout)
     dest = decode.add_remote_request("r", list(range(3, 40)), SamplingParams(max_tokens=4))
     rx.expect("r", dest, 37, timeout_s=30)
     with pytest.raises(KVTransferError):
-        with_grpc(lambda s, a: s.push(a, "r", random_kv(len(dest)), dest_block_ids=dest, num_tokens=37,
+        with_wire(wire, lambda s, a: s.push(a, "r", random_kv(len(dest)), dest_block_ids=dest, num_tokens=37,
                                       first_token=1, model_fingerprint="wrong", timeout_s=5), rx)
     # the decode worker's failure path: drop the lease, abort the request -> blocks back
     rx.cancel("r")

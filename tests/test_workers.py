@@ -9,7 +9,7 @@ import pytest
 from decode_worker.service import DecodeWorker
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
-from kv_transfer.grpc_transport import GrpcKVSender
+from kv_transfer.senders import SchemeKVSender
 from prefill_worker.service import PrefillWorker
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
@@ -22,11 +22,12 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 
 
 class Cluster:
-    def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20):
+    def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc"):
         self.prefill_engine, self.decode_engine = make_engine(), make_engine(kv_cache_memory=decode_kv)
-        self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), GrpcKVSender("prefill-0", token), "prefill-0", token)
+        self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
+                                     token)
         self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
-                                   local_prefill_threshold=threshold)
+                                   local_prefill_threshold=threshold, kv_transport=kv_transport)
         self.token = token
 
     async def __aenter__(self):
@@ -57,11 +58,14 @@ def expected(make_engine):
     return [eng.generate([p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
 
 
-def test_disaggregated_equals_single_engine(make_engine):
+@pytest.mark.parametrize("kv_transport", ["grpc", "ucx"])
+def test_disaggregated_equals_single_engine(make_engine, kv_transport):
+    if kv_transport == "ucx":
+        pytest.importorskip("ucxx", reason="the UCX transport needs pdserve[ucx]")
     want = expected(make_engine)
 
     async def main():
-        async with Cluster(make_engine) as c:
+        async with Cluster(make_engine, kv_transport=kv_transport) as c:
             outs = await asyncio.gather(*(c.generate(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))))
             stats = await c.stub.Stats(pb.StatsRequest())
             return outs, stats
