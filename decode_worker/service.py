@@ -160,11 +160,13 @@ class DecodeWorker:
         dest = await self._destination_blocks(rid, prompt, params)
         if dest is None:
             return False
-        self.receiver.expect(rid, dest, len(prompt), self.transfer_timeout_s)
+        bs = self.engine.engine.blocks.block_size
+        skip = (-(-len(prompt) // bs) - len(dest)) * bs  # tokens of the cached prefix, shared here
+        self.receiver.expect(rid, dest, len(prompt), self.transfer_timeout_s, first_token_index=skip)
         try:
             reply = await self._prefill_stub(prefill_address).Prefill(pb.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params),
-                kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer_timeout_s,
+                kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer_timeout_s, skip_tokens=skip,
                 cluster_token=self.cluster_token), timeout=self.transfer_timeout_s)
             arrival = self.receiver.take(rid)
             if arrival is None:

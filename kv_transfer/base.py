@@ -10,10 +10,12 @@ import torch
 class KVSender(Protocol):
     async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],
                    num_tokens: int, first_token: int, model_fingerprint: str, timeout_s: float,
-                   layer_start: int = 0) -> None:
-        """Deliver `kv` (layers, 2, n_blocks, block_size, n_kv_heads, head_dim) into
-        `dest_block_ids` of the decode worker at `target`. Raises KVTransferError when the
-        receiver refuses it, the connection fails, or `timeout_s` passes."""
+                   layer_start: int = 0, token_offset: int = 0) -> None:
+        """Deliver `kv` (layers, 2, n_blocks, block_size, n_kv_heads, head_dim), holding tokens
+        from `token_offset` in the sender's block size, into `dest_block_ids` of the decode
+        worker at `target` (re-blocked there if its block size differs). Raises
+        KVTransferError when the receiver refuses it, the connection fails, or `timeout_s`
+        passes."""
 
     async def close(self) -> None:
         """Release connections."""

@@ -19,6 +19,7 @@ import torch
 from engine.errors import KVTransferError
 from protos import kv_transfer_pb2 as pb
 
+from .relayout import reblock
 from .wire import DTYPES, checksum, tensor_from_bytes
 
 
@@ -29,6 +30,7 @@ class Lease:
     num_tokens: int
     deadline: float
     senders: frozenset[str] | None = None  # None: any sender that has the cluster token
+    first_token_index: int = 0             # the blocks hold tokens [first_token_index, num_tokens)
     layers_done: set[int] = field(default_factory=set)
     buffer: torch.Tensor | None = None     # filled layer range by layer range
 
@@ -54,9 +56,11 @@ class KVReceiver:
         self._ready: list[Arrival] = []
 
     def expect(self, request_id: str, dest_block_ids: list[int], num_tokens: int, timeout_s: float,
-               senders: set[str] | None = None) -> Lease:
+               senders: set[str] | None = None, first_token_index: int = 0) -> Lease:
+        """Lease `dest_block_ids` for the KV of tokens [first_token_index, num_tokens) (the
+        tokens before are this worker's cached prefix)."""
         lease = Lease(request_id, list(dest_block_ids), num_tokens, self.clock() + timeout_s,
-                      frozenset(senders) if senders else None)
+                      frozenset(senders) if senders else None, first_token_index)
         self._leases[request_id] = lease
         return lease
 
@@ -104,13 +108,20 @@ class KVReceiver:
                                   f"does not match this worker's {self.fingerprint!r}")
         if h.dtype != self.dtype:
             raise KVTransferError(f"KV push for {h.request_id!r}: dtype {h.dtype} but this cache holds {self.dtype}")
-        L, two, bs, heads, hd = self.layout
-        if tuple(h.layout) != (h.layer_end - h.layer_start, two, bs, heads, hd) or not 0 <= h.layer_start < h.layer_end <= L:
+        L, two, _, heads, hd = self.layout
+        src_bs = h.layout[2] if len(h.layout) == 5 else 0  # the sender's block size may differ from ours
+        same_shape = tuple(h.layout[:2]) + tuple(h.layout[3:]) == (h.layer_end - h.layer_start, two, heads, hd)
+        if len(h.layout) != 5 or not same_shape or not 0 < src_bs <= 4096 or not 0 <= h.layer_start < h.layer_end <= L:
             raise KVTransferError(f"KV push for {h.request_id!r}: layout {tuple(h.layout)} layers "
                                   f"[{h.layer_start}, {h.layer_end}) does not fit this cache {self.layout}")
         if list(h.dest_block_ids) != lease.dest_block_ids or h.num_tokens != lease.num_tokens:
             raise KVTransferError(f"KV push for {h.request_id!r}: blocks/tokens do not match the lease")
-        expected = (h.layer_end - h.layer_start) * two * len(lease.dest_block_ids) * bs * heads * hd \
+        # the payload starts at the sender's block boundary at or before the first token awaited
+        first = lease.first_token_index
+        if h.token_offset % src_bs or not first - src_bs < h.token_offset <= first:
+            raise KVTransferError(f"KV push for {h.request_id!r}: starts at token {h.token_offset}, but the blocks "
+                                  f"await tokens from {lease.first_token_index} (sender block size {src_bs})")
+        expected = (h.layer_end - h.layer_start) * two * self._src_blocks(h) * src_bs * heads * hd \
             * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
         if h.payload_bytes != expected:
             raise KVTransferError(f"KV push for {h.request_id!r}: payload of {h.payload_bytes} bytes, expected {expected}")
@@ -123,20 +134,29 @@ class KVReceiver:
             raise KVTransferError(f"KV push for {h.request_id!r} truncated: {len(payload)} of {h.payload_bytes} bytes")
         if checksum(payload) != h.checksum:
             raise KVTransferError(f"KV push for {h.request_id!r}: checksum mismatch (corrupted in transit)")
-        shape = (h.layer_end - h.layer_start, 2, len(h.dest_block_ids), *self.layout[2:])
+        shape = (h.layer_end - h.layer_start, 2, self._src_blocks(h), *h.layout[2:])
         self._land(h, tensor_from_bytes(payload, h.dtype, shape))
 
     def accept_tensor(self, h: pb.KVHeader, kv: torch.Tensor) -> None:
         """In-process arrival: the same checks except the checksum (nothing crossed a wire)."""
         self.check_header(h)
-        shape = (h.layer_end - h.layer_start, 2, len(h.dest_block_ids), *self.layout[2:])
+        shape = (h.layer_end - h.layer_start, 2, self._src_blocks(h), *h.layout[2:])
         if tuple(kv.shape) != shape:
             raise KVTransferError(f"KV push for {h.request_id!r}: tensor shape {tuple(kv.shape)}, expected {shape}")
         self._land(h, kv)
 
+    @staticmethod
+    def _src_blocks(h: pb.KVHeader) -> int:
+        return -(-(h.num_tokens - h.token_offset) // h.layout[2])
+
     def _land(self, h: pb.KVHeader, kv: torch.Tensor) -> None:
         lease = self._leases[h.request_id]
         L = self.layout[0]
+        # into this cache's block size, from the first token its blocks await (no copy when equal)
+        kv = reblock(kv, h.token_offset, lease.first_token_index, h.num_tokens, self.layout[2])
+        if kv.shape[2] != len(lease.dest_block_ids):
+            raise KVTransferError(f"KV push for {h.request_id!r}: {kv.shape[2]} blocks of tokens for "
+                                  f"{len(lease.dest_block_ids)} destination blocks")
         if h.layer_start == 0 and h.layer_end == L:
             full = kv
         else:  # layer-wise streaming: collect ranges until every layer is there

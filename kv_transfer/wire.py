@@ -41,18 +41,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 def make_header(request_id: str, kv: torch.Tensor, *, sender_id: str, model_fingerprint: str,
                 dest_block_ids: list[int], num_tokens: int, first_token: int,
                 payload: memoryview | None = None, layer_start: int = 0,
-                cluster_token: str = "") -> pb.KVHeader:
-    """Header for pushing `kv` (layers [layer_start, layer_start + kv.shape[0])). Without a
-    payload (in-process transfer) there is no checksum."""
+                cluster_token: str = "", token_offset: int = 0) -> pb.KVHeader:
+    """Header for pushing `kv` (layers [layer_start, layer_start + kv.shape[0]), tokens from
+    `token_offset`, in the sender's block size). Without a payload (in-process transfer)
+    there is no checksum."""
     L, two, n_blocks, bs, h, d = kv.shape
-    assert n_blocks == len(dest_block_ids), "one destination block per exported block"
     return pb.KVHeader(
         request_id=request_id, sender_id=sender_id, model_fingerprint=model_fingerprint,
         dtype=dtype_name(kv.dtype), layout=[L, two, bs, h, d], layer_start=layer_start,
         layer_end=layer_start + L, dest_block_ids=dest_block_ids, num_tokens=num_tokens,
         payload_bytes=kv.numel() * kv.element_size(),
         checksum=checksum(payload) if payload is not None else b"", first_token=first_token,
-        cluster_token=cluster_token)
+        cluster_token=cluster_token, token_offset=token_offset)
 
 
 def iter_chunks(header: pb.KVHeader, payload: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.KVChunk]:

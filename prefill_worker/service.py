@@ -52,12 +52,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             tokens, kv = await w.engine.run(lambda e: e.export_kv(rid))
         finally:
             await w.engine.run(lambda e: e.release_kv(rid))
-        dest = list(request.dest_block_ids)
-        if 0 < len(dest) < kv.shape[2]:  # the decode worker caches the prefix: send only the tail
-            kv = kv[:, :, kv.shape[2] - len(dest):].contiguous()
+        # the decode worker holds the prompt's first skip_tokens (its cached prefix): send the
+        # KV from the block holding the first token it awaits, in this worker's block size
+        first_block = min(max(request.skip_tokens, 0), len(tokens) - 1) // kv.shape[3]
+        if first_block:
+            kv = kv[:, :, first_block:].contiguous()
         try:
             await w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
                                 num_tokens=len(tokens), first_token=first.new_token_ids[0],
+                                token_offset=first_block * kv.shape[3],
                                 model_fingerprint=w.fingerprint, timeout_s=request.timeout_s or 30.0)
         except KVTransferError as e:
             w.transfer_failures += 1

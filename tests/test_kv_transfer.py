@@ -252,3 +252,36 @@ def test_failed_transfer_frees_destination_blocks(make_engine, wire):
     rx.cancel("r")
     assert decode.abort("r")
     assert decode.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("src_bs, dst_bs, first", [(16, 8, 0), (16, 32, 0), (16, 8, 24), (8, 32, 32), (32, 16, 48),
+                                                   (16, 16, 32)])
+def test_reblock_keeps_every_token_in_order(src_bs, dst_bs, first):
+    """The re-paged KV holds exactly tokens [first, num_tokens), in order, zero after."""
+    from kv_transfer.relayout import reblock
+
+    num_tokens, offset = 99, first // src_bs * src_bs
+    n_src = -(-(num_tokens - offset) // src_bs)
+    kv = torch.arange(2 * 2 * n_src * src_bs * 3, dtype=torch.float32).view(2, 2, n_src, src_bs, 3, 1)
+    out = reblock(kv, offset, first, num_tokens, dst_bs)
+    assert out.shape == (2, 2, -(-(num_tokens - first) // dst_bs), dst_bs, 3, 1)
+    flat_in = kv.reshape(2, 2, -1, 3, 1)[:, :, first - offset:num_tokens - offset]
+    flat_out = out.reshape(2, 2, -1, 3, 1)
+    assert torch.equal(flat_out[:, :, :num_tokens - first], flat_in)
+    if src_bs == dst_bs and first == offset:
+        assert out.data_ptr() == kv.data_ptr()  # nothing to convert: no copy
+    else:
+        assert not flat_out[:, :, num_tokens - first:].any()
+    with pytest.raises(ValueError):
+        reblock(kv, offset, first, num_tokens + src_bs * 2, dst_bs)
+
+
+def test_a_push_starting_at_the_wrong_token_is_refused(wire):
+    rx = KVReceiver(FP, LAYOUT)
+    rx.expect("r1", [3, 4], 40, timeout_s=30, first_token_index=16)  # blocks await tokens 16..39
+    with pytest.raises(KVTransferError, match="starts at token 0"):
+        with_wire(wire, lambda s, a: push(s, a, random_kv(3), blocks=(3, 4)), rx)
+    with_wire(wire, lambda s, a: s.push(a, "r1", random_kv(2), dest_block_ids=[3, 4], num_tokens=40, first_token=7,
+                                        model_fingerprint=FP, timeout_s=10, token_offset=16), rx)
+    [arrival] = rx.take_ready()
+    assert arrival.kv.shape[2] == 2

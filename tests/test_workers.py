@@ -22,8 +22,10 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 
 
 class Cluster:
-    def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc"):
-        self.prefill_engine, self.decode_engine = make_engine(), make_engine(kv_cache_memory=decode_kv)
+    def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc",
+                 decode_block_size=16):
+        self.prefill_engine = make_engine()
+        self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
                                      token)
         self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
@@ -112,6 +114,28 @@ def test_a_prefix_the_decode_worker_caches_is_not_sent_again(make_engine):
     outs, first_blocks, second_blocks = asyncio.run(main())
     assert outs == want
     assert first_blocks == 7 and second_blocks == 1  # only the partial last block travels again
+
+
+@pytest.mark.parametrize("decode_block_size", [8, 32])
+def test_pools_with_different_block_sizes(make_engine, decode_block_size):
+    """Prefill pages its cache in blocks of 16 tokens, decode in 8 or 32: the KV is re-blocked
+    on arrival, also when the decode worker already holds a cached prefix (then the prefill
+    worker sends from the block holding the first token it awaits)."""
+    prompt = PROMPTS[2] + PROMPTS[1]  # 99 tokens
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=s, ignore_eos=True) for s in (1, 2)]
+    want = [make_engine().generate([prompt], [p])[0] for p in params]
+    want += [make_engine().generate([p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
+
+    async def main():
+        async with Cluster(make_engine, decode_block_size=decode_block_size) as c:
+            outs = [(await c.generate(f"x{i}", prompt, p))[0] for i, p in enumerate(params)]  # 2nd: prefix cached
+            outs += [t for t, _ in await asyncio.gather(*(c.generate(f"r{i}", p, sp)
+                                                          for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))))]
+            return outs, await c.stub.Stats(pb.StatsRequest())
+
+    outs, stats = asyncio.run(main())
+    assert outs == want
+    assert stats.remote_prefills == 5 and stats.local_prefills == 0 and stats.transfer_failures == 0
 
 
 def test_short_prompts_prefill_locally(make_engine):
