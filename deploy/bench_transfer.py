@@ -18,6 +18,9 @@ def add_bench_transfer_args(p) -> None:
     p.add_argument("--tokens", default="1024,4096,16384", help="prompt lengths (comma-separated)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="grpc,ucx")
+    p.add_argument("--layerwise-prompt", type=int, default=2048,
+                   help="also time TTFT of a prompt this long with whole vs layer-wise KV pushes (0: skip)")
+    p.add_argument("--layer-group", type=int, default=5, help="layers per push when streaming")
     p.add_argument("--output", default="bench/transfer-results.json")
     p.set_defaults(func=cmd_bench_transfer)
 
@@ -112,6 +115,59 @@ def _bench_memcpy(sizes: list[int], repeats: int) -> dict:
     return out
 
 
+def _bench_layerwise(prompt_len: int, group: int, repeats: int) -> dict:
+    """TTFT of one prompt through a real prefill worker and decode worker (gRPC, one engine
+    thread each), KV pushed after the whole prompt vs every `group` layers."""
+    import grpc
+
+    from decode_worker.service import DecodeWorker
+    from engine.async_engine import AsyncEngine
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.weights import load_model
+    from kv_transfer.senders import SchemeKVSender
+    from prefill_worker.service import PrefillWorker
+    from protos import worker_pb2 as pb
+    from protos import worker_pb2_grpc as pb_grpc
+    from protos.convert import params_to_proto
+
+    loaded = load_model()
+    cfg = EngineConfig(num_threads=1, cache=CacheConfig(kv_cache_memory=512 << 20))
+
+    async def run():
+        workers = {g: (PrefillWorker(AsyncEngine(LLMEngine(loaded, cfg)), SchemeKVSender(f"p{g}"), f"p{g}",
+                                     layer_group=g), DecodeWorker(AsyncEngine(LLMEngine(loaded, cfg)), f"d{g}"))
+                   for g in (0, group)}
+        for p, d in workers.values():
+            await p.start()
+            await d.start()
+        ttft: dict[int, list[float]] = {0: [], group: []}
+        try:
+            for r in range(repeats + 1):  # interleaved; the first round warms up
+                for g, (p, d) in workers.items():
+                    prompt = [(r * 7919 + g * 104729 + i * 31) % 40000 + 100 for i in range(prompt_len)]
+                    async with grpc.aio.insecure_channel(d.address) as ch:
+                        t = time.perf_counter()
+                        call = pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
+                            request_id=f"lw{r}-{g}", prompt_token_ids=prompt, prefill_address=p.address,
+                            params=params_to_proto(SamplingParams(max_tokens=1, temperature=0))))
+                        async for _ in call:
+                            break
+                        if r:
+                            ttft[g].append(time.perf_counter() - t)
+                        call.cancel()
+        finally:
+            for p, d in workers.values():
+                await d.stop()
+                await p.stop()
+        return ttft
+    ttft = asyncio.run(run())
+    whole, streamed = statistics.median(ttft[0]), statistics.median(ttft[group])
+    return {"prompt_tokens": prompt_len, "layer_group": group, "ttft_whole_s": whole, "ttft_layerwise_s": streamed,
+            "saved_s": whole - streamed, "saved_fraction": (whole - streamed) / whole}
+
+
 def cmd_bench_transfer(args) -> int:
     sizes = [int(x) for x in args.tokens.split(",")]
     results = {"memcpy": _bench_memcpy(sizes, args.repeats)}
@@ -121,6 +177,11 @@ def cmd_bench_transfer(args) -> int:
     for tokens in sizes:
         mb = results["memcpy"][tokens]["bytes"] / 1e6
         print(f"{tokens:7d} {mb:7.0f} " + " ".join(f"{results[k][tokens]['GB_per_s']:12.2f}" for k in results))
+    if args.layerwise_prompt:
+        lw = results["layerwise"] = _bench_layerwise(args.layerwise_prompt, args.layer_group, args.repeats)
+        print(f"TTFT of a {lw['prompt_tokens']}-token prompt: {lw['ttft_whole_s']:.3f} s with the KV pushed at the end, "
+              f"{lw['ttft_layerwise_s']:.3f} s pushed every {lw['layer_group']} layers: "
+              f"{lw['saved_s'] * 1e3:.0f} ms saved ({lw['saved_fraction']:.1%})")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.output}")

@@ -37,6 +37,7 @@ class LocalClusterConfig:
     local_prefill_threshold: int = 0
     tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS between router and workers
     kv_transport: str = "grpc"     # decode workers receive KV over grpc | ucx
+    kv_layer_group: int = 0        # prefill workers push KV every N layers (0: at the end)
     prefill_max_queue: int = 0     # per worker; 0: unbounded
     decode_max_queue: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -56,7 +57,8 @@ class LocalCluster:
     def _specs(self) -> list[WorkerSpec]:
         c = self.config
         base = WorkerSpec("prefill", "", c.cluster, c.redis_url, c.cluster_token, c.host, c.transfer_policy,
-                          c.local_prefill_threshold, engine=c.engine, tls=c.tls, kv_transport=c.kv_transport)
+                          c.local_prefill_threshold, engine=c.engine, tls=c.tls, kv_transport=c.kv_transport,
+                          kv_layer_group=c.kv_layer_group)
         if c.mode == "aggregated":
             return [replace(base, role="aggregated", worker_id=f"aggregated-{i}", max_queue=c.decode_max_queue)
                     for i in range(c.num_decode)]

@@ -50,6 +50,9 @@ def add_up_args(p) -> None:
     p.add_argument("--kv-transport", choices=("grpc", "ucx"), default="grpc",
                    help="how decode workers receive KV: grpc, or ucx (pip install 'pdserve[ucx]'; RDMA/NVLink/"
                         "shared memory where present, TCP elsewhere)")
+    p.add_argument("--kv-layer-group", type=int, default=0,
+                   help="prefill workers push a prompt's KV every N layers as they are computed, overlapping "
+                        "transfer with compute (0: all layers at the end)")
     p.add_argument("--transfer-policy", choices=("recompute", "fail"), default="recompute",
                    help="when a KV hand-off fails: prefill on the decode worker, or fail the request")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
@@ -114,7 +117,8 @@ def cmd_up(args) -> int:
         log(f"ray: {ray.get_runtime_context().gcs_address}")
         worker_host = args.worker_host or ("auto" if args.ray_address else "127.0.0.1")
         base = WorkerSpec("", "", cluster_name, redis_url, args.cluster_token, worker_host, args.transfer_policy,
-                          args.local_prefill_threshold, tls=tls, kv_transport=args.kv_transport, engine=engine_cfg)
+                          args.local_prefill_threshold, tls=tls, kv_transport=args.kv_transport,
+                          kv_layer_group=args.kv_layer_group, engine=engine_cfg)
         started = [Pool(spec, base) for spec in pools]
         pending = [pool.launch() for pool in started]  # all pools load their model at once
         for pool, refs in zip(started, pending):

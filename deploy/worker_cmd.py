@@ -21,6 +21,7 @@ def add_worker_args(p) -> None:
     p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""))
     p.add_argument("--transfer-policy", choices=("recompute", "fail"), default="recompute")
     p.add_argument("--kv-transport", choices=("grpc", "ucx"), default="grpc", help="decode workers: receive KV over")
+    p.add_argument("--kv-layer-group", type=int, default=0, help="prefill workers: push KV every N layers (0: at the end)")
     p.add_argument("--max-queue", type=int, default=64, help="requests queued here before it refuses more")
     p.set_defaults(func=cmd_worker)
 
@@ -43,7 +44,8 @@ def cmd_worker(args) -> int:
         torch.set_num_threads(cfg.num_threads)
     loaded = load_model(cfg.model or None, getattr(torch, cfg.dtype), cfg.device, cfg.max_model_len, cfg.packed_weights)
     spec = WorkerSpec(args.role, args.worker_id, args.cluster_name, args.redis_url, args.cluster_token, args.host,
-                      args.transfer_policy, max_queue=args.max_queue, kv_transport=args.kv_transport, engine=cfg)
+                      args.transfer_policy, max_queue=args.max_queue, kv_transport=args.kv_transport,
+                      kv_layer_group=args.kv_layer_group, engine=cfg)
     host = HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
 
     async def main():

@@ -33,6 +33,7 @@ class WorkerSpec:
     local_prefill_threshold: int = 0
     tls: TLSConfig = field(default_factory=TLSConfig)
     kv_transport: str = "grpc"     # what this decode worker receives KV over: grpc | ucx
+    kv_layer_group: int = 0        # prefill: push KV every this many layers as they compute (0: at the end)
     max_queue: int = 0             # requests queued at this worker before it refuses more (0: unbounded)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -45,7 +46,7 @@ class HostedWorker:
         if spec.role == "prefill":
             sender = SchemeKVSender(spec.worker_id, spec.cluster_token, tls=spec.tls)
             self.worker = PrefillWorker(engine, sender, spec.worker_id,
-                                        spec.cluster_token, spec.max_queue, spec.tls)
+                                        spec.cluster_token, spec.max_queue, spec.tls, spec.kv_layer_group)
         else:  # decode, or aggregated: a decode worker that always prefills itself
             self.worker = DecodeWorker(engine, spec.worker_id, spec.cluster_token, spec.transfer_policy,
                                        local_prefill_threshold=spec.local_prefill_threshold, max_queue=spec.max_queue,

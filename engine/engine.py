@@ -68,6 +68,7 @@ class LLMEngine:
         self._held: dict[str, Request] = {}   # finished, blocks kept for export
         self.last_step_progress = False
         self._hold: set[str] = set()
+        self._layer_streams: dict[str, tuple] = {}  # request id -> (on_layers, group, first_block)
 
     @classmethod
     def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
@@ -166,7 +167,7 @@ class LLMEngine:
         self.last_step_progress = sched.num_tokens > 0 or bool(sched.preempted)
         if not sched.chunks:
             return []
-        completed, logits = self.runner.execute(sched.chunks)
+        completed, logits = self.runner.execute(sched.chunks, self._layer_hook(sched.chunks))
         for c in sched.chunks:
             c.request.num_computed_tokens += c.num_new_tokens
         reqs = [c.request for c in completed]
@@ -210,10 +211,38 @@ class LLMEngine:
         self.scheduler.finish(req, status, free_blocks=not hold)
         self._hold.discard(req.request_id)
         self._detok.pop(req.request_id, None)
+        self._layer_streams.pop(req.request_id, None)
         if hold:
             self._held[req.request_id] = req
 
     # ---- KV transfer hooks ----------------------------------------------------------------
+    def stream_kv_layers(self, request_id: str, on_layers, group: int = 6, first_block: int = 0) -> None:
+        """Layer-wise KV streaming: in the step that finishes `request_id`'s prompt, call
+        `on_layers(start, end, kv)` on the engine thread as soon as layers [start, end) have
+        written their K/V (every `group` layers), kv being a copy of those layers of the
+        request's blocks from `first_block` on, (end - start, 2, n_blocks, block_size, heads,
+        head_dim). Transfer then overlaps the compute of the layers after them."""
+        self._layer_streams[request_id] = (on_layers, max(1, group), first_block)
+
+    def stop_kv_stream(self, request_id: str) -> None:
+        self._layer_streams.pop(request_id, None)
+
+    def _layer_hook(self, chunks):
+        """The per-layer callback of a step, if a streamed request's prompt completes in it."""
+        streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
+                   if c.completes and c.request.request_id in self._layer_streams]
+        if not streams:
+            return None
+        n_layers = self.model_config.num_hidden_layers
+
+        def after_layer(i: int) -> None:
+            for req, on_layers, group, first_block in streams:
+                if (i + 1) % group == 0 or i + 1 == n_layers:
+                    start = i - i % group
+                    blocks = self.blocks.block_table(req.request_id)[first_block:]
+                    on_layers(start, i + 1, self.kv_cache.export_blocks(blocks, layers=(start, i + 1)))
+        return after_layer
+
     def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:
         """The held request's computed tokens and the KV of their blocks,
         (layers, 2, n_blocks, block_size, n_kv_heads, head_dim)."""

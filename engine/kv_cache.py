@@ -41,9 +41,11 @@ class KVCache:
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.kv.shape[0])]
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of these blocks' KV, (layers, 2, len(block_ids), block_size, n_kv, hd)."""
-        return self.kv[:, :, torch.tensor(block_ids, dtype=torch.long)].clone()
+    def export_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """A copy of these blocks' KV, (layers, 2, len(block_ids), block_size, n_kv, hd);
+        `layers`: only layers [start, end)."""
+        kv = self.kv if layers is None else self.kv[layers[0]:layers[1]]
+        return kv[:, :, torch.tensor(block_ids, dtype=torch.long)].clone()
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         expected = (self.kv.shape[0], 2, len(block_ids), *self.kv.shape[3:])

@@ -183,13 +183,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, after_layer=None) -> torch.Tensor:
         """input_ids, positions: (T,). kv_caches: per layer (K, V) paged tensors.
+        after_layer(i): called once layer i has written its K/V (layer-wise KV streaming).
         Returns the final normed hidden states, (T, hidden)."""
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions)
-        for layer, kv in zip(self.model.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             h = layer(h, cos, sin, kv, meta, self.backend)
+            if after_layer is not None:
+                after_layer(i)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

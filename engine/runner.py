@@ -62,14 +62,15 @@ class ModelRunner:
                 torch.tensor(pos, dtype=torch.long, device=self.device), meta, sample_rows)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Run one step. Returns the chunks that complete (in row order) and their logits."""
+    def execute(self, chunks: list[ScheduledChunk], after_layer=None) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run one step. Returns the chunks that complete (in row order) and their logits.
+        after_layer(i): called as soon as layer i has written this step's K/V."""
         # decode rows first: the attention backend expects that layout
         ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
         self._prompt_spans = []
         input_ids, positions, meta, sample_rows = self._build(ordered)
         self.model.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self._kv_layers, meta)
+        hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)
         for req, row, start, n in self._prompt_spans:
             self._prompt_logprobs(req, hidden[row:row + n], start)
         if len(sample_rows) != hidden.shape[0]:  # all rows sample in a pure decode step

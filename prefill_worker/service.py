@@ -6,6 +6,7 @@ blocks, then frees its own copy (the full blocks stay in its prefix cache for la
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 
@@ -40,31 +41,53 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         w = self.w
-        rid = request.request_id
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
         params = dataclasses.replace(params_from_proto(request.params), max_tokens=1, stop_token_ids=[])
-        first = None
-        try:
-            async for out in w.engine.generate(rid, list(request.prompt_token_ids), params, hold_kv=True):
-                first = out
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            tokens, kv = await w.engine.run(lambda e: e.export_kv(rid))
-        finally:
-            await w.engine.run(lambda e: e.release_kv(rid))
+        bs = w.engine.engine.blocks.block_size
         # the decode worker holds the prompt's first skip_tokens (its cached prefix): send the
         # KV from the block holding the first token it awaits, in this worker's block size
-        first_block = min(max(request.skip_tokens, 0), len(tokens) - 1) // kv.shape[3]
-        if first_block:
-            kv = kv[:, :, first_block:].contiguous()
+        first_block = min(max(request.skip_tokens, 0), max(len(prompt) - 1, 0)) // bs
+
+        def push(kv, layer_start: int = 0, first_token: int = 0):
+            return w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
+                                 num_tokens=len(prompt), first_token=first_token, token_offset=first_block * bs,
+                                 layer_start=layer_start, model_fingerprint=w.fingerprint,
+                                 timeout_s=request.timeout_s or 30.0)
+        pushes: list[asyncio.Future] = []
+        if w.layer_group:  # each group of layers leaves while the next ones compute
+            loop = asyncio.get_running_loop()
+
+            def on_layers(start: int, end: int, kv) -> None:  # on the engine thread, mid-forward
+                loop.call_soon_threadsafe(lambda: pushes.append(asyncio.ensure_future(push(kv, start))))
+            await w.engine.run(lambda e: e.stream_kv_layers(rid, on_layers, w.layer_group, first_block))
         try:
-            await w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
-                                num_tokens=len(tokens), first_token=first.new_token_ids[0],
-                                token_offset=first_block * kv.shape[3],
-                                model_fingerprint=w.fingerprint, timeout_s=request.timeout_s or 30.0)
-        except KVTransferError as e:
-            w.transfer_failures += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            first = None
+            try:
+                async for out in w.engine.generate(rid, prompt, params, hold_kv=True):
+                    first = out
+            except InvalidRequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                if not w.layer_group:
+                    _, kv = await w.engine.run(lambda e: e.export_kv(rid))
+            finally:
+                await w.engine.run(lambda e: e.release_kv(rid))
+            try:
+                if w.layer_group:
+                    for result in await asyncio.gather(*pushes, return_exceptions=True):
+                        if isinstance(result, BaseException):
+                            raise result
+                else:
+                    await push(kv[:, :, first_block:].contiguous() if first_block else kv, 0, first.new_token_ids[0])
+            except KVTransferError as e:
+                w.transfer_failures += 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:  # a failed or cancelled prefill leaves no push and no stream registration behind
+            for t in pushes:
+                t.cancel()
+            if w.layer_group:
+                await w.engine.run(lambda e: e.stop_kv_stream(rid))
+        w.stream_pushes += len(pushes)
         w.prefills += 1
         reply = pb.PrefillReply(first_token=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens)
         if first.logprobs:
@@ -92,7 +115,10 @@ class PrefillWorker:
     _ids = itertools.count()
 
     def __init__(self, engine: AsyncEngine, sender: KVSender, worker_id: str | None = None,
-                 cluster_token: str = "", max_queue: int = 0, tls: TLSConfig | None = None):
+                 cluster_token: str = "", max_queue: int = 0, tls: TLSConfig | None = None,
+                 layer_group: int = 0):
+        """layer_group > 0: stream each prompt's KV to the decode worker every `layer_group`
+        layers, as they are computed (transfer overlaps compute); 0: after the whole prompt."""
         """max_queue > 0: at most this many prompts queued or prefilling here; more are
         refused with RESOURCE_EXHAUSTED (the router tries another worker, then answers 429)."""
         self.engine = engine
@@ -100,6 +126,8 @@ class PrefillWorker:
         self.inflight = self.refused = 0
         self.draining = False  # set when the pool shrinks: refuse new prompts, finish the rest
         self.tls = tls
+        self.layer_group = layer_group
+        self.stream_pushes = 0  # layer-range pushes sent (layer-wise streaming)
         self.sender = sender
         self.worker_id = worker_id or f"prefill-{next(self._ids)}"
         self.cluster_token = cluster_token

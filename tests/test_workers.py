@@ -23,11 +23,11 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 
 class Cluster:
     def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc",
-                 decode_block_size=16):
-        self.prefill_engine = make_engine()
+                 decode_block_size=16, layer_group=0, prefill_budget=512):
+        self.prefill_engine = make_engine(max_num_batched_tokens=prefill_budget)
         self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
-                                     token)
+                                     token, layer_group=layer_group)
         self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
                                    local_prefill_threshold=threshold, kv_transport=kv_transport)
         self.token = token
@@ -136,6 +136,25 @@ def test_pools_with_different_block_sizes(make_engine, decode_block_size):
     outs, stats = asyncio.run(main())
     assert outs == want
     assert stats.remote_prefills == 5 and stats.local_prefills == 0 and stats.transfer_failures == 0
+
+
+@pytest.mark.parametrize("decode_block_size", [16, 8])
+def test_layer_wise_streaming_gives_the_same_tokens(make_engine, decode_block_size):
+    """KV pushed layer by layer while the prompt computes (the tiny model has 2 layers: 2
+    pushes per request), also chunked prefill, a cached prefix and another block size."""
+    prompt = PROMPTS[2] + PROMPTS[1]
+    prompts, params = PROMPTS + [prompt, prompt], PARAMS + [PARAMS[0], PARAMS[1]]
+    want = [make_engine().generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+
+    async def main():
+        # a 32-token step budget: the longer prompts are prefilled in chunks, the last one streams
+        async with Cluster(make_engine, layer_group=1, decode_block_size=decode_block_size, prefill_budget=32) as c:
+            outs = [(await c.generate(f"l{i}", p, sp))[0] for i, (p, sp) in enumerate(zip(prompts, params))]
+            return outs, c.prefill.stream_pushes, await c.stub.Stats(pb.StatsRequest())
+
+    outs, pushes, stats = asyncio.run(main())
+    assert outs == want and pushes == 2 * len(prompts)
+    assert stats.remote_prefills == len(prompts) and stats.transfer_failures == 0
 
 
 def test_short_prompts_prefill_locally(make_engine):
