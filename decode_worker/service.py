@@ -81,7 +81,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         w = self.w
         return await w.engine.run(lambda e: worker_stats(
             e, w.worker_id, "decode", remote_prefills=w.remote_prefills, local_prefills=w.local_prefills,
-            transfer_failures=w.transfer_failures, refused=w.refused, queue_limit=w.max_queue))
+            transfer_failures=w.transfer_failures, refused=w.refused, queue_limit=w.max_queue,
+            kv_bytes=w.kv_bytes_received))
 
 
 class DecodeWorker:
@@ -108,6 +109,7 @@ class DecodeWorker:
                                    str(eng.kv_cache.kv.dtype).removeprefix("torch."), cluster_token)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
+        self.kv_bytes_received = 0
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self.draining = False  # set when the pool shrinks: refuse new requests, finish the rest
         self.tls = tls
@@ -183,6 +185,7 @@ class DecodeWorker:
             raise
         self.remote_prefills += 1
         self.blocks_received += len(dest)
+        self.kv_bytes_received += arrival.kv.numel() * arrival.kv.element_size()
         self.engine.publish([out])
         return True
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import itertools
 
 import grpc
@@ -48,11 +49,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         # KV from the block holding the first token it awaits, in this worker's block size
         first_block = min(max(request.skip_tokens, 0), max(len(prompt) - 1, 0)) // bs
 
-        def push(kv, layer_start: int = 0, first_token: int = 0):
-            return w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
-                                 num_tokens=len(prompt), first_token=first_token, token_offset=first_block * bs,
-                                 layer_start=layer_start, model_fingerprint=w.fingerprint,
-                                 timeout_s=request.timeout_s or 30.0)
+        async def push(kv, layer_start: int = 0, first_token: int = 0):
+            t = time.perf_counter()
+            await w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
+                                num_tokens=len(prompt), first_token=first_token, token_offset=first_block * bs,
+                                layer_start=layer_start, model_fingerprint=w.fingerprint,
+                                timeout_s=request.timeout_s or 30.0)
+            w.kv_seconds += time.perf_counter() - t
+            w.kv_bytes += kv.numel() * kv.element_size()
         pushes: list[asyncio.Future] = []
         if w.layer_group:  # each group of layers leaves while the next ones compute
             loop = asyncio.get_running_loop()
@@ -106,7 +110,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         w = self.w
         return await w.engine.run(lambda e: worker_stats(e, w.worker_id, "prefill", remote_prefills=w.prefills,
                                                          transfer_failures=w.transfer_failures, refused=w.refused,
-                                                         queue_limit=w.max_queue))
+                                                         queue_limit=w.max_queue, kv_bytes=w.kv_bytes,
+                                                         kv_seconds=w.kv_seconds))
 
 
 class PrefillWorker:
@@ -128,6 +133,7 @@ class PrefillWorker:
         self.tls = tls
         self.layer_group = layer_group
         self.stream_pushes = 0  # layer-range pushes sent (layer-wise streaming)
+        self.kv_bytes, self.kv_seconds = 0, 0.0  # pushed, and time spent pushing
         self.sender = sender
         self.worker_id = worker_id or f"prefill-{next(self._ids)}"
         self.cluster_token = cluster_token

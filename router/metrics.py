@@ -31,6 +31,12 @@ class RouterMetrics:
                                  ["worker", "role"], registry=r)
         self.running = Gauge("pdserve_running_requests", "Requests running on a worker", ["worker", "role"], registry=r)
         self.waiting = Gauge("pdserve_waiting_requests", "Requests queued on a worker", ["worker", "role"], registry=r)
+        self.kv_bytes = Gauge("pdserve_kv_transfer_bytes", "KV bytes pushed (prefill) or received (decode) by a "
+                              "worker since it started", ["worker", "role"], registry=r)
+        self.kv_seconds = Gauge("pdserve_kv_transfer_seconds", "Time a prefill worker spent pushing KV since it "
+                                "started (rate of bytes / rate of seconds: transfer GB/s)", ["worker", "role"], registry=r)
+        self.kv_failures = Gauge("pdserve_kv_transfer_failures", "Failed KV hand-offs seen by a worker since it started",
+                                 ["worker", "role"], registry=r)
 
     def observe_workers(self, stats: dict) -> None:
         for wid, s in stats.items():
@@ -40,6 +46,9 @@ class RouterMetrics:
             self.prefix_hits.labels(*labels).set(s.prefix_hits)
             self.running.labels(*labels).set(s.running)
             self.waiting.labels(*labels).set(s.waiting)
+            self.kv_bytes.labels(*labels).set(s.kv_bytes)
+            self.kv_seconds.labels(*labels).set(s.kv_seconds)
+            self.kv_failures.labels(*labels).set(s.transfer_failures)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

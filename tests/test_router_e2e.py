@@ -165,6 +165,11 @@ def test_disaggregation_really_happened(cluster):
     s = cluster.router.cluster.stats
     assert s["decode-0"].remote_prefills > 0 and s["prefill-0"].remote_prefills == s["decode-0"].remote_prefills
     assert s["decode-0"].local_prefills == 0
+    # transfer volume and time are exported: bytes pushed == bytes received, time > 0
+    assert s["prefill-0"].kv_bytes == s["decode-0"].kv_bytes > 0 and s["prefill-0"].kv_seconds > 0
+    text = httpx.get(cluster.url + "/metrics").text
+    assert 'pdserve_kv_transfer_bytes{role="prefill",worker="prefill-0"}' in text
+    assert 'pdserve_kv_transfer_failures{role="decode",worker="decode-0"} 0.0' in text
 
 
 def test_aggregated_mode_equals_engine(smollm, reference):
