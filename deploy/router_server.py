@@ -4,6 +4,7 @@ keeps no state of its own, so a new router serves as soon as it has read the reg
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -60,26 +61,15 @@ def make_logger(t0: float):
     return lambda msg: print(f"[pdserve {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def serve_pools_only(args, control, log) -> None:
-    """`pdserve up --no-router`: /health and the admin endpoints on --port until Ctrl-C or
-    SIGTERM (uvicorn handles both)."""
-    from router.app import create_admin_app
-
-    app = create_admin_app(control, (args.api_key,) if args.api_key else ())
-    log(f"pools ready: {control.sizes()}; admin endpoints on http://{args.host}:{args.port}/admin/pools")
-    print(f"pools ready: {control.sizes()}", flush=True)
-    try:
-        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled gracefully
-        pass
-
-
 def serve_router(args, model_path, block_size: int, namespace: str, redis_url: str, cluster_name: str,
-                 log, t0: float, control=None) -> None:
-    """Serve the OpenAI API until Ctrl-C; prints a ready `curl` line on stdout once the
-    cluster can serve. `control`: the pools this process runs (for /admin/scale)."""
+                 log, t0: float, control=None, api: bool = True) -> None:
+    """Serve the OpenAI API until Ctrl-C or SIGTERM; prints a ready `curl` line on stdout once
+    the cluster can serve. `control`: the pools this process runs (for /admin/scale and the
+    autoscaler). api=False (`pdserve up --no-router`): only /health and the admin endpoints;
+    the router's view of the workers is still kept for the autoscaler (its latency signals
+    stay empty: no traffic passes here, it sizes pools on queues, KV usage and refusals)."""
     from engine.tokenizer import Tokenizer
-    from router.app import Router, RouterConfig, create_app
+    from router.app import Router, RouterConfig, create_admin_app, create_app
     from router.cluster import ClusterClient
     from router.discovery import RegistryDiscovery
 
@@ -89,12 +79,24 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
     router = Router(client, Tokenizer.from_model_path(model_path), router_cfg,
                     discovery=RegistryDiscovery(redis_url, cluster_name, client))
     router.control = control
-    server = uvicorn.Server(uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level="warning",
+    app = create_app(router) if api else create_admin_app(control, router_cfg.api_keys)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=30))  # Ctrl-C: streams get 30 s to finish
+
+    async def watch():  # what create_app's lifespan does for the API: keep the view of the workers fresh
+        while True:
+            await router.discovery.sync()
+            await client.refresh()
+            await asyncio.sleep(router.refresh_interval_s)
 
     async def announce():
         while not (server.started and client.ready()):
             await asyncio.sleep(0.1)
+        if not api:
+            log(f"pools ready in {time.monotonic() - t0:.1f}s: {control.sizes()}; admin endpoints on "
+                f"http://{args.host}:{args.port}/admin/pools")
+            print(f"pools ready: {json.dumps(control.sizes())}", flush=True)
+            return
         url = f"http://{args.host}:{args.port}"
         log(f"ready in {time.monotonic() - t0:.1f}s: {url}/v1 (model {router.model_name!r})")
         auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if args.api_key else ""
@@ -103,7 +105,7 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
               flush=True)
 
     async def serve():
-        tasks = [asyncio.ensure_future(announce())]
+        tasks = [asyncio.ensure_future(announce())] + ([] if api else [asyncio.ensure_future(watch())])
         if control is not None and getattr(args, "autoscale", False):
             from .autoscale_loop import AutoscaleLoop, autoscaler_config
 
@@ -115,6 +117,9 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
         finally:
             for task in tasks:
                 task.cancel()
+            if not api:
+                await client.close()
+                await router.discovery.close()
 
     try:
         asyncio.run(serve())

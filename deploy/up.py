@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from .router_server import add_router_args, check_exposure, make_logger, serve_pools_only, serve_router, tls_config
+from .router_server import add_router_args, check_exposure, make_logger, serve_router, tls_config
 
 
 def add_up_args(p) -> None:
@@ -134,11 +134,8 @@ def cmd_up(args) -> int:
         supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
         supervisor.start()
         control = PoolControl(started, log)
-        if args.no_router:
-            serve_pools_only(args, control, log)
-        else:
-            serve_router(args, model_path, engine_cfg.cache.block_size, engine_cfg.cache.cache_namespace, redis_url,
-                         cluster_name, log, t0, control=control)
+        serve_router(args, model_path, engine_cfg.cache.block_size, engine_cfg.cache.cache_namespace, redis_url,
+                     cluster_name, log, t0, control=control, api=not args.no_router)
         return 0
     finally:
         log("shutting down")

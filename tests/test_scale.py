@@ -101,3 +101,38 @@ def test_scale_decode_up_then_drain_down(smollm):
 def clean_two(url: str) -> bool:
     ws = get_workers(url).values()
     return len(ws) == 2 and all(w["healthy"] and w["kv_usage"] == 0 and not w["running"] for w in ws)
+
+
+def test_pools_only_head_and_a_separate_router():
+    """The Kubernetes topology in miniature: `pdserve up --no-router` runs the pools (and their
+    admin endpoints, behind an API key), `pdserve router` runs the OpenAI API elsewhere."""
+    port, router_port = free_port(), free_port()
+    up = Proc("up", "--no-router", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-name", "topo",
+              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--threads", "1", "--api-key", "k-admin")
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k-admin"}
+    procs: set[int] = set()
+    router = None
+    try:
+        line = up.p.stdout.readline()
+        assert line.startswith("pools ready: "), "".join(up.log)
+        assert json.loads(line.removeprefix("pools ready: ")) == {"prefill": 1, "decode": 1}
+        procs = descendants(up.p.pid)
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/admin/pools").status_code == 401  # the admin endpoints need the key
+        assert httpx.get(url + "/admin/pools", headers=auth).json()["pools"] == {"prefill": 1, "decode": 1}
+        assert httpx.post(url + "/v1/completions", json={}, headers=auth).status_code == 404  # no API here
+        redis_url = up.find("registry: ").split("registry: ")[1].split()[0]
+        router = Proc("router", "--port", str(router_port), "--redis-url", redis_url, "--cluster-name", "topo")
+        router.wait_ready()
+        r = httpx.post(f"http://127.0.0.1:{router_port}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        if router is not None:
+            router.p.send_signal(signal.SIGINT)
+            router.p.wait(30)
+        procs |= descendants(up.p.pid)
+        up.p.send_signal(signal.SIGINT)
+        rc = up.p.wait(90)
+    assert rc == 0, "".join(up.log)
+    wait_until(lambda: not [p for p in procs if alive(p)], 30, "every process to exit")
