@@ -24,11 +24,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=0, help="context length (default: the model's)")
     g.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     g.add_argument("--device", default="cpu", help="torch device of the model and KV cache, e.g. cuda (default: cpu)")
+    g.add_argument("--speculative-tokens", type=int, default=0,
+                   help="prompt-lookup speculative decoding: guess up to N tokens per greedy request (0: off)")
 
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
+        speculative_tokens=args.speculative_tokens,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
@@ -137,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     bc = sub.add_parser("bench-cluster", help="disaggregated vs aggregated under a mixed workload; KV transfer GB/s")
     from .bench_cluster import add_bench_cluster_args
     add_bench_cluster_args(bc)
+    bs = sub.add_parser("bench", help="serving benchmark of any OpenAI endpoint: TTFT/ITL/TPOT, goodput, rate sweeps")
+    from .bench_serving import add_bench_serving_args
+    add_bench_serving_args(bs)
     b = sub.add_parser("bench-engine", help="engine throughput vs a transformers baseline; writes JSON")
     from .bench_engine import add_bench_args
     add_bench_args(b)

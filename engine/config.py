@@ -152,6 +152,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     """Seed for requests that give none."""
+    speculative_tokens: int = 0
+    """Prompt-lookup speculative decoding: guess up to this many next tokens per greedy
+    request from n-grams of its own prompt and output, checked in the same step (0: off)."""
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""

@@ -22,6 +22,7 @@ from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import TokenLogprobs, sample
 from .sampling_params import SamplingParams
+from .speculative import NgramSpeculator
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 from .weights import LoadedModel, load_model
@@ -61,6 +62,8 @@ class LLMEngine:
         # a request can never need more blocks than the cache holds (it would preempt itself forever)
         self.max_model_len = min(loaded.config.max_position_embeddings,
                                  self.kv_cache.num_blocks * config.cache.block_size)
+        self.speculator = NgramSpeculator(config.speculative_tokens, self.blocks, self.max_model_len,
+                                          config.scheduler.max_num_batched_tokens) if config.speculative_tokens else None
         self.eos_token_id = tokenizer.eos_token_id if tokenizer else loaded.config.eos_token_id
         self._rng = random.Random(config.seed)  # seeds for requests that give none
         self._ids = itertools.count()
@@ -167,12 +170,35 @@ class LLMEngine:
         self.last_step_progress = sched.num_tokens > 0 or bool(sched.preempted)
         if not sched.chunks:
             return []
-        completed, logits = self.runner.execute(sched.chunks, self._layer_hook(sched.chunks))
+        guesses = self.speculator.extend(sched, self._hold) if self.speculator is not None else {}
+        completed, logits = self.runner.execute(sched.chunks, self._layer_hook(sched.chunks), frozenset(guesses))
         for c in sched.chunks:
-            c.request.num_computed_tokens += c.num_new_tokens
-        reqs = [c.request for c in completed]
-        tokens, logprobs = sample(logits, reqs) if reqs else ([], [])
-        return [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+            if c.request.request_id not in guesses:  # a speculative chunk's progress is settled below
+                c.request.num_computed_tokens += c.num_new_tokens
+        if not guesses:
+            reqs = [c.request for c in completed]
+            tokens, logprobs = sample(logits, reqs) if reqs else ([], [])
+            return [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+        return self._finish_speculative_step(completed, logits, guesses)
+
+    def _finish_speculative_step(self, completed, logits, guesses) -> list[RequestOutput]:
+        rows, spec, row = [], [], 0
+        for c in completed:
+            if c.request.request_id in guesses:
+                spec.append((c.request, logits[row:row + c.num_new_tokens]))
+                row += c.num_new_tokens
+            else:
+                rows.append((c.request, row))
+                row += 1
+        reqs = [r for r, _ in rows]
+        tokens, logprobs = sample(logits[[i for _, i in rows]], reqs) if reqs else ([], [])
+        outs = [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+        for req, req_logits in spec:
+            for t in self.speculator.settle(req, guesses[req.request_id], req_logits):
+                outs.append(self._on_token(req, t, None))
+                if outs[-1].finished:
+                    break
+        return outs
 
     def _on_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         req.append_output(token)

@@ -24,6 +24,7 @@ class ModelRunner:
         self._kv_layers = kv_cache.layers()
         self.device = kv_cache.kv.device
         self._prompt_spans: list = []
+        self._all_rows: frozenset[str] = frozenset()
 
     def _build(self, chunks: list[ScheduledChunk]):
         bs = self.block_size
@@ -47,7 +48,9 @@ class ModelRunner:
                 decode_lens.append(start + 1)
             else:
                 spans.append(PrefillSpan(row, row + n, start, table))
-            if c.completes:
+            if req.request_id in self._all_rows:  # speculative chunk: every position is checked
+                sample_rows.extend(range(row, row + n))
+            elif c.completes:
                 sample_rows.append(row + n - 1)
             if req.params.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
                 self._prompt_spans.append((req, row, start, n))
@@ -62,12 +65,14 @@ class ModelRunner:
                 torch.tensor(pos, dtype=torch.long, device=self.device), meta, sample_rows)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], after_layer=None) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Run one step. Returns the chunks that complete (in row order) and their logits.
+    def execute(self, chunks: list[ScheduledChunk], after_layer=None,
+                all_rows: frozenset[str] = frozenset()) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run one step. Returns the chunks that complete (in row order) and their logits:
+        one row each, or every row of the chunks of the requests in `all_rows`.
         after_layer(i): called as soon as layer i has written this step's K/V."""
         # decode rows first: the attention backend expects that layout
         ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
-        self._prompt_spans = []
+        self._prompt_spans, self._all_rows = [], all_rows
         input_ids, positions, meta, sample_rows = self._build(ordered)
         self.model.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)

@@ -1,0 +1,180 @@
+"""Metrics of `pdserve bench`: pure functions from per-request records to the numbers users
+compare servers by (no network; the tests drive them with made-up records).
+
+- TTFT: request sent -> first streamed content chunk.
+- ITL: every gap between two consecutive content chunks (pooled over requests).
+- TPOT: per request (e2e - ttft) / (output tokens - 1): the mean decode step it saw.
+- E2E: request sent -> end of the stream.
+- Throughput over the run's duration (first request sent -> last one finished); goodput
+  counts only requests that met both SLOs (TTFT and TPOT). A failed request (a 429, a 5xx,
+  a broken stream) is a miss, reported by status.
+- Prefix-cache hit rate: the change of pdserve's per-worker prefix-cache counters over the run.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it; times in seconds."""
+    status: str                 # "ok", the HTTP status ("429"), or what broke ("ReadTimeout", "stream_error")
+    sent: float                 # when it was sent, from the start of the run
+    input_len: int              # prompt length asked for (tokens, or words when approximated)
+    output_len: int             # output length asked for (max_tokens)
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0      # the server's usage count, else the number of content chunks
+    prompt_tokens: int | None = None  # the server's usage count, when it sends one
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than 2 tokens)."""
+        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-th percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def distribution_ms(xs: list[float]) -> dict:
+    """mean and percentiles of `xs` (seconds) in milliseconds; None values when empty."""
+    out = {"mean": 1e3 * sum(xs) / len(xs) if xs else None}
+    for q in PERCENTILES:
+        p = percentile(xs, q)
+        out[f"p{q}"] = None if p is None else 1e3 * p
+    return out
+
+
+def meets_slo(r: RequestResult, slo_ttft: float | None, slo_tpot: float | None) -> bool:
+    """Whether a request counts toward goodput: it succeeded, its TTFT is within `slo_ttft`
+    and its TPOT within `slo_tpot` (a one-token output has no TPOT: only TTFT applies).
+    An SLO of None is not checked."""
+    if not r.ok:
+        return False
+    if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft):
+        return False
+    tpot = r.tpot
+    return slo_tpot is None or tpot is None or tpot <= slo_tpot
+
+
+def summarize(results: list[RequestResult], duration: float, slo_ttft: float | None = None,
+              slo_tpot: float | None = None) -> dict:
+    """Every metric of one run. `duration` (s) is the denominator of the throughputs."""
+    ok = [r for r in results if r.ok]
+    good = [r for r in results if meets_slo(r, slo_ttft, slo_tpot)]
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in ok)
+    return {
+        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "failed_by_status": dict(sorted(Counter(r.status for r in results if not r.ok).items())),
+        "duration_s": duration,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        # with ignore_eos every completed request should produce exactly what it asked for
+        "output_len_mismatches": sum(r.output_tokens != r.output_len for r in ok),
+        "request_throughput": per_s(len(ok)),
+        "output_throughput": per_s(out_tokens),
+        "total_token_throughput": per_s(in_tokens + out_tokens),
+        "goodput": per_s(len(good)),
+        "slo_attainment": len(good) / len(results) if results else None,
+        "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
+        # Little's law: the mean number of requests in flight
+        "mean_concurrency": per_s(sum(r.e2e for r in ok if r.e2e is not None)),
+        "ttft_ms": distribution_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": distribution_ms([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": distribution_ms([g for r in ok for g in r.itl]),
+        "e2e_ms": distribution_ms([r.e2e for r in ok if r.e2e is not None]),
+    }
+
+
+# ---- the server's prefix-cache counters ----------------------------------------------------
+_PREFIX_LINE = re.compile(r'^pdserve_prefix_cache_(queries|hits)_tokens\{([^}]*)\}\s+(\S+)', re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+ROLE_PREFERENCE = ("prefill", "aggregated", "decode")  # where prompts are looked up first
+
+
+def parse_prefix_cache(metrics_text: str) -> dict[str, dict[str, float]]:
+    """{role: {"queries": tokens, "hits": tokens}} summed over workers, from Prometheus text
+    with pdserve's `pdserve_prefix_cache_{queries,hits}_tokens{worker,role}` gauges. Empty
+    when the server exports no such metrics."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, labels, value in _PREFIX_LINE.findall(metrics_text):
+        role = dict(_LABEL.findall(labels)).get("role", "")
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if math.isfinite(v):
+            d = out.setdefault(role, {"queries": 0.0, "hits": 0.0})
+            d[kind] += v
+    return out
+
+
+def prefix_cache_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The hit rate over a run: Δhits / Δqueries of the first role in ROLE_PREFERENCE that
+    saw queries. None when either scrape is missing or nothing was looked up (e.g. another
+    server, or a worker restarted and its counters went back)."""
+    if not before or not after:
+        return None
+    for role in ROLE_PREFERENCE:
+        if role not in after:
+            continue
+        b = before.get(role, {"queries": 0.0, "hits": 0.0})
+        dq = after[role]["queries"] - b["queries"]
+        dh = after[role]["hits"] - b["hits"]
+        if dq > 0 and 0 <= dh <= dq:
+            return {"role": role, "queries_tokens": dq, "hits_tokens": dh, "hit_rate": dh / dq}
+    return None
+
+
+# ---- the printed table ----------------------------------------------------------------------
+COLUMNS = (("endpoint", "s"), ("load", "s"), ("ok/all", "s"), ("req/s", ".2f"), ("goodput", ".2f"),
+           ("out tok/s", ".1f"), ("TTFT p50", ".0f"), ("p99", ".0f"), ("TPOT p50", ".0f"), ("p99", ".0f"),
+           ("ITL p50", ".0f"), ("p99", ".0f"), ("E2E p50", ".0f"), ("p99", ".0f"), ("prefix hit", "s"))
+
+
+def load_label(rate: float | None, concurrency: int | None) -> str:
+    """'rate 2/s', 'rate inf c=4', 'trace'...: one load point of a sweep."""
+    parts = ["trace" if rate is None else f"rate {'inf' if math.isinf(rate) else f'{rate:g}/s'}"]
+    if concurrency:
+        parts.append(f"c={concurrency}")
+    return " ".join(parts)
+
+
+def table_row(endpoint: str, label: str, m: dict, prefix: dict | None) -> list:
+    """One line of the table: a run's headline numbers (latencies in ms)."""
+    return [endpoint, label, f"{m['completed']}/{m['requests']}", m["request_throughput"], m["goodput"],
+            m["output_throughput"], m["ttft_ms"]["p50"], m["ttft_ms"]["p99"], m["tpot_ms"]["p50"],
+            m["tpot_ms"]["p99"], m["itl_ms"]["p50"], m["itl_ms"]["p99"], m["e2e_ms"]["p50"], m["e2e_ms"]["p99"],
+            "-" if prefix is None else f"{prefix['hit_rate']:.1%}"]
+
+
+def format_table(rows: list[list]) -> str:
+    """A fixed-width text table, text columns left-aligned; missing values print as '-'."""
+    cells = [[name for name, _ in COLUMNS]]
+    cells += [["-" if v is None else format(v, fmt) for v, (_, fmt) in zip(row, COLUMNS)] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    left = {0, 1}
+    return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in cells)
