@@ -66,7 +66,7 @@ class TorchAttentionBackend:
             pos = torch.arange(n_blocks * bs, device=meta.decode_seq_lens.device)
             valid = (pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1))[:, None, None, :]  # (D, 1, 1, L)
             # an additive float mask, built once: SDPA would convert a bool mask in every layer
-            st["decode_mask"] = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+            st["decode_mask"] = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
         spans = []
         for sp in meta.prefills:
             n = sp.end - sp.start
@@ -74,31 +74,46 @@ class TorchAttentionBackend:
                 spans.append((sp, None, None))
                 continue
             ctx = sp.num_cached + n
-            table = torch.tensor(sp.block_table[: (ctx + bs - 1) // bs], dtype=torch.long)
-            slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).reshape(-1)[:ctx]
+            dev = meta.slot_mapping.device  # everything on the cache's device (CPU or CUDA)
+            table = torch.tensor(sp.block_table[: (ctx + bs - 1) // bs], dtype=torch.long, device=dev)
+            slots = (table.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
             # query i sits at absolute position num_cached + i and sees keys 0..num_cached+i
-            mask = torch.arange(ctx).unsqueeze(0) <= (sp.num_cached + torch.arange(n)).unsqueeze(1)
+            mask = (torch.arange(ctx, device=dev).unsqueeze(0)
+                    <= (sp.num_cached + torch.arange(n, device=dev)).unsqueeze(1))
             spans.append((sp, slots, mask[None, None]))
         st["prefill_spans"] = spans
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
-        n_kv, hd = k.shape[1], k.shape[2]
-        k_flat = k_cache.view(-1, n_kv, hd)
-        v_flat = v_cache.view(-1, n_kv, hd)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        self.store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        st = meta.backend_state
         D = meta.num_decode_tokens
         if D:
-            blocks = st["decode_blocks"]
-            # index_select copies whole rows; advanced indexing is ~5x slower here
-            kd = k_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
-            vd = v_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[:D].unsqueeze(2), kd, vd,
-                                               attn_mask=st["decode_mask"], enable_gqa=True)
-            out[:D] = o.squeeze(2)
-        for sp, slots, mask in st["prefill_spans"]:
+            out[:D] = self.decode(q[:D], k_cache, v_cache, meta)
+        self.prefill(q, k, v, k_cache, v_cache, meta, out)
+        return out
+
+    def store(self, k, v, k_cache, v_cache, meta) -> None:
+        """Write the step's new K/V into their cache slots."""
+        n_kv, hd = k.shape[1], k.shape[2]
+        k_cache.view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v)
+
+    def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        """Attention of the decode rows (one query per sequence) over their cached keys."""
+        D, n_kv, hd = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+        st = meta.backend_state
+        blocks = st["decode_blocks"]
+        # index_select copies whole rows; advanced indexing is ~5x slower here
+        kd = k_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
+        vd = v_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=st["decode_mask"], enable_gqa=True)
+        return o.squeeze(2)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta, out) -> None:
+        """Attention of each prefill span (causal, over its cached prefix too) into `out`."""
+        n_kv, hd = k.shape[1], k.shape[2]
+        k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
+        for sp, slots, mask in meta.backend_state["prefill_spans"]:
             qs = q[sp.start:sp.end].transpose(0, 1).unsqueeze(0)  # (1, n_heads, n, hd)
             if slots is None:  # nothing cached before this chunk: attend within it, causally
                 ks = k[sp.start:sp.end].transpose(0, 1).unsqueeze(0)
@@ -109,4 +124,35 @@ class TorchAttentionBackend:
                 vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[sp.start:sp.end] = o.squeeze(0).transpose(0, 1)
-        return out
+
+
+class TritonAttentionBackend(TorchAttentionBackend):
+    """The GPU path: new K/V written by a Triton kernel, decode attention read from the paged
+    blocks in place (no per-layer gather into a dense copy); prefill spans as in the torch
+    backend. Chosen automatically on CUDA when triton is installed."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        decode_tokens, meta.num_decode_tokens = meta.num_decode_tokens, 0  # no gather plan needed
+        try:
+            super().prepare(meta)
+        finally:
+            meta.num_decode_tokens = decode_tokens
+
+    def store(self, k, v, k_cache, v_cache, meta) -> None:
+        from .triton_kernels import store_kv
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        from .triton_kernels import paged_decode_attention
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens).to(q.dtype)
+
+
+def default_backend(device: str) -> AttentionBackend:
+    """Triton kernels on CUDA (when triton is installed), the torch reference elsewhere."""
+    if str(device).startswith("cuda"):
+        try:
+            import triton  # noqa: F401
+            return TritonAttentionBackend()
+        except ImportError:
+            pass
+    return TorchAttentionBackend()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import default_backend
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -58,6 +59,8 @@ class LLMEngine:
                                    config.cache.enable_prefix_caching, config.cache.cache_namespace,
                                    event_listener)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
+        if str(config.device).startswith("cuda"):  # Triton kernels where they run natively
+            loaded.model.backend = default_backend(config.device)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks)
         # a request can never need more blocks than the cache holds (it would preempt itself forever)
         self.max_model_len = min(loaded.config.max_position_embeddings,

@@ -10,6 +10,11 @@ import pytest
 # converted-model caches live in the checkout (ignored by git), not in the user's home
 os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on the CPU (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.tiny import tiny_llama  # noqa: E402

@@ -1,0 +1,66 @@
+"""One short script for a machine with a GPU: checks the Triton kernels against the torch path
+on CUDA and times paged-attention decode against the torch backend's gather + SDPA for
+SmolLM2-shaped caches. Prints a table and writes bench/gpu-results.json. A few minutes at most.
+
+    python bench/gpu_check.py            # needs CUDA and triton
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def timed(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / repeats
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: run this where a GPU is available")
+    from engine.attention import AttentionMetadata, TorchAttentionBackend
+    from engine.triton_kernels import paged_decode_attention
+
+    results = {}
+    n_heads, n_kv, hd, bs = 9, 3, 64, 16  # SmolLM2-135M
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for batch, ctx in ((1, 512), (32, 512), (32, 2048), (128, 1024)):
+            blocks_per = ctx // bs
+            kc = torch.randn(batch * blocks_per + 1, bs, n_kv, hd, device="cuda", dtype=dtype)
+            vc = torch.randn_like(kc)
+            tables = torch.randperm(batch * blocks_per, device="cuda").view(batch, blocks_per)
+            lens = torch.full((batch,), ctx, device="cuda")
+            q = torch.randn(batch, n_heads, hd, device="cuda", dtype=dtype)
+            meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long, device="cuda"),
+                                     num_decode_tokens=batch, decode_block_tables=tables, decode_seq_lens=lens,
+                                     prefills=[], block_size=bs)
+            ref_backend = TorchAttentionBackend()
+            ref_backend.prepare(meta)
+            ref = ref_backend.decode(q, kc, vc, meta).float()
+            got = paged_decode_attention(q, kc, vc, tables, lens)
+            err = float((got - ref).abs().max())
+            t_triton = timed(lambda: paged_decode_attention(q, kc, vc, tables, lens))
+            t_torch = timed(lambda: ref_backend.decode(q, kc, vc, meta))
+            key = f"{str(dtype).removeprefix('torch.')} b{batch} ctx{ctx}"
+            results[key] = {"max_abs_err": err, "triton_us": t_triton * 1e6, "torch_us": t_torch * 1e6,
+                            "speedup": t_torch / t_triton}
+            print(f"{key:24s} err {err:.1e}  triton {t_triton * 1e6:8.1f} us  torch {t_torch * 1e6:8.1f} us  "
+                  f"x{t_torch / t_triton:.2f}")
+    out = Path(__file__).with_name("gpu-results.json")
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

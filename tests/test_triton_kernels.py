@@ -1,0 +1,76 @@
+"""Triton kernels against the torch path. Without CUDA they run in Triton's interpreter on the
+CPU (TRITON_INTERPRET=1, set in conftest before triton loads), on small grids; bf16 inputs
+are upcast to fp32 there (the interpreter's bf16 arithmetic is wrong). On CUDA the same tests
+run the compiled kernels."""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the GPU kernels need triton (a test dependency on x86-64)")
+
+from engine.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from engine.config import CacheConfig, EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.tiny import tiny_llama  # noqa: E402
+from engine.triton_kernels import copy_blocks, paged_decode_attention, store_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def caches(n_blocks=12, bs=16, n_kv=2, hd=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_blocks, bs, n_kv, hd, generator=g).to(DEVICE, dtype),
+            torch.randn(n_blocks, bs, n_kv, hd, generator=g).to(DEVICE, dtype))
+
+
+def test_store_kv_writes_exactly_the_slots():
+    kc, vc = caches()
+    before_k, before_v = kc.clone(), vc.clone()
+    k, v = torch.randn(5, 2, 16, device=DEVICE), torch.randn(5, 2, 16, device=DEVICE)
+    slots = torch.tensor([3, 17, 40, 100, 191], device=DEVICE)
+    store_kv(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, 2, 16), vc.view(-1, 2, 16)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    others = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert torch.equal(flat_k[others], before_k.view(-1, 2, 16)[others])  # nothing else touched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads", [2, 4])  # plain and grouped-query attention
+def test_paged_decode_equals_the_torch_backend(dtype, n_heads):
+    kc, vc = caches(dtype=dtype)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [11, 0, 0, 0], [4, 6, 8, 9]], device=DEVICE)
+    lens = torch.tensor([40, 20, 1, 64], device=DEVICE)  # partial, full and single-token blocks
+    q = torch.randn(4, n_heads, 16, device=DEVICE).to(dtype)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=4,
+                             decode_block_tables=tables, decode_seq_lens=lens, prefills=[], block_size=16)
+    ref_backend = TorchAttentionBackend()
+    ref_backend.prepare(meta)
+    ref = ref_backend.decode(q.float(), kc.float(), vc.float(), meta)
+    got = paged_decode_attention(q, kc, vc, tables, lens)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, ref, atol=tol, rtol=tol), (got - ref).abs().max()
+
+
+def test_copy_blocks_gathers_and_scatters():
+    kc, _ = caches()
+    buf = torch.zeros(3, *kc.shape[1:], device=DEVICE)
+    ids = torch.tensor([3, 7, 1], device=DEVICE)
+    copy_blocks(kc, buf, ids, torch.arange(3, device=DEVICE))  # export: cache -> contiguous buffer
+    assert torch.equal(buf, kc[ids])
+    dest, _ = caches(seed=1)
+    copy_blocks(buf, dest, torch.arange(3, device=DEVICE), torch.tensor([9, 0, 5], device=DEVICE))  # import
+    assert torch.equal(dest[[9, 0, 5]], buf)
+
+
+def test_tiny_model_generates_the_same_with_the_triton_backend():
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(9 + 11 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    cfg = EngineConfig(cache=CacheConfig(kv_cache_memory=2 << 20))
+    want = LLMEngine(tiny_llama(0), cfg).generate(prompts, params)
+    loaded = tiny_llama(0)
+    loaded.model.backend = TritonAttentionBackend()
+    eng = LLMEngine(loaded, cfg)
+    assert eng.generate(prompts, params) == want
+    assert eng.blocks.num_used_blocks == 0
