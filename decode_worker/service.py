@@ -174,7 +174,12 @@ class DecodeWorker:
             if arrival is None:
                 raise KVTransferError(f"prefill worker at {prefill_address} answered but no KV arrived for {rid!r}")
             lp = logprob_from_proto(reply.logprob) if reply.HasField("logprob") else None
-            out = await self.engine.run(lambda e: e.import_kv(rid, arrival.kv, reply.first_token, lp))
+            def land(e):
+                # published from the engine thread before it can step again: the first token
+                # always reaches the stream ahead of the ones the batch produces next
+                out = e.import_kv(rid, arrival.kv, reply.first_token, lp)
+                self.engine.publish([out])
+            await self.engine.run(land)
         except grpc.aio.AioRpcError as e:
             await self._release(rid)
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -186,7 +191,6 @@ class DecodeWorker:
         self.remote_prefills += 1
         self.blocks_received += len(dest)
         self.kv_bytes_received += arrival.kv.numel() * arrival.kv.element_size()
-        self.engine.publish([out])
         return True
 
     async def _release(self, rid: str) -> None:

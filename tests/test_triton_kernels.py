@@ -34,6 +34,7 @@ def test_store_kv_writes_exactly_the_slots():
     others = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
     others[slots] = False
     assert torch.equal(flat_k[others], before_k.view(-1, 2, 16)[others])  # nothing else touched
+    assert torch.equal(flat_v[others], before_v.view(-1, 2, 16)[others])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -157,6 +157,32 @@ def test_layer_wise_streaming_gives_the_same_tokens(make_engine, decode_block_si
     assert stats.remote_prefills == len(prompts) and stats.transfer_failures == 0
 
 
+def test_first_token_always_leads_the_stream(make_engine):
+    """Regression (seen once in CI over UCX): the first token, sampled by the prefill worker,
+    was published from the event loop after the KV import returned, so the engine thread could
+    step in between and stream the second token ahead of it. It must be published on the
+    engine thread, in the same call as the import, before the batch can step again."""
+    import threading
+
+    prompts = [[(13 * i + j) % 500 + 3 for j in range(10 + 5 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = make_engine().generate(prompts, params)
+    threads = []
+
+    async def main():
+        async with Cluster(make_engine) as c:
+            publish = c.decode.engine.publish
+
+            def recording(outputs):
+                threads.append(threading.current_thread())
+                publish(outputs)
+            c.decode.engine.publish = recording
+            return await asyncio.gather(*(c.generate(f"f{i}", p, params) for i, p in enumerate(prompts)))
+
+    assert [t for t, _ in asyncio.run(main())] == want
+    assert len(threads) == len(prompts) and all(t.name == "engine-loop" for t in threads)
+
+
 def test_short_prompts_prefill_locally(make_engine):
     async def main():
         async with Cluster(make_engine, threshold=30) as c:
