@@ -26,12 +26,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device of the model and KV cache, e.g. cuda (default: cpu)")
     g.add_argument("--speculative-tokens", type=int, default=0,
                    help="prompt-lookup speculative decoding: guess up to N tokens per greedy request (0: off)")
+    g.add_argument("--quantization", choices=("none", "int8", "fp16"), default="none",
+                   help="weight quantization at load: int8 (weights and per-row activations, ~2.4x faster "
+                        "matmuls), fp16 (weights only); CPU (default: none)")
 
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
-        speculative_tokens=args.speculative_tokens,
+        speculative_tokens=args.speculative_tokens, quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
@@ -143,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     bs = sub.add_parser("bench", help="serving benchmark of any OpenAI endpoint: TTFT/ITL/TPOT, goodput, rate sweeps")
     from .bench_serving import add_bench_serving_args
     add_bench_serving_args(bs)
+    bp = sub.add_parser("bench-peers", help="pdserve vs transformers (and llama.cpp/vLLM when installed), one run")
+    from .bench_peers import add_bench_peers_args
+    add_bench_peers_args(bp)
+    bl = sub.add_parser("baseline-server", help="the transformers baseline behind an OpenAI API (static batching)")
+    from .baseline_server import add_baseline_args
+    add_baseline_args(bl)
     b = sub.add_parser("bench-engine", help="engine throughput vs a transformers baseline; writes JSON")
     from .bench_engine import add_bench_args
     add_bench_args(b)

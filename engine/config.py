@@ -158,9 +158,15 @@ class EngineConfig:
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
+    quantization: str = "none"
+    """Weight quantization applied at load (engine/quant.py): "none", "int8" (int8 weights per
+    output channel, activations quantized per row: ~2.4x faster matmuls) or "fp16" (fp16
+    weights, fp32 math). CPU only."""
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("none", "int8", "fp16"):
+            raise ValueError(f"quantization must be none, int8 or fp16, got {self.quantization!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")

@@ -80,7 +80,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
         """Load the configured model (default: SmolLM2-135M-Instruct) and its tokenizer."""
         loaded = load_model(config.model or None, _DTYPES[config.dtype], config.device, config.max_model_len,
-                            config.packed_weights)
+                            config.packed_weights, config.quantization)
         return cls(loaded, config, Tokenizer.from_model_path(loaded.path), event_listener)
 
     # ---- requests -----------------------------------------------------------------------

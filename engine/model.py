@@ -14,6 +14,7 @@ from torch import nn
 
 from .attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from .config import ModelConfig
+from .quant import make_linear
 
 
 class RMSNorm(nn.Module):
@@ -43,27 +44,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def mkldnn_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def pack_weight(w: torch.Tensor, enable: bool) -> torch.Tensor | None:
-    """A oneDNN-blocked copy of a (out, in) fp32 CPU weight, or None. oneDNN's blocked layout
-    runs these small-M GEMMs 1.5-2x faster than MKL on the plain layout (measured: 30 layers +
-    LM head of SmolLM2 at 1 row 41 -> 23 ms, at 32 rows 91 -> 49 ms), in fp32, same results
-    to ~1e-6. It is the layout torch.compile's CPU freezing uses."""
-    if not enable or w.device.type != "cpu" or w.dtype != torch.float32 or not mkldnn_packing_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)  # 32: the batch size it is tuned for
-
-
-def matmul(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """x @ w.T, through the packed copy when there is one."""
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return F.linear(x, w)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -83,23 +63,23 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
-        self.qkv_packed = self.o_packed = None
+        self.qkv_linear = self.o_linear = None
 
-    def fuse(self, packed: bool) -> None:
+    def fuse(self, packed: bool, quantization: str = "none") -> None:
         """Store q/k/v as one matrix (one matmul per step); the named weights become views of it."""
         w = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data])
         sizes = (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
         for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), w.split(sizes)):
             proj.weight.data = view
         self.qkv_weight = w
-        self.qkv_packed = pack_weight(w, packed)
-        self.o_packed = pack_weight(self.o_proj.weight.data, packed)
+        self.qkv_linear = make_linear(w, quantization, packed)
+        self.o_linear = make_linear(self.o_proj.weight.data, quantization, packed)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         if self.qkv_weight is not None:
-            q, k, v = matmul(x, self.qkv_weight, self.qkv_packed).split(
+            q, k, v = self.qkv_linear(x).split(
                 (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -107,7 +87,8 @@ class LlamaAttention(nn.Module):
         k = apply_rope(k.view(T, self.n_kv, self.hd), cos, sin)     # (T, n_kv, hd)
         v = v.view(T, self.n_kv, self.hd)
         out = backend.forward(q, k, v, kv[0], kv[1], meta)         # (T, n_heads, hd)
-        return matmul(out.reshape(T, self.n_heads * self.hd), self.o_proj.weight, self.o_packed)
+        out = out.reshape(T, self.n_heads * self.hd)
+        return self.o_proj(out) if self.o_linear is None else self.o_linear(out)
 
 
 class LlamaMLP(nn.Module):
@@ -117,21 +98,22 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None
-        self.gate_up_packed = self.down_packed = None
+        self.gate_up_linear = self.down_linear = None
 
-    def fuse(self, packed: bool) -> None:
+    def fuse(self, packed: bool, quantization: str = "none") -> None:
         w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
         self.gate_proj.weight.data, self.up_proj.weight.data = w.chunk(2)
         self.gate_up_weight = w
-        self.gate_up_packed = pack_weight(w, packed)
-        self.down_packed = pack_weight(self.down_proj.weight.data, packed)
+        self.gate_up_linear = make_linear(w, quantization, packed)
+        self.down_linear = make_linear(self.down_proj.weight.data, quantization, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = matmul(x, self.gate_up_weight, self.gate_up_packed).chunk(2, dim=-1)
+            gate, up = self.gate_up_linear(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return matmul(F.silu(gate) * up, self.down_proj.weight, self.down_packed)
+        act = F.silu(gate) * up
+        return self.down_proj(act) if self.down_linear is None else self.down_linear(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -169,16 +151,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.backend = backend or TorchAttentionBackend()
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_linear = None
 
-    def fuse(self, packed: bool = False) -> "LlamaForCausalLM":
-        """Fuse q/k/v and gate/up into single matrices for inference (weights unchanged).
-        With `packed`, also keep a oneDNN-packed copy of every matrix (faster on CPU; the
-        named weights stay as loaded, so this costs a second copy of them)."""
+    def fuse(self, packed: bool = False, quantization: str = "none") -> "LlamaForCausalLM":
+        """Fuse q/k/v and gate/up into single matrices for inference (weights unchanged) and
+        pick each matrix's kernel (engine/quant.py). With `packed`, fp32 CPU matrices get a
+        oneDNN-packed copy; with `quantization`, an int8 or fp16 copy. The named weights stay
+        as loaded (state_dict, KV export and the GPU path read them)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse(packed)
-            layer.mlp.fuse(packed)
-        self.lm_head_packed = pack_weight(self.lm_head.weight.data, packed)
+            layer.self_attn.fuse(packed, quantization)
+            layer.mlp.fuse(packed, quantization)
+        self.lm_head_linear = make_linear(self.lm_head.weight.data, quantization, packed)
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -196,4 +179,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return matmul(hidden, self.lm_head.weight, self.lm_head_packed)
+        return self.lm_head(hidden) if self.lm_head_linear is None else self.lm_head_linear(hidden)

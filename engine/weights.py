@@ -258,7 +258,7 @@ class LoadedModel:
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                device: str = "cpu", packed_weights: bool = True) -> LlamaForCausalLM:
+                device: str = "cpu", packed_weights: bool = True, quantization: str = "none") -> LlamaForCausalLM:
     """Instantiate the model for `cfg` with `state`'s weights, fused for inference."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -266,15 +266,19 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     # the RoPE tables are computed, not loaded: build them for real (fp32 for accuracy)
     from .model import RotaryEmbedding
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-    return model.to(device).eval().fuse(packed_weights)
+    return model.to(device).eval().fuse(packed_weights, quantization)
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-               device: str = "cpu", max_model_len: int = 0, packed_weights: bool = True) -> LoadedModel:
+               device: str = "cpu", max_model_len: int = 0, packed_weights: bool = True,
+               quantization: str = "none") -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct).
-    `max_model_len` (if > 0) overrides the model's context length."""
+    `max_model_len` (if > 0) overrides the model's context length. A quantized model gets its
+    own fingerprint: its KV differs from the full-precision model's, so workers refuse to mix them."""
     path = resolve_model_path(model)
     state, cfg, fingerprint = load_state_dict(path)
     if max_model_len:
         cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
-    return LoadedModel(build_model(cfg, state, dtype, device, packed_weights), cfg, path, fingerprint)
+    if quantization != "none":
+        fingerprint = f"{fingerprint}+{quantization}"
+    return LoadedModel(build_model(cfg, state, dtype, device, packed_weights, quantization), cfg, path, fingerprint)

@@ -1,0 +1,102 @@
+"""Weight quantization (`--quantization`): quality against fp32 and decode speed, same run.
+
+Quality: perplexity on a fixed text (bench/data/perplexity.txt, 512-token windows, prompt
+logprobs through the engine) and greedy agreement on a prompt set (identical outputs, and the
+mean share of tokens generated before the first divergence). Speed: pure-decode steps at batch
+1 and 32, repeats interleaved across the variants, medians. Writes bench/quantization-results.json.
+
+    . .venv/bin/activate && python bench/quantization.py
+"""
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deploy.bench_engine import bench_pdserve_decode  # noqa: E402
+from engine.config import CacheConfig, EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.weights import load_model  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = ("none", "int8", "fp16")
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is.",
+    "Give me three tips for a job interview.", "How do vaccines work?", "Translate 'good morning' into Spanish.",
+    "What is 17 times 23?", "Summarize the plot of Romeo and Juliet.", "Write a Python function that reverses a string.",
+    "Why is the sky blue?", "List the planets of the solar system.", "What causes earthquakes?",
+    "Describe a cat to someone who has never seen one.", "What is the difference between RAM and disk?",
+    "Write a short email asking for a day off.", "What is photosynthesis?",
+]
+
+
+def perplexity(engine, ids: list[int], window: int = 512) -> float:
+    nll, n = 0.0, 0
+    for i, start in enumerate(range(0, len(ids) - 1, window)):
+        chunk = ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        engine.add_request(f"ppl-{i}", chunk, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.prompt_logprobs:
+                    nll -= sum(lp.logprob for lp in out.prompt_logprobs)
+                    n += len(out.prompt_logprobs)
+    return math.exp(nll / n)
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    prefix = []
+    for a, b in zip(ref, got):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(k / max(len(a), 1))
+    return {"identical": sum(a == b for a, b in zip(ref, got)) / len(ref), "mean_prefix_share": statistics.mean(prefix)}
+
+
+def main() -> None:
+    tok = None
+    engines, load_s = {}, {}
+    for q in VARIANTS:
+        t = time.perf_counter()
+        loaded = load_model(quantization=q)
+        load_s[q] = time.perf_counter() - t
+        tok = tok or Tokenizer.from_model_path(loaded.path)
+        engines[q] = LLMEngine(loaded, EngineConfig(quantization=q, cache=CacheConfig(kv_cache_memory=256 << 20)), tok)
+    text = tok.encode((HERE / "data" / "perplexity.txt").read_text())
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=48, temperature=0)
+    res = {q: {"load_s": load_s[q]} for q in VARIANTS}
+    outs = {}
+    for q, e in engines.items():
+        res[q]["perplexity"] = perplexity(e, text)
+        outs[q] = e.generate(prompts, greedy)
+        res[q]["greedy_vs_fp32"] = agreement(outs["none"], outs[q])
+        alone = [e.generate([p], greedy)[0] for p in prompts[:4]]
+        res[q]["batch_invariant"] = alone == outs[q][:4]
+        print(f"{q:5s} perplexity {res[q]['perplexity']:.3f} ({len(text)} tokens) | greedy vs fp32: "
+              f"{res[q]['greedy_vs_fp32']['identical']:.0%} identical, {res[q]['greedy_vs_fp32']['mean_prefix_share']:.0%} "
+              f"of tokens before divergence | alone == batched: {res[q]['batch_invariant']}", flush=True)
+    for B in (1, 8, 32):
+        for q in VARIANTS:
+            bench_pdserve_decode(engines[q], B, 64, 8, seed=99)  # warm this shape
+        runs = {q: [] for q in VARIANTS}
+        for s in range(3):
+            for q in VARIANTS:
+                runs[q].append(bench_pdserve_decode(engines[q], B, 64, 48, seed=s))
+        for q in VARIANTS:
+            res[q][f"decode_tok_s_b{B}"] = statistics.median(runs[q])
+        print(f"batch {B:2d}: " + " | ".join(f"{q} {res[q][f'decode_tok_s_b{B}']:6.1f} tok/s "
+                                              f"(x{res[q][f'decode_tok_s_b{B}'] / res['none'][f'decode_tok_s_b{B}']:.2f})"
+                                              for q in VARIANTS), flush=True)
+    for e in engines.values():
+        assert e.blocks.num_used_blocks == 0, "KV blocks leaked"
+    HERE.joinpath("quantization-results.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

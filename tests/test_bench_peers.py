@@ -1,0 +1,111 @@
+"""The peer comparison: the transformers baseline server is a correct OpenAI server (so it
+cannot flatter pdserve by being broken), and `pdserve bench-peers` runs systems one after
+another, skips what is not installed, and writes its table."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "baseline-server", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_baseline_matches_pdserve_greedy_in_one_batch(baseline, smollm):
+    """Three prompts of different lengths arrive together (one left-padded batch); each gets
+    what pdserve's engine generates for it, streamed, with usage."""
+    loaded, tok = smollm
+    prompts = ["The capital of France is", "Write a haiku about the sea and the", "1, 2, 3, 4,"]
+    ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok).generate(
+        [tok.encode(p) for p in prompts], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+
+    async def one(client, prompt):
+        body = {"model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        text, usage = "", None
+        async with client.stream("POST", baseline + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    text += "".join(c["text"] for c in chunk["choices"])
+        return text, usage
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    for (text, usage), want, p in zip(asyncio.run(all_at_once()), ref, prompts):
+        assert text == tok.decode(want, skip_special_tokens=True), p
+        assert usage["completion_tokens"] == 10 and usage["prompt_tokens"] == len(tok.encode(p))
+
+
+def test_baseline_chat_and_errors(baseline):
+    r = httpx.post(baseline + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24,
+        "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+    for body, param in (({"prompt": ""}, "prompt"), ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                        ({"messages": []}, "messages")):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(baseline + path, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_bench_peers_quick(tmp_path):
+    out = tmp_path / "peers.json"
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench-peers", "--quick", "--port", str(free_port()),
+                        "--systems", "pdserve-aggregated,transformers,llama.cpp", "--kv-cache-memory", "64MiB",
+                        "--output", str(out), "--plot-dir", ""],
+                       capture_output=True, text=True, timeout=600, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["headline"]) == {"pdserve-aggregated", "transformers"}
+    for h in res["headline"].values():
+        assert h["failed"] == 0 and h["single_stream_tok_s"] > 0 and h["ready_s"] > 0
+    if "llama.cpp" not in res["headline"]:
+        assert res["skipped"]["llama.cpp"] == "not installed"
+    assert "| pdserve-aggregated |" in r.stdout and "x)" in r.stdout  # ratio to the baseline
+    assert not (tmp_path / "logs" / "transformers.log").read_text().count("Traceback")
