@@ -24,7 +24,7 @@ from engine.tokenizer import Tokenizer  # noqa: E402
 from engine.weights import load_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("none", "int8", "fp16")
+VARIANTS = ("none", "int8", "q4_1", "fp16", "w8a8")
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is.",
     "Give me three tips for a job interview.", "How do vaccines work?", "Translate 'good morning' into Spanish.",

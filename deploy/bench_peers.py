@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine.quant import QUANTIZATIONS
+
 from .bench_metrics import format_table
 from .bench_serving import add_bench_serving_args, bench
 
@@ -179,7 +181,7 @@ def add_bench_peers_args(p) -> None:
                    help="systems to compare, in order (missing ones are skipped) (default: %(default)s)")
     p.add_argument("--port", type=int, default=8300, help="port each system serves on in turn")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pdserve's KV cache per worker (default: %(default)s)")
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "fp16"), help="pdserve's weights")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="pdserve's weights")
     p.add_argument("--no-prefix-routing", action="store_true", help="skip prefix-aware vs round-robin")
     p.add_argument("--quick", action="store_true", help="one tiny phase per system (a smoke test)")
     p.add_argument("--ready-timeout", type=float, default=600.0)

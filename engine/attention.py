@@ -147,12 +147,52 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens).to(q.dtype)
 
 
-def default_backend(device: str) -> AttentionBackend:
-    """Triton kernels on CUDA (when triton is installed), the torch reference elsewhere."""
-    if str(device).startswith("cuda"):
+class NativeAttentionBackend(TorchAttentionBackend):
+    """The CPU path (fp32): decode attention by a C kernel (engine/native/attention.c) that
+    reads each sequence's K/V from the paged blocks in place. The torch backend first copies
+    them into a dense tensor per layer; at 32 streams that copy plus SDPA took ~30% of a
+    decode step. Prefill spans as in the torch backend."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        decode_tokens, meta.num_decode_tokens = meta.num_decode_tokens, 0  # no gather plan needed
+        try:
+            super().prepare(meta)
+        finally:
+            meta.num_decode_tokens = decode_tokens
+
+    def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        from .native import paged_decode_attention
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
+
+
+def default_backend(device: str, dtype: torch.dtype = torch.float32, choice: str = "auto") -> AttentionBackend:
+    """Triton kernels on CUDA (when triton is installed), the native C kernel on CPU in fp32
+    (when it builds), the torch reference otherwise. An explicit `choice` that cannot run here
+    raises instead of falling back."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    if choice == "torch":
+        return TorchAttentionBackend()
+    on_cuda = str(device).startswith("cuda")
+    if choice == "triton" or (choice == "auto" and on_cuda):
         try:
             import triton  # noqa: F401
             return TritonAttentionBackend()
         except ImportError:
-            pass
+            if choice == "triton":
+                raise
+            return TorchAttentionBackend()
+    if str(device) == "cpu" and dtype == torch.float32:
+        from .native import NativeKernelUnavailable, load
+        try:
+            load()
+            return NativeAttentionBackend()
+        except NativeKernelUnavailable:
+            if choice == "native":
+                raise
+    elif choice == "native":
+        raise ValueError(f"the native attention kernel runs on the CPU in float32, not {device} {dtype}")
     return TorchAttentionBackend()

@@ -158,15 +158,21 @@ class EngineConfig:
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
+    attention: str = "auto"
+    """Attention kernels: "auto" (Triton on CUDA, the C kernel on CPU in fp32, else torch),
+    "torch", "native" or "triton"."""
     quantization: str = "none"
-    """Weight quantization applied at load (engine/quant.py): "none", "int8" (int8 weights per
-    output channel, activations quantized per row: ~2.4x faster matmuls) or "fp16" (fp16
-    weights, fp32 math). CPU only."""
+    """Weight quantization applied at load (engine/quant.py), CPU only: "int8" or "q4_1"
+    (weight-only: 3.5x faster matmuls at one row, fp32 math), "fp16" (weight-only), "w8a8"
+    (int8 activations too: fastest at large batches, ~5% worse perplexity), or "none"."""
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in ("none", "int8", "fp16"):
-            raise ValueError(f"quantization must be none, int8 or fp16, got {self.quantization!r}")
+        if self.attention not in ("auto", "torch", "native", "triton"):
+            raise ValueError(f"attention must be auto, torch, native or triton, got {self.attention!r}")
+        from .quant import QUANTIZATIONS
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")

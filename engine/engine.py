@@ -59,8 +59,9 @@ class LLMEngine:
                                    config.cache.enable_prefix_caching, config.cache.cache_namespace,
                                    event_listener)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
-        if str(config.device).startswith("cuda"):  # Triton kernels where they run natively
-            loaded.model.backend = default_backend(config.device)
+        # Triton kernels on CUDA, the C kernel on CPU (the model is shared between engines;
+        # backends keep no state beyond the step's metadata)
+        loaded.model.backend = default_backend(config.device, _DTYPES[config.dtype], config.attention)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks)
         # a request can never need more blocks than the cache holds (it would preempt itself forever)
         self.max_model_len = min(loaded.config.max_position_embeddings,

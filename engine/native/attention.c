@@ -1,0 +1,170 @@
+/* Paged decode attention on the CPU, fp32: one query per sequence attends over its cached
+ * K/V read in place from the paged cache (no gather into a dense copy first, which at 32
+ * streams moved as many bytes per step as the weights).
+ *
+ * Layouts (all contiguous):
+ *   q      (B, H, D)                      the decode rows' queries, after RoPE
+ *   kc, vc (num_blocks, bs, KVH, D)       one layer's paged K and V
+ *   tables (B, max_blocks) int64          block ids of each sequence
+ *   lens   (B,) int64                     tokens in context, including the new one
+ *   out    (B, H, D)
+ * GQA: query head h reads KV head h / (H / KVH). Work items are (sequence, KV head) pairs,
+ * so the G = H / KVH query heads sharing a KV head read each K/V row once.
+ * Two passes per item: scores for every cached token (K read once), then softmax, then the
+ * weighted sum of V (V read once). */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+    int i = 0;
+    float s = 0.f;
+#ifdef __AVX2__
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_hadd_ps(lo, lo);
+    lo = _mm_hadd_ps(lo, lo);
+    s = _mm_cvtss_f32(lo);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, int n) {
+    int i = 0;
+#ifdef __AVX2__
+    __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+#ifdef __AVX2__
+/* 8 dot products at once: acc[t] holds token t's partial sums; one hadd tree reduces them
+ * into a vector of 8 scores (a horizontal sum per token would cost as much as its FMAs). */
+static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                             __m256 a7) {
+    __m256 t01 = _mm256_hadd_ps(a0, a1), t23 = _mm256_hadd_ps(a2, a3);
+    __m256 t45 = _mm256_hadd_ps(a4, a5), t67 = _mm256_hadd_ps(a6, a7);
+    __m256 lo = _mm256_hadd_ps(t01, t23), hi = _mm256_hadd_ps(t45, t67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* D = 64 (SmolLM2, Llama-style small models): q and the output accumulator of one head fit
+ * in 8 registers each; `inline` with a constant D lets the compiler unroll the chunk loops. */
+static inline void attend_d64(const float *q, const float *kc, const float *vc, const int64_t *table,
+                              int64_t len, float *out, int G, int KVH, int kh, int bs, float scale,
+                              float *scores) {
+    enum { D = 64, C = D / 8 };
+    const size_t row = (size_t)KVH * D;
+    const int64_t nblk = (len + bs - 1) / bs;
+    for (int g = 0; g < G; g++) {
+        __m256 qv[C];
+        for (int c = 0; c < C; c++) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * c), _mm256_set1_ps(scale));
+        float *s = scores + (size_t)g * len;
+        for (int64_t b = 0; b < nblk; b++) {
+            const float *kb = kc + ((size_t)table[b] * bs * KVH + kh) * D;
+            int n = (int)((b + 1) * bs <= len ? bs : len - b * bs), t = 0;
+            for (; t + 8 <= n; t += 8) {
+                __m256 a[8];
+                for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+                for (int c = 0; c < C; c++)
+                    for (int u = 0; u < 8; u++)
+                        a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kb + (t + u) * row + 8 * c), a[u]);
+                _mm256_storeu_ps(s + b * bs + t, reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+            }
+            for (; t < n; t++) {
+                __m256 a = _mm256_setzero_ps();
+                for (int c = 0; c < C; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kb + t * row + 8 * c), a);
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                h = _mm_hadd_ps(h, h);
+                s[b * bs + t] = _mm_cvtss_f32(_mm_hadd_ps(h, h));
+            }
+        }
+        float m = -FLT_MAX, sum = 0.f;
+        for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+        __m256 acc[C];
+        for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nblk; b++) {
+            const float *vb = vc + ((size_t)table[b] * bs * KVH + kh) * D;
+            int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
+            for (int t = 0; t < n; t++) {
+                __m256 p = _mm256_set1_ps(s[b * bs + t]);
+                for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + t * row + 8 * c), acc[c]);
+            }
+        }
+        __m256 inv = _mm256_set1_ps(1.f / sum);
+        for (int c = 0; c < C; c++) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+    }
+}
+#endif
+
+static void attend_generic(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t len,
+                       float *out, int G, int KVH, int kh, int D, int bs, float scale, float *scores, float *acc) {
+    const size_t row = (size_t)KVH * D; /* floats between consecutive tokens of one block */
+    int64_t nblk = (len + bs - 1) / bs;
+    for (int64_t b = 0; b < nblk; b++) {
+        const float *kb = kc + ((size_t)table[b] * bs * KVH + kh) * D;
+        int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
+        for (int t = 0; t < n; t++)
+            for (int g = 0; g < G; g++)
+                scores[(size_t)g * len + b * bs + t] = dot_f32(q + (size_t)g * D, kb + t * row, D) * scale;
+    }
+    for (int g = 0; g < G; g++) {
+        float *s = scores + (size_t)g * len, m = -FLT_MAX, sum = 0.f;
+        for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+        float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int64_t b = 0; b < nblk; b++) {
+        const float *vb = vc + ((size_t)table[b] * bs * KVH + kh) * D;
+        int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
+        for (int t = 0; t < n; t++)
+            for (int g = 0; g < G; g++)
+                axpy_f32(acc + (size_t)g * D, scores[(size_t)g * len + b * bs + t], vb + t * row, D);
+    }
+    memcpy(out, acc, sizeof(float) * G * D);
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int paged_decode_attention_f32(const float *q, const float *kc, const float *vc, const int64_t *tables,
+                               const int64_t *lens, float *out, int B, int H, int KVH, int D, int bs,
+                               int max_blocks, float scale, int nthreads) {
+    const int G = H / KVH;
+    int failed = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
+    for (int w = 0; w < B * KVH; w++) {
+        int b = w / KVH, kh = w % KVH;
+        /* per item: a few KB, far cheaper than the attention it serves */
+        float *scratch = malloc(sizeof(float) * ((size_t)G * lens[b] + (size_t)G * D));
+        if (!scratch) {
+            failed = 1;
+            continue;
+        }
+        const float *qi = q + ((size_t)b * H + (size_t)kh * G) * D;
+        float *oi = out + ((size_t)b * H + (size_t)kh * G) * D;
+#ifdef __AVX2__
+        if (D == 64)
+            attend_d64(qi, kc, vc, tables + (size_t)b * max_blocks, lens[b], oi, G, KVH, kh, bs, scale, scratch);
+        else
+#endif
+            attend_generic(qi, kc, vc, tables + (size_t)b * max_blocks, lens[b], oi, G, KVH, kh, D, bs, scale,
+                           scratch, scratch + (size_t)G * lens[b]);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

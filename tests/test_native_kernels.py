@@ -1,0 +1,176 @@
+"""engine.native: the weight-only quantized CPU matmuls (int8, Q4_1) against torch references,
+the quantizers, input validation and the compile cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels cannot be built here (no gcc?)")
+
+SHAPES = [(960, 576), (576, 1536), (7, 64), (13, 44)]  # (13, 44): K not a multiple of 8 (int8 only)
+MS = [1, 2, 3, 5, 8, 16, 33]
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 accumulation over K terms: error relative to the output's magnitude."""
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = (y.double() - ref).abs().max().item()
+    assert err <= 1e-4 * max(ref.abs().max().item(), 1e-6), err
+
+
+def _weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int8_matches_reference(n, k):
+    q, s = native.quantize_int8(_weights(n, k))
+    w = native.dequantize_int8(q, s).double()
+    for m in MS:
+        x = torch.randn(m, k)
+        _close(native.int8_matmul(x, q, s), x.double() @ w.T)
+
+
+@pytest.mark.parametrize("n,k", [s for s in SHAPES if s[1] % 32 == 0])
+def test_q4_1_matches_reference(n, k):
+    p, d, mn = native.quantize_q4_1(_weights(n, k))
+    w = native.dequantize_q4_1(p, d, mn).double()
+    for m in MS:
+        x = torch.randn(m, k)
+        _close(native.q4_1_matmul(x, p, d, mn), x.double() @ w.T)
+
+
+def test_lm_head_shape():
+    """The largest matrix of a decode step (SmolLM2's LM head), small M only: it is big."""
+    w = _weights(49152, 576)
+    q, s = native.quantize_int8(w)
+    p, d, mn = native.quantize_q4_1(w)
+    w8, w4 = native.dequantize_int8(q, s), native.dequantize_q4_1(p, d, mn)
+    for m in (1, 2):
+        x = torch.randn(m, 576)
+        _close(native.int8_matmul(x, q, s), (x @ w8.T).double())
+        _close(native.q4_1_matmul(x, p, d, mn), (x @ w4.T).double())
+
+
+def test_batch_invariant():
+    """A row's output is bitwise the same whatever the other rows (the tiles only change which
+    rows share a weight load, never a row's summation order)."""
+    q, s = native.quantize_int8(_weights(576, 1536))
+    p, d, mn = native.quantize_q4_1(_weights(576, 1536))
+    x = torch.randn(33, 1536)
+    for f, args in ((native.int8_matmul, (q, s)), (native.q4_1_matmul, (p, d, mn))):
+        full = f(x, *args)
+        for m in (1, 2, 5, 8, 9, 16):
+            assert torch.equal(f(x[:m].contiguous(), *args), full[:m])
+        assert torch.equal(f(x[20:21].contiguous(), *args), full[20:21])
+
+
+def test_quantize_q4_1_round_trip_exact():
+    """Weights already on a Q4_1 grid (q * d + m with exactly representable d, m) come back exactly."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 16, 128
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # each group spans the full range, so d and m are recovered
+    d = torch.randint(1, 64, (n, k // 32, 1), generator=g).float() / 256
+    m = torch.randint(-64, 64, (n, k // 32, 1), generator=g).float() / 128
+    w = (q * d + m).reshape(n, k)
+    p, d2, m2 = native.quantize_q4_1(w)
+    assert p.dtype == torch.uint8 and p.shape == (n, k // 2) and d2.shape == m2.shape == (n, k // 32)
+    assert torch.equal(native.dequantize_q4_1(p, d2, m2), w)
+    # the documented (GGUF) layout: byte 16g + j holds elements 32g + j (low) and 32g + 16 + j (high)
+    assert torch.equal(p[:, 16 + 3] & 15, q[:, 1, 3].to(torch.uint8))
+    assert torch.equal(p[:, 16 + 3] >> 4, q[:, 1, 16 + 3].to(torch.uint8))
+
+
+def test_quantize_int8_error_and_zero_row():
+    w = _weights(64, 256)
+    w[3] = 0
+    q, s = native.quantize_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (64,)
+    assert (native.dequantize_int8(q, s) - w).abs().max() <= s.max() / 2 + 1e-7
+    assert torch.equal(q[3], torch.zeros(256, dtype=torch.int8))
+
+
+def test_bad_input_raises():
+    q, s = native.quantize_int8(_weights(8, 64))
+    p, d, mn = native.quantize_q4_1(_weights(8, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError):
+        native.quantize_q4_1(torch.randn(4, 48))  # K not a multiple of 32
+    with pytest.raises(ValueError):
+        native.quantize_int8(torch.randn(4))
+    bad_int8 = [(x.double(), q, s), (x, q.float(), s), (x, q, s.double()), (torch.randn(2, 32), q, s),
+                (x.t(), q, s), (x, q, s[:4]), (torch.randn(2, 2, 64), q, s), (x[:, ::2], q[:, ::2], s)]
+    for args in bad_int8:
+        with pytest.raises(ValueError):
+            native.int8_matmul(*args)
+    bad_q4 = [(x.half(), p, d, mn), (x, p.to(torch.int8), d, mn), (x, p, d.double(), mn), (x, p, d, mn[:, :1]),
+              (torch.randn(2, 128), p, d, mn), (torch.randn(2, 48), p[:, :24], d, mn)]
+    for args in bad_q4:
+        with pytest.raises(ValueError):
+            native.q4_1_matmul(*args)
+
+
+def test_cache_reuses_library(tmp_path, monkeypatch):
+    """First build compiles into $PDSERVE_CACHE_DIR/native; a second finds it and does not."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    calls = []
+    real_run = native.subprocess.run
+
+    def run(cmd, *a, **kw):
+        calls.append(cmd)
+        return real_run(cmd, *a, **kw)
+
+    monkeypatch.setattr(native.subprocess, "run", run)
+    path = native.build()
+    assert path.parent == tmp_path / "native" and path.exists()
+    compiles = [c for c in calls if "-o" in c]
+    assert len(compiles) == 1
+    mtime = path.stat().st_mtime_ns
+    assert native.build() == path and path.stat().st_mtime_ns == mtime
+    assert len([c for c in calls if "-o" in c]) == 1  # no second compile
+    assert [f.name for f in path.parent.iterdir()] == [path.name]  # no temp file left behind
+
+
+def test_compile_failure_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C;\n")
+    monkeypatch.setattr(native, "SRC", bad)
+    with pytest.raises(native.NativeKernelUnavailable, match="error"):
+        native.build()
+    assert not any(f.suffix == ".tmp" for f in (tmp_path / "native").iterdir())
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(native.NativeKernelUnavailable):
+        native.build()
+
+
+def test_threads_do_not_change_results():
+    q, s = native.quantize_int8(_weights(960, 576))
+    x = torch.randn(4, 576)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.int8_matmul(x, q, s)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, native.int8_matmul(x, q, s))
+
+
+def test_scalar_fallback(tmp_path, monkeypatch):
+    """The portable path (built where the CPU lacks AVX2) computes the same products."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_flags", lambda: ["-O2", "-fPIC", "-shared", "-fopenmp"])
+    for name in ("_lib", "_i8", "_q4"):  # restored after the test
+        monkeypatch.setattr(native, name, None)
+    assert native.load().woq_has_avx2() == 0
+    for n, k in ((7, 64), (96, 576)):
+        w = _weights(n, k)
+        q, s = native.quantize_int8(w)
+        p, d, mn = native.quantize_q4_1(w)
+        x = torch.randn(3, k)
+        _close(native.int8_matmul(x, q, s), x.double() @ native.dequantize_int8(q, s).double().T)
+        _close(native.q4_1_matmul(x, p, d, mn), x.double() @ native.dequantize_q4_1(p, d, mn).double().T)
