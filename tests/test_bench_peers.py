@@ -102,7 +102,9 @@ def test_bench_peers_quick(tmp_path):
                        capture_output=True, text=True, timeout=600, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert set(res["headline"]) == {"pdserve-aggregated", "transformers"}
+    # llama.cpp runs where llama-cpp-python is installed and is skipped, named, where not
+    assert set(res["headline"]) | set(res["skipped"]) == {"pdserve-aggregated", "transformers", "llama.cpp"}
+    assert {"pdserve-aggregated", "transformers"} <= set(res["headline"])
     for h in res["headline"].values():
         assert h["failed"] == 0 and h["single_stream_tok_s"] > 0 and h["ready_s"] > 0
     if "llama.cpp" not in res["headline"]:
