@@ -2,7 +2,7 @@
 one after another on this machine, each with the same workloads of `pdserve bench`.
 
 Systems: pdserve disaggregated (1 prefill + 1 decode worker), pdserve aggregated (one worker
-that prefills and decodes), the transformers baseline (`pdserve baseline-server`), and, when
+that prefills and decodes), the same with weight-only int8 weights, the transformers baseline (`pdserve baseline-server`), and, when
 installed, llama.cpp's server (`llama-cpp-python`) and vLLM; missing ones are skipped.
 Each system is started, timed until it answers a completion (time to ready), measured, and
 stopped (SIGINT to the process started here, then SIGKILL after a grace period).
@@ -46,16 +46,23 @@ def systems(args, port: int) -> dict[str, list[str] | None]:
     """name -> command line (None: not installed here)."""
     py = [sys.executable, "-m", "deploy.cli"]
     common = ["--kv-cache-memory", args.kv_cache_memory, "--quantization", args.quantization]
+    # the aggregated worker gets every core, as the other servers do; disaggregated splits them
+    aggregated = ["up", "--port", str(port), "--mode", "aggregated", "--decode-cpus", str(os.cpu_count() or 1)]
     out = {
         "pdserve": py + ["up", "--port", str(port), *common],
-        "pdserve-aggregated": py + ["up", "--port", str(port), "--mode", "aggregated", *common],
+        "pdserve-aggregated": py + [*aggregated, *common],
+        # weight-only int8 (perplexity +0.5%): the fast single-stream configuration
+        "pdserve-aggregated-int8": py + [*aggregated, "--kv-cache-memory", args.kv_cache_memory,
+                                         "--quantization", "int8"],
         "transformers": py + ["baseline-server", "--port", str(port), "--max-batch", "32"],
         "llama.cpp": None, "vllm": None,
     }
     from engine.weights import default_model_path
     if importlib.util.find_spec("llama_cpp") is not None:
         out["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()),
-                            "--port", str(port), "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096"]
+                            "--port", str(port), "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096",
+                            # by default a new request cancels the one in flight: queue them instead
+                            "--interrupt_requests", "False"]
     if importlib.util.find_spec("vllm") is not None:
         gguf = default_model_path()
         out["vllm"] = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(gguf),
@@ -145,6 +152,9 @@ def headline(merged: dict, ready: dict) -> dict:
             "output_tok_s_c32": c32 and c32["output_throughput"],
             "tpot_p50_ms_c32": c32 and c32["tpot_ms"]["p50"],
             "failed": sum((m or {}).get("failed", 0) for m in (single, ttft, c8, c32)),
+            # requests that ended before their max_tokens (a server ignoring ignore_eos):
+            # their throughput is not comparable and the table says so
+            "short_outputs": sum((m or {}).get("output_len_mismatches", 0) for m in (single, ttft, c8, c32)),
         }
     return out
 
@@ -163,7 +173,9 @@ def markdown(head: dict, prefix: dict | None, baseline: str = "transformers") ->
             if v is not None and base.get(key) and name != baseline and key not in ("ready_s",):
                 cell += f" ({v / base[key]:.2f}x)"
             cells.append(cell)
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        short = f" ({h['short_outputs']} outputs shorter than asked)" if h.get("short_outputs") else ""
+        lines.append(f"| {name}{short} | " + " | ".join(cells) + " |")
+    lines.append(f"\n(x): ratio to {baseline} in the same run; higher is better for tok/s, lower for TTFT/TPOT.")
     if prefix:
         lines += ["", "| shared prefix, 2 prefill workers | TTFT p50 (ms) | TTFT p90 (ms) | prefix hit rate |",
                   "|---|---|---|---|"]
@@ -177,7 +189,7 @@ def markdown(head: dict, prefix: dict | None, baseline: str = "transformers") ->
 
 
 def add_bench_peers_args(p) -> None:
-    p.add_argument("--systems", default="pdserve,pdserve-aggregated,transformers,llama.cpp,vllm",
+    p.add_argument("--systems", default="pdserve,pdserve-aggregated,pdserve-aggregated-int8,transformers,llama.cpp,vllm",
                    help="systems to compare, in order (missing ones are skipped) (default: %(default)s)")
     p.add_argument("--port", type=int, default=8300, help="port each system serves on in turn")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pdserve's KV cache per worker (default: %(default)s)")
