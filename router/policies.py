@@ -2,8 +2,9 @@
 
 Plain Python over a snapshot of worker loads (from heartbeats) and the prefix index, so they
 are tested without a network. `prefix_aware` prices a prefill worker by the prompt tokens it
-would have to compute (the prompt minus the prefix it already holds) plus the prefill tokens
-already queued on it; decode workers are picked by load in every policy but round-robin.
+would have to compute (the prompt minus the prefix it already holds), plus the prefill tokens
+already queued on it, plus the prefix it would duplicate (what the warmest worker holds
+beyond its own); decode workers are picked by load in every policy but round-robin.
 """
 from __future__ import annotations
 
@@ -78,10 +79,16 @@ class PrefixAware(LeastLoaded):
 
     def pick_prefill(self, workers, block_hashes, num_tokens, block_size) -> PrefillChoice:
         held = self.index.match(block_hashes)
+        best = max(held.values(), default=0) * block_size
 
         def cost(w: WorkerLoad) -> tuple:
-            uncached = num_tokens - held.get(w.worker_id, 0) * block_size
-            return (uncached + w.queued_prefill_tokens, w.running, w.worker_id)
+            cached = held.get(w.worker_id, 0) * block_size
+            # tokens to compute now, plus tokens queued ahead, plus a locality penalty: a
+            # colder worker recomputes the prefix now *and* caches a second copy of it, which
+            # under cache pressure evicts another prefix and costs a miss later. Without it
+            # (measured, 2 prefill workers, shared-prefix groups) a busy warm worker sent a
+            # quarter of its group's prompts away and the hit rate stayed at 68-71% of 80%.
+            return (num_tokens - cached + w.queued_prefill_tokens + (best - cached), w.running, w.worker_id)
 
         w = min(_healthy(workers, "prefill"), key=cost)
         return PrefillChoice(w.worker_id, held.get(w.worker_id, 0) * block_size)

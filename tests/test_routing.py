@@ -68,6 +68,12 @@ def test_prefix_aware_prefers_the_worker_holding_the_prefix():
     # ...unless it is so busy that computing everything elsewhere is cheaper
     busy = [WorkerLoad("p0"), WorkerLoad("p1", queued_prefill_tokens=500)]
     assert policy.pick_prefill(busy, [1, 2, 3, 4, 5], 90, 16).worker_id == "p0"
+    # a little busier than the cold worker is not enough: moving would also duplicate the
+    # 64-token prefix in a second cache (26 + 100 now vs 90 + 64 duplicated)
+    warm_busy = [WorkerLoad("p0"), WorkerLoad("p1", queued_prefill_tokens=100)]
+    assert policy.pick_prefill(warm_busy, [1, 2, 3, 4, 5], 90, 16).worker_id == "p1"
+    # nothing cached anywhere: pure load balancing
+    assert policy.pick_prefill(warm_busy, [9, 8], 90, 16).worker_id == "p0"
 
 
 def test_round_robin_alternates_and_least_loaded_balances():
