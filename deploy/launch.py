@@ -26,16 +26,14 @@ class WorkerActor:
         import torch
 
         from engine.tokenizer import Tokenizer
-        from engine.weights import load_model
+        from engine.weights import load_for_config
 
         if spec.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
             spec = replace(spec, host=ray.util.get_node_ip_address())
         self.spec = spec
         if spec.engine.num_threads:
             torch.set_num_threads(spec.engine.num_threads)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.engine.dtype]
-        loaded = load_model(spec.engine.model or None, dtype, spec.engine.device, spec.engine.max_model_len,
-                            spec.engine.packed_weights)
+        loaded = load_for_config(spec.engine)  # all of it: quantization was once dropped here
         self.host = HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
         self._record: dict | None = None
         self._starting: asyncio.Lock | None = None

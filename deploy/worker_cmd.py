@@ -30,7 +30,7 @@ def cmd_worker(args) -> int:
     import torch
 
     from engine.tokenizer import Tokenizer
-    from engine.weights import load_model
+    from engine.weights import load_for_config
 
     from .cli import engine_config
     from .router_server import make_logger
@@ -42,7 +42,7 @@ def cmd_worker(args) -> int:
     cfg = engine_config(args)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    loaded = load_model(cfg.model or None, getattr(torch, cfg.dtype), cfg.device, cfg.max_model_len, cfg.packed_weights)
+    loaded = load_for_config(cfg)
     spec = WorkerSpec(args.role, args.worker_id, args.cluster_name, args.redis_url, args.cluster_token, args.host,
                       args.transfer_policy, max_queue=args.max_queue, kv_transport=args.kv_transport,
                       kv_layer_group=args.kv_layer_group, engine=cfg)

@@ -26,7 +26,7 @@ from .sampling_params import SamplingParams
 from .speculative import NgramSpeculator
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
-from .weights import LoadedModel, load_model
+from .weights import LoadedModel, load_for_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,8 +80,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
         """Load the configured model (default: SmolLM2-135M-Instruct) and its tokenizer."""
-        loaded = load_model(config.model or None, _DTYPES[config.dtype], config.device, config.max_model_len,
-                            config.packed_weights, config.quantization)
+        loaded = load_for_config(config)
         return cls(loaded, config, Tokenizer.from_model_path(loaded.path), event_listener)
 
     # ---- requests -----------------------------------------------------------------------

@@ -282,3 +282,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
     if quantization != "none":
         fingerprint = f"{fingerprint}+{quantization}"
     return LoadedModel(build_model(cfg, state, dtype, device, packed_weights, quantization), cfg, path, fingerprint)
+
+
+def load_for_config(config) -> LoadedModel:
+    """The model an EngineConfig describes (path, dtype, device, context, packing and
+    quantization): the one place engines and workers load from, so no field is dropped."""
+    return load_model(config.model or None, getattr(torch, config.dtype), config.device, config.max_model_len,
+                      config.packed_weights, config.quantization)

@@ -116,6 +116,21 @@ def test_quantized_engine_batched_equals_alone(smollm, quantized):
 
 
 @pytest.mark.slow
+def test_workers_load_what_the_config_says(smollm):
+    """Engines, Ray workers and `pdserve worker` all load through load_for_config (a Ray
+    worker once dropped the quantization and served fp32 weights under --quantization int8)."""
+    import inspect
+
+    from deploy import launch, worker_cmd
+    from engine.weights import load_for_config
+    loaded = load_for_config(EngineConfig(quantization="int8"))
+    assert loaded.fingerprint.endswith("+int8")
+    assert type(loaded.model.lm_head_linear).__name__ == "WeightOnlyLinear"
+    for module in (launch, worker_cmd):
+        assert "load_for_config(" in inspect.getsource(module) and "load_model(" not in inspect.getsource(module)
+
+
+@pytest.mark.slow
 def test_cli_flag(smollm):
     r = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "What is the capital of France?", "--chat",
                         "--max-tokens", "24", "--kv-cache-memory", "64MiB", "--quantization", "fp16"],
