@@ -216,6 +216,7 @@ def add_baseline_args(p) -> None:
 def cmd_baseline_server(args) -> int:
     import uvicorn
 
+    from engine.threads import in_fresh_thread, single_threaded_here
     from engine.tokenizer import Tokenizer
     from engine.weights import load_model
 
@@ -224,10 +225,17 @@ def cmd_baseline_server(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model or None, packed_weights=False)
+    def build():
+        loaded = load_model(args.model or None, packed_weights=False)
+        model = hf_baseline(loaded)
+        loaded.model = None  # the transformers copy is the only one served
+        return loaded, model
+
+    # the same care as pdserve's workers (engine/threads.py): the batch loop's OpenMP team is the
+    # process's only one, or both run at half speed on a small machine
+    loaded, model = in_fresh_thread(build)
+    single_threaded_here()
     tokenizer = Tokenizer.from_model_path(loaded.path)
-    model = hf_baseline(loaded)
-    loaded.model = None  # the transformers copy is the only one served
     worker = BatchLoop(model, tokenizer.eos_token_id, args.max_batch)
     worker.start()
     uvicorn.run(build_app(worker, tokenizer, served_model_name(loaded.path)), host=args.host, port=args.port,

@@ -25,6 +25,7 @@ class WorkerActor:
     def __init__(self, spec: WorkerSpec):
         import torch
 
+        from engine.threads import in_fresh_thread
         from engine.tokenizer import Tokenizer
         from engine.weights import load_for_config
 
@@ -33,8 +34,13 @@ class WorkerActor:
         self.spec = spec
         if spec.engine.num_threads:
             torch.set_num_threads(spec.engine.num_threads)
-        loaded = load_for_config(spec.engine)  # all of it: quantization was once dropped here
-        self.host = HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
+
+        def build() -> HostedWorker:
+            loaded = load_for_config(spec.engine)  # all of it: quantization was once dropped here
+            return HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
+
+        # off this thread: the engine thread's OpenMP team must be the process's only one (engine/threads.py)
+        self.host = in_fresh_thread(build)
         self._record: dict | None = None
         self._starting: asyncio.Lock | None = None
 
@@ -45,6 +51,8 @@ class WorkerActor:
             self._starting = asyncio.Lock()
         async with self._starting:
             if self._record is None:
+                from engine.threads import single_threaded_here
+                single_threaded_here()  # this loop's tensor ops (KV landing) must not open a 2nd OpenMP team
                 record = await self.host.start()
                 self._record = record.__dict__ | {"pid": os.getpid()}
         return self._record

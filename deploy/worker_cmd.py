@@ -29,6 +29,7 @@ def add_worker_args(p) -> None:
 def cmd_worker(args) -> int:
     import torch
 
+    from engine.threads import in_fresh_thread, single_threaded_here
     from engine.tokenizer import Tokenizer
     from engine.weights import load_for_config
 
@@ -42,13 +43,18 @@ def cmd_worker(args) -> int:
     cfg = engine_config(args)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    loaded = load_for_config(cfg)
     spec = WorkerSpec(args.role, args.worker_id, args.cluster_name, args.redis_url, args.cluster_token, args.host,
                       args.transfer_policy, max_queue=args.max_queue, kv_transport=args.kv_transport,
                       kv_layer_group=args.kv_layer_group, engine=cfg)
-    host = HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
+
+    def build() -> HostedWorker:
+        loaded = load_for_config(cfg)
+        return HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
+
+    host = in_fresh_thread(build)  # the engine thread's OpenMP team is then the only one (engine/threads.py)
 
     async def main():
+        single_threaded_here()  # this loop's tensor ops (KV landing) must not open a 2nd OpenMP team
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
