@@ -28,11 +28,12 @@ class WorkerEndpoint:
     address: str     # gRPC service address
 
 
-@dataclass(frozen=True)
+@dataclass
 class Route:
     decode: WorkerEndpoint
     prefill: WorkerEndpoint | None
     cached_tokens: int
+    prefill_tokens: int = 0  # tokens the prefill worker computes: its load until `settle`
 
 
 class ClusterClient:
@@ -49,6 +50,10 @@ class ClusterClient:
         self.stats: dict[str, pb.WorkerStats] = {}
         self.healthy: dict[str, bool] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # prompt tokens this router sent to each prefill worker that have not come back as a
+        # first token: known at once, where the workers' stats arrive a poll later. Without
+        # it, prompts arriving between two polls all saw idle workers and went to the first.
+        self.pending_prefill: dict[str, int] = {}
 
     # ---- membership ---------------------------------------------------------------------
     def set_workers(self, workers: list[WorkerEndpoint]) -> None:
@@ -92,7 +97,8 @@ class ClusterClient:
             if w.role not in roles:
                 continue
             s = self.stats.get(w.worker_id)
-            out.append(WorkerLoad(w.worker_id, s.queued_prefill_tokens if s else 0, s.running if s else 0,
+            queued = max(s.queued_prefill_tokens if s else 0, self.pending_prefill.get(w.worker_id, 0))
+            out.append(WorkerLoad(w.worker_id, queued, s.running if s else 0,
                                   s.kv_usage if s else 0.0, self.healthy.get(w.worker_id, False)))
         return out
 
@@ -114,8 +120,24 @@ class ClusterClient:
             prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
         except NoWorkerError:
             pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
-        return Route(self.workers[decode_id], self.workers[prefill.worker_id] if prefill else None,
-                     prefill.cached_tokens if prefill else 0)
+        if prefill is None:
+            return Route(self.workers[decode_id], None, 0)
+        todo = max(len(prompt) - prefill.cached_tokens, 0)
+        self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
+        return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo)
+
+    def settle(self, route: Route | None) -> None:
+        """The route's prefill is over (its first token came, or it failed): take its tokens
+        off the worker's pending load. Idempotent."""
+        if route is None or not route.prefill_tokens or route.prefill is None:
+            return
+        wid = route.prefill.worker_id
+        left = self.pending_prefill.get(wid, 0) - route.prefill_tokens
+        route.prefill_tokens = 0
+        if left > 0:
+            self.pending_prefill[wid] = left
+        else:
+            self.pending_prefill.pop(wid, None)
 
     async def generate(self, route: Route, request_id: str, prompt: list[int], params,
                        resume: list[int] | None = None) -> AsyncIterator[pb.GenerateResponse]:

@@ -82,6 +82,7 @@ class Generation:
     async def _open(self) -> None:
         refused: set[str] = set()  # workers whose queue is full: try the others of their pool
         while True:
+            self.cluster.settle(self.route)  # a refused route's prefill never ran
             try:
                 self.route = self.cluster.route(self.prompt, exclude=frozenset(refused))
             except NoWorkerError as e:
@@ -97,6 +98,7 @@ class Generation:
             self._stream = self.cluster.generate(self.route, self.request_id, self.prompt, self._worker_params())
             try:
                 self._first = await self._next()
+                self.cluster.settle(self.route)
                 break
             except StopAsyncIteration as e:
                 raise APIError(503, "the decode worker ended the request without output", "server_error") from e
@@ -152,6 +154,7 @@ class Generation:
                 await self._migrate(e)
 
     async def _migrate(self, e: grpc.aio.AioRpcError) -> None:
+        self.cluster.settle(self.route)
         failed = self.route.decode.worker_id
         self._failed.add(failed)
         self.cluster.healthy[failed] = False  # until its next successful stats poll
@@ -159,6 +162,7 @@ class Generation:
         await old.aclose()
         try:
             self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed))
+            self.cluster.settle(self.route)  # a migrated request is recomputed on its decode worker
         except NoWorkerError as no:
             raise APIError(503, f"decode worker {failed} failed ({e.code().name}) and no other decode worker "
                                 "is available", "server_error", code="worker_failed") from no
@@ -203,6 +207,7 @@ class Generation:
         self.metrics.requests.labels(self.finish_reason or "error").inc()
 
     async def close(self) -> None:
+        self.cluster.settle(self.route)
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.aclose()

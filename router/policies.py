@@ -4,7 +4,8 @@ Plain Python over a snapshot of worker loads (from heartbeats) and the prefix in
 are tested without a network. `prefix_aware` prices a prefill worker by the prompt tokens it
 would have to compute (the prompt minus the prefix it already holds), plus the prefill tokens
 already queued on it, plus the prefix it would duplicate (what the warmest worker holds
-beyond its own); decode workers are picked by load in every policy but round-robin.
+beyond its own); decode workers are picked by load in every policy but round-robin. Its
+choices count as cached there at once (`PrefixIndex.expect`), ahead of the worker's events.
 """
 from __future__ import annotations
 
@@ -91,6 +92,9 @@ class PrefixAware(LeastLoaded):
             return (num_tokens - cached + w.queued_prefill_tokens + (best - cached), w.running, w.worker_id)
 
         w = min(_healthy(workers, "prefill"), key=cost)
+        # its events come after its prefill: until then, the next prompts with this prefix
+        # should find it here (30 s: the default KV hand-off timeout, past which it failed)
+        self.index.expect(w.worker_id, block_hashes, ttl_s=30.0)
         return PrefillChoice(w.worker_id, held.get(w.worker_id, 0) * block_size)
 
 

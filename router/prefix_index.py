@@ -4,10 +4,16 @@ Each worker numbers its events 1, 2, 3, ...; the index applies them in order and
 gap (a lost or reordered event). A worker with a gap is marked for resync: its entries are
 distrusted until a snapshot of its cached hashes replaces them (`reset_worker`).
 Pure Python; the router feeds it from Redis Streams.
+
+Events arrive after the prefill that caused them, so the router also records where it just
+sent a prompt (`expect`): until that worker's events confirm the blocks, or a deadline passes,
+they count as held there. Without it, the prompts of one new prefix that arrive before the
+first one's events scatter over the workers, each computing and caching its own copy.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 
 from engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -18,6 +24,9 @@ class PrefixIndex:
         self._blocks: dict[str, set[int]] = defaultdict(set)   # worker -> block hashes
         self._seq: dict[str, int] = {}
         self.needs_resync: set[str] = set()
+        self._expected: dict[int, dict[str, float]] = defaultdict(dict)  # hash -> worker -> deadline
+        self._expiry: deque[tuple[float, str, int]] = deque()  # (deadline, worker, hash), oldest first
+        self._expecting: dict[str, int] = defaultdict(int)  # worker -> its expected blocks
 
     def apply(self, worker_id: str, event: KVEvent) -> bool:
         """Apply one event. Returns False (and marks the worker for resync) on a gap."""
@@ -31,6 +40,7 @@ class PrefixIndex:
         if isinstance(event, BlockStored):
             self._holders[event.block_hash].add(worker_id)
             self._blocks[worker_id].add(event.block_hash)
+            self._unexpect(worker_id, event.block_hash)  # confirmed: the event stands for it now
         elif isinstance(event, BlockRemoved):
             self._drop(worker_id, event.block_hash)
         elif isinstance(event, AllBlocksCleared):
@@ -51,12 +61,34 @@ class PrefixIndex:
         self._seq.pop(worker_id, None)
         self.needs_resync.discard(worker_id)
 
-    def match(self, block_hashes: list[int]) -> dict[str, int]:
-        """For each worker in sync, how many leading blocks of the prompt it holds."""
+    def expect(self, worker_id: str, block_hashes: list[int], ttl_s: float = 10.0,
+               now: float | None = None) -> None:
+        """`worker_id` was just sent a prompt with these blocks: count them as held there until
+        its events confirm them or `ttl_s` passes (a prefill that failed or never ran)."""
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        deadline = now + ttl_s
+        for h in block_hashes:
+            if worker_id not in self._holders.get(h, ()):
+                expected = self._expected[h]
+                if worker_id not in expected:
+                    self._expecting[worker_id] += 1
+                expected[worker_id] = deadline
+                self._expiry.append((deadline, worker_id, h))
+
+    def match(self, block_hashes: list[int], now: float | None = None) -> dict[str, int]:
+        """For each worker in sync, how many leading blocks of the prompt it holds (or is
+        expected to hold: see `expect`)."""
+        now = time.monotonic() if now is None else now
         counts: dict[str, int] = {}
-        alive = set(self._blocks) - self.needs_resync
+        alive = {w for w, blocks in self._blocks.items() if blocks} | set(self._expecting)
+        alive -= self.needs_resync
         for i, h in enumerate(block_hashes):
-            alive &= self._holders.get(h, set())
+            expected = self._expected.get(h)
+            held = self._holders.get(h, set())
+            if expected:
+                held = held | {w for w, deadline in expected.items() if deadline > now}
+            alive &= held
             if not alive:
                 break
             for w in alive:
@@ -65,6 +97,21 @@ class PrefixIndex:
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
+
+    def _unexpect(self, worker_id: str, h: int) -> None:
+        expected = self._expected.get(h)
+        if expected is not None and expected.pop(worker_id, None) is not None:
+            self._expecting[worker_id] -= 1
+            if not self._expecting[worker_id]:
+                del self._expecting[worker_id]
+            if not expected:
+                del self._expected[h]
+
+    def _expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            deadline, w, h = self._expiry.popleft()
+            if self._expected.get(h, {}).get(w) == deadline:  # not renewed since
+                self._unexpect(w, h)
 
     def _drop(self, worker_id: str, h: int) -> None:
         self._blocks[worker_id].discard(h)
@@ -78,3 +125,7 @@ class PrefixIndex:
         for h in list(self._blocks.get(worker_id, ())):
             self._drop(worker_id, h)
         self._blocks.pop(worker_id, None)
+        if worker_id in self._expecting:
+            for _, w, h in self._expiry:
+                if w == worker_id:
+                    self._unexpect(w, h)

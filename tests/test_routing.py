@@ -4,6 +4,7 @@ import pytest
 from engine.block_hash import hash_blocks
 from engine.block_manager import BlockManager
 from engine.events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.cluster import ClusterClient, WorkerEndpoint
 from router.policies import NoWorkerError, WorkerLoad, make_policy
 from router.prefix_index import PrefixIndex
 
@@ -58,22 +59,64 @@ def test_gap_marks_worker_for_resync_until_snapshot():
 
 
 def test_prefix_aware_prefers_the_worker_holding_the_prefix():
-    index = PrefixIndex()
-    for seq, h in enumerate([1, 2, 3, 4], start=1):
-        index.apply("p1", stored(seq, h))
-    policy = make_policy("prefix_aware", index)
+    def policy():  # each case on a fresh index: a choice counts as cached where it went
+        index = PrefixIndex()
+        for seq, h in enumerate([1, 2, 3, 4], start=1):
+            index.apply("p1", stored(seq, h))
+        return make_policy("prefix_aware", index)
+
     workers = [WorkerLoad("p0"), WorkerLoad("p1")]
-    choice = policy.pick_prefill(workers, [1, 2, 3, 4, 5], num_tokens=90, block_size=16)
+    choice = policy().pick_prefill(workers, [1, 2, 3, 4, 5], num_tokens=90, block_size=16)
     assert choice.worker_id == "p1" and choice.cached_tokens == 64
     # ...unless it is so busy that computing everything elsewhere is cheaper
     busy = [WorkerLoad("p0"), WorkerLoad("p1", queued_prefill_tokens=500)]
-    assert policy.pick_prefill(busy, [1, 2, 3, 4, 5], 90, 16).worker_id == "p0"
+    assert policy().pick_prefill(busy, [1, 2, 3, 4, 5], 90, 16).worker_id == "p0"
     # a little busier than the cold worker is not enough: moving would also duplicate the
     # 64-token prefix in a second cache (26 + 100 now vs 90 + 64 duplicated)
     warm_busy = [WorkerLoad("p0"), WorkerLoad("p1", queued_prefill_tokens=100)]
-    assert policy.pick_prefill(warm_busy, [1, 2, 3, 4, 5], 90, 16).worker_id == "p1"
+    assert policy().pick_prefill(warm_busy, [1, 2, 3, 4, 5], 90, 16).worker_id == "p1"
     # nothing cached anywhere: pure load balancing
-    assert policy.pick_prefill(warm_busy, [9, 8], 90, 16).worker_id == "p0"
+    assert policy().pick_prefill(warm_busy, [9, 8], 90, 16).worker_id == "p0"
+
+
+def test_prompts_of_a_new_prefix_follow_the_first_before_its_events_arrive():
+    """The first prompt of a prefix goes by load; the next ones, sent before the first one's
+    prefill has produced any KV event, find it there rather than going by (stale) load."""
+    index = PrefixIndex()
+    policy = make_policy("prefix_aware", index)
+    idle = [WorkerLoad("p0"), WorkerLoad("p1")]
+    prefix = [11, 12, 13, 14]
+    first = policy.pick_prefill(idle, prefix + [100], 80, 16)
+    assert first.worker_id == "p0" and first.cached_tokens == 0
+    # the heartbeat has not caught up: p0 still reports no load
+    for question in (101, 102, 103):
+        again = policy.pick_prefill(idle, prefix + [question], 80, 16)
+        assert again.worker_id == "p0" and again.cached_tokens == 64
+    # a different prefix still goes by load, and is expected where it went
+    other = policy.pick_prefill([WorkerLoad("p0", queued_prefill_tokens=300), WorkerLoad("p1")], [21, 22], 40, 16)
+    assert other.worker_id == "p1" and index.match([21, 22]) == {"p1": 2}
+
+
+def test_expected_blocks_end_at_their_events_or_their_deadline():
+    index = PrefixIndex()
+    index.expect("p0", [1, 2, 3], ttl_s=10.0, now=100.0)
+    assert index.match([1, 2, 3], now=100.0) == {"p0": 3}
+    # the worker's events confirm two blocks; the third never comes (evicted at once, say)
+    index.apply("p0", stored(1, 1))
+    index.apply("p0", stored(2, 2))
+    assert index.match([1, 2, 3], now=105.0) == {"p0": 3}
+    assert index.match([1, 2, 3], now=111.0) == {"p0": 2}  # past its deadline: only what events say
+    index.apply("p0", BlockRemoved(3, 2, 0))
+    assert index.match([1, 2, 3], now=111.0) == {"p0": 1}  # an event removes a confirmed block
+    # a worker that leaves takes its expectations with it; a worker under resync has none counted
+    index.expect("p1", [7, 8], ttl_s=10.0, now=200.0)
+    index.expect("p2", [7], ttl_s=10.0, now=200.0)
+    index.apply("p2", stored(5, 9))  # a gap: p2 is distrusted
+    assert index.match([7, 8], now=201.0) == {"p1": 2}
+    index.remove_worker("p1")
+    assert index.match([7, 8], now=201.0) == {}
+    index.expect("p3", [40], ttl_s=1.0, now=300.0)  # expiry sweeps the stale entries
+    assert not index._expecting.get("p1") and index._expected.get(8) is None
 
 
 def test_round_robin_alternates_and_least_loaded_balances():
@@ -93,3 +136,22 @@ def test_unhealthy_workers_are_skipped_and_none_left_is_an_error():
         ll.pick_decode([WorkerLoad("d0", healthy=False)])
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random", PrefixIndex())
+
+
+def test_the_router_counts_the_prefills_it_sent_before_the_workers_report_them():
+    """Between two stats polls, every worker looks idle: new prompts are spread by what this
+    router itself sent, and each route's tokens come off when it settles (once)."""
+    c = ClusterClient("prefix_aware", block_size=16)
+    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("p1", "prefill", "a:2"),
+                   WorkerEndpoint("d0", "decode", "a:3")])
+    c.healthy = {"p0": True, "p1": True, "d0": True}
+    prompts = [[g * 1000 + i for i in range(64)] for g in range(4)]  # 4 new prefixes, 4 blocks each
+    routes = [c.route(p) for p in prompts]
+    assert [r.prefill.worker_id for r in routes] == ["p0", "p1", "p0", "p1"]
+    assert c.pending_prefill == {"p0": 128, "p1": 128}
+    # a prompt sharing the first prefix goes where it is expected to be cached; only its tail is new work
+    again = c.route(prompts[0][:48] + [7] * 16)
+    assert again.prefill.worker_id == "p0" and again.cached_tokens == 48 and again.prefill_tokens == 16
+    for r in routes + [again, again]:
+        c.settle(r)
+    assert c.pending_prefill == {}

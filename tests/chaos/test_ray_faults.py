@@ -92,7 +92,8 @@ def cluster():
             rc = up.p.wait(90)
         except subprocess.TimeoutExpired:
             up.p.kill()
-            raise
+            raise AssertionError("pdserve up did not stop within 90 s of SIGINT; its log ends:\n"
+                                 + "".join(up.log[-30:])) from None
     if getattr(up, "redis", None) is not None:  # the Redis a test restarted in place of the embedded one
         up.redis.stop()
     assert rc == 0, "".join(up.log)
