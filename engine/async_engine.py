@@ -18,6 +18,11 @@ from .sampling_params import SamplingParams
 T = TypeVar("T")
 
 
+def _deliver(items: list) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (a bug or shutdown); requests in flight fail with this."""
 
@@ -131,11 +136,16 @@ class AsyncEngine:
         self._publish(outputs)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        # one wake-up per event loop and step, not per output: each call_soon_threadsafe
+        # writes to the loop's self-pipe (a syscall), 32 per step at 32 streams
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
                 loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                batches.setdefault(loop, []).append((q, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _shutdown(self) -> None:
         for rid in list(self.engine.scheduler.requests):

@@ -50,6 +50,22 @@ def test_matches_torch_backend(seq_lens, n_heads, n_kv, hd, bs):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_peaked_softmax_and_nan_match_torch():
+    """The kernel's own exp: scores spread over hundreds (most weights flush to 0) still match
+    torch, and a NaN in one sequence's keys shows in its output only (not masked)."""
+    q, kc, vc, meta = _decode_case([40, 129, 7], 9, 3, 64, 16)
+    q = q * 40
+    ref_meta = AttentionMetadata(**{**meta.__dict__, "backend_state": {}})
+    ref_backend, native = TorchAttentionBackend(), NativeAttentionBackend()
+    ref_backend.prepare(ref_meta)
+    native.prepare(meta)
+    torch.testing.assert_close(native.decode(q, kc, vc, meta), ref_backend.decode(q, kc, vc, ref_meta),
+                               atol=2e-5, rtol=1e-4)
+    kc[meta.decode_block_tables[1, 0], 3] = float("nan")
+    got = native.decode(q, kc, vc, meta)
+    assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
+
+
 def test_bad_input_is_a_named_error():
     from engine.native import paged_decode_attention
 
