@@ -4,6 +4,7 @@ this process. Ctrl-C stops everything it started, by PID or actor handle."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -112,9 +113,10 @@ def cmd_up(args) -> int:
                           args.max_restarts, args.prefill_resource), decode]
     started: list[Pool] = []
     supervisor = None
+    ray_temp, clean = None, False
     try:
-        _start_ray(args, sum(p.replicas * p.num_cpus for p in pools))
-        log(f"ray: {ray.get_runtime_context().gcs_address}")
+        ray_temp = _start_ray(args, sum(p.replicas * p.num_cpus for p in pools))
+        log(f"ray: {ray.get_runtime_context().gcs_address}" + (f" (session files in {ray_temp})" if ray_temp else ""))
         worker_host = args.worker_host or ("auto" if args.ray_address else "127.0.0.1")
         base = WorkerSpec("", "", cluster_name, redis_url, args.cluster_token, worker_host, args.transfer_policy,
                           args.local_prefill_threshold, tls=tls, kv_transport=args.kv_transport,
@@ -136,6 +138,7 @@ def cmd_up(args) -> int:
         control = PoolControl(started, log)
         serve_router(args, model_path, engine_cfg.cache.block_size, engine_cfg.cache.cache_namespace, redis_url,
                      cluster_name, log, t0, control=control, api=not args.no_router)
+        clean = True
         return 0
     finally:
         log("shutting down")
@@ -146,6 +149,11 @@ def cmd_up(args) -> int:
             pool.stop()
         if ray.is_initialized():
             ray.shutdown()
+        if ray_temp:  # Ray's session files and logs: kept (and named) only when something failed
+            if clean:
+                shutil.rmtree(ray_temp, ignore_errors=True)
+            else:
+                log(f"ray logs kept in {ray_temp}")
         if redis is not None:
             redis.stop()
         log("stopped")

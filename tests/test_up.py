@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,3 +97,6 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
     while time.time() < deadline and any(alive(p) for p in procs):
         time.sleep(0.2)
     assert not [p for p in procs if alive(p)], "processes left behind"
+    # Ray's private session directory goes too (113 of them had piled up in /tmp once)
+    temp = err.split("session files in ")[1].split(")")[0]
+    assert temp.startswith(tempfile.gettempdir()) and not os.path.exists(temp), temp
