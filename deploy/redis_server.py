@@ -3,7 +3,9 @@ private port, no persistence, optional password, stopped by its PID. That binary
 without TLS (no `--tls-port`), so `rediss://` is for an external Redis only."""
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -31,6 +33,16 @@ def _config_quote(value: str) -> str:
     return '"' + "".join(chr(b) if chr(b).isascii() and chr(b).isalnum() else f"\\x{b:02x}"
                          for b in value.encode()) + '"'
 
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies, even by
+    SIGKILL, where its own stop() never runs (a `pdserve up` killed after a stop timeout
+    left its redis-server behind). Linux only; elsewhere a no-op."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 class EmbeddedRedis:
     """`password`: the server requires it (`requirepass`) and `url` carries it, percent-encoded."""
@@ -63,7 +75,7 @@ class EmbeddedRedis:
         self.proc = subprocess.Popen(
             [redis_server_binary(), *conf, "--bind", self.host, "--port", str(self.port), "--save", "",
              "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -36,6 +36,31 @@ def test_embedded_redis_starts_and_stops_by_pid():
         os.kill(pid, 0)
 
 
+def test_embedded_redis_goes_when_its_starter_is_killed():
+    """SIGKILL of the process that started it (no stop() runs): redis-server follows."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("from deploy.redis_server import EmbeddedRedis; import time; r = EmbeddedRedis().start(); "
+            "print(r.pid, flush=True); time.sleep(600)")
+    starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pid = int(starter.stdout.readline())
+    os.kill(pid, 0)  # running
+    starter.send_signal(signal.SIGKILL)
+    starter.wait(10)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return  # gone, as it should be
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)  # ours: do not leave it behind
+    pytest.fail(f"redis-server {pid} outlived the process that started it")
+
+
 def test_heartbeat_registers_and_a_silent_worker_expires(redis_server):
     async def main():
         import redis.asyncio as aioredis
