@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import io
 import os
+import signal
 import sys
 import uuid
 
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(b)
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:  # `kill -USR1 PID`: every thread's stack to stderr (what a stuck process waits on)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass  # stderr is not a file: an in-process caller captures it
     try:
         return args.func(args)
     except (PdserveError, ValueError) as e:

@@ -112,11 +112,14 @@ def describe_error(e: BaseException, redis_url: str) -> str:
     return text
 
 
-def connect(redis_url: str) -> aioredis.Redis:
+def connect(redis_url: str, timeout_s: float = 5.0) -> aioredis.Redis:
     """`redis.asyncio.from_url`, with a malformed URL reported without its password (urllib's
-    own errors can quote part of it, e.g. an unencoded '/' makes the rest a 'port')."""
+    own errors can quote part of it, e.g. an unencoded '/' makes the rest a 'port').
+    Every command gives up after `timeout_s` (redis-py waits forever by default): a registry
+    behind a partition, which drops packets rather than refusing them, must not stall a
+    heartbeat, the router's sync, or a worker's shutdown."""
     try:
-        return aioredis.from_url(redis_url)
+        return aioredis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     except ValueError as e:
         raise ValueError(f"invalid Redis URL {redact_url(redis_url)!r}: {redact_secrets(e, redis_url)} "
                          "(percent-encode special characters in the password)") from None

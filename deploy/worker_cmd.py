@@ -5,6 +5,7 @@ run no Ray (a VM per pool, a network namespace in the tests), next to `pdserve r
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import signal
 import sys
@@ -23,7 +24,28 @@ def add_worker_args(p) -> None:
     p.add_argument("--kv-transport", choices=("grpc", "ucx"), default="grpc", help="decode workers: receive KV over")
     p.add_argument("--kv-layer-group", type=int, default=0, help="prefill workers: push KV every N layers (0: at the end)")
     p.add_argument("--max-queue", type=int, default=64, help="requests queued here before it refuses more")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM: seconds the requests in flight get to finish (then the router migrates them)")
     p.set_defaults(func=cmd_worker)
+
+
+STOP_GRACE_S = 30.0  # what stopping may take after the drain: gRPC grace, Redis timeouts, engine thread
+
+
+def on_signal(stop: asyncio.Event) -> None:
+    """First Ctrl-C/SIGTERM: drain and stop. A second one: exit now (requests in flight are
+    cut off; the router migrates their streams)."""
+    if stop.is_set():
+        print("second signal: exiting now", file=sys.stderr, flush=True)
+        os._exit(130)
+    stop.set()
+
+
+def shutdown_watchdog(timeout_s: float) -> None:
+    """A process asked to stop exits within `timeout_s` whatever it is waiting on: past it,
+    every thread's stack goes to stderr (what it was stuck on) and the process exits with 1.
+    The watchdog is a C thread, so it fires through interpreter shutdown too."""
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
 
 
 def cmd_worker(args) -> int:
@@ -58,17 +80,23 @@ def cmd_worker(args) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, stop)
         record = await host.start()
         log(f"{args.role} worker {args.worker_id} (pid {os.getpid()}) on {record.address}"
             + (f", KV on {record.kv_address}" if record.kv_address else ""))
         print(f"ready {record.address}", flush=True)
         await stop.wait()
-        log("draining")
-        await host.drain(30.0)
+        shutdown_watchdog(args.drain_timeout + STOP_GRACE_S)
+        log(f"draining (up to {args.drain_timeout:g}s)")
+        if not await host.drain(args.drain_timeout):
+            log(f"requests still in flight after {args.drain_timeout:g}s: {host.describe_busy()}; stopping anyway")
         await host.stop()
         log("stopped")
 
     asyncio.run(main())
+    # Everything this process holds is released above (registry key, gRPC, engine thread, KV).
+    # Interpreter teardown would only add waits on library threads and C++ destructors
+    # (torch, gRPC, libgomp) that no watchdog covers: leave now.
     sys.stdout.flush()
-    return 0
+    sys.stderr.flush()
+    os._exit(0)

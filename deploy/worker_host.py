@@ -76,6 +76,12 @@ class HostedWorker:
         return (self.engine.has_unfinished_requests() or getattr(w, "inflight", 0) > 0
                 or getattr(w, "queued", 0) > 0)
 
+    def describe_busy(self) -> str:
+        """What `busy()` waits on, for a log line."""
+        w = self.worker
+        return (f"{self.engine.scheduler.num_unfinished} in the engine, {getattr(w, 'inflight', 0)} being handed off, "
+                f"{getattr(w, 'queued', 0)} queued")
+
     async def drain(self, timeout_s: float) -> bool:
         """Leave the pool gracefully: refuse new requests (the router sends them to the rest of
         the pool), leave the registry, and wait up to `timeout_s` for the requests in flight to

@@ -8,6 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -51,14 +53,40 @@ def namespaces():
         ip("netns", "del", NS_D)
 
 
-def in_ns(ns: str, *argv: str) -> subprocess.Popen:
-    # `ip netns exec` execs the command: the PID we hold is the program's own
-    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def in_ns(logs: Path, ns: str, *argv: str) -> subprocess.Popen:
+    # `ip netns exec` execs the command: the PID we hold is the program's own. Its stderr goes
+    # to a file: a pipe nobody reads would block the process once it filled.
+    err = open(logs / f"{len(list(logs.iterdir()))}-{Path(argv[0]).name}-{argv[-1]}.log", "w+")
+    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=subprocess.PIPE, stderr=err,
                             text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
-def pdserve(ns: str, *args: str) -> subprocess.Popen:
-    return in_ns(ns, sys.executable, "-m", "deploy.cli", *args)
+def pdserve(logs: Path, ns: str, *args: str) -> subprocess.Popen:
+    return in_ns(logs, ns, sys.executable, "-m", "deploy.cli", *args)
+
+
+def stderr_of(p: subprocess.Popen) -> str:
+    p.stderr.seek(0)
+    return p.stderr.read()[-4000:]
+
+
+def stop_all(procs: list[subprocess.Popen], timeout_s: float = 90.0) -> list[int]:
+    """Ctrl-C to all, newest first; each gets `timeout_s` to exit (the workers' own shutdown
+    watchdog fires before). One that does not is asked for its stacks, killed, and its log shown."""
+    for p in reversed(procs):
+        p.send_signal(signal.SIGINT)
+    codes, stuck = [], []
+    for p in reversed(procs):
+        try:
+            codes.append(p.wait(timeout_s))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            p.kill()
+            codes.append(p.wait())
+            stuck.append(f"{p.args[3:]} did not stop within {timeout_s:g}s:\n{stderr_of(p)}")
+    assert not stuck, "\n".join(stuck)
+    return codes
 
 
 def rx_bytes(ns: str, dev: str) -> int:
@@ -66,19 +94,19 @@ def rx_bytes(ns: str, dev: str) -> int:
     return json.loads(with_stats.stdout)[0]["stats64"]["rx"]["bytes"]
 
 
-def test_kv_crosses_a_network_link(namespaces, smollm):
+def test_kv_crosses_a_network_link(namespaces, smollm, tmp_path):
     loaded, tok = smollm
     common = ("--redis-url", REDIS_URL, "--cluster-name", "netns", "--kv-cache-memory", "64MiB", "--threads", "1")
-    procs = [in_ns(NS_D, redis_server_binary(), "--bind", IP_D, "--port", "6391", "--requirepass", PASSWORD,
+    procs = [in_ns(tmp_path, NS_D, redis_server_binary(), "--bind", IP_D, "--port", "6391", "--requirepass", PASSWORD,
                    "--save", "", "--appendonly", "no")]
     try:
-        procs.append(pdserve(NS_P, "worker", "--role", "prefill", "--worker-id", "prefill-p", "--host", IP_P, *common))
-        procs.append(pdserve(NS_D, "worker", "--role", "decode", "--worker-id", "decode-d", "--host", IP_D, *common))
+        procs.append(pdserve(tmp_path, NS_P, "worker", "--role", "prefill", "--worker-id", "prefill-p", "--host", IP_P, *common))
+        procs.append(pdserve(tmp_path, NS_D, "worker", "--role", "decode", "--worker-id", "decode-d", "--host", IP_D, *common))
         for p in procs[1:]:
             line = p.stdout.readline()
-            assert line.startswith("ready "), p.stderr.read() if p.poll() is not None else line
-        procs.append(pdserve(NS_D, "router", "--port", "8391", "--redis-url", REDIS_URL, "--cluster-name", "netns"))
-        assert procs[-1].stdout.readline().startswith("curl "), procs[-1].stderr.read()
+            assert line.startswith("ready "), stderr_of(p) if p.poll() is not None else line
+        procs.append(pdserve(tmp_path, NS_D, "router", "--port", "8391", "--redis-url", REDIS_URL, "--cluster-name", "netns"))
+        assert procs[-1].stdout.readline().startswith("curl "), stderr_of(procs[-1])
 
         prompt = "Tell me about the history of lighthouses on the coast of Portugal. " * 12
         before = rx_bytes(NS_D, VETH_D)
@@ -91,9 +119,7 @@ def test_kv_crosses_a_network_link(namespaces, smollm):
         answer, workers = json.loads(out.stdout)
         received = rx_bytes(NS_D, VETH_D) - before
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGINT)
-        codes = [p.wait(60) for p in reversed(procs)]
+        codes = stop_all(procs)
     ids = tok.encode(prompt)
     ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)), tok).generate(
         [ids], SamplingParams(max_tokens=12, temperature=0))[0]
@@ -104,4 +130,5 @@ def test_kv_crosses_a_network_link(namespaces, smollm):
     kv_bytes = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4 * len(ids)
     print(f"\n{received} bytes crossed the link; the prompt's KV is {kv_bytes}")
     assert received >= kv_bytes, f"only {received} bytes crossed the link, the KV alone is {kv_bytes}"
-    assert codes[:-1] == [0, 0, 0], codes  # router, decode, prefill exit cleanly (redis-server: by signal)
+    # router, decode, prefill exit cleanly (redis-server: by signal)
+    assert codes[:-1] == [0, 0, 0], [(c, stderr_of(p)) for c, p in zip(codes, reversed(procs)) if c != 0]

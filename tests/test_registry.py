@@ -339,3 +339,28 @@ def test_up_logs_the_registry_url_without_its_password(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert "registry: redis://alice:***@127.0.0.1:1/0" in err and "stopped by the test" in err
     assert "Zq9-up-secret" not in err
+
+
+def test_a_registry_that_never_answers_times_out_instead_of_hanging():
+    """A partitioned Redis drops packets: the connection opens (here: a listener that never
+    replies) and no answer comes. Heartbeats and shutdown must give up, not wait forever."""
+    import socket
+
+    with socket.socket() as black_hole:
+        black_hole.bind(("127.0.0.1", 0))
+        black_hole.listen(8)
+        url = f"redis://127.0.0.1:{black_hole.getsockname()[1]}/0"
+
+        async def main():
+            client = connect(url, timeout_s=0.3)
+            t = time.monotonic()
+            with pytest.raises(redis.exceptions.RedisError):
+                await client.set("k", "v")
+            await client.aclose()
+            reg = WorkerRegistration(url + "?socket_timeout=0.3", "partition", WorkerRecord("w", "decode", "x:1"))
+            assert await reg.beat() is False  # logged, and the heartbeat loop goes on
+            await reg.stop()
+            return time.monotonic() - t
+
+        took = asyncio.run(asyncio.wait_for(main(), 30))
+    assert took < 20, took  # redis-py's own retries (with backoff) included; without a timeout: forever

@@ -1,0 +1,88 @@
+"""`pdserve worker` as an SRE stops it: Ctrl-C drains and exits 0, leaving the registry, even
+when Redis hangs meanwhile; and whatever a stopping process waits on, it exits in bounded
+time and says where it was stuck."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from deploy.redis_server import EmbeddedRedis
+from deploy.registry import worker_key
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONWARNINGS="ignore")
+
+
+def test_shutdown_watchdog_dumps_stacks_and_exits():
+    code = ("from deploy.worker_cmd import shutdown_watchdog; import time\n"
+            "def stuck_in_shutdown():\n    time.sleep(120)\n"
+            "shutdown_watchdog(0.5); stuck_in_shutdown()")
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT, env=ENV)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert time.monotonic() - t < 30
+    assert "stuck_in_shutdown" in r.stderr  # where it was stuck
+
+
+def start_worker(redis_url: str, log_path) -> subprocess.Popen:
+    log = open(log_path, "w+")
+    p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--role", "decode", "--worker-id", "d-1",
+                          "--redis-url", redis_url, "--cluster-name", "wcmd", "--kv-cache-memory", "32MiB",
+                          "--threads", "1", "--drain-timeout", "5"],
+                         stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=ENV)
+    p.log = log
+    return p
+
+
+def log_of(p) -> str:
+    p.log.seek(0)
+    return p.log.read()[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_worker_stops_cleanly_and_leaves_the_registry(tmp_path):
+    with EmbeddedRedis() as r:
+        p = start_worker(r.url, tmp_path / "w.log")
+        try:
+            assert p.stdout.readline().startswith("ready "), log_of(p)
+            key = worker_key("wcmd", "d-1")
+            assert redis.Redis.from_url(r.url).exists(key)
+            p.send_signal(signal.SIGINT)
+            assert p.wait(60) == 0, log_of(p)
+            assert not redis.Redis.from_url(r.url).exists(key)  # left the pool at once, not by expiry
+            assert "stopped" in log_of(p)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_worker_stops_while_redis_hangs(tmp_path):
+    """SIGSTOP freezes redis-server: connections stay open and nothing answers (a partition or
+    a wedged Redis). The worker's Ctrl-C still ends it: its registry calls time out."""
+    with EmbeddedRedis() as r:
+        p = start_worker(r.url + "?socket_timeout=1&socket_connect_timeout=1", tmp_path / "w.log")
+        try:
+            assert p.stdout.readline().startswith("ready "), log_of(p)
+            os.kill(r.pid, signal.SIGSTOP)
+            try:
+                t = time.monotonic()
+                p.send_signal(signal.SIGINT)
+                rc = p.wait(90)
+                took = time.monotonic() - t
+            finally:
+                os.kill(r.pid, signal.SIGCONT)
+            assert rc == 0, log_of(p)
+            assert took < 60, (took, log_of(p))
+            print(f"\nstopped in {took:.1f}s with Redis frozen")
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
