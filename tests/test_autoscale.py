@@ -9,7 +9,7 @@ import pytest
 
 from deploy.redis_server import free_port
 from tests.chaos.test_ray_faults import Proc, get_workers, wait_until
-from tests.test_up import alive, descendants
+from tests.procs import alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -16,6 +16,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.procs import Proc
 
 pytestmark = pytest.mark.slow
 ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")
@@ -30,13 +31,13 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def baseline():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "baseline-server", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    server = Proc("baseline-server", "--port", str(port), stdout=subprocess.DEVNULL)
+    proc = server.p
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
-            assert proc.poll() is None, proc.stderr.read()
+            assert proc.poll() is None, server.text()
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break

@@ -16,8 +16,8 @@ from deploy.redis_server import free_port
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.chaos.test_ray_faults import ENV, Proc, get_workers, wait_until
-from tests.test_up import alive, descendants
+from tests.chaos.test_ray_faults import Proc, get_workers, wait_until
+from tests.procs import ENV, alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 MODEL = "SmolLM2-135M-Instruct"

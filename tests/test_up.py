@@ -3,45 +3,16 @@ decode actor, the router; an OpenAI request; Ctrl-C leaves no process behind."""
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from deploy.redis_server import free_port
+from tests.procs import Proc, alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie has exited; it only waits for its parent to reap it
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_up_serves_and_shuts_down_cleanly(smollm):
@@ -52,13 +23,11 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
     from engine.sampling_params import SamplingParams
 
     port = free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--port", str(port), "--kv-cache-memory", "64MiB",
-                             "--cluster-token", "test-token"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    up = Proc("up", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-token", "test-token")
+    proc = up.p
     try:
         line = proc.stdout.readline()  # the curl line: printed once /health would answer 200
-        assert line.startswith("curl "), proc.stderr.read() if proc.poll() is not None else line
+        assert line.startswith("curl "), up.text() if proc.poll() is not None else line
         procs = descendants(proc.pid)
         assert len(procs) >= 4  # redis-server, Ray's own processes, two worker actors
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -90,7 +59,7 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-        err = proc.stderr.read()
+        err = up.text()
     assert rc == 0, err
     assert "Traceback" not in err, err
     deadline = time.time() + 20

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,31 +18,19 @@ from deploy.redis_server import EmbeddedRedis, free_port
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.test_up import alive, descendants
+from tests import procs
+from tests.procs import alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.chaos]
 TOKEN = "chaos-token"
-ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")
 
 
-class Proc:
-    """A pdserve subprocess whose stderr log is collected by a thread (a full pipe would block it)."""
-
-    def __init__(self, *args: str):
-        self.p = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=ENV)
-        self.log: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.log.extend(iter(self.p.stderr.readline, "")), daemon=True)
-        self._reader.start()
-
+class Proc(procs.Proc):
     def wait_ready(self) -> float:
         t = time.monotonic()
         line = self.p.stdout.readline()  # the curl line, printed once the router can serve
-        assert line.startswith("curl "), "".join(self.log)
+        assert line.startswith("curl "), self.text()
         return time.monotonic() - t
-
-    def find(self, needle: str) -> str | None:
-        return next((line for line in self.log if needle in line), None)
 
 
 def get_workers(url: str) -> dict[str, dict]:

@@ -1,0 +1,61 @@
+"""Processes the tests start and watch: a `pdserve` subprocess whose stderr is read as it is
+written (a pipe nobody reads blocks the writer once it holds 64 KiB: a log-heavy process
+would hang at its next line), and the process tree below a PID."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")
+
+
+class Proc:
+    """`python -m deploy.cli ARGS`: stdout a pipe (for its ready line), stderr collected in
+    `log` by a thread."""
+
+    def __init__(self, *args: str, stdout=subprocess.PIPE):
+        self.p = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=stdout,
+                                  stderr=subprocess.PIPE, text=True, env=ENV)
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.log.extend(iter(self.p.stderr.readline, "")), daemon=True)
+        self._reader.start()
+
+    def text(self) -> str:
+        """Its stderr so far; all of it once it has exited."""
+        if self.p.poll() is not None:
+            self._reader.join(10)
+        return "".join(self.log)
+
+    def find(self, needle: str) -> str | None:
+        return next((line for line in self.log if needle in line), None)
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; it only waits for its parent to reap it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
