@@ -34,6 +34,7 @@ class Route:
     prefill: WorkerEndpoint | None
     cached_tokens: int
     prefill_tokens: int = 0  # tokens the prefill worker computes: its load until `settle`
+    holds_stream: bool = False  # counted in its decode worker's streams until `release`
 
 
 class ClusterClient:
@@ -54,6 +55,10 @@ class ClusterClient:
         # first token: known at once, where the workers' stats arrive a poll later. Without
         # it, prompts arriving between two polls all saw idle workers and went to the first.
         self.pending_prefill: dict[str, int] = {}
+        # streams this router has open on each decode worker, for the same reason: a burst of
+        # requests between two polls went to one decode worker while the others idled
+        self.decode_streams: dict[str, int] = {}
+        self._streams_at_poll: dict[str, int] = {}  # decode_streams when each worker's stats came
 
     # ---- membership ---------------------------------------------------------------------
     def set_workers(self, workers: list[WorkerEndpoint]) -> None:
@@ -80,6 +85,7 @@ class ClusterClient:
             try:
                 self.stats[w.worker_id] = await self._stub(w).Stats(pb.StatsRequest(), timeout=self.stats_timeout_s)
                 self.healthy[w.worker_id] = True
+                self._streams_at_poll[w.worker_id] = self.decode_streams.get(w.worker_id, 0)
             except grpc.aio.AioRpcError:
                 self.healthy[w.worker_id] = False
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
@@ -98,8 +104,14 @@ class ClusterClient:
                 continue
             s = self.stats.get(w.worker_id)
             queued = max(s.queued_prefill_tokens if s else 0, self.pending_prefill.get(w.worker_id, 0))
-            out.append(WorkerLoad(w.worker_id, queued, s.running if s else 0,
-                                  s.kv_usage if s else 0.0, self.healthy.get(w.worker_id, False)))
+            running = s.running if s else 0
+            if w.role != "prefill":
+                # its report is a poll old: of what it counted then, keep what other routers sent,
+                # and add this router's streams as they are now (opened and closed since)
+                others = (running + (s.waiting if s else 0)) - self._streams_at_poll.get(w.worker_id, 0)
+                running = max(others, 0) + self.decode_streams.get(w.worker_id, 0)
+            out.append(WorkerLoad(w.worker_id, queued, running, s.kv_usage if s else 0.0,
+                                  self.healthy.get(w.worker_id, False)))
         return out
 
     # ---- routing ------------------------------------------------------------------------
@@ -108,23 +120,25 @@ class ClusterClient:
         Raises NoWorkerError if no decode worker is left, or if every prefill worker is
         excluded (refused: its queue is full; prefilling on the decode pool instead would
         defeat the limit)."""
-        decode_id = self.policy.pick_decode([w for w in self._loads({"decode", "aggregated"})
-                                             if w.worker_id not in exclude])
         prefill: PrefillChoice | None = None
         prefill_pool = self._loads({"prefill"})
         candidates = [w for w in prefill_pool if w.worker_id not in exclude]
         if prefill_pool and not candidates:
             raise NoWorkerError("every prefill worker refused the request")
+        hashes = hash_blocks(prompt, self.block_size, self.namespace)
+        decode_id = self.policy.pick_decode([w for w in self._loads({"decode", "aggregated"})
+                                             if w.worker_id not in exclude], hashes)
         try:
-            hashes = hash_blocks(prompt, self.block_size, self.namespace)
             prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
         except NoWorkerError:
             pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
+        self.decode_streams[decode_id] = self.decode_streams.get(decode_id, 0) + 1
         if prefill is None:
-            return Route(self.workers[decode_id], None, 0)
+            return Route(self.workers[decode_id], None, 0, holds_stream=True)
         todo = max(len(prompt) - prefill.cached_tokens, 0)
         self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
-        return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo)
+        return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,
+                     holds_stream=True)
 
     def settle(self, route: Route | None) -> None:
         """The route's prefill is over (its first token came, or it failed): take its tokens
@@ -138,6 +152,20 @@ class ClusterClient:
             self.pending_prefill[wid] = left
         else:
             self.pending_prefill.pop(wid, None)
+
+    def release(self, route: Route | None) -> None:
+        """The route's stream is over (finished, failed, refused or moved): settle its prefill
+        and take it off its decode worker's streams. Idempotent."""
+        self.settle(route)
+        if route is None or not route.holds_stream:
+            return
+        wid = route.decode.worker_id
+        route.holds_stream = False
+        left = self.decode_streams.get(wid, 0) - 1
+        if left > 0:
+            self.decode_streams[wid] = left
+        else:
+            self.decode_streams.pop(wid, None)
 
     async def generate(self, route: Route, request_id: str, prompt: list[int], params,
                        resume: list[int] | None = None) -> AsyncIterator[pb.GenerateResponse]:

@@ -82,7 +82,7 @@ class Generation:
     async def _open(self) -> None:
         refused: set[str] = set()  # workers whose queue is full: try the others of their pool
         while True:
-            self.cluster.settle(self.route)  # a refused route's prefill never ran
+            self.cluster.release(self.route)  # a refused route's prefill never ran, its stream ended
             try:
                 self.route = self.cluster.route(self.prompt, exclude=frozenset(refused))
             except NoWorkerError as e:
@@ -154,7 +154,7 @@ class Generation:
                 await self._migrate(e)
 
     async def _migrate(self, e: grpc.aio.AioRpcError) -> None:
-        self.cluster.settle(self.route)
+        self.cluster.release(self.route)
         failed = self.route.decode.worker_id
         self._failed.add(failed)
         self.cluster.healthy[failed] = False  # until its next successful stats poll
@@ -207,7 +207,7 @@ class Generation:
         self.metrics.requests.labels(self.finish_reason or "error").inc()
 
     async def close(self) -> None:
-        self.cluster.settle(self.route)
+        self.cluster.release(self.route)
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.aclose()

@@ -4,8 +4,9 @@ Plain Python over a snapshot of worker loads (from heartbeats) and the prefix in
 are tested without a network. `prefix_aware` prices a prefill worker by the prompt tokens it
 would have to compute (the prompt minus the prefix it already holds), plus the prefill tokens
 already queued on it, plus the prefix it would duplicate (what the warmest worker holds
-beyond its own); decode workers are picked by load in every policy but round-robin. Its
-choices count as cached there at once (`PrefixIndex.expect`), ahead of the worker's events.
+beyond its own); it picks a decode worker by load, preferring among the nearly least loaded
+the one that holds the longest part of the prompt (least_loaded: by load alone). Its choices
+count as cached there at once (`PrefixIndex.expect`), ahead of the worker's events.
 """
 from __future__ import annotations
 
@@ -41,8 +42,14 @@ def _healthy(workers: list[WorkerLoad], role: str) -> list[WorkerLoad]:
     return ok
 
 
+KV_PRESSURE = 0.9   # a decode worker with this much of its KV in use is avoided: it would preempt
+DECODE_SLACK = 1    # streams a decode worker may run beyond the least loaded one and still win on its cached prefix
+
+
 def _decode_load(w: WorkerLoad) -> tuple:
-    return (w.kv_usage, w.running, w.worker_id)
+    # streams first: each one costs a slot in every step of the batch; KV use decides ties,
+    # and only when it is near full does it come first
+    return (w.kv_usage >= KV_PRESSURE, w.running, w.kv_usage, w.worker_id)
 
 
 class RoundRobin:
@@ -56,7 +63,7 @@ class RoundRobin:
         ok = sorted(_healthy(workers, "prefill"), key=lambda w: w.worker_id)
         return PrefillChoice(ok[next(self._prefill) % len(ok)].worker_id, 0)
 
-    def pick_decode(self, workers) -> str:
+    def pick_decode(self, workers, block_hashes=()) -> str:
         ok = sorted(_healthy(workers, "decode"), key=lambda w: w.worker_id)
         return ok[next(self._decode) % len(ok)].worker_id
 
@@ -68,7 +75,7 @@ class LeastLoaded:
         w = min(_healthy(workers, "prefill"), key=lambda w: (w.queued_prefill_tokens, w.running, w.worker_id))
         return PrefillChoice(w.worker_id, 0)
 
-    def pick_decode(self, workers) -> str:
+    def pick_decode(self, workers, block_hashes=()) -> str:
         return min(_healthy(workers, "decode"), key=_decode_load).worker_id
 
 
@@ -79,8 +86,9 @@ class PrefixAware(LeastLoaded):
         self.index = index
 
     def pick_prefill(self, workers, block_hashes, num_tokens, block_size) -> PrefillChoice:
+        ok = _healthy(workers, "prefill")
         held = self.index.match(block_hashes)
-        best = max(held.values(), default=0) * block_size
+        best = max((held.get(w.worker_id, 0) for w in ok), default=0) * block_size
 
         def cost(w: WorkerLoad) -> tuple:
             cached = held.get(w.worker_id, 0) * block_size
@@ -91,11 +99,26 @@ class PrefixAware(LeastLoaded):
             # quarter of its group's prompts away and the hit rate stayed at 68-71% of 80%.
             return (num_tokens - cached + w.queued_prefill_tokens + (best - cached), w.running, w.worker_id)
 
-        w = min(_healthy(workers, "prefill"), key=cost)
+        w = min(ok, key=cost)
         # its events come after its prefill: until then, the next prompts with this prefix
         # should find it here (30 s: the default KV hand-off timeout, past which it failed)
         self.index.expect(w.worker_id, block_hashes, ttl_s=30.0)
         return PrefillChoice(w.worker_id, held.get(w.worker_id, 0) * block_size)
+
+
+    def pick_decode(self, workers, block_hashes=()) -> str:
+        """The decode worker holding the longest part of the prompt's prefix, among those within
+        DECODE_SLACK streams of the least loaded one and not short of KV: its cached blocks are
+        not sent again (or, on an aggregated worker, not computed again), and the prefix is not
+        duplicated in a second worker's cache. Load alone decides when none holds any of it."""
+        ok = _healthy(workers, "decode")
+        least = min(ok, key=_decode_load)
+        near = [w for w in ok if w.kv_usage < KV_PRESSURE and w.running <= least.running + DECODE_SLACK] or [least]
+        held = self.index.match(block_hashes) if block_hashes else {}
+        w = min(near, key=lambda w: (-held.get(w.worker_id, 0), _decode_load(w)))
+        if block_hashes:  # the prompt's blocks land there (KV import or local prefill) before its events say so
+            self.index.expect(w.worker_id, block_hashes, ttl_s=30.0)
+        return w.worker_id
 
 
 def make_policy(name: str, index: PrefixIndex):

@@ -53,8 +53,10 @@ def test_migration_continues_the_stream_exactly(smollm, sampling):
         text, events = stream_and_kill(c, {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True,
                                            **sampling})
         metrics = httpx.get(c.url + "/metrics").text
+        streams = dict(c.router.cluster.decode_streams)
     finally:
         c.stop()
+    assert streams == {}  # the failed worker's stream and the new one: both given back
     assert text == tok.decode(ref, skip_special_tokens=True)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert "pdserve_migrations_total 1.0" in metrics
@@ -66,7 +68,9 @@ def test_no_other_decode_worker_ends_the_stream_with_an_error_event(smollm):
     try:
         text, events = stream_and_kill(c, {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
                                            "temperature": 0})
+        streams = dict(c.router.cluster.decode_streams)
     finally:
         c.stop()
+    assert streams == {}
     assert text and "error" in events[-1] and events[-1]["error"]["code"] == "worker_failed"
     assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in c.engines())

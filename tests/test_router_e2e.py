@@ -209,7 +209,7 @@ def test_client_disconnect_aborts_everywhere(cluster):
             break
         time.sleep(0.02)
     assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines())
-    assert cluster.router.cluster.pending_prefill == {}  # the router's own load accounting too
+    assert cluster.router.cluster.pending_prefill == {} and cluster.router.cluster.decode_streams == {}  # its own load accounting too
 
 
 def test_client_gone_before_the_body_frees_everything(cluster):
@@ -233,4 +233,5 @@ def test_client_gone_before_the_body_frees_everything(cluster):
             break
         time.sleep(0.05)
     assert cluster.router.inflight == 0 and cluster.router.cluster.pending_prefill == {}
+    assert cluster.router.cluster.decode_streams == {}
     assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines())

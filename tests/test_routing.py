@@ -155,3 +155,62 @@ def test_the_router_counts_the_prefills_it_sent_before_the_workers_report_them()
     for r in routes + [again, again]:
         c.settle(r)
     assert c.pending_prefill == {}
+
+
+def test_decode_workers_are_picked_by_streams_then_by_the_prefix_they_hold():
+    def policy():
+        index = PrefixIndex()
+        for seq, h in enumerate([1, 2, 3, 4], start=1):
+            index.apply("d1", stored(seq, h))
+        return make_policy("prefix_aware", index), index
+
+    pa, index = policy()
+    idle = [WorkerLoad("d0"), WorkerLoad("d1")]
+    assert pa.pick_decode(idle, [1, 2, 3, 4, 5]) == "d1"  # holds the prompt's first 4 blocks: not sent again
+    assert index.match([9, 8]) == {}
+    assert pa.pick_decode(idle, [9, 8]) == "d0"  # held nowhere: by load (then id)...
+    assert index.match([9, 8]) == {"d0": 2}  # ...and expected there from now on
+    # one stream more than the least loaded is within the slack; two are not
+    assert policy()[0].pick_decode([WorkerLoad("d0"), WorkerLoad("d1", running=1)], [1, 2, 3]) == "d1"
+    assert policy()[0].pick_decode([WorkerLoad("d0"), WorkerLoad("d1", running=2)], [1, 2, 3]) == "d0"
+    # nearly out of KV: it would preempt streams to take the request, so the prefix does not count
+    assert policy()[0].pick_decode([WorkerLoad("d0", kv_usage=0.5), WorkerLoad("d1", kv_usage=0.95)], [1, 2]) == "d0"
+    # and load first: fewer streams beat lower KV use, until KV is nearly full
+    ll = make_policy("least_loaded", PrefixIndex())
+    assert ll.pick_decode([WorkerLoad("d0", running=3, kv_usage=0.1), WorkerLoad("d1", running=2, kv_usage=0.6)]) == "d1"
+    assert ll.pick_decode([WorkerLoad("d0", running=3, kv_usage=0.1), WorkerLoad("d1", running=2, kv_usage=0.92)]) == "d0"
+    assert ll.pick_decode(idle, [1, 2, 3, 4]) == "d0"  # least_loaded ignores the prefix
+
+
+def test_the_router_counts_the_streams_it_opened_on_each_decode_worker():
+    """A burst between two stats polls: every decode worker reports nothing running, so the
+    router spreads the requests by the streams it opened itself, and gives each back once."""
+    c = ClusterClient("prefix_aware", block_size=16)
+    c.set_workers([WorkerEndpoint("d0", "decode", "a:1"), WorkerEndpoint("d1", "decode", "a:2")])
+    c.healthy = {"d0": True, "d1": True}
+    routes = [c.route([g * 1000 + i for i in range(40)]) for g in range(6)]  # 6 prefixes seen nowhere
+    assert [r.decode.worker_id for r in routes] == ["d0", "d1", "d0", "d1", "d0", "d1"]
+    assert c.decode_streams == {"d0": 3, "d1": 3} and c.pending_prefill == {}
+    # a prompt sharing the 2nd one's prefix follows it there (d1 is within one stream of d0)
+    c.release(routes[0])
+    assert c.route([1000 + i for i in range(32)] + [5] * 8).decode.worker_id == "d1"
+    for r in routes + routes:
+        c.release(r)
+    assert c.decode_streams == {"d1": 1}  # the last route is still open
+
+
+def test_a_decode_workers_load_is_its_last_report_corrected_by_this_routers_streams_since():
+    """Its report counted this router's streams as they were at the poll; those opened or
+    closed since are counted now, and the streams of other routers are kept."""
+    from protos import worker_pb2 as pb
+
+    c = ClusterClient("least_loaded", block_size=16)
+    c.set_workers([WorkerEndpoint("d0", "decode", "a:1"), WorkerEndpoint("d1", "decode", "a:2")])
+    c.healthy = {"d0": True, "d1": True}
+    c.stats = {"d0": pb.WorkerStats(running=4, waiting=1), "d1": pb.WorkerStats(running=2)}
+    c.decode_streams, c._streams_at_poll = {"d0": 5, "d1": 0}, {"d0": 5, "d1": 0}  # d1's 2: another router's
+    routes = [c.route(list(range(20))) for _ in range(4)]
+    # d0: 5 reported, all 5 ours -> 5; d1: 2 of another router's + ours: 2, 3, 4, then 5 ties (by id)
+    assert [r.decode.worker_id for r in routes] == ["d1", "d1", "d1", "d0"]
+    c.decode_streams["d0"] = 1  # 5 of our streams on d0 ended since its report: it is nearly idle
+    assert c.route(list(range(20))).decode.worker_id == "d0"
