@@ -205,7 +205,8 @@ def add_bench_peers_args(p) -> None:
 def prefix_routing(args, out_dir: Path, log) -> dict:
     """TTFT of a shared-prefix workload through 2 prefill workers, per routing policy."""
     py = [sys.executable, "-m", "deploy.cli", "up", "--port", str(args.port), "--prefill", "2",
-          "--kv-cache-memory", "160MiB", "--quantization", args.quantization]
+          "--kv-cache-memory", "160MiB", "--quantization", args.quantization,
+          "--decode-local-prefill", "0"]  # every prompt through the prefill pool: this compares its routing
     out = {}
     for policy in ("round_robin", "prefix_aware"):
         srv = Server(f"pdserve-2prefill-{policy}", py + ["--routing", policy], args.port, out_dir / "logs")

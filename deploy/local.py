@@ -27,6 +27,7 @@ class LocalClusterConfig:
     num_decode: int = 1
     mode: str = "disaggregated"    # or "aggregated": decode workers prefill themselves, no prefill pool
     policy: str = "prefix_aware"
+    decode_local_prefill: int = 0  # router: a decode worker holding all of a prompt but this many tokens prefills it
     cluster: str = "local"
     cluster_token: str = field(default="", repr=False)
     redis_url: str = field(default="", repr=False)  # "": static wiring, no KV events
@@ -74,7 +75,7 @@ class LocalCluster:
             await w.start()
             self.workers.append(w)
         cluster = ClusterClient(c.policy, c.engine.cache.block_size, c.engine.cache.cache_namespace, c.cluster_token,
-                                tls=c.tls)
+                                tls=c.tls, local_prefill_tokens=c.decode_local_prefill)
         discovery = None
         if c.redis_url:
             discovery = RegistryDiscovery(c.redis_url, c.cluster, cluster)

@@ -23,6 +23,9 @@ def add_router_args(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="router bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="router port (default: %(default)s)")
     p.add_argument("--routing", choices=("prefix_aware", "round_robin", "least_loaded"), default="prefix_aware")
+    p.add_argument("--decode-local-prefill", type=int, default=64, metavar="TOKENS",
+                   help="a decode worker already holding all of a prompt but at most TOKENS prefills the rest "
+                        "itself, skipping the prefill pool and the KV transfer (0: never; default: %(default)s)")
     p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
                    help="shared secret of the internal services (env PDSERVE_CLUSTER_TOKEN)")
     p.add_argument("--served-model-name", default="", help="model id in the API (default: from the file name)")
@@ -73,7 +76,8 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
     from router.cluster import ClusterClient
     from router.discovery import RegistryDiscovery
 
-    client = ClusterClient(args.routing, block_size, namespace, args.cluster_token, tls=tls_config(args))
+    client = ClusterClient(args.routing, block_size, namespace, args.cluster_token, tls=tls_config(args),
+                           local_prefill_tokens=args.decode_local_prefill)
     router_cfg = RouterConfig(args.served_model_name or served_model_name(model_path), 0.25,
                               (args.api_key,) if args.api_key else (), args.max_inflight, args.request_timeout)
     router = Router(client, Tokenizer.from_model_path(model_path), router_cfg,

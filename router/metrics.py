@@ -35,6 +35,9 @@ class RouterMetrics:
                               "worker since it started", ["worker", "role"], registry=r)
         self.kv_seconds = Gauge("pdserve_kv_transfer_seconds", "Time a prefill worker spent pushing KV since it "
                                 "started (rate of bytes / rate of seconds: transfer GB/s)", ["worker", "role"], registry=r)
+        self.decode_prefills = Gauge("pdserve_decode_prefills", "Prompts a decode worker took since it started, by where "
+                                     "they were prefilled (remote: a prefill worker; local: itself)",
+                                     ["worker", "where"], registry=r)
         self.kv_failures = Gauge("pdserve_kv_transfer_failures", "Failed KV hand-offs seen by a worker since it started",
                                  ["worker", "role"], registry=r)
 
@@ -49,6 +52,9 @@ class RouterMetrics:
             self.kv_bytes.labels(*labels).set(s.kv_bytes)
             self.kv_seconds.labels(*labels).set(s.kv_seconds)
             self.kv_failures.labels(*labels).set(s.transfer_failures)
+            if s.role != "prefill":
+                self.decode_prefills.labels(wid, "remote").set(s.remote_prefills)
+                self.decode_prefills.labels(wid, "local").set(s.local_prefills)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

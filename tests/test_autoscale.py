@@ -1,6 +1,7 @@
 """`pdserve up --autoscale` on a real Ray cluster: a prefill pool that keeps refusing prompts
 (queue limit 1, three clients) grows; once the load stops it shrinks back, draining the
 removed worker. The decode pool, never loaded beyond its targets, is left alone."""
+import itertools
 import signal
 import threading
 
@@ -25,10 +26,14 @@ def test_prefill_pool_grows_under_refusals_and_shrinks_when_idle():
     statuses: list[int] = []
 
     def client(i: int) -> None:
-        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
-                "prompt": f"{i}: " + "a long prompt keeps the prefill worker busy " * 40}
+        # a new prompt each time: a repeated one would be held by the decode worker, which
+        # prefills a short uncached tail itself (--decode-local-prefill) and spares the pool
         with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
+            for n in itertools.count():
+                if stop.is_set():
+                    break
+                body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
+                        "prompt": f"{i}.{n}: " + "a long prompt keeps the prefill worker busy " * 40}
                 statuses.append(http.post(url + "/v1/completions", json=body).status_code)
     procs: set[int] = set()
     try:
