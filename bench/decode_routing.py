@@ -6,8 +6,9 @@ clusters, each started, measured and stopped in turn:
   and the prefix they hold (`prefix_aware`): a worker that holds the system prompt does not
   compute it again;
 - 1 prefill + 2 decode workers, prefix_aware: every prompt through the prefill pool
-  (`--decode-local-prefill 0`) vs the default, where a decode worker that holds all of a
-  prompt but <= 64 tokens prefills that tail itself (no prefill round trip, no KV transfer);
+  (`--decode-local-prefill 0`) vs the default, where a decode worker prefills a prompt
+  itself when at most 64 of its tokens are not in its own cache (no prefill round trip, no
+  KV transfer);
 - a burst of 32 streams (128 in / 128 out) on 1 prefill + 2 decode workers: how the
   requests spread over the decode workers.
 

@@ -28,6 +28,9 @@ TRANSFER_POLICIES = ("recompute", "fail")
 KV_TRANSPORTS = ("grpc", "ucx")
 
 
+TAKEN_HERE = "taken here"  # _destination_blocks: added for a local prefill of a short uncached tail
+
+
 class PrefillWorkerFull(Exception):
     """The chosen prefill worker refused the prompt: its queue is full. The request is
     refused in turn (naming that worker), so the router can pick another or answer 429."""
@@ -54,7 +57,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         queued = True
         try:
             remote = await w.admit(rid, prompt, params, request.prefill_address, context,
-                                   list(request.resume_token_ids))
+                                   list(request.resume_token_ids), request.local_prefill_tokens)
             async for out in w.engine.stream(rid, q):
                 if queued:
                     w.queued, queued = w.queued - 1, False
@@ -109,6 +112,7 @@ class DecodeWorker:
                                    str(eng.kv_cache.kv.dtype).removeprefix("torch."), cluster_token)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
+        self.tail_prefills = 0  # of local_prefills: prompts whose cached prefix left a short tail
         self.kv_bytes_received = 0
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self.draining = False  # set when the pool shrinks: refuse new requests, finish the rest
@@ -128,15 +132,21 @@ class DecodeWorker:
 
     # ---- admission ------------------------------------------------------------------------
     async def admit(self, rid: str, prompt: list[int], params, prefill_address: str, context,
-                    resume: list[int] | None = None) -> bool:
+                    resume: list[int] | None = None, local_tail: int = 0) -> bool:
         """Start the request; returns True if its prompt was prefilled remotely. A migrated
-        request (`resume`: tokens it already produced) is recomputed here."""
+        request (`resume`: tokens it already produced) is recomputed here, and so is a
+        prompt this worker's cache holds all of but at most `local_tail` tokens."""
         # prompt logprobs come from the prompt's logits: computed here, where they are returned
         if (prefill_address and len(prompt) > self.local_prefill_threshold and not resume
                 and params.prompt_logprobs is None):
             try:
-                if await self._remote_prefill(rid, prompt, params, prefill_address):
+                done = await self._remote_prefill(rid, prompt, params, prefill_address, local_tail)
+                if done is True:
                     return True
+                if done is False:  # taken here: a short tail past its cached prefix
+                    self.local_prefills += 1
+                    self.tail_prefills += 1
+                    return False
             except KVTransferError as e:
                 self.transfer_failures += 1
                 if self.transfer_policy == "fail":
@@ -145,23 +155,35 @@ class DecodeWorker:
         await self.engine.run(lambda e: e.add_request(rid, prompt, params, resume=resume))
         return False
 
-    async def _destination_blocks(self, rid, prompt, params) -> list[int] | None:
+    async def _destination_blocks(self, rid, prompt, params, local_tail: int = 0):
         """Blocks for the prompt's KV, waiting (up to the transfer timeout) while the batch
         holds them all: under KV pressure a request queues for blocks here rather than having
-        its prompt computed on this decode worker, where it would stall every stream."""
+        its prompt computed on this decode worker, where it would stall every stream.
+        TAKEN_HERE: the cache holds all of the prompt but <= `local_tail` tokens, and the
+        request was added for a local prefill of that tail instead (in the same engine call,
+        so the prefix cannot be evicted in between)."""
+        def take(e):
+            if local_tail and len(prompt) - e.blocks.match_prefix(prompt, count=False).num_tokens <= local_tail:
+                e.add_request(rid, prompt, params)
+                return TAKEN_HERE
+            return e.add_remote_request(rid, prompt, params)
+
         deadline = time.monotonic() + self.transfer_timeout_s
         while True:
-            dest = await self.engine.run(lambda e: e.add_remote_request(rid, prompt, params))
+            dest = await self.engine.run(take)
             if dest is not None or time.monotonic() >= deadline:
                 return dest
             await asyncio.sleep(0.05)  # blocks come back as running requests finish
 
-    async def _remote_prefill(self, rid, prompt, params, prefill_address) -> bool:
-        """False: no blocks free in time (prefill locally, queued); raises KVTransferError on
-        failure after releasing the destination blocks."""
-        dest = await self._destination_blocks(rid, prompt, params)
-        if dest is None:
+    async def _remote_prefill(self, rid, prompt, params, prefill_address, local_tail: int = 0) -> bool | None:
+        """True: prefilled remotely; False: taken here, its uncached tail short (see
+        `_destination_blocks`); None: no blocks free in time (the caller prefills it here,
+        queued). Raises KVTransferError on failure after releasing the destination blocks."""
+        dest = await self._destination_blocks(rid, prompt, params, local_tail)
+        if dest is TAKEN_HERE:
             return False
+        if dest is None:
+            return None
         bs = self.engine.engine.blocks.block_size
         skip = (-(-len(prompt) // bs) - len(dest)) * bs  # tokens of the cached prefix, shared here
         self.receiver.expect(rid, dest, len(prompt), self.transfer_timeout_s, first_token_index=skip)

@@ -24,8 +24,9 @@ def add_router_args(p) -> None:
     p.add_argument("--port", type=int, default=8000, help="router port (default: %(default)s)")
     p.add_argument("--routing", choices=("prefix_aware", "round_robin", "least_loaded"), default="prefix_aware")
     p.add_argument("--decode-local-prefill", type=int, default=64, metavar="TOKENS",
-                   help="a decode worker already holding all of a prompt but at most TOKENS prefills the rest "
-                        "itself, skipping the prefill pool and the KV transfer (0: never; default: %(default)s)")
+                   help="a decode worker prefills a prompt itself when at most TOKENS of it are not in its own "
+                        "cache (a short prompt, or one whose prefix it holds): no prefill worker, no KV transfer "
+                        "(0: every prompt through the prefill pool; default: %(default)s)")
     p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
                    help="shared secret of the internal services (env PDSERVE_CLUSTER_TOKEN)")
     p.add_argument("--served-model-name", default="", help="model id in the API (default: from the file name)")

@@ -84,9 +84,10 @@ class BlockManager:
         return list(self._owned)
 
     # ---- prefix cache -----------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: list[int], count: bool = True) -> PrefixMatch:
         """Longest run of cached full blocks at the start of `token_ids`. At least one token
-        is always left to compute (the model must produce logits for the last one)."""
+        is always left to compute (the model must produce logits for the last one).
+        count=False: a look only, not counted in the hit-rate statistics."""
         if not self.enable_caching:
             return PrefixMatch()
         bs = self.block_size
@@ -99,8 +100,9 @@ class BlockManager:
                 break
             ids.append(bid)
             hashes.append(parent)
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(ids) * bs
+        if count:
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += len(ids) * bs
         return PrefixMatch(tuple(ids), tuple(hashes), len(ids) * bs)
 
     # ---- allocation -------------------------------------------------------------------

@@ -42,8 +42,9 @@ class ClusterClient:
                  cluster_token: str = "", stats_timeout_s: float = 2.0, tls: TLSConfig | None = None,
                  local_prefill_tokens: int = 0):
         """tls: mutual TLS to the workers (their services must use the same CA).
-        local_prefill_tokens: a decode worker holding all of a prompt's prefix but at most this
-        many tokens prefills the rest itself (no prefill worker, no KV transfer); 0: never."""
+        local_prefill_tokens: a decode worker whose own cache holds all of a prompt but at
+        most this many tokens prefills the rest itself (no prefill worker, no KV transfer); it
+        decides, on its cache as it is when the request arrives; 0: never."""
         self.local_prefill_tokens = local_prefill_tokens
         self.index = PrefixIndex()
         self.policy = make_policy(policy, self.index)
@@ -130,16 +131,12 @@ class ClusterClient:
         if prefill_pool and not candidates:
             raise NoWorkerError("every prefill worker refused the request")
         hashes = hash_blocks(prompt, self.block_size, self.namespace)
-        # only blocks its events reported: an expected prefix may still be on its way there
-        held = self.index.match(hashes, confirmed=True) if self.local_prefill_tokens and candidates else {}
         decode_id = self.policy.pick_decode([w for w in self._loads({"decode", "aggregated"})
                                              if w.worker_id not in exclude], hashes)
-        at_decode = held.get(decode_id, 0) * self.block_size
-        if not (at_decode and len(prompt) - at_decode <= self.local_prefill_tokens):
-            try:
-                prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
-            except NoWorkerError:
-                pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
+        try:
+            prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
+        except NoWorkerError:
+            pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
         self.decode_streams[decode_id] = self.decode_streams.get(decode_id, 0) + 1
         if prefill is None:
             return Route(self.workers[decode_id], None, 0, holds_stream=True)
@@ -183,7 +180,8 @@ class ClusterClient:
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params),
                                  prefill_address=route.prefill.address if route.prefill else "",
                                  prefill_worker_id=route.prefill.worker_id if route.prefill else "",
-                                 cluster_token=self.cluster_token, resume_token_ids=resume or [])
+                                 cluster_token=self.cluster_token, resume_token_ids=resume or [],
+                                 local_prefill_tokens=self.local_prefill_tokens)
         call = self._stub(route.decode).Generate(req)
         try:
             async for msg in call:

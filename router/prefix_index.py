@@ -76,15 +76,15 @@ class PrefixIndex:
                 expected[worker_id] = deadline
                 self._expiry.append((deadline, worker_id, h))
 
-    def match(self, block_hashes: list[int], now: float | None = None, confirmed: bool = False) -> dict[str, int]:
+    def match(self, block_hashes: list[int], now: float | None = None) -> dict[str, int]:
         """For each worker in sync, how many leading blocks of the prompt it holds (or is
-        expected to hold: see `expect`; `confirmed`: only blocks its events reported)."""
+        expected to hold: see `expect`)."""
         now = time.monotonic() if now is None else now
         counts: dict[str, int] = {}
-        alive = {w for w, blocks in self._blocks.items() if blocks} | (set() if confirmed else set(self._expecting))
+        alive = {w for w, blocks in self._blocks.items() if blocks} | set(self._expecting)
         alive -= self.needs_resync
         for i, h in enumerate(block_hashes):
-            expected = None if confirmed else self._expected.get(h)
+            expected = self._expected.get(h)
             held = self._holders.get(h, set())
             if expected:
                 held = held | {w for w, deadline in expected.items() if deadline > now}

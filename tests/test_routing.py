@@ -215,18 +215,3 @@ def test_a_decode_workers_load_is_its_last_report_corrected_by_this_routers_stre
     c.decode_streams["d0"] = 1  # 5 of our streams on d0 ended since its report: it is nearly idle
     assert c.route(list(range(20))).decode.worker_id == "d0"
 
-
-def test_a_short_tail_on_a_decode_worker_that_holds_the_rest_skips_the_prefill_pool():
-    c = ClusterClient("prefix_aware", block_size=16, local_prefill_tokens=32)
-    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
-    c.healthy = {"p0": True, "d0": True}
-    system = list(range(64))
-    for seq, h in enumerate(hash_blocks(system, 16), start=1):  # d0's events: it holds the 64 tokens
-        c.index.apply("d0", stored(seq, h))
-    local = c.route(system + [900 + i for i in range(20)])
-    assert local.prefill is None and local.decode.worker_id == "d0" and c.pending_prefill == {}
-    assert c.route(system + [900 + i for i in range(40)]).prefill.worker_id == "p0"  # 40 new tokens: too many
-    # held only by expectation (its KV may still be on the way): not enough to prefill there
-    fresh = [5000 + i for i in range(64)]
-    assert c.route(fresh).prefill.worker_id == "p0"  # expected at d0 from now on...
-    assert c.route(fresh + [1, 2, 3]).prefill.worker_id == "p0"  # ...but not confirmed
