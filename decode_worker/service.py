@@ -28,7 +28,7 @@ TRANSFER_POLICIES = ("recompute", "fail")
 KV_TRANSPORTS = ("grpc", "ucx")
 
 
-TAKEN_HERE = "taken here"  # _destination_blocks: added for a local prefill of a short uncached tail
+TAKEN_HERE = "taken here"  # _destination_blocks: added for a local prefill of its few uncached tokens
 
 
 class PrefillWorkerFull(Exception):
@@ -112,7 +112,7 @@ class DecodeWorker:
                                    str(eng.kv_cache.kv.dtype).removeprefix("torch."), cluster_token)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
-        self.tail_prefills = 0  # of local_prefills: prompts whose cached prefix left a short tail
+        self.tail_prefills = 0  # of local_prefills: at most the router's limit of their tokens not cached here
         self.kv_bytes_received = 0
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self.draining = False  # set when the pool shrinks: refuse new requests, finish the rest
@@ -135,7 +135,7 @@ class DecodeWorker:
                     resume: list[int] | None = None, local_tail: int = 0) -> bool:
         """Start the request; returns True if its prompt was prefilled remotely. A migrated
         request (`resume`: tokens it already produced) is recomputed here, and so is a
-        prompt this worker's cache holds all of but at most `local_tail` tokens."""
+        prompt of which at most `local_tail` tokens are not in this worker's cache."""
         # prompt logprobs come from the prompt's logits: computed here, where they are returned
         if (prefill_address and len(prompt) > self.local_prefill_threshold and not resume
                 and params.prompt_logprobs is None):
@@ -143,7 +143,7 @@ class DecodeWorker:
                 done = await self._remote_prefill(rid, prompt, params, prefill_address, local_tail)
                 if done is True:
                     return True
-                if done is False:  # taken here: a short tail past its cached prefix
+                if done is False:  # taken here: few of its tokens are not cached here
                     self.local_prefills += 1
                     self.tail_prefills += 1
                     return False
@@ -159,9 +159,9 @@ class DecodeWorker:
         """Blocks for the prompt's KV, waiting (up to the transfer timeout) while the batch
         holds them all: under KV pressure a request queues for blocks here rather than having
         its prompt computed on this decode worker, where it would stall every stream.
-        TAKEN_HERE: the cache holds all of the prompt but <= `local_tail` tokens, and the
-        request was added for a local prefill of that tail instead (in the same engine call,
-        so the prefix cannot be evicted in between)."""
+        TAKEN_HERE: at most `local_tail` of the prompt's tokens are not in the cache, and the
+        request was added for a local prefill instead (in the same engine call, so the
+        cached prefix cannot be evicted in between)."""
         def take(e):
             if local_tail and len(prompt) - e.blocks.match_prefix(prompt, count=False).num_tokens <= local_tail:
                 e.add_request(rid, prompt, params)
@@ -176,7 +176,7 @@ class DecodeWorker:
             await asyncio.sleep(0.05)  # blocks come back as running requests finish
 
     async def _remote_prefill(self, rid, prompt, params, prefill_address, local_tail: int = 0) -> bool | None:
-        """True: prefilled remotely; False: taken here, its uncached tail short (see
+        """True: prefilled remotely; False: taken here, few tokens uncached (see
         `_destination_blocks`); None: no blocks free in time (the caller prefills it here,
         queued). Raises KVTransferError on failure after releasing the destination blocks."""
         dest = await self._destination_blocks(rid, prompt, params, local_tail)
