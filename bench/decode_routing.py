@@ -10,7 +10,10 @@ clusters, each started, measured and stopped in turn:
   itself when at most 64 of its tokens are not in its own cache (no prefill round trip, no
   KV transfer);
 - a burst of 32 streams (128 in / 128 out) on 1 prefill + 2 decode workers: how the
-  requests spread over the decode workers.
+  requests spread over the decode workers;
+- `pdserve up` as it starts by default (1 prefill + 1 decode worker), multi-turn chats
+  (8 conversations x 4 turns, 256-token system prompt, 24-token turns): each turn's history
+  is in the decode worker's cache, so only the new part is prefilled there.
 
 Writes bench/decode-routing-results.json.
 
@@ -34,12 +37,18 @@ BURST = ["--max-concurrency", "32", "--num-requests", "64", "--input-len", "128"
 AGG = ["--mode", "aggregated", "--decode", "2", "--decode-cpus", "1", "--threads", "1", "--kv-cache-memory", "200MiB"]
 DISAGG = ["--prefill", "1", "--decode", "2", "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--threads", "1",
           "--kv-cache-memory", "200MiB"]
+# multi-turn chat: each turn resends the history, which the decode worker holds (prompt and answer)
+CHAT = ["--workload", "multi-turn", "--num-conversations", "8", "--num-turns", "4", "--system-prompt-len", "256",
+        "--input-len", "24", "--output-len", "24", "--max-concurrency", "4"]
+CHAT_UP = ["--kv-cache-memory", "200MiB"]
 CASES = {
     "aggregated x2, decode by load": (AGG + ["--routing", "least_loaded"], PREFIX_PHASE),
     "aggregated x2, decode by load + prefix": (AGG, PREFIX_PHASE),
     "1P+2D, all prompts via the prefill pool": (DISAGG + ["--decode-local-prefill", "0"], PREFIX_PHASE),
     "1P+2D, short tails prefilled on decode": (DISAGG, PREFIX_PHASE),
     "1P+2D, burst of 32 streams": (DISAGG, BURST),
+    "1P+1D (pdserve up's default), chat, all via the prefill pool": (CHAT_UP + ["--decode-local-prefill", "0"], CHAT),
+    "1P+1D (pdserve up's default), chat, default": (CHAT_UP, CHAT),
 }
 WANTED = re.compile(r'^pdserve_(kv_transfer_bytes|decode_prefills|prefix_cache_hits_tokens|'
                     r'prefix_cache_queries_tokens)\{(.*)\} (\S+)$')

@@ -111,7 +111,7 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft: float | N
 # ---- the server's prefix-cache counters ----------------------------------------------------
 _PREFIX_LINE = re.compile(r'^pdserve_prefix_cache_(queries|hits)_tokens\{([^}]*)\}\s+(\S+)', re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-ROLE_PREFERENCE = ("prefill", "aggregated", "decode")  # where prompts are looked up first
+ROLE_PREFERENCE = ("prefill", "aggregated", "decode")  # the order roles are named in
 
 
 def parse_prefix_cache(metrics_text: str) -> dict[str, dict[str, float]]:
@@ -132,20 +132,27 @@ def parse_prefix_cache(metrics_text: str) -> dict[str, dict[str, float]]:
 
 
 def prefix_cache_delta(before: dict | None, after: dict | None) -> dict | None:
-    """The hit rate over a run: Δhits / Δqueries of the first role in ROLE_PREFERENCE that
-    saw queries. None when either scrape is missing or nothing was looked up (e.g. another
-    server, or a worker restarted and its counters went back)."""
+    """The hit rate over a run: Δhits / Δqueries summed over the roles that saw queries.
+    Workers count a prompt where they compute it (a prefill worker, or a decode or
+    aggregated worker that prefills it itself), so each prompt is counted once. None when
+    either scrape is missing or nothing was looked up (e.g. another server, or a worker
+    restarted and its counters went back)."""
     if not before or not after:
         return None
-    for role in ROLE_PREFERENCE:
+    roles, dq, dh = [], 0.0, 0.0
+    for role in ROLE_PREFERENCE + tuple(sorted(set(after) - set(ROLE_PREFERENCE))):
         if role not in after:
             continue
         b = before.get(role, {"queries": 0.0, "hits": 0.0})
-        dq = after[role]["queries"] - b["queries"]
-        dh = after[role]["hits"] - b["hits"]
-        if dq > 0 and 0 <= dh <= dq:
-            return {"role": role, "queries_tokens": dq, "hits_tokens": dh, "hit_rate": dh / dq}
-    return None
+        q, h = after[role]["queries"] - b["queries"], after[role]["hits"] - b["hits"]
+        if q < 0 or not 0 <= h <= max(q, 0):
+            return None  # counters went back: a restart
+        if q > 0:
+            roles.append(role)
+            dq, dh = dq + q, dh + h
+    if not dq:
+        return None
+    return {"role": "+".join(roles), "queries_tokens": dq, "hits_tokens": dh, "hit_rate": dh / dq}
 
 
 # ---- the printed table ----------------------------------------------------------------------

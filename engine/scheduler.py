@@ -65,7 +65,9 @@ class Scheduler:
         again: `num_cached_tokens` says how many tokens they hold."""
         if self.waiting:
             return False
-        prefix = self.blocks.match_prefix(req.all_token_ids)
+        # not counted in the hit rate: the prompt is computed (and counted) where it is
+        # prefilled; what this finds is KV that is not sent again
+        prefix = self.blocks.match_prefix(req.all_token_ids, count=False)
         if not self.blocks.allocate(req.request_id, req.num_prompt_tokens, prefix):
             return False
         req.num_cached_tokens = prefix.num_tokens

@@ -25,7 +25,8 @@ class RouterMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
         self.kv_usage = Gauge("pdserve_kv_usage_ratio", "KV blocks in use", ["worker", "role"], registry=r)
-        self.prefix_queries = Gauge("pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+        self.prefix_queries = Gauge("pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache "
+                                    "by the worker that computes the prompt",
                                     ["worker", "role"], registry=r)
         self.prefix_hits = Gauge("pdserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
                                  ["worker", "role"], registry=r)

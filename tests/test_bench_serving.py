@@ -101,6 +101,11 @@ def test_prefix_cache_hit_rate_from_metrics_deltas():
     assert prefix_cache_delta({}, agg) is None and prefix_cache_delta(None, agg) is None
     assert prefix_cache_delta({"aggregated": {"queries": 0.0, "hits": 0.0}}, agg)["hit_rate"] == 0.5
     assert prefix_cache_delta(before, before) is None
+    # a decode worker that prefilled some prompts itself: each prompt counted once, where computed
+    both = {"prefill": {"queries": 1200.0, "hits": 600.0}, "decode": {"queries": 800.0, "hits": 250.0}}
+    assert prefix_cache_delta(before, both) == {"role": "prefill+decode", "queries_tokens": 1300.0,
+                                                "hits_tokens": 800.0, "hit_rate": 800.0 / 1300.0}
+    assert prefix_cache_delta(both, before) is None  # counters went back: a worker restarted
     assert parse_prefix_cache("vllm:prefix_cache_hits_total 5\n") == {}
 
 
