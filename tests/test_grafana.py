@@ -66,7 +66,7 @@ def test_grafana_dashboard_uses_only_exported_metrics():
             used |= names
     wanted = {"pdserve_rejected_requests_total", "pdserve_migrations_total", "pdserve_waiting_requests",
               "pdserve_running_requests", "pdserve_prefix_cache_hits_tokens", "pdserve_prefix_cache_queries_tokens",
-              "pdserve_generation_tokens_total", "pdserve_prompt_tokens_total"}
+              "pdserve_generation_tokens_total", "pdserve_prompt_tokens_total", "pdserve_decode_prefills"}
     assert wanted <= used
     assert {n[: -len("_bucket")] for n in used if n.endswith("_bucket")} == {
         "pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
