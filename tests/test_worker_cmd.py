@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -28,9 +29,9 @@ def test_shutdown_watchdog_dumps_stacks_and_exits():
     assert "stuck_in_shutdown" in r.stderr  # where it was stuck
 
 
-def start_worker(redis_url: str, log_path) -> subprocess.Popen:
+def start_worker(redis_url: str, log_path, role: str = "decode") -> subprocess.Popen:
     log = open(log_path, "w+")
-    p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--role", "decode", "--worker-id", "d-1",
+    p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--role", role, "--worker-id", "d-1",
                           "--redis-url", redis_url, "--cluster-name", "wcmd", "--kv-cache-memory", "32MiB",
                           "--threads", "1", "--drain-timeout", "5"],
                          stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=ENV)
@@ -86,3 +87,66 @@ def test_worker_stops_while_redis_hangs(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def stream_forever(address: str) -> threading.Thread:
+    """A generation that outlives the drain timeout, read on a thread until the worker ends it."""
+    import grpc
+
+    from engine.sampling_params import SamplingParams
+    from protos import worker_pb2 as pb
+    from protos import worker_pb2_grpc as pb_grpc
+    from protos.convert import params_to_proto
+
+    started, errors = threading.Event(), []
+
+    def run():
+        with grpc.insecure_channel(address) as ch:
+            # 600 tokens at 20-50 ms each: longer than the 5 s drain timeout
+            req = pb.GenerateRequest(request_id="long", prompt_token_ids=list(range(100, 140)),
+                                     params=params_to_proto(SamplingParams(max_tokens=600, ignore_eos=True)))
+            try:
+                for _ in pb_grpc.DecodeServiceStub(ch).Generate(req):
+                    started.set()
+            except grpc.RpcError as e:
+                errors.append(e)  # the worker went away under it
+                started.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(60) and not errors, errors
+    return t
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.parametrize("signals", [1, 2], ids=["drain-timeout", "second-ctrl-c"])
+def test_a_busy_worker_stops_after_its_drain_timeout_or_at_a_second_ctrl_c(tmp_path, signals):
+    with EmbeddedRedis() as r:
+        p = start_worker(r.url, tmp_path / "w.log", role="aggregated")
+        try:
+            line = p.stdout.readline()
+            assert line.startswith("ready "), log_of(p)
+            stream = stream_forever(line.split()[1])
+            t = time.monotonic()
+            p.send_signal(signal.SIGINT)
+            if signals == 2:
+                deadline = time.monotonic() + 10
+                while "draining" not in log_of(p) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                p.send_signal(signal.SIGINT)
+            rc = p.wait(60)
+            took = time.monotonic() - t
+            stream.join(10)
+            log = log_of(p)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if signals == 1:  # 5 s of drain, then it stops anyway and says what was cut off
+        assert rc == 0 and 5 <= took < 40, (rc, took, log)
+        assert "requests still in flight after 5s: 1 in the engine" in log, log
+    else:
+        assert rc == 130 and took < 5, (rc, took, log)
+        assert "second signal: exiting now" in log
+    assert not stream.is_alive()  # the client's stream ended; it did not hang
