@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from deploy.aio import stop_task
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, KVTransferError
 from kv_transfer.grpc_transport import GrpcKVServer
@@ -254,9 +255,7 @@ class DecodeWorker:
         return self.address
 
     async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+        await stop_task(self._reaper)
         for server in (self._server, self._kv_server):
             if server is not None:
                 await server.stop(1.0)

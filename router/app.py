@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from deploy.aio import stop_task
 from engine.tokenizer import Tokenizer
 
 from .cluster import ClusterClient
@@ -165,9 +166,7 @@ def create_app(router: Router) -> FastAPI:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)  # its Redis calls can drop a single cancel (deploy/aio.py)
             await router.cluster.close()
             if router.discovery is not None:
                 await router.discovery.close()
