@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from deploy.aio import stop_task
+from engine.aio import stop_tasks
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, KVTransferError
 from kv_transfer.grpc_transport import GrpcKVServer
@@ -255,7 +255,7 @@ class DecodeWorker:
         return self.address
 
     async def stop(self) -> None:
-        await stop_task(self._reaper)
+        await stop_tasks(self._reaper)
         for server in (self._server, self._kv_server):
             if server is not None:
                 await server.stop(1.0)

@@ -29,7 +29,7 @@ from urllib.parse import unquote, unquote_plus
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, RedisError
 
-from deploy.aio import stop_task
+from engine.aio import stop_tasks
 from engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger("pdserve.registry")
@@ -169,7 +169,7 @@ class WorkerRegistration:
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
-        await stop_task(self._task)
+        await stop_tasks(self._task)
         try:
             await self.redis.delete(self.key)
         except (RedisError, OSError):
@@ -234,7 +234,7 @@ class EventPublisher:
             pass
 
     async def stop(self) -> None:
-        await stop_task(self._task)
+        await stop_tasks(self._task)
         await self.flush()
         await self.redis.aclose()
 

@@ -158,5 +158,5 @@ class AsyncEngine:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if item is not None and item[1].set_running_or_notify_cancel():  # its caller may have gone
                 item[1].set_exception(err)

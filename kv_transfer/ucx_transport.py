@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from engine.aio import stop_tasks
 from engine.errors import KVTransferError
 from protos import kv_transfer_pb2 as pb
 
@@ -131,9 +132,7 @@ class UcxKVServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for task in list(self._handlers):
-            task.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
+        await stop_tasks(*self._handlers)
 
 
 class UcxKVSender:

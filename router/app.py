@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from deploy.aio import stop_task
+from engine.aio import stop_tasks
 from engine.tokenizer import Tokenizer
 
 from .cluster import ClusterClient
@@ -166,7 +166,7 @@ def create_app(router: Router) -> FastAPI:
         try:
             yield
         finally:
-            await stop_task(task)  # its Redis calls can drop a single cancel (deploy/aio.py)
+            await stop_tasks(task)  # its Redis calls can drop a single cancel (engine/aio.py)
             await router.cluster.close()
             if router.discovery is not None:
                 await router.discovery.close()

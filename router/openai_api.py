@@ -14,6 +14,8 @@ from dataclasses import replace
 
 from fastapi.responses import StreamingResponse
 
+from engine.aio import stop_tasks
+
 from .generation import Delta, Generation
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .tools import check_tools, forced_tool, parse_tool_call, render_messages, structured_from_response_format
@@ -136,9 +138,7 @@ class OpenAIHandlers:
             except APIError as e:  # after the first byte the status is sent: report in-band
                 yield _sse(e.body())
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await stop_tasks(*tasks)
                 await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
             yield "data: [DONE]\n\n"
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from deploy.aio import stop_task
+from engine.aio import stop_tasks
 
 
 def loop_around_wait_for(pending: list) -> asyncio.Task:
@@ -36,7 +36,7 @@ def test_python311_wait_for_drops_a_cancel_that_races_its_result():
         await asyncio.sleep(0.05)
         assert not task.done()  # the loop went on: one cancel() is not a stop
         assert len(pending) >= 2
-        assert await stop_task(task, 2.0)
+        assert await stop_tasks(task, timeout_s=2.0)
     asyncio.run(main())
 
 
@@ -46,7 +46,7 @@ def test_stop_task_ends_a_loop_that_dropped_a_cancel():
         task = loop_around_wait_for(pending)
         await cancel_as_the_call_finishes(task, pending)
         t = asyncio.get_running_loop().time()
-        assert await stop_task(task, 5.0)
+        assert await stop_tasks(task, timeout_s=5.0)
         assert task.cancelled()
         assert asyncio.get_running_loop().time() - t < 2.0
     asyncio.run(main())
@@ -66,27 +66,60 @@ def test_stop_task_gives_up_on_a_task_that_ignores_every_cancel(caplog):
         task.set_name("stubborn")
         await asyncio.sleep(0)
         t = asyncio.get_running_loop().time()
-        assert not await stop_task(task, 0.5)  # bounded: returns, says so, does not hang
+        assert not await stop_tasks(task, timeout_s=0.5)  # bounded: returns, says so, does not hang
         assert 0.4 < asyncio.get_running_loop().time() - t < 3.0
         release.set()
         task.cancel()
         await asyncio.wait({task}, timeout=1)
     asyncio.run(main())
-    assert "stubborn did not stop" in caplog.text
+    assert "did not stop within 0.5s: stubborn" in caplog.text
 
 
 def test_stop_task_on_nothing_or_a_finished_task():
     async def main():
-        assert await stop_task(None)
+        assert await stop_tasks(None)
         done = asyncio.ensure_future(asyncio.sleep(0))
         await done
-        assert await stop_task(done)
+        assert await stop_tasks(done)
 
         async def fails_later():
             await asyncio.sleep(0)
             raise RuntimeError("lost Redis")
         failed = asyncio.ensure_future(fails_later())
         await asyncio.wait({failed})
-        assert await stop_task(failed)  # already ended on its own error: nothing to stop, not raised
+        assert await stop_tasks(failed)  # already ended on its own error: nothing to stop, not raised
         failed.exception()
     asyncio.run(main())
+
+
+def test_tasks_are_cancelled_even_if_the_caller_never_waits():
+    """A client hangs up: the handler running the cleanup is cancelled itself before its
+    wait starts. Its pumps must be cancelled all the same, or they run on, unread."""
+    async def main():
+        pumps = [asyncio.ensure_future(asyncio.sleep(30)) for _ in range(3)]
+
+        async def handler():
+            try:
+                await asyncio.sleep(30)
+            finally:
+                await stop_tasks(*pumps)
+        h = asyncio.ensure_future(handler())
+        await asyncio.sleep(0)
+        h.cancel()
+        await asyncio.sleep(0)
+        h.cancel()  # cancelled again while in its cleanup
+        await asyncio.wait({h}, timeout=1)
+        await asyncio.wait(pumps, timeout=1)
+        return [p.cancelled() for p in pumps]
+    assert asyncio.run(main()) == [True, True, True]
+
+
+def test_stop_tasks_waits_for_all_of_them():
+    async def main():
+        pending = [[], []]
+        loops = [loop_around_wait_for(p) for p in pending]
+        for task, p in zip(loops, pending):
+            await cancel_as_the_call_finishes(task, p)
+        assert await stop_tasks(*loops, timeout_s=5.0)
+        return [t.cancelled() for t in loops]
+    assert asyncio.run(main()) == [True, True]

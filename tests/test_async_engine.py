@@ -86,3 +86,23 @@ def test_stop_fails_requests_in_flight(make_engine):
     assert len(asyncio.run(main())) >= 2
     with pytest.raises(EngineDeadError):
         ae.call(lambda e: None).result()
+
+
+def test_stop_fails_queued_commands_even_behind_a_cancelled_one(make_engine):
+    """Commands still queued when the engine stops get EngineDeadError; one whose caller
+    gave up (a cancelled future) is skipped, not an error that kills the shutdown."""
+    import threading
+    import time
+
+    ae = AsyncEngine(make_engine())
+    ae.start()
+    busy = ae.call(lambda e: time.sleep(0.3))  # the engine thread is inside this command
+    stopper = threading.Thread(target=ae.stop)
+    stopper.start()
+    time.sleep(0.1)  # stop() has queued its marker: what follows is drained by the shutdown
+    gone, waiting = ae.call(lambda e: 1), ae.call(lambda e: 2)
+    assert gone.cancel()
+    stopper.join(10)
+    assert not stopper.is_alive()
+    busy.result(1)
+    assert isinstance(waiting.exception(timeout=5), EngineDeadError)

@@ -1,0 +1,47 @@
+"""Stopping background asyncio tasks in bounded time."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+log = logging.getLogger("pdserve")
+
+
+def stop_tasks(*tasks: asyncio.Task | None, timeout_s: float = 5.0) -> Awaitable[bool]:
+    """Cancel tasks (background loops, pumps) now, and return what to await for them to end:
+    at most `timeout_s`, True if all did. `None`s and finished tasks are skipped.
+
+    The cancel happens in this call, not when the result is awaited: a caller that is itself
+    being cancelled (a client hung up) may never get to run that await.
+
+    One `cancel()` is not always enough. On Python 3.11, `asyncio.wait_for` (redis-py wraps
+    socket writes in it) returns the inner call's result and drops a cancellation that lands
+    in the same loop step as that call finishing; a loop around it then simply goes on, and a
+    plain `cancel(); await task` waits forever (a worker that never stopped on Ctrl-C while
+    its heartbeat kept running). So the wait cancels again until the tasks are done."""
+    live = [t for t in tasks if t is not None and not t.done()]
+    for t in live:
+        t.cancel()
+    return _until_done(live, timeout_s)
+
+
+async def _until_done(tasks: list[asyncio.Task], timeout_s: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        pending = [t for t in tasks if not t.done()]
+        if not pending:
+            break
+        left = deadline - loop.time()
+        if left <= 0:
+            log.warning("background tasks did not stop within %.1fs: %s", timeout_s,
+                        ", ".join(t.get_name() for t in pending))
+            return False
+        await asyncio.wait(pending, timeout=min(0.2, left))
+        for t in pending:
+            t.cancel()  # a no-op on tasks that ended; again on those that dropped it
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("background task %s ended with %r", t.get_name(), t.exception())
+    return True
