@@ -108,7 +108,8 @@ class GrpcKVSender:
         """Send prepared chunks (tests use this to inject faults)."""
         start = time.monotonic()
         try:
-            reply = await asyncio.wait_for(self._stub(target).Push(chunks, timeout=timeout_s), timeout_s + 1.0)
+            async with asyncio.timeout(timeout_s + 1.0):  # not wait_for: it can drop a cancel on 3.11
+                reply = await self._stub(target).Push(chunks, timeout=timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
             if time.monotonic() - start >= timeout_s:
                 # with a streaming request the deadline can surface as DEADLINE_EXCEEDED or INTERNAL

@@ -186,7 +186,8 @@ class UcxKVSender:
     async def _guarded(self, target: str, push, timeout_s: float) -> None:
         start = time.monotonic()
         try:
-            await asyncio.wait_for(push, timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: it can drop a cancel on 3.11
+                await push
         except KVTransferError:
             raise
         except asyncio.TimeoutError as e:

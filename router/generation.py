@@ -177,7 +177,9 @@ class Generation:
             return await anext(self._stream)
         remaining = self.t_arrival + self.timeout_s - time.perf_counter()
         try:
-            return await asyncio.wait_for(anext(self._stream), max(remaining, 0.001))
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can drop a client's cancel (engine/aio.py)
+            async with asyncio.timeout(max(remaining, 0.001)):
+                return await anext(self._stream)
         except asyncio.TimeoutError as e:
             self.finish_reason = "timeout"
             raise APIError(504, f"the request did not finish within {self.timeout_s:g}s and was aborted",
