@@ -6,7 +6,7 @@ marks those that do not answer unhealthy, so routing skips them at once.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
@@ -35,6 +35,8 @@ class Route:
     cached_tokens: int
     prefill_tokens: int = 0  # tokens the prefill worker computes: its load until `settle`
     holds_stream: bool = False  # counted in its decode worker's streams until `release`
+    block_hashes: list[int] = field(default_factory=list)  # the prompt's
+    expected_until: float = 0.0  # its blocks count as held by the prefill worker until then (or `settle`)
 
 
 class ClusterClient:
@@ -143,14 +145,21 @@ class ClusterClient:
         todo = max(len(prompt) - prefill.cached_tokens, 0)
         self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
         return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,
-                     holds_stream=True)
+                     holds_stream=True, block_hashes=hashes, expected_until=prefill.expected_until)
 
-    def settle(self, route: Route | None) -> None:
+    def settle(self, route: Route | None, prefilled_remotely: bool = True) -> None:
         """The route's prefill is over (its first token came, or it failed): take its tokens
-        off the worker's pending load. Idempotent."""
-        if route is None or not route.prefill_tokens or route.prefill is None:
+        off the worker's pending load. `prefilled_remotely` False: the prefill worker did not
+        compute the prompt (the decode worker took it, or the request failed or moved), so
+        the index stops expecting its blocks there. Idempotent."""
+        if route is None or route.prefill is None:
             return
         wid = route.prefill.worker_id
+        if not prefilled_remotely and route.expected_until:
+            self.index.withdraw(wid, route.block_hashes, route.expected_until)
+        route.expected_until = 0.0
+        if not route.prefill_tokens:
+            return
         left = self.pending_prefill.get(wid, 0) - route.prefill_tokens
         route.prefill_tokens = 0
         if left > 0:
@@ -161,7 +170,7 @@ class ClusterClient:
     def release(self, route: Route | None) -> None:
         """The route's stream is over (finished, failed, refused or moved): settle its prefill
         and take it off its decode worker's streams. Idempotent."""
-        self.settle(route)
+        self.settle(route, prefilled_remotely=False)  # unless settled already: no first token came
         if route is None or not route.holds_stream:
             return
         wid = route.decode.worker_id

@@ -98,7 +98,7 @@ class Generation:
             self._stream = self.cluster.generate(self.route, self.request_id, self.prompt, self._worker_params())
             try:
                 self._first = await self._next()
-                self.cluster.settle(self.route)
+                self.cluster.settle(self.route, self._first.prefilled_remotely)
                 break
             except StopAsyncIteration as e:
                 raise APIError(503, "the decode worker ended the request without output", "server_error") from e
@@ -162,7 +162,7 @@ class Generation:
         await old.aclose()
         try:
             self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed))
-            self.cluster.settle(self.route)  # a migrated request is recomputed on its decode worker
+            self.cluster.settle(self.route, prefilled_remotely=False)  # recomputed on its decode worker
         except NoWorkerError as no:
             raise APIError(503, f"decode worker {failed} failed ({e.code().name}) and no other decode worker "
                                 "is available", "server_error", code="worker_failed") from no

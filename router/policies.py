@@ -33,6 +33,7 @@ class WorkerLoad:
 class PrefillChoice:
     worker_id: str
     cached_tokens: int  # prefix tokens the chosen worker already holds (per the index)
+    expected_until: float = 0.0  # the prompt's blocks are expected there (PrefixIndex.expect) until then
 
 
 def _healthy(workers: list[WorkerLoad], role: str) -> list[WorkerLoad]:
@@ -102,8 +103,8 @@ class PrefixAware(LeastLoaded):
         w = min(ok, key=cost)
         # its events come after its prefill: until then, the next prompts with this prefix
         # should find it here (30 s: the default KV hand-off timeout, past which it failed)
-        self.index.expect(w.worker_id, block_hashes, ttl_s=30.0)
-        return PrefillChoice(w.worker_id, held.get(w.worker_id, 0) * block_size)
+        until = self.index.expect(w.worker_id, block_hashes, ttl_s=30.0)
+        return PrefillChoice(w.worker_id, held.get(w.worker_id, 0) * block_size, until)
 
 
     def pick_decode(self, workers, block_hashes=()) -> str:

@@ -62,9 +62,10 @@ class PrefixIndex:
         self.needs_resync.discard(worker_id)
 
     def expect(self, worker_id: str, block_hashes: list[int], ttl_s: float = 10.0,
-               now: float | None = None) -> None:
+               now: float | None = None) -> float:
         """`worker_id` was just sent a prompt with these blocks: count them as held there until
-        its events confirm them or `ttl_s` passes (a prefill that failed or never ran)."""
+        its events confirm them or `ttl_s` passes (a prefill that failed or never ran).
+        Returns the deadline, which names this expectation for `withdraw`."""
         now = time.monotonic() if now is None else now
         self._expire(now)
         deadline = now + ttl_s
@@ -75,6 +76,15 @@ class PrefixIndex:
                     self._expecting[worker_id] += 1
                 expected[worker_id] = deadline
                 self._expiry.append((deadline, worker_id, h))
+        return deadline
+
+    def withdraw(self, worker_id: str, block_hashes: list[int], deadline: float) -> None:
+        """The prompt `expect` announced with `deadline` will not be computed there after all
+        (the decode worker prefilled it itself, or the request moved): drop what it expected,
+        except blocks a later prompt expects there since (a later deadline)."""
+        for h in block_hashes:
+            if self._expected.get(h, {}).get(worker_id) == deadline:
+                self._unexpect(worker_id, h)
 
     def match(self, block_hashes: list[int], now: float | None = None) -> dict[str, int]:
         """For each worker in sync, how many leading blocks of the prompt it holds (or is

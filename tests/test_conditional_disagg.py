@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from deploy.local import LocalCluster, LocalClusterConfig
+from engine.block_hash import hash_blocks
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ LONG = "Before you answer, consider the season, the opening hours, the queues an
 @pytest.mark.parametrize("local_tokens", [64, 0])
 def test_a_decode_worker_holding_the_prefix_prefills_a_short_tail_itself(smollm, local_tokens):
     loaded, tok = smollm
-    questions = ["What is a good museum in Paris?", "What is a good museum in Rome?", LONG + "And in Madrid?"]
+    questions = ["What is a good museum in Paris?", "Which museum in Rome would you recommend to a family with two young children?", LONG + "And in Madrid?"]
     cfg = LocalClusterConfig(model_name=MODEL, decode_local_prefill=local_tokens,
                              engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)))
     c = LocalCluster(loaded, tok, cfg).start()
@@ -37,13 +38,18 @@ def test_a_decode_worker_holding_the_prefix_prefills_a_short_tail_itself(smollm,
         prefill = c.worker("prefill-0").worker
         counts = (decode.tail_prefills, decode.local_prefills, decode.remote_prefills, prefill.prefills)
         streams = dict(c.router.cluster.decode_streams)
+        # the router counts the 2nd prompt as cached on the prefill worker only if it went there
+        cc = c.router.cluster
+        second = hash_blocks(tok.encode(tok.apply_chat_template(answers[1][0])), cc.block_size, cc.namespace)
+        on_prefill = cc.index.match(second).get("prefill-0", 0)
     finally:
         c.stop()
     assert all(e.blocks.num_used_blocks == 0 for e in c.engines())
     # the 1st prompt is new (over 64 tokens); the 2nd differs from it only after the system
-    # prompt: a short tail; the 3rd adds over 64 new tokens
+    # prompt: a short tail (22 tokens, one new full block); the 3rd adds over 64 new tokens
     assert counts == ((1, 1, 2, 2) if local_tokens else (0, 0, 3, 3)), counts
     assert streams == {}
+    assert (on_prefill < len(second)) if local_tokens else (on_prefill == len(second)), (on_prefill, len(second))
     ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok)
     for msgs, text in answers:
         ids = ref.generate([tok.encode(tok.apply_chat_template(msgs))], SamplingParams(max_tokens=6, temperature=0))[0]

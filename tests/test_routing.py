@@ -119,6 +119,45 @@ def test_expected_blocks_end_at_their_events_or_their_deadline():
     assert not index._expecting.get("p1") and index._expected.get(8) is None
 
 
+def test_a_withdrawn_expectation_leaves_later_ones_and_confirmed_blocks():
+    index = PrefixIndex()
+    first = index.expect("p0", [1, 2, 3], ttl_s=30.0, now=100.0)
+    index.apply("p0", stored(1, 1))  # block 1 is confirmed by its event
+    later = index.expect("p0", [3, 4], ttl_s=30.0, now=101.0)  # another prompt renews block 3
+    index.withdraw("p0", [1, 2, 3], first)
+    assert index.match([1, 2, 3], now=102.0) == {"p0": 1}  # 1: the event stands; 2: withdrawn
+    assert index.match([3, 4], now=102.0) == {"p0": 2}     # the later prompt's expectation stays
+    index.withdraw("p0", [3, 4], later)
+    assert index.match([3, 4], now=102.0) == {} and not index._expecting
+
+
+def test_a_prompt_the_prefill_worker_never_computed_is_not_expected_there():
+    """The decode worker prefilled it itself (or the request failed or moved before its first
+    token): the next prompt with its prefix must not be sent to that prefill worker for a
+    cache it does not have."""
+    c = ClusterClient("prefix_aware", block_size=16)
+    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("p1", "prefill", "a:2"),
+                   WorkerEndpoint("d0", "decode", "a:3")])
+    c.healthy = {"p0": True, "p1": True, "d0": True}
+    prompt = list(range(500, 564))
+    blocks = hash_blocks(prompt, 16, "")
+
+    def held_by_prefill():
+        return {w: n for w, n in c.index.match(blocks).items() if w.startswith("p")}
+
+    taken_by_decode = c.route(prompt)
+    assert held_by_prefill() == {"p0": 4}
+    c.settle(taken_by_decode, prefilled_remotely=False)
+    assert held_by_prefill() == {}
+    computed = c.route(prompt)
+    c.settle(computed, prefilled_remotely=True)
+    c.release(computed)  # a later release does not withdraw what was computed
+    assert held_by_prefill() == {computed.prefill.worker_id: 4}
+    refused = c.route(list(range(900, 964)))
+    c.release(refused)  # no first token ever came
+    assert {w for w in c.index.match(hash_blocks(list(range(900, 964)), 16, "")) if w.startswith("p")} == set()
+
+
 def test_round_robin_alternates_and_least_loaded_balances():
     rr = make_policy("round_robin", PrefixIndex())
     workers = [WorkerLoad("p1"), WorkerLoad("p0")]
