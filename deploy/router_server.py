@@ -11,6 +11,8 @@ import time
 
 import uvicorn
 
+from engine.aio import stop_tasks
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -120,8 +122,7 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
         try:
             await server.serve()
         finally:
-            for task in tasks:
-                task.cancel()
+            await stop_tasks(*tasks)  # before asyncio.run's own single cancel, which a Redis call can drop
             if not api:
                 await client.close()
                 await router.discovery.close()
