@@ -26,7 +26,8 @@ class TokenLogprobs:
 
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     """Repetition penalty over prompt + output (HF semantics: shrink positive logits, grow
-    negative ones); presence and frequency penalties over the output (OpenAI semantics)."""
+    negative ones); presence and frequency penalties over the output and the logit bias
+    (OpenAI semantics)."""
     p = req.params
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
@@ -35,6 +36,9 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
         counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
     return logits
 
 

@@ -8,6 +8,7 @@ from .structured import Structured
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI allows
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy."""
 
@@ -26,6 +27,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of these token ids before sampling (OpenAI: -100 bans, +100 forces)."""
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -58,6 +61,10 @@ class SamplingParams:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"allows at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):  # NaN fails too
+            bad("logit_bias", "values must be in [-100, 100]")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -71,9 +78,10 @@ class SamplingParams:
         if self.structured is not None:
             self.structured.validate()
         limit = vocab_size if vocab_size is not None else 2**31
-        for t in self.stop_token_ids:
-            if not 0 <= t < limit:
-                bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {limit})")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            for t in ids:
+                if not 0 <= t < limit:
+                    bad(name, f"contains token {t}, outside the vocabulary [0, {limit})")
 
     @property
     def greedy(self) -> bool:
@@ -83,5 +91,6 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Logits are adjusted per request before sampling (penalties, logit bias)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))

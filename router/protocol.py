@@ -81,8 +81,17 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    def token_bias(self) -> dict[int, float]:
+        """`logit_bias` with its keys (token ids, as JSON object keys: strings) as ints."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = float(value)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids (integers), got {key!r}",
+                               param="logit_bias") from None
+        return out
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -93,7 +102,7 @@ class _Common(BaseModel):
                            min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                            stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids),
-                           ignore_eos=self.ignore_eos, logprobs=logprobs)
+                           ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=self.token_bias())
         try:
             p.validate(vocab_size)
         except InvalidRequestError as e:

@@ -117,7 +117,7 @@ def _tame(body, keep_model: bool, stream: bool, budget: int):
 RANGES = {"temperature": (0, 2), "top_p": (0.01, 1), "min_p": (0, 1), "repetition_penalty": (0.5, 2),
           "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2), "top_k": (0, 1000), "seed": (0, 2**63 - 1),
           "logprobs": (0, 5), "top_logprobs": (0, 20), "n": (1, 1), "best_of": (1, 1)}
-REFUSED = ("suffix", "logit_bias", "tools", "tool_choice", "response_format")
+REFUSED = ("suffix", "tools", "tool_choice", "response_format")
 
 
 def _plausible(body, vocab_size: int):

@@ -32,8 +32,8 @@ def reference(smollm):
     loaded, tok = smollm
     eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)), tok)
 
-    def run(ids, max_tokens):
-        return eng.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+    def run(ids, max_tokens, **params):
+        return eng.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0, **params))[0]
     return run
 
 
@@ -108,6 +108,25 @@ def test_logprobs(client):
     assert len(c.choices[0].logprobs.tokens) == 4 and len(c.choices[0].logprobs.top_logprobs[0]) == 2
 
 
+def test_logit_bias_bans_and_forces_tokens_across_the_cluster(client, smollm, reference):
+    """The bias travels router -> decode worker -> prefill worker (which samples the first
+    token) and applies to every token: banned ones never appear, a forced one always does,
+    and the rest is what the engine gives with the same bias."""
+    _, tok = smollm
+    ids = chat_ids(tok, "Name a colour.")
+    plain = reference(ids, 8)
+    ban = {str(t): -100 for t in set(plain)}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                       max_tokens=8, temperature=0, logit_bias=ban)
+    want = reference(ids, 8, logit_bias={int(k): v for k, v in ban.items()})
+    assert r.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+    assert not set(want) & set(plain)
+    forced = tok.encode(" blue")[0]
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0.8, seed=3,
+                                  logit_bias={str(forced): 100})
+    assert c.choices[0].text == tok.decode([forced] * 5)
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
     ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
@@ -126,6 +145,10 @@ def test_logprobs(client):
     ({"model": MODEL, "prompt": "hi", "top_k": 2**31}, 400, "top_k"),
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [2**31]}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2**40}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"12": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi " * 9000}, 400, None),
     ({"model": MODEL}, 400, "prompt"),
 ])

@@ -41,6 +41,18 @@ def test_penalties():
     assert out.tolist() == [2.0 - 0.75, -2.0, 1.0 - 1.0, 0.5]  # prompt tokens are not penalized
 
 
+def test_logit_bias_bans_and_forces_tokens_but_logprobs_stay_the_models():
+    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0]] * 3)
+    reqs = [req(SamplingParams(temperature=0, logit_bias={1: -100.0}, logprobs=1)),  # ban the best
+            req(SamplingParams(temperature=0, logit_bias={3: 100.0})),               # force the 4th
+            req(SamplingParams(temperature=0))]
+    tokens, lps = sample(logits, reqs)
+    assert tokens == [2, 3, 1]
+    assert lps[0].top[0][0] == 1  # the model's own distribution, as OpenAI reports it
+    banned = req(SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0, 2: -100.0}), seed=7)
+    assert {sample(logits[:1], [banned])[0][0] for _ in range(50)} == {3}
+
+
 def test_greedy_and_penalized_greedy():
     logits = torch.tensor([[0.0, 5.0, 4.9], [0.0, 5.0, 4.9]])
     reqs = [req(SamplingParams(temperature=0)), req(SamplingParams(temperature=0, repetition_penalty=1.5), prompt=(1,))]
