@@ -16,6 +16,7 @@ import grpc
 
 from engine.aio import stop_tasks
 from engine.async_engine import AsyncEngine
+from engine.block_hash import root_hash
 from engine.errors import InvalidRequestError, KVTransferError
 from kv_transfer.grpc_transport import GrpcKVServer
 from kv_transfer.receiver import KVReceiver
@@ -164,7 +165,8 @@ class DecodeWorker:
         request was added for a local prefill instead (in the same engine call, so the
         cached prefix cannot be evicted in between)."""
         def take(e):
-            if local_tail and len(prompt) - e.blocks.match_prefix(prompt, count=False).num_tokens <= local_tail:
+            if local_tail and len(prompt) - e.blocks.match_prefix(
+                    prompt, count=False, root=root_hash(params.cache_salt)).num_tokens <= local_tail:
                 e.add_request(rid, prompt, params)
                 return TAKEN_HERE
             return e.add_remote_request(rid, prompt, params)

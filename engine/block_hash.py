@@ -24,6 +24,16 @@ def hash_block(parent: int, tokens: Sequence[int], namespace: str = "") -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def root_hash(cache_salt: str = "") -> int:
+    """The parent hash of a prompt's first block. A request's cache salt (tenant isolation)
+    changes it, so its whole chain: prompts with different salts share no block, and a
+    tenant cannot learn from its cache hits (TTFT) what another one sent."""
+    if not cache_salt:
+        return ROOT_HASH
+    h = hashlib.blake2b(b"pdserve cache salt\x00" + cache_salt.encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
 def hash_blocks(tokens: Sequence[int], block_size: int, namespace: str = "",
                 start: int = 0, parent: int = ROOT_HASH) -> list[int]:
     """Hashes of the full blocks of `tokens`, from block index `start` (whose parent hash is

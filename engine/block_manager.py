@@ -84,15 +84,16 @@ class BlockManager:
         return list(self._owned)
 
     # ---- prefix cache -----------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], count: bool = True) -> PrefixMatch:
+    def match_prefix(self, token_ids: list[int], count: bool = True, root: int = ROOT_HASH) -> PrefixMatch:
         """Longest run of cached full blocks at the start of `token_ids`. At least one token
         is always left to compute (the model must produce logits for the last one).
-        count=False: a look only, not counted in the hit-rate statistics."""
+        count=False: a look only, not counted in the hit-rate statistics. `root`: the first
+        block's parent hash (`block_hash.root_hash` of the request's cache salt)."""
         if not self.enable_caching:
             return PrefixMatch()
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
-        ids, hashes, parent = [], [], ROOT_HASH
+        ids, hashes, parent = [], [], root
         for b in range(max_blocks):
             parent = hash_block(parent, token_ids[b * bs:(b + 1) * bs], self.namespace)
             bid = self._cached.get(parent)
@@ -137,14 +138,14 @@ class BlockManager:
             owned.blocks.append(bid)
         return True
 
-    def cache_full_blocks(self, req_id: str, token_ids: list[int], num_tokens: int) -> None:
+    def cache_full_blocks(self, req_id: str, token_ids: list[int], num_tokens: int, root: int = ROOT_HASH) -> None:
         """Register the blocks fully covered by the first `num_tokens` of `token_ids` (their
-        KV is, or is being, computed) in the prefix cache."""
+        KV is, or is being, computed) in the prefix cache; `root` as in `match_prefix`."""
         if not self.enable_caching:
             return
         owned = self._owned[req_id]
         bs = self.block_size
-        parent = owned.hashes[-1] if owned.hashes else ROOT_HASH
+        parent = owned.hashes[-1] if owned.hashes else root
         for b in range(len(owned.hashes), min(num_tokens // bs, len(owned.blocks))):
             chunk = token_ids[b * bs:(b + 1) * bs]
             h = hash_block(parent, chunk, self.namespace)

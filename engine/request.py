@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .block_hash import root_hash
 from .sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Request:
     def __post_init__(self):
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        self.cache_root = root_hash(self.params.cache_salt)  # its blocks' hash chain starts here
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from .structured import Structured
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI allows
+MAX_CACHE_SALT = 1024  # characters
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy."""
 
@@ -39,6 +40,9 @@ class SamplingParams:
     prompt is always computed in full (no prefix-cache reuse: cached tokens have no logits)."""
     structured: Structured | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
+    cache_salt: str = ""
+    """Not about sampling, but travels with it to every worker: prompts share prefix-cache
+    blocks only with prompts of the same salt (one per tenant; "" is the shared default)."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -65,6 +69,8 @@ class SamplingParams:
             bad("logit_bias", f"allows at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):  # NaN fails too
             bad("logit_bias", "values must be in [-100, 100]")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            bad("cache_salt", f"must be a string of at most {MAX_CACHE_SALT} characters")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:

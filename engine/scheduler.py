@@ -67,7 +67,7 @@ class Scheduler:
             return False
         # not counted in the hit rate: the prompt is computed (and counted) where it is
         # prefilled; what this finds is KV that is not sent again
-        prefix = self.blocks.match_prefix(req.all_token_ids, count=False)
+        prefix = self.blocks.match_prefix(req.all_token_ids, count=False, root=req.cache_root)
         if not self.blocks.allocate(req.request_id, req.num_prompt_tokens, prefix):
             return False
         req.num_cached_tokens = prefix.num_tokens
@@ -81,7 +81,7 @@ class Scheduler:
         sampled by the prefill side is appended, decodes from its next step."""
         del self.remote[req.request_id]
         req.num_computed_tokens = req.num_prompt_tokens
-        self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_prompt_tokens)
+        self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_prompt_tokens, req.cache_root)
         req.status = RequestStatus.DECODING
         self.running.append(req)
 
@@ -154,7 +154,7 @@ class Scheduler:
             req = self.waiting[0]
             prefix = PrefixMatch()
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
-                prefix = self.blocks.match_prefix(req.all_token_ids)
+                prefix = self.blocks.match_prefix(req.all_token_ids, root=req.cache_root)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = prefix.num_tokens
             n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget)
@@ -170,5 +170,5 @@ class Scheduler:
         chunk = ScheduledChunk.of(req, n)
         req.status = RequestStatus.DECODING if n == 1 and chunk.completes and req.output_token_ids else RequestStatus.PREFILLING
         # the KV of these tokens is computed in this step, before anyone can look them up
-        self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens + n)
+        self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens + n, req.cache_root)
         out.chunks.append(chunk)

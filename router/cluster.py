@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.block_hash import hash_blocks
+from engine.block_hash import hash_blocks, root_hash
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from protos.convert import params_to_proto
@@ -122,8 +122,9 @@ class ClusterClient:
         return out
 
     # ---- routing ------------------------------------------------------------------------
-    def route(self, prompt: list[int], exclude: frozenset[str] = frozenset()) -> Route:
-        """Pick workers for `prompt`; `exclude`: workers that just failed or refused it.
+    def route(self, prompt: list[int], exclude: frozenset[str] = frozenset(), cache_salt: str = "") -> Route:
+        """Pick workers for `prompt`; `exclude`: workers that just failed or refused it;
+        `cache_salt`: the request's (its blocks are looked up under it, as the workers do).
         Raises NoWorkerError if no decode worker is left, or if every prefill worker is
         excluded (refused: its queue is full; prefilling on the decode pool instead would
         defeat the limit)."""
@@ -132,7 +133,7 @@ class ClusterClient:
         candidates = [w for w in prefill_pool if w.worker_id not in exclude]
         if prefill_pool and not candidates:
             raise NoWorkerError("every prefill worker refused the request")
-        hashes = hash_blocks(prompt, self.block_size, self.namespace)
+        hashes = hash_blocks(prompt, self.block_size, self.namespace, parent=root_hash(cache_salt))
         decode_id = self.policy.pick_decode([w for w in self._loads({"decode", "aggregated"})
                                              if w.worker_id not in exclude], hashes)
         try:

@@ -84,7 +84,8 @@ class Generation:
         while True:
             self.cluster.release(self.route)  # a refused route's prefill never ran, its stream ended
             try:
-                self.route = self.cluster.route(self.prompt, exclude=frozenset(refused))
+                self.route = self.cluster.route(self.prompt, exclude=frozenset(refused),
+                                                cache_salt=self.params.cache_salt)
             except NoWorkerError as e:
                 if refused:
                     self.metrics.rejected.labels("pool_full").inc()
@@ -161,7 +162,8 @@ class Generation:
         old, self._stream = self._stream, None
         await old.aclose()
         try:
-            self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed))
+            self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed),
+                                             cache_salt=self.params.cache_salt)
             self.cluster.settle(self.route, prefilled_remotely=False)  # recomputed on its decode worker
         except NoWorkerError as no:
             raise APIError(503, f"decode worker {failed} failed ({e.code().name}) and no other decode worker "

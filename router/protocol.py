@@ -74,6 +74,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = None  # prefix-cache isolation per tenant (as in vLLM)
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema (+ regex, choice, grammar)
 
     _unicode_only = field_validator("*")(_valid_unicode)
@@ -81,6 +82,8 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise APIError(400, "cache_salt must be a non-empty string (omit it to share the cache)", param="cache_salt")
 
     def token_bias(self) -> dict[int, float]:
         """`logit_bias` with its keys (token ids, as JSON object keys: strings) as ints."""
@@ -102,7 +105,8 @@ class _Common(BaseModel):
                            min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                            stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids),
-                           ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=self.token_bias())
+                           ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=self.token_bias(),
+                           cache_salt=self.cache_salt or "")
         try:
             p.validate(vocab_size)
         except InvalidRequestError as e:

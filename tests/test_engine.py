@@ -57,6 +57,24 @@ def test_prefix_cache_hit_equals_miss(make_engine):
     assert eng.blocks.prefix_hits - hits_before >= 2 * 48  # 3 full blocks of 16 each, twice
 
 
+def test_cache_salt_isolates_prefixes_and_keeps_answers(make_engine):
+    """Prompts share cached blocks only under the same salt (tenant isolation: no cache hit,
+    so no TTFT difference, reveals another tenant's prompt); answers never depend on it."""
+    eng = make_engine()
+    p = prompts(1, seed=4, lo=50, hi=50)[0]
+
+    def run(salt):
+        hits = eng.blocks.prefix_hits
+        out = eng.generate([p], SamplingParams(max_tokens=4, temperature=0, cache_salt=salt))
+        return out[0], eng.blocks.prefix_hits - hits
+
+    first, _ = run("tenant-a")
+    assert run("tenant-a") == (first, 48)  # 3 full blocks of 16: shared within the salt
+    assert run("tenant-b") == (first, 0)   # nothing of tenant-a's
+    assert run("") == (first, 0)           # nor for the unsalted default
+    assert run("") == (first, 48)
+
+
 def test_prefix_hit_skips_computed_tokens(make_engine):
     eng = make_engine()
     p = prompts(1, seed=3, lo=40, hi=40)[0]

@@ -127,6 +127,27 @@ def test_logit_bias_bans_and_forces_tokens_across_the_cluster(client, smollm, re
     assert c.choices[0].text == tok.decode([forced] * 5)
 
 
+def test_cache_salt_isolates_tenants_across_the_cluster(cluster):
+    """Prefill and decode workers and the router's index all hash under the request's salt:
+    a repeat within a tenant hits the cache, the same prompt from another tenant (or from no
+    tenant) does not, and the answer is the same for all."""
+    prompt = "Summarise the rules of chess for a child, in the order a first game needs them. " * 3
+
+    def ask(**salt):
+        r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, **salt})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        ask.full_blocks = (usage["prompt_tokens"] - 1) // 16 * 16  # all a hit can cover (the last token is computed)
+        return r.json()["choices"][0]["text"], usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    text, cached = ask(cache_salt="tenant-a")
+    assert cached == 0
+    assert ask(cache_salt="tenant-a") == (text, ask.full_blocks)
+    assert ask(cache_salt="tenant-b") == (text, 0)
+    assert ask() == (text, 0)
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
     ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
@@ -146,6 +167,8 @@ def test_logit_bias_bans_and_forces_tokens_across_the_cluster(client, smollm, re
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [2**31]}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2**40}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ({"model": MODEL, "prompt": "hi", "cache_salt": "s" * 1025}, 400, "cache_salt"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"12": 101}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),

@@ -254,3 +254,17 @@ def test_a_decode_workers_load_is_its_last_report_corrected_by_this_routers_stre
     c.decode_streams["d0"] = 1  # 5 of our streams on d0 ended since its report: it is nearly idle
     assert c.route(list(range(20))).decode.worker_id == "d0"
 
+
+
+def test_routing_looks_prefixes_up_under_the_requests_cache_salt():
+    c = ClusterClient("prefix_aware", block_size=16)
+    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("p1", "prefill", "a:2"),
+                   WorkerEndpoint("d0", "decode", "a:3")])
+    c.healthy = {"p0": True, "p1": True, "d0": True}
+    prompt = list(range(700, 764))
+    a = c.route(prompt, cache_salt="tenant-a")
+    assert a.cached_tokens == 0
+    other = c.route(prompt, cache_salt="tenant-b")  # another tenant's copy: nothing to reuse
+    assert other.cached_tokens == 0 and other.prefill.worker_id != a.prefill.worker_id
+    again = c.route(prompt, cache_salt="tenant-a")
+    assert again.prefill.worker_id == a.prefill.worker_id and again.cached_tokens == 64
