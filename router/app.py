@@ -75,18 +75,21 @@ class Router(OpenAIHandlers):
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _encode_prompt(self, req: CompletionRequest) -> list[int]:
-        p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            p = p[0]
-        ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-        if not ids:
-            raise APIError(400, "prompt is empty", param="prompt")
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt contains token id {bad}, outside the vocabulary [0, {vocab})", param="prompt")
-        return ids
+    def _encode_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Every prompt of the request as token ids (checked: non-empty, in the vocabulary)."""
+        out = []
+        for k, p in enumerate(req.prompts()):
+            which = f"prompt {k}" if len(req.prompts()) > 1 else "prompt"
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, f"{which} is empty", param="prompt")
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{which} contains token id {bad}, outside the vocabulary [0, {vocab})",
+                               param="prompt")
+            out.append(ids)
+        return out
 
 
 def api_key_auth(api_keys: tuple[str, ...]):

@@ -1,5 +1,6 @@
-"""The OpenAI endpoints' request handling: a request becomes n `Generation`s (choices), whose
-deltas are formatted as completions or chat completions, streamed (SSE) or collected.
+"""The OpenAI endpoints' request handling: a request becomes n `Generation`s (choices) per
+prompt (completions take a batch of prompts), whose deltas are formatted as completions or
+chat completions, streamed (SSE) or collected.
 
 n > 1 shares the prompt: the first choice runs ahead until its first token, so its prompt
 blocks are in the prefix caches (prefill and decode side) and the other choices reuse them by
@@ -25,10 +26,16 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(gens: list[Generation]) -> dict:
-    u = gens[0].usage()
+def _usage(gens: list[Generation], per_prompt: int | None = None) -> dict:
+    """A request's usage: every choice's tokens, and each prompt's once (choices come
+    `per_prompt` to a prompt, prompt-major; default: all share one prompt)."""
+    firsts = [g.usage() for g in gens[::per_prompt or len(gens)]]
+    prompt = sum(f["prompt_tokens"] for f in firsts)
     done = sum(g.completion_tokens for g in gens)
-    u |= {"completion_tokens": done, "total_tokens": u["prompt_tokens"] + done}
+    u = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    cached = sum(f.get("prompt_tokens_details", {}).get("cached_tokens", 0) for f in firsts)
+    if cached:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
     return u
 
 
@@ -92,6 +99,18 @@ class OpenAIHandlers:
             raise
         return gens
 
+    async def _start_batch(self, prompts: list[list[int]], params, n: int, prefix: str) -> list[Generation]:
+        """n choices of every prompt, started together; prompt-major (choice k*n + j is the
+        j-th of prompt k), as OpenAI numbers them. One that cannot start fails them all."""
+        groups = await asyncio.gather(*(self._start_choices(ids, params, n, prefix) for ids in prompts),
+                                      return_exceptions=True)
+        failed = next((g for g in groups if isinstance(g, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(g.close() for grp in groups if not isinstance(grp, BaseException) for g in grp),
+                                 return_exceptions=True)
+            raise failed
+        return [g for grp in groups for g in grp]
+
     async def _collect(self, gens: list[Generation], on_delta) -> list[str]:
         async def one(i: int, g: Generation) -> str:
             text = ""
@@ -104,7 +123,8 @@ class OpenAIHandlers:
         finally:
             await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
 
-    async def _stream(self, gens: list[Generation], chunk, final, base: dict, include_usage: bool) -> StreamingResponse:
+    async def _stream(self, gens: list[Generation], chunk, final, base: dict, include_usage: bool,
+                      per_prompt: int | None = None) -> StreamingResponse:
         """SSE of every choice's deltas as they come; `chunk(i, delta, offset)` and `final(i)`
         give the events (or None to send nothing)."""
         async def events():
@@ -134,7 +154,7 @@ class OpenAIHandlers:
                     if ev is not None:
                         yield _sse(ev)
                 if include_usage:
-                    yield _sse(base | {"choices": [], "usage": _usage(gens)})
+                    yield _sse(base | {"choices": [], "usage": _usage(gens, per_prompt)})
             except APIError as e:  # after the first byte the status is sent: report in-band
                 yield _sse(e.body())
             finally:
@@ -160,24 +180,25 @@ class OpenAIHandlers:
     async def completions(self, req: CompletionRequest):
         req.check_supported()
         self._check_model(req.model)
-        ids = self._encode_prompt(req)
+        prompts = self._encode_prompts(req)
         params = req.sampling_params(req.max_tokens, req.logprobs, self.tokenizer.vocab_size)
         params.structured = structured_from_response_format(req.response_format)
         if req.echo and req.logprobs is not None:
             params.prompt_logprobs = req.logprobs
-        gens = await self._start_choices(ids, params, req.n, "cmpl")
+        gens = await self._start_batch(prompts, params, req.n, "cmpl")
         base = {"id": gens[0].request_id, "object": "text_completion", "created": gens[0].created,
                 "model": self.model_name}
         want_lp = req.logprobs is not None
-        echo = self.tokenizer.decode(ids) if req.echo else ""
+        ids_of = [ids for ids in prompts for _ in range(req.n)]  # choice i's prompt
+        echo_of = [e for ids in prompts for e in [self.tokenizer.decode(ids) if req.echo else ""] * req.n]
         if req.stream:
-            echoed = [not echo] * len(gens)
+            echoed = [not e for e in echo_of]
 
             def chunk(i: int, d: Delta, offset: int) -> dict:
-                text = d.text if echoed[i] else echo + d.text
-                lp = self._completion_logprobs(d, len(echo) + offset) if want_lp else None
+                text = d.text if echoed[i] else echo_of[i] + d.text
+                lp = self._completion_logprobs(d, len(echo_of[i]) + offset) if want_lp else None
                 if lp is not None and not echoed[i]:
-                    lp = {k: v + lp[k] for k, v in self._echo_logprobs(ids, gens[i]).items()}
+                    lp = {k: v + lp[k] for k, v in self._echo_logprobs(ids_of[i], gens[i]).items()}
                 echoed[i] = True
                 return base | {"choices": [{"index": i, "text": text, "finish_reason": None, "logprobs": lp}]}
 
@@ -185,19 +206,20 @@ class OpenAIHandlers:
                 return [base | {"choices": [{"index": i, "text": "", "logprobs": None,
                                              "finish_reason": gens[i].finish_reason}]}]
             return await self._stream(gens, chunk, final, base,
-                                      bool(req.stream_options and req.stream_options.include_usage))
+                                      bool(req.stream_options and req.stream_options.include_usage), req.n)
         lps = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in gens]
 
         def on_delta(i: int, d: Delta, offset: int) -> None:
             if want_lp:
-                for k, v in self._completion_logprobs(d, len(echo) + offset).items():
+                for k, v in self._completion_logprobs(d, len(echo_of[i]) + offset).items():
                     lps[i][k] += v
         texts = await self._collect(gens, on_delta)
-        if echo and want_lp:
-            lps = [{k: v + lp[k] for k, v in self._echo_logprobs(ids, g).items()} for lp, g in zip(lps, gens)]
-        return base | {"choices": [{"index": i, "text": echo + t, "logprobs": lps[i] if want_lp else None,
+        if req.echo and want_lp:
+            lps = [{k: v + lp[k] for k, v in self._echo_logprobs(ids, g).items()}
+                   for lp, g, ids in zip(lps, gens, ids_of)]
+        return base | {"choices": [{"index": i, "text": echo_of[i] + t, "logprobs": lps[i] if want_lp else None,
                                     "finish_reason": g.finish_reason} for i, (t, g) in enumerate(zip(texts, gens))],
-                       "usage": _usage(gens)}
+                       "usage": _usage(gens, req.n)}
 
     async def chat(self, req: ChatCompletionRequest):
         req.check_supported()

@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 
 
 MAX_N = 16
+MAX_CHOICES = 64  # prompts x n in one completions request (each is a generation in flight)
 """Choices per request at most."""
 
 
@@ -115,7 +116,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # a list of strings or of token lists: a batch
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -128,10 +129,19 @@ class CompletionRequest(_Common):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
             raise APIError(400, "best_of is not supported (other than best_of == n)", param="best_of")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), got "
+                                f"{len(self.prompts())} x {self.n}", param="prompt")
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise APIError(400, f"logprobs must be in [0, 5], got {self.logprobs}", param="logprobs")
+
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids (one prompt is a batch of one)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
 
 class ChatMessage(BaseModel):
@@ -187,10 +197,14 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """Turn pydantic's errors into one OpenAI-style error naming the first bad field."""
     e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # a union's member appears in the location as its type ("prompt.list[int]"): not a field
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and str(x) not in _TYPE_TAGS and "[" not in str(x)]
     param = ".".join(loc) or None
     if e.get("type") == "extra_forbidden":
         return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")

@@ -135,6 +135,23 @@ def test_echo_with_prompt_logprobs(cluster, smollm):
     assert streamed == lp["token_logprobs"]
 
 
+def test_echo_of_a_batch_gives_each_choice_its_own_prompt(cluster, smollm):
+    tok = smollm[1]
+    texts = ["The capital of France is", "Two plus two equals"]
+    ids = [tok.encode(t) for t in texts]
+    body = {"model": MODEL, "prompt": ids, "n": 2, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    choices = httpx.post(cluster.url + "/v1/completions", timeout=60, json=body).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c, i, t in zip(choices, [ids[0], ids[0], ids[1], ids[1]], [texts[0], texts[0], texts[1], texts[1]]):
+        lp = c["logprobs"]
+        assert c["text"].startswith(t) and len(lp["tokens"]) == len(i) + 2 and lp["token_logprobs"][0] is None
+    events = [json.loads(line[6:]) for line in httpx.post(cluster.url + "/v1/completions", timeout=60,
+                                                         json=body | {"stream": True}).text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = ["".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == k) for k in range(4)]
+    assert streamed == [c["text"] for c in choices]
+
+
 def test_forced_tool_call(cluster):
     msgs = [{"role": "user", "content": "What's the weather in Oslo?"}]
     r = client(cluster).chat.completions.create(

@@ -42,6 +42,7 @@ from router.app import Router, RouterConfig, create_app
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 MAX_NEW = 4               # new tokens per fuzzed request at most: keeps ~100 generations in seconds
+MAX_BATCH = 3             # prompts per fuzzed completions request at most
 TIMEOUT_S = 20.0          # router-side: a generation the caps failed to bound becomes a 504
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -108,6 +109,9 @@ def _tame(body, keep_model: bool, stream: bool, budget: int):
             body[key] = budget
     if isinstance(body.get("stream", False), bool):
         body["stream"] = stream
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > MAX_BATCH and all(isinstance(p, (str, list)) for p in prompt):
+        body["prompt"] = prompt[:MAX_BATCH]  # a batch costs a generation per prompt
     return body
 
 
@@ -139,8 +143,10 @@ def _plausible(body, vocab_size: int):
     if isinstance(body.get("stop"), list):
         body["stop"] = body["stop"][:4]
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        body["prompt"] = prompt[:1]  # batched prompts are refused
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        # a batch: keep it small, its token ids in the vocabulary
+        body["prompt"] = [[t % vocab_size for t in p if type(t) is int] if isinstance(p, list) else p
+                          for p in prompt[:MAX_BATCH]]
     if isinstance(body.get("messages"), list):
         body["messages"] = [_text_only(m) for m in body["messages"]] or [{"role": "user", "content": "Hi"}]
     return body
@@ -191,20 +197,23 @@ def _check_error_body(r: httpx.Response) -> None:
 def _check_completion(obj: dict, path: str, stream: bool) -> None:
     assert obj["model"] == MODEL and obj["id"]
     if stream and not obj["choices"]:  # the include_usage chunk
-        assert obj["usage"]["completion_tokens"] <= MAX_NEW
+        assert obj["usage"]["completion_tokens"] <= MAX_NEW * MAX_BATCH
         return
-    (choice,) = obj["choices"]
-    if path == "/v1/completions":
-        assert obj["object"] == "text_completion" and isinstance(choice["text"], str)
-    elif stream:
-        assert obj["object"] == "chat.completion.chunk" and isinstance(choice["delta"], dict)
-    else:
-        assert obj["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
-        assert isinstance(choice["message"]["content"], str)
+    choices = obj["choices"]  # n is 1; a batch of prompts has one each
+    assert 1 <= len(choices) <= MAX_BATCH and len({c["index"] for c in choices}) == len(choices)
+    for choice in choices:
+        if path == "/v1/completions":
+            assert obj["object"] == "text_completion" and isinstance(choice["text"], str)
+        elif stream:
+            assert obj["object"] == "chat.completion.chunk" and isinstance(choice["delta"], dict)
+        else:
+            assert obj["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+            assert isinstance(choice["message"]["content"], str)
+        if not stream:
+            assert choice["finish_reason"] in ("stop", "length")
     if not stream:
-        assert choice["finish_reason"] in ("stop", "length")
         u = obj["usage"]
-        assert 0 < u["prompt_tokens"] and 0 <= u["completion_tokens"] <= MAX_NEW
+        assert 0 < u["prompt_tokens"] and 0 <= u["completion_tokens"] <= MAX_NEW * len(choices)
         assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
 
 
