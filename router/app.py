@@ -20,7 +20,8 @@ from .cluster import ClusterClient
 from .generation import Generation
 from .metrics import RouterMetrics
 from .openai_api import OpenAIHandlers
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, http_error, validation_error
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       http_error, validation_error)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Router(OpenAIHandlers):
         self.refresh_interval_s = config.refresh_interval_s
         self.metrics = RouterMetrics()
         self.inflight = 0
+        self.started = time.time()  # the model card's `created`
         self.control = None  # a deploy.launch.PoolControl when this router runs next to its pools
 
     def _generation(self, prompt: list[int], params, prefix: str) -> Generation:
@@ -199,10 +201,25 @@ def create_app(router: Router) -> FastAPI:
     async def chat(req: ChatCompletionRequest):
         return await router.chat(req)
 
+    def model_card() -> dict:
+        return {"id": router.model_name, "object": "model", "created": int(router.started), "owned_by": "pdserve"}
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
-        return {"object": "list", "data": [{"id": router.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "pdserve"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    async def model(model: str):
+        router._check_model(model)
+        return model_card()
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(req: TokenizeRequest):
+        return await router.tokenize(req)
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(req: DetokenizeRequest):
+        return await router.detokenize(req)
 
     @app.get("/health")
     async def health():

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from engine.aio import stop_tasks
 
 from .generation import Delta, Generation
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .tools import check_tools, forced_tool, parse_tool_call, render_messages, structured_from_response_format
 
 
@@ -176,7 +176,35 @@ class OpenAIHandlers:
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def _chat_ids(self, req) -> list[int]:
+        """A chat request's prompt as the model sees it: messages (and tools) through the
+        chat template, tokenized. `/tokenize` uses the same, so its count is the one billed."""
+        messages = render_messages([{"role": m.role, "content": m.text()} | (m.model_extra or {}) for m in req.messages],
+                                   req.tools, req.tool_choice)
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        return self.tokenizer.encode(prompt)
+
     # ---- endpoints ----------------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's `/tokenize`: a prompt, or chat messages (+ tools), as token ids."""
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if req.messages is not None:
+            check_tools(req.tools, req.tool_choice)
+            ids = self._chat_ids(req)
+        else:
+            ids = self.tokenizer.encode(req.prompt)
+        return {"count": len(ids), "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self._check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens contains {bad}, outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
     async def completions(self, req: CompletionRequest):
         req.check_supported()
         self._check_model(req.model)
@@ -225,10 +253,7 @@ class OpenAIHandlers:
         req.check_supported()
         self._check_model(req.model)
         specs = check_tools(req.tools, req.tool_choice)
-        messages = render_messages([{"role": m.role, "content": m.text()} | (m.model_extra or {}) for m in req.messages],
-                                   req.tools, req.tool_choice)
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        ids = self.tokenizer.encode(prompt)
+        ids = self._chat_ids(req)
         params = req.sampling_params(req.max_new_tokens(), req.wanted_logprobs(), self.tokenizer.vocab_size)
         forced = forced_tool(req.tools, req.tool_choice, specs)
         if forced is not None and req.response_format and req.response_format.get("type") != "text":

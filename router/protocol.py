@@ -171,6 +171,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # either way: a reply holds at most one call
     add_generation_prompt: bool = True
 
     def check_supported(self) -> None:
@@ -195,6 +196,25 @@ class ChatCompletionRequest(_Common):
 
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """`/tokenize` (as vLLM): `prompt`, or `messages` with the chat request's template options."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+
+    _unicode_only = field_validator("prompt")(_valid_unicode)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[int]
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}

@@ -229,6 +229,34 @@ def test_health_models_metrics(cluster, client):
     assert "pdserve_time_to_first_token_seconds_count 0.0" not in text
 
 
+def test_tokenize_counts_what_a_request_is_billed_and_detokenize_inverts_it(cluster, client, smollm):
+    tok = smollm[1]
+    post = lambda path, **body: httpx.post(cluster.url + path, timeout=30, json={"model": MODEL, **body})  # noqa: E731
+    r = post("/tokenize", prompt="Hello, world!").json()
+    assert r == {"count": len(tok.encode("Hello, world!")), "tokens": tok.encode("Hello, world!")}
+    assert post("/detokenize", tokens=r["tokens"]).json() == {"prompt": "Hello, world!"}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+    for extra in ({}, {"tools": tools}):
+        counted = post("/tokenize", messages=msgs, **extra).json()["count"]
+        billed = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0,
+                                                parallel_tool_calls=False, **extra).usage.prompt_tokens
+        assert counted == billed
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens")):
+        bad = post(path, **body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert post("/tokenize", prompt="x").status_code == 200
+    assert httpx.post(cluster.url + "/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
+
+
+def test_a_model_is_retrieved_by_its_id(cluster, client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    r = httpx.get(cluster.url + "/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_disaggregation_really_happened(cluster):
     cluster.run(cluster.router.cluster.refresh())
     s = cluster.router.cluster.stats

@@ -50,6 +50,10 @@ def test_api_key_required_on_v1_only(cluster):
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=cluster.url + "/v1", api_key="nope", max_retries=0).models.list()
     assert OpenAI(base_url=cluster.url + "/v1", api_key=KEY, max_retries=0).models.list().data[0].id == MODEL
+    for path, body in (("/tokenize", {"model": MODEL, "prompt": "hi"}), ("/detokenize", {"model": MODEL, "tokens": [1]})):
+        assert httpx.post(cluster.url + path, json=body).status_code == 401  # the tokenizer is behind the key too
+        assert httpx.post(cluster.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(cluster.url + f"/v1/models/{MODEL}").status_code == 401
 
 
 def test_admission_limit_gives_429_with_retry_after(cluster):
