@@ -84,8 +84,17 @@ class OpenAIHandlers:
             except InvalidRequestError as e:
                 raise APIError(400, str(e), param=e.param) from e
 
+    def _check_fits(self, choices: int, param: str) -> None:
+        """A request needing more generations than the router ever admits at once can never
+        succeed: a 400 naming the field, not a 429 that would have the client retry forever."""
+        limit = self.config.max_inflight
+        if limit and choices > limit:
+            raise APIError(400, f"this request needs {choices} generations at once; this server admits at most "
+                                f"{limit}", param=param)
+
     async def _start_choices(self, ids: list[int], params, n: int, prefix: str) -> list[Generation]:
         self._check_structured(params)
+        self._check_fits(n, "n")
         gens: list[Generation] = []
         try:
             gens.append(self._generation(ids, params, prefix))
@@ -102,6 +111,7 @@ class OpenAIHandlers:
     async def _start_batch(self, prompts: list[list[int]], params, n: int, prefix: str) -> list[Generation]:
         """n choices of every prompt, started together; prompt-major (choice k*n + j is the
         j-th of prompt k), as OpenAI numbers them. One that cannot start fails them all."""
+        self._check_fits(len(prompts) * n, "prompt" if len(prompts) > 1 else "n")
         groups = await asyncio.gather(*(self._start_choices(ids, params, n, prefix) for ids in prompts),
                                       return_exceptions=True)
         failed = next((g for g in groups if isinstance(g, BaseException)), None)

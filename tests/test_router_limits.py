@@ -73,6 +73,12 @@ def test_admission_limit_gives_429_with_retry_after(cluster):
     assert cluster.router.inflight == 0
     assert post(cluster, BODY).status_code == 200
     assert 'pdserve_requests_total{status="rejected"}' in httpx.get(cluster.url + "/metrics").text
+    # more generations than are ever admitted at once (limit 2): refused for good, not "retry"
+    for body, param in ((BODY | {"n": 3}, "n"), (BODY | {"prompt": ["a", "b", "c"]}, "prompt")):
+        r = post(cluster, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert len(post(cluster, BODY | {"prompt": ["a", "b"]}).json()["choices"]) == 2
+    assert cluster.router.inflight == 0
 
 
 def test_request_timeout_gives_504_and_aborts(cluster):
