@@ -3,7 +3,8 @@
 Text is released only when it is final: never half of a multi-byte character (byte-level
 BPE splits UTF-8 sequences across tokens, and decoding a partial one yields U+FFFD), and
 never the first characters of what may still become a stop string. A matched stop string
-and everything after it are dropped, as OpenAI does.
+and everything after it are dropped, as OpenAI does. Before `min_tokens` tokens, stop strings
+are not looked for (as EOS and stop token ids are not sampled then).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .tokenizer import Tokenizer
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.tok = tokenizer
         self.stop = list(stop or [])
         self.skip_special = skip_special_tokens
@@ -23,6 +24,7 @@ class IncrementalDetokenizer:
         self._released = 0    # len of text already returned to the caller
         self.stopped_on: str | None = None
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.min_tokens = min_tokens
 
     def push(self, token_ids: list[int]) -> str:
         """Add generated tokens; return the newly final text (possibly empty)."""
@@ -46,7 +48,9 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        if self.stop and self.stopped_on is None:
+        if len(self.tokens) < self.min_tokens:  # no stop yet: nothing to hold back for one
+            final = True
+        elif self.stop and self.stopped_on is None:
             # a stop string may straddle what was released and the new text
             start = max(0, self._released - self._hold)
             hits = [(self.text.find(s, start), s) for s in self.stop]

@@ -117,7 +117,7 @@ class LLMEngine:
                 raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
             req.grammar = self.tokenizer.grammar_compiler(self.model_config.vocab_size).matcher(params.structured)
         if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
         elif params.stop:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
         return req
@@ -212,7 +212,9 @@ class LLMEngine:
             out.prompt_logprobs = list(req.prompt_logprobs or [])
         status = None
         p = req.params
-        if token == req.eos_token_id and not p.ignore_eos:
+        if len(req.output_token_ids) <= p.min_tokens:
+            pass  # too early to stop (the sampler masks the stop tokens; this covers an imported one)
+        elif token == req.eos_token_id and not p.ignore_eos:
             status = RequestStatus.FINISHED_STOPPED
         elif token in p.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token

@@ -27,7 +27,7 @@ class TokenLogprobs:
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     """Repetition penalty over prompt + output (HF semantics: shrink positive logits, grow
     negative ones); presence and frequency penalties over the output and the logit bias
-    (OpenAI semantics)."""
+    (OpenAI semantics); below `min_tokens`, EOS and the stop token ids are masked."""
     p = req.params
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
@@ -39,6 +39,10 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    if len(req.output_token_ids) < p.min_tokens:
+        enders = list(p.stop_token_ids) + ([req.eos_token_id] if req.eos_token_id is not None else [])
+        if enders:
+            logits[torch.tensor(enders, dtype=torch.long)] = float("-inf")
     return logits
 
 

@@ -28,6 +28,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    """No EOS, stop token id or stop string ends the output before this many tokens."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to the logits of these token ids before sampling (OpenAI: -100 bans, +100 forces)."""
     stop: list[str] = field(default_factory=list)
@@ -65,6 +67,10 @@ class SamplingParams:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens < 2**31:
+            bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"allows at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):  # NaN fails too
@@ -99,4 +105,4 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Logits are adjusted per request before sampling (penalties, logit bias)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0epdserve.worker\"\xa4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x02\x88\x01\x01\x12\x17\n\x0fstructured_kind\x18\r \x01(\t\x12\x17\n\x0fstructured_spec\x18\x0e \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x03\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.pdserve.worker.SamplingParams.LogitBiasEntry\x12\x12\n\ncache_salt\x18\x11 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xf2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.pdserve.worker.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x15\n\rcluster_token\x18\x06 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14local_prefill_tokens\x18\x08 \x01(\x05\"\x9c\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12.\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1c.pdserve.worker.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x1a\n\x12prefilled_remotely\x18\x08 \x01(\x08\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.pdserve.worker.TokenLogprob\"9\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcluster_token\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xef\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x03\x12\x10\n\x08kv_usage\x18\x08 \x01(\x02\x12\x16\n\x0eprefix_queries\x18\t \x01(\x03\x12\x13\n\x0bprefix_hits\x18\n \x01(\x03\x12\x17\n\x0fremote_prefills\x18\x0b \x01(\x03\x12\x16\n\x0elocal_prefills\x18\x0c \x01(\x03\x12\x19\n\x11transfer_failures\x18\r \x01(\x03\x12\x0f\n\x07refused\x18\x0e \x01(\x03\x12\x13\n\x0bqueue_limit\x18\x0f \x01(\x05\x12\x10\n\x08kv_bytes\x18\x10 \x01(\x03\x12\x12\n\nkv_seconds\x18\x11 \x01(\x01\"2\n\rBlockSnapshot\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x03\"\xd9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.pdserve.worker.SamplingParams\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\x05\x12\x11\n\ttimeout_s\x18\x06 \x01(\x02\x12\x15\n\rcluster_token\x18\x07 \x01(\t\x12\x13\n\x0bskip_tokens\x18\x08 \x01(\x05\"\x96\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12-\n\x07logprob\x18\x02 \x01(\x0b\x32\x1c.pdserve.worker.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t2\xb4\x02\n\rDecodeService\x12O\n\x08Generate\x12\x1f.pdserve.worker.GenerateRequest\x1a .pdserve.worker.GenerateResponse0\x01\x12\x41\n\x05\x41\x62ort\x12\x1c.pdserve.worker.AbortRequest\x1a\x1a.pdserve.worker.AbortReply\x12\x42\n\x05Stats\x12\x1c.pdserve.worker.StatsRequest\x1a\x1b.pdserve.worker.WorkerStats\x12K\n\x0c\x43\x61\x63hedBlocks\x12\x1c.pdserve.worker.StatsRequest\x1a\x1d.pdserve.worker.BlockSnapshot2\xad\x02\n\x0ePrefillService\x12G\n\x07Prefill\x12\x1e.pdserve.worker.PrefillRequest\x1a\x1c.pdserve.worker.PrefillReply\x12\x41\n\x05\x41\x62ort\x12\x1c.pdserve.worker.AbortRequest\x1a\x1a.pdserve.worker.AbortReply\x12\x42\n\x05Stats\x12\x1c.pdserve.worker.StatsRequest\x1a\x1b.pdserve.worker.WorkerStats\x12K\n\x0c\x43\x61\x63hedBlocks\x12\x1c.pdserve.worker.StatsRequest\x1a\x1d.pdserve.worker.BlockSnapshotb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0epdserve.worker\"\xb8\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x02\x88\x01\x01\x12\x17\n\x0fstructured_kind\x18\r \x01(\t\x12\x17\n\x0fstructured_spec\x18\x0e \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x03\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.pdserve.worker.SamplingParams.LogitBiasEntry\x12\x12\n\ncache_salt\x18\x11 \x01(\t\x12\x12\n\nmin_tokens\x18\x12 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xf2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.pdserve.worker.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x15\n\rcluster_token\x18\x06 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14local_prefill_tokens\x18\x08 \x01(\x05\"\x9c\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12.\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1c.pdserve.worker.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x1a\n\x12prefilled_remotely\x18\x08 \x01(\x08\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.pdserve.worker.TokenLogprob\"9\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcluster_token\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xef\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x03\x12\x10\n\x08kv_usage\x18\x08 \x01(\x02\x12\x16\n\x0eprefix_queries\x18\t \x01(\x03\x12\x13\n\x0bprefix_hits\x18\n \x01(\x03\x12\x17\n\x0fremote_prefills\x18\x0b \x01(\x03\x12\x16\n\x0elocal_prefills\x18\x0c \x01(\x03\x12\x19\n\x11transfer_failures\x18\r \x01(\x03\x12\x0f\n\x07refused\x18\x0e \x01(\x03\x12\x13\n\x0bqueue_limit\x18\x0f \x01(\x05\x12\x10\n\x08kv_bytes\x18\x10 \x01(\x03\x12\x12\n\nkv_seconds\x18\x11 \x01(\x01\"2\n\rBlockSnapshot\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x03\"\xd9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.pdserve.worker.SamplingParams\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\x05\x12\x11\n\ttimeout_s\x18\x06 \x01(\x02\x12\x15\n\rcluster_token\x18\x07 \x01(\t\x12\x13\n\x0bskip_tokens\x18\x08 \x01(\x05\"\x96\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12-\n\x07logprob\x18\x02 \x01(\x0b\x32\x1c.pdserve.worker.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t2\xb4\x02\n\rDecodeService\x12O\n\x08Generate\x12\x1f.pdserve.worker.GenerateRequest\x1a .pdserve.worker.GenerateResponse0\x01\x12\x41\n\x05\x41\x62ort\x12\x1c.pdserve.worker.AbortRequest\x1a\x1a.pdserve.worker.AbortReply\x12\x42\n\x05Stats\x12\x1c.pdserve.worker.StatsRequest\x1a\x1b.pdserve.worker.WorkerStats\x12K\n\x0c\x43\x61\x63hedBlocks\x12\x1c.pdserve.worker.StatsRequest\x1a\x1d.pdserve.worker.BlockSnapshot2\xad\x02\n\x0ePrefillService\x12G\n\x07Prefill\x12\x1e.pdserve.worker.PrefillRequest\x1a\x1c.pdserve.worker.PrefillReply\x12\x41\n\x05\x41\x62ort\x12\x1c.pdserve.worker.AbortRequest\x1a\x1a.pdserve.worker.AbortReply\x12\x42\n\x05Stats\x12\x1c.pdserve.worker.StatsRequest\x1a\x1b.pdserve.worker.WorkerStats\x12K\n\x0c\x43\x61\x63hedBlocks\x12\x1c.pdserve.worker.StatsRequest\x1a\x1d.pdserve.worker.BlockSnapshotb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=588
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=483
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=531
-  _globals['_TOKENLOGPROB']._serialized_start=590
-  _globals['_TOKENLOGPROB']._serialized_end=678
-  _globals['_GENERATEREQUEST']._serialized_start=681
-  _globals['_GENERATEREQUEST']._serialized_end=923
-  _globals['_GENERATERESPONSE']._serialized_start=926
-  _globals['_GENERATERESPONSE']._serialized_end=1210
-  _globals['_ABORTREQUEST']._serialized_start=1212
-  _globals['_ABORTREQUEST']._serialized_end=1269
-  _globals['_ABORTREPLY']._serialized_start=1271
-  _globals['_ABORTREPLY']._serialized_end=1298
-  _globals['_STATSREQUEST']._serialized_start=1300
-  _globals['_STATSREQUEST']._serialized_end=1314
-  _globals['_WORKERSTATS']._serialized_start=1317
-  _globals['_WORKERSTATS']._serialized_end=1684
-  _globals['_BLOCKSNAPSHOT']._serialized_start=1686
-  _globals['_BLOCKSNAPSHOT']._serialized_end=1736
-  _globals['_PREFILLREQUEST']._serialized_start=1739
-  _globals['_PREFILLREQUEST']._serialized_end=1956
-  _globals['_PREFILLREPLY']._serialized_start=1959
-  _globals['_PREFILLREPLY']._serialized_end=2109
-  _globals['_DECODESERVICE']._serialized_start=2112
-  _globals['_DECODESERVICE']._serialized_end=2420
-  _globals['_PREFILLSERVICE']._serialized_start=2423
-  _globals['_PREFILLSERVICE']._serialized_end=2724
+  _globals['_SAMPLINGPARAMS']._serialized_end=608
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=503
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=551
+  _globals['_TOKENLOGPROB']._serialized_start=610
+  _globals['_TOKENLOGPROB']._serialized_end=698
+  _globals['_GENERATEREQUEST']._serialized_start=701
+  _globals['_GENERATEREQUEST']._serialized_end=943
+  _globals['_GENERATERESPONSE']._serialized_start=946
+  _globals['_GENERATERESPONSE']._serialized_end=1230
+  _globals['_ABORTREQUEST']._serialized_start=1232
+  _globals['_ABORTREQUEST']._serialized_end=1289
+  _globals['_ABORTREPLY']._serialized_start=1291
+  _globals['_ABORTREPLY']._serialized_end=1318
+  _globals['_STATSREQUEST']._serialized_start=1320
+  _globals['_STATSREQUEST']._serialized_end=1334
+  _globals['_WORKERSTATS']._serialized_start=1337
+  _globals['_WORKERSTATS']._serialized_end=1704
+  _globals['_BLOCKSNAPSHOT']._serialized_start=1706
+  _globals['_BLOCKSNAPSHOT']._serialized_end=1756
+  _globals['_PREFILLREQUEST']._serialized_start=1759
+  _globals['_PREFILLREQUEST']._serialized_end=1976
+  _globals['_PREFILLREPLY']._serialized_start=1979
+  _globals['_PREFILLREPLY']._serialized_end=2129
+  _globals['_DECODESERVICE']._serialized_start=2132
+  _globals['_DECODESERVICE']._serialized_end=2440
+  _globals['_PREFILLSERVICE']._serialized_start=2443
+  _globals['_PREFILLSERVICE']._serialized_end=2744
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ class Generation:
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.detok = IncrementalDetokenizer(tokenizer, params.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop, min_tokens=params.min_tokens)
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0

@@ -73,6 +73,7 @@ class _Common(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    min_tokens: int = 0
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None  # prefix-cache isolation per tenant (as in vLLM)
@@ -107,7 +108,7 @@ class _Common(BaseModel):
                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                            stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids),
                            ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=self.token_bias(),
-                           cache_salt=self.cache_salt or "")
+                           cache_salt=self.cache_salt or "", min_tokens=self.min_tokens)
         try:
             p.validate(vocab_size)
         except InvalidRequestError as e:

@@ -75,6 +75,18 @@ def test_cache_salt_isolates_prefixes_and_keeps_answers(make_engine):
     assert run("") == (first, 48)
 
 
+def test_min_tokens_holds_back_every_way_to_stop(make_engine):
+    eng = make_engine()
+    p = prompts(1, seed=5, lo=20, hi=20)[0]
+    free = eng.generate([p], SamplingParams(max_tokens=12, temperature=0))[0]
+    stop = free[1]  # would end the plain run at its 2nd token
+    short = eng.generate([p], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
+    held = eng.generate([p], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop], min_tokens=5))[0]
+    assert short == free[:2]
+    assert len(held) >= 6 and stop not in held[:5] and held[:1] == free[:1]
+    assert held[-1] == stop or len(held) == 12  # past min_tokens it stops as usual
+
+
 def test_prefix_hit_skips_computed_tokens(make_engine):
     eng = make_engine()
     p = prompts(1, seed=3, lo=40, hi=40)[0]

@@ -147,6 +147,24 @@ def test_logit_bias_bans_and_forces_tokens_across_the_cluster(client, smollm, re
     assert c.choices[0].text == tok.decode([forced] * 5)
 
 
+def test_min_tokens_keeps_a_short_answer_going_across_the_cluster(client, smollm, reference):
+    """EOS is masked on the prefill worker (first token) and the decode worker alike, and the
+    router's stop strings wait too; past min_tokens the answer ends as usual."""
+    _, tok = smollm
+    msgs = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]  # "No." and EOS
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+    assert plain.usage.completion_tokens < 8 and plain.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+                                          extra_body={"min_tokens": 8})
+    want = reference(chat_ids(tok, msgs[0]["content"]), 40, min_tokens=8)
+    assert held.usage.completion_tokens == len(want) >= 8
+    assert held.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+    stop = plain.choices[0].message.content[:2]  # a stop string at the very start of the answer
+    cut = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0, stop=[stop],
+                                         extra_body={"min_tokens": 8})
+    assert cut.usage.completion_tokens >= 8
+
+
 def test_cache_salt_isolates_tenants_across_the_cluster(cluster):
     """Prefill and decode workers and the router's index all hash under the request's salt:
     a repeat within a tenant hits the cache, the same prompt from another tenant (or from no
@@ -188,6 +206,8 @@ def test_cache_salt_isolates_tenants_across_the_cluster(cluster):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2**40}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ({"model": MODEL, "prompt": "hi", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens"),
+    ({"model": MODEL, "prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     ({"model": MODEL, "prompt": [[12, 13], []]}, 400, "prompt"),
     ({"model": MODEL, "prompt": ["a", [12]]}, 400, "prompt"),
     ({"model": MODEL, "prompt": ["hi"] * 33, "n": 2}, 400, "prompt"),

@@ -53,6 +53,18 @@ def test_logit_bias_bans_and_forces_tokens_but_logprobs_stay_the_models():
     assert {sample(logits[:1], [banned])[0][0] for _ in range(50)} == {3}
 
 
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 4.9, 4.8]])  # token 1 is EOS, 2 a stop token id
+    def pick(outputs):
+        r = Request("r", [7], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]), max_tokens=10,
+                    eos_token_id=1)
+        for t in outputs:
+            r.append_output(t)
+        return sample(logits, [r])[0][0]
+    assert pick([]) == 3 and pick([3]) == 3  # neither EOS nor the stop id while below 2 tokens
+    assert pick([3, 3]) == 1
+
+
 def test_greedy_and_penalized_greedy():
     logits = torch.tensor([[0.0, 5.0, 4.9], [0.0, 5.0, 4.9]])
     reqs = [req(SamplingParams(temperature=0)), req(SamplingParams(temperature=0, repetition_penalty=1.5), prompt=(1,))]

@@ -44,6 +44,14 @@ def test_earliest_stop_string_wins_and_text_before_is_released(tokenizer):
     assert out == "alpha " and det.stopped_on == "beta"
 
 
+def test_stop_strings_are_not_looked_for_before_min_tokens(tokenizer):
+    ids = tokenizer.encode("beta one beta two")
+    first = len(tokenizer.encode("beta one"))
+    det = IncrementalDetokenizer(tokenizer, stop=["beta"], min_tokens=first)
+    out = "".join(det.push([t]) for t in ids) + det.flush()
+    assert out == "beta one " and det.stopped_on == "beta"  # the 1st is within min_tokens, the 2nd stops it
+
+
 def test_special_tokens_skipped_in_output(tokenizer):
     det = IncrementalDetokenizer(tokenizer)
     ids = tokenizer.encode("Hi there<|im_end|>")
