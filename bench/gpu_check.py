@@ -26,6 +26,24 @@ def timed(fn, repeats: int = 20) -> float:
     return (time.perf_counter() - t) / repeats
 
 
+def check_sampler_on_cuda() -> bool:
+    """Every per-request logit adjustment (penalties, logit bias, min_tokens) on CUDA logits
+    equals the CPU result: a device mix-up there would kill a GPU worker's engine."""
+    from engine.request import Request
+    from engine.sampler import apply_penalties
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+                            logit_bias={5: 3.0, 7: -100.0}, min_tokens=4, stop_token_ids=[9])
+    req = Request("r", [1, 2, 3], params, max_tokens=16, eos_token_id=0)
+    for t in (2, 5, 5):
+        req.append_output(t)
+    logits = torch.randn(64)
+    ok = torch.equal(apply_penalties(logits.clone(), req), apply_penalties(logits.clone().cuda(), req).cpu())
+    print(f"sampler adjustments on CUDA equal the CPU's: {ok}")
+    return ok
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run this where a GPU is available")
@@ -57,6 +75,7 @@ def main() -> None:
                             "speedup": t_torch / t_triton}
             print(f"{key:24s} err {err:.1e}  triton {t_triton * 1e6:8.1f} us  torch {t_torch * 1e6:8.1f} us  "
                   f"x{t_torch / t_triton:.2f}")
+    results["sampler_on_cuda"] = check_sampler_on_cuda()
     out = Path(__file__).with_name("gpu-results.json")
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
     print(f"wrote {out}")

@@ -29,20 +29,23 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     negative ones); presence and frequency penalties over the output and the logit bias
     (OpenAI semantics); below `min_tokens`, EOS and the stop token ids are masked."""
     p = req.params
+    dev = logits.device  # CUDA logits on a GPU worker: index and operand tensors go there too
+
+    def ids(tokens) -> torch.Tensor:
+        return torch.tensor(list(tokens), dtype=torch.long, device=dev)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        seen = ids(sorted(set(req.all_token_ids)))
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
+        counts = torch.bincount(ids(req.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        logits[ids(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=dev)
     if len(req.output_token_ids) < p.min_tokens:
         enders = list(p.stop_token_ids) + ([req.eos_token_id] if req.eos_token_id is not None else [])
         if enders:
-            logits[torch.tensor(enders, dtype=torch.long)] = float("-inf")
+            logits[ids(enders)] = float("-inf")
     return logits
 
 
