@@ -43,7 +43,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         w = self.w
         rid, prompt = request.request_id, list(request.prompt_token_ids)
-        params = dataclasses.replace(params_from_proto(request.params), max_tokens=1, stop_token_ids=[])
+        asked = params_from_proto(request.params)
+        # one token here; below min_tokens it must not be EOS or a stop token id (masked, so kept)
+        params = dataclasses.replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1),
+                                     stop_token_ids=asked.stop_token_ids if asked.min_tokens else [])
         bs = w.engine.engine.blocks.block_size
         # the decode worker holds the prompt's first skip_tokens (its cached prefix): send the
         # KV from the block holding the first token it awaits, in this worker's block size

@@ -37,6 +37,8 @@ class Route:
     holds_stream: bool = False  # counted in its decode worker's streams until `release`
     block_hashes: list[int] = field(default_factory=list)  # the prompt's
     expected_until: float = 0.0  # its blocks count as held by the prefill worker until then (or `settle`)
+    decode_expected_until: float = 0.0  # ... and by the decode worker
+    settled: bool = False  # its first token came (or it moved on with tokens already streamed)
 
 
 class ClusterClient:
@@ -136,24 +138,32 @@ class ClusterClient:
         hashes = hash_blocks(prompt, self.block_size, self.namespace, parent=root_hash(cache_salt))
         decode_id = self.policy.pick_decode([w for w in self._loads({"decode", "aggregated"})
                                              if w.worker_id not in exclude], hashes)
+        # the prompt's blocks land there (KV import or local prefill) before its events say so
+        decode_until = self.index.expect(decode_id, hashes, ttl_s=30.0) if self.policy.follows_prefixes else 0.0
         try:
             prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
         except NoWorkerError:
             pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
         self.decode_streams[decode_id] = self.decode_streams.get(decode_id, 0) + 1
         if prefill is None:
-            return Route(self.workers[decode_id], None, 0, holds_stream=True)
+            return Route(self.workers[decode_id], None, 0, holds_stream=True, block_hashes=hashes,
+                         decode_expected_until=decode_until)
         todo = max(len(prompt) - prefill.cached_tokens, 0)
         self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
         return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,
-                     holds_stream=True, block_hashes=hashes, expected_until=prefill.expected_until)
+                     holds_stream=True, block_hashes=hashes, expected_until=prefill.expected_until,
+                     decode_expected_until=decode_until)
 
     def settle(self, route: Route | None, prefilled_remotely: bool = True) -> None:
         """The route's prefill is over (its first token came, or it failed): take its tokens
         off the worker's pending load. `prefilled_remotely` False: the prefill worker did not
         compute the prompt (the decode worker took it, or the request failed or moved), so
         the index stops expecting its blocks there. Idempotent."""
-        if route is None or route.prefill is None:
+        if route is None or route.settled:
+            return
+        route.settled = True
+        route.decode_expected_until = 0.0  # the prompt is on the decode worker now: its events follow
+        if route.prefill is None:
             return
         wid = route.prefill.worker_id
         if not prefilled_remotely and route.expected_until:
@@ -171,8 +181,12 @@ class ClusterClient:
     def release(self, route: Route | None) -> None:
         """The route's stream is over (finished, failed, refused or moved): settle its prefill
         and take it off its decode worker's streams. Idempotent."""
+        if route is None:
+            return
+        if not route.settled and route.decode_expected_until:  # no first token: nothing landed there for it
+            self.index.withdraw(route.decode.worker_id, route.block_hashes, route.decode_expected_until)
         self.settle(route, prefilled_remotely=False)  # unless settled already: no first token came
-        if route is None or not route.holds_stream:
+        if not route.holds_stream:
             return
         wid = route.decode.worker_id
         route.holds_stream = False

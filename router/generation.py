@@ -164,7 +164,8 @@ class Generation:
         try:
             self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed),
                                              cache_salt=self.params.cache_salt)
-            self.cluster.settle(self.route, prefilled_remotely=False)  # recomputed on its decode worker
+            if self.generated:  # recomputed (prompt + tokens so far) on its decode worker; else its
+                self.cluster.settle(self.route, prefilled_remotely=False)  # first token settles it
         except NoWorkerError as no:
             raise APIError(503, f"decode worker {failed} failed ({e.code().name}) and no other decode worker "
                                 "is available", "server_error", code="worker_failed") from no

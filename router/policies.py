@@ -5,8 +5,9 @@ are tested without a network. `prefix_aware` prices a prefill worker by the prom
 would have to compute (the prompt minus the prefix it already holds), plus the prefill tokens
 already queued on it, plus the prefix it would duplicate (what the warmest worker holds
 beyond its own); it picks a decode worker by load, preferring among the nearly least loaded
-the one that holds the longest part of the prompt (least_loaded: by load alone). Its choices
-count as cached there at once (`PrefixIndex.expect`), ahead of the worker's events.
+the one that holds the longest part of the prompt (least_loaded: by load alone). Its prefill
+choices count as cached there at once (`PrefixIndex.expect`), ahead of the worker's events;
+the router records its decode choices the same way (`ClusterClient.route`).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def _decode_load(w: WorkerLoad) -> tuple:
 
 class RoundRobin:
     name = "round_robin"
+    follows_prefixes = False  # True: the router records where prompts went in the prefix index
 
     def __init__(self):
         self._prefill = itertools.count()
@@ -71,6 +73,7 @@ class RoundRobin:
 
 class LeastLoaded:
     name = "least_loaded"
+    follows_prefixes = False
 
     def pick_prefill(self, workers, block_hashes, num_tokens, block_size) -> PrefillChoice:
         w = min(_healthy(workers, "prefill"), key=lambda w: (w.queued_prefill_tokens, w.running, w.worker_id))
@@ -82,6 +85,7 @@ class LeastLoaded:
 
 class PrefixAware(LeastLoaded):
     name = "prefix_aware"
+    follows_prefixes = True
 
     def __init__(self, index: PrefixIndex):
         self.index = index
@@ -116,10 +120,7 @@ class PrefixAware(LeastLoaded):
         least = min(ok, key=_decode_load)
         near = [w for w in ok if w.kv_usage < KV_PRESSURE and w.running <= least.running + DECODE_SLACK] or [least]
         held = self.index.match(block_hashes) if block_hashes else {}
-        w = min(near, key=lambda w: (-held.get(w.worker_id, 0), _decode_load(w)))
-        if block_hashes:  # the prompt's blocks land there (KV import or local prefill) before its events say so
-            self.index.expect(w.worker_id, block_hashes, ttl_s=30.0)
-        return w.worker_id
+        return min(near, key=lambda w: (-held.get(w.worker_id, 0), _decode_load(w))).worker_id
 
 
 def make_policy(name: str, index: PrefixIndex):

@@ -24,7 +24,8 @@ class PrefixIndex:
         self._blocks: dict[str, set[int]] = defaultdict(set)   # worker -> block hashes
         self._seq: dict[str, int] = {}
         self.needs_resync: set[str] = set()
-        self._expected: dict[int, dict[str, float]] = defaultdict(dict)  # hash -> worker -> deadline
+        # hash -> worker -> deadlines, one per prompt in flight that expects it there
+        self._expected: dict[int, dict[str, list[float]]] = defaultdict(dict)
         self._expiry: deque[tuple[float, str, int]] = deque()  # (deadline, worker, hash), oldest first
         self._expecting: dict[str, int] = defaultdict(int)  # worker -> its expected blocks
 
@@ -71,20 +72,19 @@ class PrefixIndex:
         deadline = now + ttl_s
         for h in block_hashes:
             if worker_id not in self._holders.get(h, ()):
-                expected = self._expected[h]
-                if worker_id not in expected:
+                deadlines = self._expected[h].setdefault(worker_id, [])
+                if not deadlines:
                     self._expecting[worker_id] += 1
-                expected[worker_id] = deadline
+                deadlines.append(deadline)
                 self._expiry.append((deadline, worker_id, h))
         return deadline
 
     def withdraw(self, worker_id: str, block_hashes: list[int], deadline: float) -> None:
         """The prompt `expect` announced with `deadline` will not be computed there after all
-        (the decode worker prefilled it itself, or the request moved): drop what it expected,
-        except blocks a later prompt expects there since (a later deadline)."""
+        (the decode worker prefilled it itself, or the request failed or moved): drop its
+        expectation. Other prompts in flight that expect the same blocks there keep theirs."""
         for h in block_hashes:
-            if self._expected.get(h, {}).get(worker_id) == deadline:
-                self._unexpect(worker_id, h)
+            self._forget(worker_id, h, deadline)
 
     def match(self, block_hashes: list[int], now: float | None = None) -> dict[str, int]:
         """For each worker in sync, how many leading blocks of the prompt it holds (or is
@@ -97,7 +97,7 @@ class PrefixIndex:
             expected = self._expected.get(h)
             held = self._holders.get(h, set())
             if expected:
-                held = held | {w for w, deadline in expected.items() if deadline > now}
+                held = held | {w for w, deadlines in expected.items() if max(deadlines) > now}
             alive &= held
             if not alive:
                 break
@@ -108,7 +108,16 @@ class PrefixIndex:
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
 
+    def _forget(self, worker_id: str, h: int, deadline: float) -> None:
+        """One prompt's expectation of block `h` there ends (withdrawn or past its deadline)."""
+        deadlines = self._expected.get(h, {}).get(worker_id)
+        if deadlines and deadline in deadlines:
+            deadlines.remove(deadline)
+            if not deadlines:
+                self._unexpect(worker_id, h)
+
     def _unexpect(self, worker_id: str, h: int) -> None:
+        """All expectations of block `h` there end (its event confirmed it, or the worker left)."""
         expected = self._expected.get(h)
         if expected is not None and expected.pop(worker_id, None) is not None:
             self._expecting[worker_id] -= 1
@@ -120,8 +129,7 @@ class PrefixIndex:
     def _expire(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
             deadline, w, h = self._expiry.popleft()
-            if self._expected.get(h, {}).get(w) == deadline:  # not renewed since
-                self._unexpect(w, h)
+            self._forget(w, h, deadline)  # a no-op if it was withdrawn or confirmed meanwhile
 
     def _drop(self, worker_id: str, h: int) -> None:
         self._blocks[worker_id].discard(h)

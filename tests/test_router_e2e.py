@@ -147,10 +147,12 @@ def test_logit_bias_bans_and_forces_tokens_across_the_cluster(client, smollm, re
     assert c.choices[0].text == tok.decode([forced] * 5)
 
 
-def test_min_tokens_keeps_a_short_answer_going_across_the_cluster(client, smollm, reference):
+def test_min_tokens_keeps_a_short_answer_going_across_the_cluster(cluster, client, smollm, reference):
     """EOS is masked on the prefill worker (first token) and the decode worker alike, and the
     router's stop strings wait too; past min_tokens the answer ends as usual."""
     _, tok = smollm
+    decode = cluster.worker("decode-0").worker
+    remote, failed = decode.remote_prefills, decode.transfer_failures
     msgs = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]  # "No." and EOS
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
     assert plain.usage.completion_tokens < 8 and plain.choices[0].finish_reason == "stop"
@@ -163,6 +165,7 @@ def test_min_tokens_keeps_a_short_answer_going_across_the_cluster(client, smollm
     cut = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0, stop=[stop],
                                          extra_body={"min_tokens": 8})
     assert cut.usage.completion_tokens >= 8
+    assert (decode.remote_prefills - remote, decode.transfer_failures - failed) == (3, 0)  # all via the prefill pool
 
 
 def test_cache_salt_isolates_tenants_across_the_cluster(cluster):

@@ -129,6 +129,20 @@ def test_a_withdrawn_expectation_leaves_later_ones_and_confirmed_blocks():
     assert index.match([3, 4], now=102.0) == {"p0": 2}     # the later prompt's expectation stays
     index.withdraw("p0", [3, 4], later)
     assert index.match([3, 4], now=102.0) == {} and not index._expecting
+    # two prompts in flight with one prefix (same tick, even): one of them gone leaves the other
+    a = index.expect("p1", [7, 8], ttl_s=30.0, now=200.0)
+    b = index.expect("p1", [7, 8], ttl_s=30.0, now=200.0)
+    index.withdraw("p1", [7, 8], b)
+    assert index.match([7, 8], now=201.0) == {"p1": 2}
+    index.withdraw("p1", [7, 8], a)
+    assert index.match([7, 8], now=201.0) == {}
+    # an earlier prompt's expectation outlives a later one that was withdrawn, until its own deadline
+    early = index.expect("p2", [9], ttl_s=30.0, now=300.0)
+    index.withdraw("p2", [9], index.expect("p2", [9], ttl_s=30.0, now=310.0))
+    assert index.match([9], now=329.0) == {"p2": 1} and index.match([9], now=331.0) == {}
+    index.withdraw("p2", [9], early)
+    index.expect("p3", [1], ttl_s=1.0, now=400.0)  # sweeps what expired
+    assert set(index._expecting) == {"p3"}
 
 
 def test_a_prompt_the_prefill_worker_never_computed_is_not_expected_there():
@@ -207,8 +221,7 @@ def test_decode_workers_are_picked_by_streams_then_by_the_prefix_they_hold():
     idle = [WorkerLoad("d0"), WorkerLoad("d1")]
     assert pa.pick_decode(idle, [1, 2, 3, 4, 5]) == "d1"  # holds the prompt's first 4 blocks: not sent again
     assert index.match([9, 8]) == {}
-    assert pa.pick_decode(idle, [9, 8]) == "d0"  # held nowhere: by load (then id)...
-    assert index.match([9, 8]) == {"d0": 2}  # ...and expected there from now on
+    assert pa.pick_decode(idle, [9, 8]) == "d0"  # held nowhere: by load (then id)
     # one stream more than the least loaded is within the slack; two are not
     assert policy()[0].pick_decode([WorkerLoad("d0"), WorkerLoad("d1", running=1)], [1, 2, 3]) == "d1"
     assert policy()[0].pick_decode([WorkerLoad("d0"), WorkerLoad("d1", running=2)], [1, 2, 3]) == "d0"
@@ -268,3 +281,27 @@ def test_routing_looks_prefixes_up_under_the_requests_cache_salt():
     assert other.cached_tokens == 0 and other.prefill.worker_id != a.prefill.worker_id
     again = c.route(prompt, cache_salt="tenant-a")
     assert again.prefill.worker_id == a.prefill.worker_id and again.cached_tokens == 64
+
+
+def test_a_decode_worker_is_expected_to_hold_a_prompt_once_its_first_token_came():
+    """The router counts a prompt's blocks on its decode worker at once; a route that ends
+    before its first token (refused, failed, client gone) takes that back, a served one not."""
+    c = ClusterClient("prefix_aware", block_size=16)
+    c.set_workers([WorkerEndpoint("d0", "decode", "a:1"), WorkerEndpoint("d1", "decode", "a:2")])
+    c.healthy = {"d0": True, "d1": True}
+    prompt = list(range(300, 348))
+    blocks = hash_blocks(prompt, 16, "")
+    refused = c.route(prompt)
+    assert c.index.match(blocks) == {refused.decode.worker_id: 3}
+    c.release(refused)
+    assert c.index.match(blocks) == {}
+    served = c.route(prompt)
+    c.settle(served)
+    c.release(served)
+    assert c.index.match(blocks) == {served.decode.worker_id: 3}
+    assert not make_policy("least_loaded", PrefixIndex()).follows_prefixes
+    ll = ClusterClient("least_loaded", block_size=16)
+    ll.set_workers([WorkerEndpoint("d0", "decode", "a:1")])
+    ll.healthy = {"d0": True}
+    ll.route(prompt)
+    assert ll.index.match(blocks) == {}  # only prefix_aware uses (and fills) the index
