@@ -148,8 +148,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_deliver, items)
 
     def _shutdown(self) -> None:
-        for rid in list(self.engine.scheduler.requests):
-            self.engine.abort(rid)
+        self.engine.abort_all()
         err = EngineDeadError(f"engine stopped: {self.error!r}" if self.error else "engine stopped")
         for loop, q in list(self._streams.values()):
             loop.call_soon_threadsafe(q.put_nowait, err)

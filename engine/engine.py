@@ -162,6 +162,11 @@ class LLMEngine:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
+    def abort_all(self) -> None:
+        """Abort every request, and free the blocks held for a KV export (engine shutdown)."""
+        for rid in list(self.scheduler.requests) + list(self._held):
+            self.abort(rid)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

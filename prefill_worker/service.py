@@ -69,12 +69,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await w.engine.run(lambda e: e.stream_kv_layers(rid, on_layers, w.layer_group, first_block))
         try:
             first = None
-            try:
-                async for out in w.engine.generate(rid, prompt, params, hold_kv=True):
-                    first = out
-            except InvalidRequestError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            try:
+            try:  # held from the moment the request finishes, even if cancelled before the loop ends
+                try:
+                    async for out in w.engine.generate(rid, prompt, params, hold_kv=True):
+                        first = out
+                except InvalidRequestError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 if not w.layer_group:
                     _, kv = await w.engine.run(lambda e: e.export_kv(rid))
             finally:

@@ -110,16 +110,24 @@ class OpenAIHandlers:
 
     async def _start_batch(self, prompts: list[list[int]], params, n: int, prefix: str) -> list[Generation]:
         """n choices of every prompt, started together; prompt-major (choice k*n + j is the
-        j-th of prompt k), as OpenAI numbers them. One that cannot start fails them all."""
+        j-th of prompt k), as OpenAI numbers them. The first prompt that cannot start fails
+        the request at once: the others are cancelled and every started choice is closed."""
         self._check_fits(len(prompts) * n, "prompt" if len(prompts) > 1 else "n")
-        groups = await asyncio.gather(*(self._start_choices(ids, params, n, prefix) for ids in prompts),
-                                      return_exceptions=True)
-        failed = next((g for g in groups if isinstance(g, BaseException)), None)
-        if failed is not None:
-            await asyncio.gather(*(g.close() for grp in groups if not isinstance(grp, BaseException) for g in grp),
-                                 return_exceptions=True)
-            raise failed
-        return [g for grp in groups for g in grp]
+        if len(prompts) == 1:
+            return await self._start_choices(prompts[0], params, n, prefix)
+        tasks = [asyncio.ensure_future(self._start_choices(ids, params, n, prefix)) for ids in prompts]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()
+            return [g for t in tasks for g in t.result()]
+        except BaseException:
+            await stop_tasks(*tasks)  # a cancelled group closes the choices it started itself
+            started = [g for t in tasks if t.done() and not t.cancelled() and t.exception() is None
+                       for g in t.result()]
+            await asyncio.gather(*(g.close() for g in started), return_exceptions=True)
+            raise
 
     async def _collect(self, gens: list[Generation], on_delta) -> list[str]:
         async def one(i: int, g: Generation) -> str:
@@ -197,10 +205,13 @@ class OpenAIHandlers:
     # ---- endpoints ----------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> dict:
         """vLLM's `/tokenize`: a prompt, or chat messages (+ tools), as token ids."""
-        self._check_model(req.model)
+        if req.model is not None:
+            self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if req.messages is not None:
+            if not req.messages:  # as the chat endpoint refuses it
+                raise APIError(400, "messages must contain at least one message", param="messages")
             check_tools(req.tools, req.tool_choice)
             ids = self._chat_ids(req)
         else:
@@ -208,7 +219,8 @@ class OpenAIHandlers:
         return {"count": len(ids), "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
-        self._check_model(req.model)
+        if req.model is not None:
+            self._check_model(req.model)
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:

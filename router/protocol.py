@@ -202,7 +202,7 @@ class ChatCompletionRequest(_Common):
 class TokenizeRequest(BaseModel):
     """`/tokenize` (as vLLM): `prompt`, or `messages` with the chat request's template options."""
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None  # optional, as in vLLM; checked when given
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -214,7 +214,7 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None
     tokens: list[int]
 
 

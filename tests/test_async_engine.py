@@ -106,3 +106,19 @@ def test_stop_fails_queued_commands_even_behind_a_cancelled_one(make_engine):
     assert not stopper.is_alive()
     busy.result(1)
     assert isinstance(waiting.exception(timeout=5), EngineDeadError)
+
+
+def test_stop_frees_blocks_held_for_a_kv_export(make_engine):
+    """A prefill worker stopping between a prompt's first token and its KV export (or whose
+    handler was cancelled there) must not keep the held blocks."""
+    eng = make_engine()
+    ae = AsyncEngine(eng)
+    ae.start()
+
+    async def main():
+        return [out async for out in ae.generate("held", PROMPTS[2], GREEDY, hold_kv=True)]
+
+    assert asyncio.run(main())[-1].finished
+    assert eng.blocks.num_used_blocks > 0  # held for the export that never comes
+    ae.stop()
+    assert eng.blocks.num_used_blocks == 0

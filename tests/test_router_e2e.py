@@ -270,7 +270,8 @@ def test_tokenize_counts_what_a_request_is_billed_and_detokenize_inverts_it(clus
                               ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens")):
         bad = post(path, **body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
-    assert post("/tokenize", prompt="x").status_code == 200
+    assert post("/tokenize", messages=[]).json()["error"]["param"] == "messages"  # as chat refuses it
+    assert httpx.post(cluster.url + "/tokenize", json={"prompt": "x"}).json()["count"] == 1  # model optional
     assert httpx.post(cluster.url + "/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
 
 
@@ -355,3 +356,42 @@ def test_client_gone_before_the_body_frees_everything(cluster):
     assert cluster.router.inflight == 0 and cluster.router.cluster.pending_prefill == {}
     assert cluster.router.cluster.decode_streams == {}
     assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines())
+
+
+def quiescent(cluster) -> bool:
+    return (cluster.router.inflight == 0 and cluster.router.cluster.decode_streams == {}
+            and all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines()))
+
+
+def wait_quiescent(cluster, timeout_s: float = 5.0) -> bool:
+    import time
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and not quiescent(cluster):
+        time.sleep(0.05)
+    return quiescent(cluster)
+
+
+def test_a_batch_that_fails_or_is_cancelled_while_starting_leaves_nothing(cluster, smollm):
+    """One prompt of a batch is refused by the workers (past the context length): the request
+    fails with its 400 and the other prompts' started choices are closed. A batch whose
+    handler is cancelled while its prompts start (a server shutting down) closes them too."""
+    import asyncio
+
+    from engine.sampling_params import SamplingParams as SP
+    tok = smollm[1]
+    r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": ["Hello there", "hi " * 9000], "n": 2, "max_tokens": 50, "temperature": 0})
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
+    assert wait_quiescent(cluster), ([e.blocks.num_used_blocks for e in cluster.engines()], cluster.router.inflight)
+    short, long = tok.encode("Hello"), tok.encode("Tell me everything about the sea. " * 60)
+
+    async def cancel_midway(after_s: float):
+        start = asyncio.ensure_future(cluster.router._start_batch([short, long], SP(max_tokens=50), 2, "cmpl"))
+        await asyncio.sleep(after_s)
+        start.cancel()
+        done, _ = await asyncio.wait({start}, timeout=30)
+        if start in done and not start.cancelled() and start.exception() is None:
+            await asyncio.gather(*(g.close() for g in start.result()))  # it won the race: close as a caller would
+    for after_s in (0.05, 0.3, 1.0):  # before, between and after the prompts' first tokens
+        cluster.run(cancel_midway(after_s))
+        assert wait_quiescent(cluster), (after_s, cluster.router.inflight, cluster.router.cluster.decode_streams)
