@@ -24,7 +24,8 @@ from protos import worker_pb2 as pb
 from protos.security import TLSConfig, add_port, open_channel
 from protos import worker_pb2_grpc as pb_grpc
 from protos.convert import (block_snapshot, check_cluster_token, logprob_from_proto, output_to_proto,
-                            params_from_proto, params_to_proto, refuse_when_full, refused_by, worker_stats)
+                            params_from_proto, params_to_proto, refuse_invalid, refuse_when_full, refused_by,
+                            worker_stats)
 
 TRANSFER_POLICIES = ("recompute", "fail")
 KV_TRANSPORTS = ("grpc", "ucx")
@@ -65,7 +66,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     w.queued, queued = w.queued - 1, False
                 yield output_to_proto(out, prefilled_remotely=remote)
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await refuse_invalid(context, e)
         except PrefillWorkerFull as e:
             await refuse_when_full(context, e.worker_id, "prefill worker")
         finally:

@@ -103,12 +103,14 @@ class LLMEngine:
         if room < 1:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; this model's context length is {self.max_model_len} "
-                f"tokens, which leaves no room to generate: shorten the prompt", param="prompt")
+                f"tokens, which leaves no room to generate: shorten the prompt", param="prompt",
+                code="context_length_exceeded")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                f"of {self.max_model_len} tokens: lower max_tokens to at most {room}", param="max_tokens")
+                f"of {self.max_model_len} tokens: lower max_tokens to at most {room}", param="max_tokens",
+                code="context_length_exceeded")
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
         req = Request(request_id, ids, params, max_tokens, self.eos_token_id, generator=gen)

@@ -13,9 +13,10 @@ class ModelLoadError(PdserveError, ValueError):
 class InvalidRequestError(PdserveError, ValueError):
     """A request's prompt or sampling parameters are invalid. `param` names the field."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code  # OpenAI's error code, where it has one (context_length_exceeded)
 
 
 class KVTransferError(PdserveError):

@@ -20,7 +20,7 @@ from protos import worker_pb2 as pb
 from protos.security import TLSConfig, add_port
 from protos import worker_pb2_grpc as pb_grpc
 from protos.convert import (block_snapshot, check_cluster_token, logprob_to_proto, params_from_proto,
-                            refuse_when_full, worker_stats)
+                            refuse_invalid, refuse_when_full, worker_stats)
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -74,7 +74,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     async for out in w.engine.generate(rid, prompt, params, hold_kv=True):
                         first = out
                 except InvalidRequestError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await refuse_invalid(context, e)
                 if not w.layer_group:
                     _, kv = await w.engine.run(lambda e: e.export_kv(rid))
             finally:

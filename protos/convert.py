@@ -7,6 +7,7 @@ import hmac
 import grpc
 
 from engine.engine import LLMEngine, RequestOutput
+from engine.errors import InvalidRequestError
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured import Structured
@@ -90,6 +91,7 @@ async def check_cluster_token(expected: str, given: str, context) -> None:
 
 
 REFUSED_BY = "pdserve-refused-by"
+INVALID_PARAM, INVALID_CODE = "pdserve-param", "pdserve-code"
 """Trailing-metadata key naming the worker that refused a request because its queue is full."""
 
 
@@ -100,6 +102,19 @@ async def refuse_when_full(context, worker_id: str, what: str, limit: int = 0, s
     why = state or "at its queue limit" + (f" ({limit} requests)" if limit else "")
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what} {worker_id} is {why}",
                         trailing_metadata=((REFUSED_BY, worker_id),))
+
+
+async def refuse_invalid(context, e: InvalidRequestError) -> None:
+    """Abort the RPC with INVALID_ARGUMENT, carrying the error's field and code, so the
+    router's 400 names them as if it had found the error itself."""
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                        trailing_metadata=((INVALID_PARAM, e.param or ""), (INVALID_CODE, e.code or "")))
+
+
+def invalid_details(e: grpc.aio.AioRpcError) -> tuple[str | None, str | None]:
+    """(param, code) sent by `refuse_invalid`; None where absent."""
+    meta = dict(e.trailing_metadata() or ())
+    return meta.get(INVALID_PARAM) or None, meta.get(INVALID_CODE) or None
 
 
 def refused_by(e: grpc.aio.AioRpcError) -> str:

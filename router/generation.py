@@ -17,7 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from protos.convert import logprob_from_proto, refused_by
+from protos.convert import invalid_details, logprob_from_proto, refused_by
 
 from .cluster import ClusterClient
 from .metrics import RouterMetrics
@@ -31,10 +31,14 @@ _GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHEN
                  grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 
 
-def api_error_from_grpc(e: grpc.aio.AioRpcError) -> APIError:
+def api_error_from_grpc(e: grpc.aio.AioRpcError, prompt_param: str = "prompt") -> APIError:
+    """A worker's error as the API's. A refused request keeps the field and code the worker
+    named; `prompt_param`: what the client called the prompt ("messages" for chat)."""
     status = _GRPC_TO_HTTP.get(e.code(), 503)
     kind = "invalid_request_error" if status == 400 else "server_error"
-    return APIError(status, e.details() or e.code().name, kind)
+    param, code = invalid_details(e) if e.code() == grpc.StatusCode.INVALID_ARGUMENT else (None, None)
+    return APIError(status, e.details() or e.code().name, kind, param=prompt_param if param == "prompt" else param,
+                    code=code)
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Generation:
         self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        self.prompt_param = "messages" if prefix == "chatcmpl" else "prompt"  # the client's name for it
         self.created = int(time.time())
         self.detok = IncrementalDetokenizer(tokenizer, params.stop, min_tokens=params.min_tokens)
         self.finish_reason: str | None = None
@@ -105,7 +110,7 @@ class Generation:
                 raise APIError(503, "the decode worker ended the request without output", "server_error") from e
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise api_error_from_grpc(e) from e
+                    raise api_error_from_grpc(e, self.prompt_param) from e
                 refused.add(refused_by(e) or self.route.decode.worker_id)
                 stream, self._stream = self._stream, None
                 await stream.aclose()
@@ -138,7 +143,7 @@ class Generation:
                 self._t_last = now
         except grpc.aio.AioRpcError as e:
             self.finish_reason = "error"
-            raise api_error_from_grpc(e) from e
+            raise api_error_from_grpc(e, self.prompt_param) from e
         finally:
             await self.close()
             self._record()

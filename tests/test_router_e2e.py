@@ -218,7 +218,8 @@ def test_cache_salt_isolates_tenants_across_the_cluster(cluster):
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"12": 101}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
-    ({"model": MODEL, "prompt": "hi " * 9000}, 400, None),
+    ({"model": MODEL, "prompt": "hi " * 9000}, 400, "prompt"),  # found on the worker: the field still named
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
     ({"model": MODEL}, 400, "prompt"),
 ])
 def test_bad_requests_get_openai_errors(cluster, body, status, param):
@@ -226,6 +227,13 @@ def test_bad_requests_get_openai_errors(cluster, body, status, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and (param is None or err["param"] == param)
+
+
+def test_a_chat_past_the_context_length_says_so_as_openai_does(client):
+    from openai import BadRequestError
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 9000}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
 
 def test_invalid_json_and_chat_errors(cluster):
@@ -381,7 +389,8 @@ def test_a_batch_that_fails_or_is_cancelled_while_starting_leaves_nothing(cluste
     tok = smollm[1]
     r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": ["Hello there", "hi " * 9000], "n": 2, "max_tokens": 50, "temperature": 0})
-    assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("prompt", "context_length_exceeded"), r.text
     assert wait_quiescent(cluster), ([e.blocks.num_used_blocks for e in cluster.engines()], cluster.router.inflight)
     short, long = tok.encode("Hello"), tok.encode("Tell me everything about the sea. " * 60)
 
