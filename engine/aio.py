@@ -6,6 +6,7 @@ import logging
 from collections.abc import Awaitable
 
 log = logging.getLogger("pdserve")
+RECANCEL_S = 1.0
 
 
 def stop_tasks(*tasks: asyncio.Task | None, timeout_s: float = 5.0) -> Awaitable[bool]:
@@ -19,7 +20,9 @@ def stop_tasks(*tasks: asyncio.Task | None, timeout_s: float = 5.0) -> Awaitable
     socket writes in it) returns the inner call's result and drops a cancellation that lands
     in the same loop step as that call finishing; a loop around it then simply goes on, and a
     plain `cancel(); await task` waits forever (a worker that never stopped on Ctrl-C while
-    its heartbeat kept running). So the wait cancels again until the tasks are done."""
+    its heartbeat kept running). So the wait cancels again, every `RECANCEL_S`, until the tasks
+    are done: late enough not to cut short the cleanup a task runs when cancelled (closing
+    streams takes milliseconds), soon enough that a stop is not held up for long."""
     live = [t for t in tasks if t is not None and not t.done()]
     for t in live:
         t.cancel()
@@ -38,7 +41,7 @@ async def _until_done(tasks: list[asyncio.Task], timeout_s: float) -> bool:
             log.warning("background tasks did not stop within %.1fs: %s", timeout_s,
                         ", ".join(t.get_name() for t in pending))
             return False
-        await asyncio.wait(pending, timeout=min(0.2, left))
+        await asyncio.wait(pending, timeout=min(RECANCEL_S, left))
         for t in pending:
             t.cancel()  # a no-op on tasks that ended; again on those that dropped it
     for t in tasks:

@@ -217,13 +217,14 @@ class Generation:
         self.metrics.requests.labels(self.finish_reason or "error").inc()
 
     async def close(self) -> None:
+        # the bookkeeping first, in case closing the stream is cut short (a cancelled cleanup)
         self.cluster.release(self.route)
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.aclose()
         if self._on_done is not None:
             done, self._on_done = self._on_done, None
             done()
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.aclose()
 
     def usage(self) -> dict:
         u = {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,

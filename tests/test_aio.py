@@ -123,3 +123,23 @@ def test_stop_tasks_waits_for_all_of_them():
         assert await stop_tasks(*loops, timeout_s=5.0)
         return [t.cancelled() for t in loops]
     assert asyncio.run(main()) == [True, True]
+
+
+def test_a_tasks_own_cleanup_on_cancel_is_not_cut_short():
+    """A cancelled task that closes what it opened (streams, admission slots) gets to finish
+    doing so: the next cancel comes only if it is still running a while later."""
+    async def main():
+        cleaned = []
+
+        async def closes_on_cancel():
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.3)  # e.g. closing a gRPC stream
+                cleaned.append(True)
+                raise
+        task = asyncio.ensure_future(closes_on_cancel())
+        await asyncio.sleep(0)
+        assert await stop_tasks(task, timeout_s=5.0)
+        return cleaned
+    assert asyncio.run(main()) == [True]
