@@ -74,19 +74,32 @@ class EmbeddedRedis:
             conf = [path]
         self.proc = subprocess.Popen(
             [redis_server_binary(), *conf, "--bind", self.host, "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning"],
+             "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning",
+             "--logfile", os.path.join(self._dir.name, "redis.log")],  # why it failed, e.g. the port is taken
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return self
+                why = self._log_tail() or self.proc.stderr.read().decode(errors="replace")
+                self.stop()
+                raise RuntimeError(f"redis-server exited: {why}")
+            try:  # a PING answered, not just a connect: another process may listen on the port
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
+                        return self
             except OSError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not listen on {self.host}:{self.port} within {timeout_s}s")
+
+    def _log_tail(self, lines: int = 5) -> str:
+        try:
+            with open(os.path.join(self._dir.name, "redis.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:]).strip()
+        except OSError:
+            return ""
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -364,3 +364,17 @@ def test_a_registry_that_never_answers_times_out_instead_of_hanging():
 
         took = asyncio.run(asyncio.wait_for(main(), 30))
     assert took < 20, took  # redis-py's own retries (with backoff) included; without a timeout: forever
+
+
+@pytest.mark.redis
+def test_embedded_redis_says_why_it_could_not_start():
+    import socket
+
+    from deploy.redis_server import EmbeddedRedis
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = EmbeddedRedis("127.0.0.1", taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match="(?i)address already in use"):
+            r.start()
+        assert r.proc is None and r._dir is None  # nothing left behind

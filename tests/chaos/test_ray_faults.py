@@ -195,6 +195,21 @@ def test_router_sigkill_then_restart(cluster):
     report("router SIGKILL mid-stream, restarted", 0, 0, ready)
 
 
+def restart_redis(host: str, port: int, within_s: float = 20.0) -> EmbeddedRedis:
+    """On its old port, retrying as an operator would: until the clients' reconnect attempts
+    give up on it, one of them can hold the port (a TCP self-connect: the port is in the
+    ephemeral range, and a connect to a dead local port can pick it as its own)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return EmbeddedRedis(host, port).start()
+        except RuntimeError as e:
+            if time.monotonic() > deadline:
+                raise
+            print(f"redis restart failed, retrying: {e}")
+            time.sleep(0.5)
+
+
 def test_redis_killed_then_restarted(cluster):
     """The registry dies: routing goes on from what the router last knew; when Redis is back
     (empty: no persistence), every worker registers again and the cluster serves as before."""
@@ -208,7 +223,7 @@ def test_redis_killed_then_restarted(cluster):
     time.sleep(2)  # heartbeats and event pushes fail meanwhile
     r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text  # served from the last known membership
-    cluster.redis = EmbeddedRedis(host, int(port)).start()  # the operator restarts it, empty
+    cluster.redis = restart_redis(host, int(port))  # the operator restarts it, empty
     restarted = time.monotonic()
     db = redis.Redis(host=host, port=int(port))
     wait_until(lambda: len(db.keys("pdserve:chaos:worker:*")) == 4, 30, "every worker to register again")
