@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -29,9 +28,9 @@ def timed(fn, repeats: int = 20) -> float:
 def check_sampler_on_cuda() -> bool:
     """Every per-request logit adjustment (penalties, logit bias, min_tokens) on CUDA logits
     equals the CPU result: a device mix-up there would kill a GPU worker's engine."""
-    from engine.request import Request
-    from engine.sampler import apply_penalties
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampler import apply_penalties
+    from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
                             logit_bias={5: 3.0, 7: -100.0}, min_tokens=4, stop_token_ids=[9])
@@ -47,8 +46,8 @@ def check_sampler_on_cuda() -> bool:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run this where a GPU is available")
-    from engine.attention import AttentionMetadata, TorchAttentionBackend
-    from engine.triton_kernels import paged_decode_attention
+    from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend
+    from pdserve.engine.triton_kernels import paged_decode_attention
 
     results = {}
     n_heads, n_kv, hd, bs = 9, 3, 64, 16  # SmolLM2-135M

@@ -14,16 +14,16 @@ import time
 
 import grpc
 
-from engine.aio import stop_tasks
-from engine.async_engine import AsyncEngine
-from engine.block_hash import root_hash
-from engine.errors import InvalidRequestError, KVTransferError
-from kv_transfer.grpc_transport import GrpcKVServer
-from kv_transfer.receiver import KVReceiver
-from protos import worker_pb2 as pb
-from protos.security import TLSConfig, add_port, open_channel
-from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import (block_snapshot, check_cluster_token, logprob_from_proto, output_to_proto,
+from pdserve.engine.aio import stop_tasks
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.block_hash import root_hash
+from pdserve.engine.errors import InvalidRequestError, KVTransferError
+from pdserve.kv_transfer.grpc_transport import GrpcKVServer
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.protos import worker_pb2 as pb
+from pdserve.protos.security import TLSConfig, add_port, open_channel
+from pdserve.protos import worker_pb2_grpc as pb_grpc
+from pdserve.protos.convert import (block_snapshot, check_cluster_token, logprob_from_proto, output_to_proto,
                             params_from_proto, params_to_proto, refuse_invalid, refuse_when_full, refused_by,
                             worker_stats)
 
@@ -245,7 +245,7 @@ class DecodeWorker:
         self.engine.start()
         self._reaper = asyncio.ensure_future(self._reap_expired_leases())
         if self.kv_transport == "ucx":
-            from kv_transfer.ucx_transport import UcxKVServer
+            from pdserve.kv_transfer.ucx_transport import UcxKVServer
             self._kv_server = UcxKVServer(self.receiver, host, kv_port)
         else:
             self._kv_server = GrpcKVServer(self.receiver, host, kv_port, tls=self.tls)

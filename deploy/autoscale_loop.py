@@ -33,6 +33,8 @@ class AutoscaleLoop:
         """One round: sample, decide, act. Returns the decisions that changed a pool."""
         m, cluster = self.router.metrics, self.router.cluster
         stats = dict(cluster.stats)
+        if not self._fresh(stats):
+            return []  # the router has not read a pool's stats again since the last round
         signals = signals_from_stats(
             time.monotonic() if now is None else now, stats, prev_stats=self._prev_stats,
             ttft_p90_s=self._ttft.update(histogram_buckets(m.ttft)), itl_p90_s=self._itl.update(histogram_buckets(m.itl)),
@@ -45,6 +47,17 @@ class AutoscaleLoop:
             await self.control.scale({d.pool: d.desired for d in changed})
             self.decisions += changed
         return changed
+
+    def _fresh(self, stats: dict) -> bool:
+        """Whether every pool has a worker whose stats were read again since the last round.
+        A refresh waits for each worker's engine step, so a busy pool's stats can be older
+        than one round: judged again, its cumulative counters would read as "no refusals
+        since" and break the overload streak the hysteresis waits for."""
+        prev = self._prev_stats
+        if prev is None:
+            return True
+        return all(any(prev.get(w) is not s for w, s in stats.items() if s.role == role)
+                   for role in {s.role for s in stats.values()})
 
     async def run(self) -> None:
         while True:

@@ -111,7 +111,7 @@ class BatchLoop(threading.Thread):
 
 
 def build_app(loop_thread: BatchLoop, tokenizer, model_id: str):
-    from engine.detokenizer import IncrementalDetokenizer
+    from pdserve.engine.detokenizer import IncrementalDetokenizer
 
     app = FastAPI(title="transformers baseline")
 
@@ -216,9 +216,9 @@ def add_baseline_args(p) -> None:
 def cmd_baseline_server(args) -> int:
     import uvicorn
 
-    from engine.threads import in_fresh_thread, single_threaded_here
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_model
+    from pdserve.engine.threads import in_fresh_thread, single_threaded_here
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.weights import load_model
 
     from .bench_engine import hf_baseline
     from .router_server import served_model_name

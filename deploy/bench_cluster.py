@@ -83,7 +83,7 @@ def run_mode(mode_args: list[str], args, vocab_words) -> dict:
 
     port = free_port()
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--port", str(port), "--kv-cache-memory",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port), "--kv-cache-memory",
                              "256MiB", *mode_args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         if not proc.stdout.readline().startswith("curl "):
@@ -97,10 +97,10 @@ def run_mode(mode_args: list[str], args, vocab_words) -> dict:
 
 
 def transfer_bench(n_tokens: int = 1024, repeats: int = 5) -> dict:
-    from engine.tiny import tiny_config  # noqa: F401 (keeps import cost out of the timings below)
-    from kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
-    from kv_transfer.local import LocalKVSender
-    from kv_transfer.receiver import KVReceiver
+    from pdserve.engine.tiny import tiny_config  # noqa: F401 (keeps import cost out of the timings below)
+    from pdserve.kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
+    from pdserve.kv_transfer.local import LocalKVSender
+    from pdserve.kv_transfer.receiver import KVReceiver
 
     layout = (30, 2, 16, 3, 64)  # SmolLM2-135M's KV blocks
     n_blocks = n_tokens // 16
@@ -141,12 +141,12 @@ def _timed(fn) -> float:
 
 def handoff_bench(n_tokens: int = 1024, repeats: int = 3) -> dict:
     """Prefill compute vs the hand-off (export, gRPC push, import) for one prompt."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.weights import load_model
-    from kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
-    from kv_transfer.receiver import KVReceiver
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.weights import load_model
+    from pdserve.kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
+    from pdserve.kv_transfer.receiver import KVReceiver
 
     loaded = load_model()
     cfg = EngineConfig(cache=CacheConfig(kv_cache_memory=256 << 20, enable_prefix_caching=False),
@@ -187,8 +187,8 @@ def handoff_bench(n_tokens: int = 1024, repeats: int = 3) -> dict:
 
 
 def cmd_bench_cluster(args) -> int:
-    from engine.tokenizer import Tokenizer
-    from engine.weights import default_model_path
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.weights import default_model_path
 
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     tok = Tokenizer.from_model_path(default_model_path())

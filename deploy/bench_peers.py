@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.quant import QUANTIZATIONS
+from pdserve.engine.quant import QUANTIZATIONS
 
 from .bench_metrics import format_table
 from .bench_serving import add_bench_serving_args, bench
@@ -44,7 +44,7 @@ QUICK = {"single": ["--max-concurrency", "1", "--num-requests", "2", "--input-le
 
 def systems(args, port: int) -> dict[str, list[str] | None]:
     """name -> command line (None: not installed here)."""
-    py = [sys.executable, "-m", "deploy.cli"]
+    py = [sys.executable, "-m", "pdserve"]
     common = ["--kv-cache-memory", args.kv_cache_memory, "--quantization", args.quantization]
     # the aggregated worker gets every core, as the other servers do; disaggregated splits them
     aggregated = ["up", "--port", str(port), "--mode", "aggregated", "--decode-cpus", str(os.cpu_count() or 1)]
@@ -57,7 +57,7 @@ def systems(args, port: int) -> dict[str, list[str] | None]:
         "transformers": py + ["baseline-server", "--port", str(port), "--max-batch", "32"],
         "llama.cpp": None, "vllm": None,
     }
-    from engine.weights import default_model_path
+    from pdserve.engine.weights import default_model_path
     if importlib.util.find_spec("llama_cpp") is not None:
         out["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()),
                             "--port", str(port), "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096",
@@ -204,7 +204,7 @@ def add_bench_peers_args(p) -> None:
 
 def prefix_routing(args, out_dir: Path, log) -> dict:
     """TTFT of a shared-prefix workload through 2 prefill workers, per routing policy."""
-    py = [sys.executable, "-m", "deploy.cli", "up", "--port", str(args.port), "--prefill", "2",
+    py = [sys.executable, "-m", "pdserve", "up", "--port", str(args.port), "--prefill", "2",
           "--kv-cache-memory", "160MiB", "--quantization", args.quantization,
           "--decode-local-prefill", "0"]  # every prompt through the prefill pool: this compares its routing
     out = {}

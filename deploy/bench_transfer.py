@@ -27,15 +27,15 @@ def add_bench_transfer_args(p) -> None:
 
 def _receiver(conn, kind: str) -> None:
     """The decode side, in its own process: a KV server and its receiver, driven over `conn`."""
-    from kv_transfer.receiver import KVReceiver
+    from pdserve.kv_transfer.receiver import KVReceiver
 
     async def main():
         rx = KVReceiver("bench", LAYOUT)
         if kind == "ucx":
-            from kv_transfer.ucx_transport import UcxKVServer
+            from pdserve.kv_transfer.ucx_transport import UcxKVServer
             server = UcxKVServer(rx)
         else:
-            from kv_transfer.grpc_transport import GrpcKVServer
+            from pdserve.kv_transfer.grpc_transport import GrpcKVServer
             server = GrpcKVServer(rx)
         conn.send(await server.start())
         loop = asyncio.get_running_loop()
@@ -62,7 +62,7 @@ def _kv(tokens: int):
 
 
 def _bench_wire(kind: str, sizes: list[int], repeats: int) -> dict:
-    from kv_transfer.senders import SchemeKVSender
+    from pdserve.kv_transfer.senders import SchemeKVSender
 
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_receiver, args=(child, kind), daemon=True)
@@ -120,17 +120,17 @@ def _bench_layerwise(prompt_len: int, group: int, repeats: int) -> dict:
     thread each), KV pushed after the whole prompt vs every `group` layers."""
     import grpc
 
-    from decode_worker.service import DecodeWorker
-    from engine.async_engine import AsyncEngine
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.weights import load_model
-    from kv_transfer.senders import SchemeKVSender
-    from prefill_worker.service import PrefillWorker
-    from protos import worker_pb2 as pb
-    from protos import worker_pb2_grpc as pb_grpc
-    from protos.convert import params_to_proto
+    from pdserve.decode_worker.service import DecodeWorker
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.weights import load_model
+    from pdserve.kv_transfer.senders import SchemeKVSender
+    from pdserve.prefill_worker.service import PrefillWorker
+    from pdserve.protos import worker_pb2 as pb
+    from pdserve.protos import worker_pb2_grpc as pb_grpc
+    from pdserve.protos.convert import params_to_proto
 
     loaded = load_model()
     cfg = EngineConfig(num_threads=1, cache=CacheConfig(kv_cache_memory=512 << 20))

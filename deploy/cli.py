@@ -9,10 +9,10 @@ import signal
 import sys
 import uuid
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
-from engine.errors import PdserveError
-from engine.quant import QUANTIZATIONS
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from pdserve.engine.errors import PdserveError
+from pdserve.engine.quant import QUANTIZATIONS
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -77,7 +77,7 @@ def stream(engine, prompt, params, out=sys.stdout) -> str:
 
 
 def cmd_generate(args) -> int:
-    from engine.engine import LLMEngine
+    from pdserve.engine.engine import LLMEngine
 
     engine = LLMEngine.from_config(engine_config(args))
     prompt = args.prompt
@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from engine.engine import LLMEngine
+    from pdserve.engine.engine import LLMEngine
 
     engine = LLMEngine.from_config(engine_config(args))
     history: list[dict] = []

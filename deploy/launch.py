@@ -25,9 +25,9 @@ class WorkerActor:
     def __init__(self, spec: WorkerSpec):
         import torch
 
-        from engine.threads import in_fresh_thread
-        from engine.tokenizer import Tokenizer
-        from engine.weights import load_for_config
+        from pdserve.engine.threads import in_fresh_thread
+        from pdserve.engine.tokenizer import Tokenizer
+        from pdserve.engine.weights import load_for_config
 
         if spec.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
             spec = replace(spec, host=ray.util.get_node_ip_address())
@@ -51,7 +51,7 @@ class WorkerActor:
             self._starting = asyncio.Lock()
         async with self._starting:
             if self._record is None:
-                from engine.threads import single_threaded_here
+                from pdserve.engine.threads import single_threaded_here
                 single_threaded_here()  # this loop's tensor ops (KV landing) must not open a 2nd OpenMP team
                 record = await self.host.start()
                 self._record = record.__dict__ | {"pid": os.getpid()}

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field, replace
 
 import uvicorn
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.tokenizer import Tokenizer
-from engine.weights import LoadedModel
-from router.app import Router, RouterConfig, create_app
-from router.cluster import ClusterClient, WorkerEndpoint
-from router.discovery import RegistryDiscovery
-from protos.security import TLSConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.weights import LoadedModel
+from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.router.cluster import ClusterClient, WorkerEndpoint
+from pdserve.router.discovery import RegistryDiscovery
+from pdserve.protos.security import TLSConfig
 
 from .worker_host import HostedWorker, WorkerSpec
 

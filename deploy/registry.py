@@ -29,8 +29,8 @@ from urllib.parse import unquote, unquote_plus
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, RedisError
 
-from engine.aio import stop_tasks
-from engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.aio import stop_tasks
+from pdserve.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger("pdserve.registry")
 

@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from engine.aio import stop_tasks
+from pdserve.engine.aio import stop_tasks
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -55,7 +55,7 @@ def check_exposure(args) -> None:
 
 def tls_config(args):
     """The internal TLS settings from the flags, checked now (not on the first request)."""
-    from protos.security import TLSConfig
+    from pdserve.protos.security import TLSConfig
 
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     if tls.enabled:
@@ -74,10 +74,10 @@ def serve_router(args, model_path, block_size: int, namespace: str, redis_url: s
     autoscaler). api=False (`pdserve up --no-router`): only /health and the admin endpoints;
     the router's view of the workers is still kept for the autoscaler (its latency signals
     stay empty: no traffic passes here, it sizes pools on queues, KV usage and refusals)."""
-    from engine.tokenizer import Tokenizer
-    from router.app import Router, RouterConfig, create_admin_app, create_app
-    from router.cluster import ClusterClient
-    from router.discovery import RegistryDiscovery
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.router.app import Router, RouterConfig, create_admin_app, create_app
+    from pdserve.router.cluster import ClusterClient
+    from pdserve.router.discovery import RegistryDiscovery
 
     client = ClusterClient(args.routing, block_size, namespace, args.cluster_token, tls=tls_config(args),
                            local_prefill_tokens=args.decode_local_prefill)
@@ -144,8 +144,8 @@ def add_router_cmd_args(p) -> None:
 
 
 def cmd_router(args) -> int:
-    from engine.config import CacheConfig
-    from engine.weights import resolve_model_path
+    from pdserve.engine.config import CacheConfig
+    from pdserve.engine.weights import resolve_model_path
 
     from .registry import redact_url
 

@@ -85,7 +85,7 @@ def _start_ray(args, needed_cpus: float):
 def cmd_up(args) -> int:
     import ray
 
-    from engine.weights import resolve_model_path
+    from pdserve.engine.weights import resolve_model_path
 
     from .cli import engine_config
     from .launch import Pool, PoolControl, PoolSpec

@@ -51,9 +51,9 @@ def shutdown_watchdog(timeout_s: float) -> None:
 def cmd_worker(args) -> int:
     import torch
 
-    from engine.threads import in_fresh_thread, single_threaded_here
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_for_config
+    from pdserve.engine.threads import in_fresh_thread, single_threaded_here
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.weights import load_for_config
 
     from .cli import engine_config
     from .router_server import make_logger

@@ -8,15 +8,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from decode_worker.service import DecodeWorker
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.tokenizer import Tokenizer
-from engine.weights import LoadedModel
-from kv_transfer.senders import SchemeKVSender
-from prefill_worker.service import PrefillWorker
-from protos.security import TLSConfig
+from pdserve.decode_worker.service import DecodeWorker
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.weights import LoadedModel
+from pdserve.kv_transfer.senders import SchemeKVSender
+from pdserve.prefill_worker.service import PrefillWorker
+from pdserve.protos.security import TLSConfig
 
 from .registry import EventPublisher, WorkerRecord, WorkerRegistration
 

@@ -9,7 +9,7 @@ it crosses process boundaries by replay: the prefill worker masks the first toke
 decode worker rebuilds the matcher from the constraint and consumes that token (and, after a
 migration, every token already streamed).
 
-llguidance was picked over xgrammar by `bench/grammar_backends.py`: both compute a mask in
+llguidance was picked over xgrammar by `bench/experiments/grammar_backends.py`: both compute a mask in
 microseconds on this CPU (a decode step takes tens of milliseconds); llguidance compiles
 faster and needs nothing else installed (xgrammar pulls in transformers and triton).
 """

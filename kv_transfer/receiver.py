@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from engine.errors import KVTransferError
-from protos import kv_transfer_pb2 as pb
+from pdserve.engine.errors import KVTransferError
+from pdserve.protos import kv_transfer_pb2 as pb
 
 from .relayout import reblock
 from .wire import DTYPES, checksum, tensor_from_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from protos.security import TLSConfig
+from pdserve.protos.security import TLSConfig
 
 from .grpc_transport import GrpcKVSender
 from .ucx_transport import SCHEME as UCX_SCHEME

@@ -22,9 +22,9 @@ import time
 import numpy as np
 import torch
 
-from engine.aio import stop_tasks
-from engine.errors import KVTransferError
-from protos import kv_transfer_pb2 as pb
+from pdserve.engine.aio import stop_tasks
+from pdserve.engine.errors import KVTransferError
+from pdserve.protos import kv_transfer_pb2 as pb
 
 from .receiver import KVReceiver, PushAssembler
 from .wire import make_header, tensor_bytes

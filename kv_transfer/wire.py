@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from protos import kv_transfer_pb2 as pb
+from pdserve.protos import kv_transfer_pb2 as pb
 
 CHUNK_BYTES = 1 << 20  # 1 MiB data chunks: far under gRPC's limits, small enough to pipeline
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -13,13 +13,13 @@ import itertools
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError, KVTransferError
-from kv_transfer.base import KVSender
-from protos import worker_pb2 as pb
-from protos.security import TLSConfig, add_port
-from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import (block_snapshot, check_cluster_token, logprob_to_proto, params_from_proto,
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.errors import InvalidRequestError, KVTransferError
+from pdserve.kv_transfer.base import KVSender
+from pdserve.protos import worker_pb2 as pb
+from pdserve.protos.security import TLSConfig, add_port
+from pdserve.protos import worker_pb2_grpc as pb_grpc
+from pdserve.protos.convert import (block_snapshot, check_cluster_token, logprob_to_proto, params_from_proto,
                             refuse_invalid, refuse_when_full, worker_stats)
 
 

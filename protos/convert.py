@@ -6,11 +6,11 @@ import hmac
 
 import grpc
 
-from engine.engine import LLMEngine, RequestOutput
-from engine.errors import InvalidRequestError
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.structured import Structured
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import Structured
 
 from . import worker_pb2 as pb
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import kv_transfer_pb2 as protos_dot_kv__transfer__pb2
+from pdserve.protos import kv_transfer_pb2 as pdserve_dot_protos_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/protos/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class KVTransferStub:
         """
         self.Push = channel.stream_unary(
                 '/pdserve.kv.KVTransfer/Push',
-                request_serializer=protos_dot_kv__transfer__pb2.KVChunk.SerializeToString,
-                response_deserializer=protos_dot_kv__transfer__pb2.KVPushReply.FromString,
+                request_serializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVPushReply.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=protos_dot_kv__transfer__pb2.KVChunk.FromString,
-                    response_serializer=protos_dot_kv__transfer__pb2.KVPushReply.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.FromString,
+                    response_serializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVPushReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class KVTransfer:
             request_iterator,
             target,
             '/pdserve.kv.KVTransfer/Push',
-            protos_dot_kv__transfer__pb2.KVChunk.SerializeToString,
-            protos_dot_kv__transfer__pb2.KVPushReply.FromString,
+            pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+            pdserve_dot_protos_dot_kv__transfer__pb2.KVPushReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import worker_pb2 as protos_dot_worker__pb2
+from pdserve.protos import worker_pb2 as pdserve_dot_protos_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/protos/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class DecodeServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.worker.DecodeService/Generate',
-                request_serializer=protos_dot_worker__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.worker.DecodeService/Abort',
-                request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.AbortReply.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.worker.DecodeService/Stats',
-                request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
         self.CachedBlocks = channel.unary_unary(
                 '/pdserve.worker.DecodeService/CachedBlocks',
-                request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.BlockSnapshot.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.FromString,
                 _registered_method=True)
 
 
@@ -88,23 +88,23 @@ def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_worker__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.AbortReply.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.AbortReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
             'CachedBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.CachedBlocks,
-                    request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.BlockSnapshot.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,8 +132,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.worker.DecodeService/Generate',
-            protos_dot_worker__pb2.GenerateRequest.SerializeToString,
-            protos_dot_worker__pb2.GenerateResponse.FromString,
+            pdserve_dot_protos_dot_worker__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -159,8 +159,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.worker.DecodeService/Abort',
-            protos_dot_worker__pb2.AbortRequest.SerializeToString,
-            protos_dot_worker__pb2.AbortReply.FromString,
+            pdserve_dot_protos_dot_worker__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -186,8 +186,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.worker.DecodeService/Stats',
-            protos_dot_worker__pb2.StatsRequest.SerializeToString,
-            protos_dot_worker__pb2.WorkerStats.FromString,
+            pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -213,8 +213,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.worker.DecodeService/CachedBlocks',
-            protos_dot_worker__pb2.StatsRequest.SerializeToString,
-            protos_dot_worker__pb2.BlockSnapshot.FromString,
+            pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.FromString,
             options,
             channel_credentials,
             insecure,
@@ -237,23 +237,23 @@ class PrefillServiceStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.worker.PrefillService/Prefill',
-                request_serializer=protos_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.PrefillReply.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.PrefillReply.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.worker.PrefillService/Abort',
-                request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.AbortReply.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.worker.PrefillService/Stats',
-                request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
         self.CachedBlocks = channel.unary_unary(
                 '/pdserve.worker.PrefillService/CachedBlocks',
-                request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.BlockSnapshot.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.FromString,
                 _registered_method=True)
 
 
@@ -289,23 +289,23 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.PrefillReply.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.PrefillReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.AbortReply.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.AbortReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
             'CachedBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.CachedBlocks,
-                    request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.BlockSnapshot.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -333,8 +333,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.worker.PrefillService/Prefill',
-            protos_dot_worker__pb2.PrefillRequest.SerializeToString,
-            protos_dot_worker__pb2.PrefillReply.FromString,
+            pdserve_dot_protos_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.PrefillReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -360,8 +360,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.worker.PrefillService/Abort',
-            protos_dot_worker__pb2.AbortRequest.SerializeToString,
-            protos_dot_worker__pb2.AbortReply.FromString,
+            pdserve_dot_protos_dot_worker__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -387,8 +387,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.worker.PrefillService/Stats',
-            protos_dot_worker__pb2.StatsRequest.SerializeToString,
-            protos_dot_worker__pb2.WorkerStats.FromString,
+            pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -414,8 +414,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.worker.PrefillService/CachedBlocks',
-            protos_dot_worker__pb2.StatsRequest.SerializeToString,
-            protos_dot_worker__pb2.BlockSnapshot.FromString,
+            pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

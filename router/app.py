@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from engine.aio import stop_tasks
-from engine.tokenizer import Tokenizer
+from pdserve.engine.aio import stop_tasks
+from pdserve.engine.tokenizer import Tokenizer
 
 from .cluster import ClusterClient
 from .generation import Generation

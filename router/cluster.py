@@ -11,11 +11,11 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.block_hash import hash_blocks, root_hash
-from protos import worker_pb2 as pb
-from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import params_to_proto
-from protos.security import TLSConfig, open_channel
+from pdserve.engine.block_hash import hash_blocks, root_hash
+from pdserve.protos import worker_pb2 as pb
+from pdserve.protos import worker_pb2_grpc as pb_grpc
+from pdserve.protos.convert import params_to_proto
+from pdserve.protos.security import TLSConfig, open_channel
 
 from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy
 from .prefix_index import PrefixIndex
@@ -59,6 +59,7 @@ class ClusterClient:
         self.workers: dict[str, WorkerEndpoint] = {}
         self.stats: dict[str, pb.WorkerStats] = {}
         self.healthy: dict[str, bool] = {}
+        self._slow_polls: dict[str, int] = {}  # consecutive Stats calls that ran past the timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
         # prompt tokens this router sent to each prefill worker that have not come back as a
         # first token: known at once, where the workers' stats arrive a poll later. Without
@@ -76,6 +77,7 @@ class ClusterClient:
             self.index.remove_worker(wid)
             self.stats.pop(wid, None)
             self.healthy.pop(wid, None)
+            self._slow_polls.pop(wid, None)
         self.workers = new
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -88,15 +90,24 @@ class ClusterClient:
         ch = self._channel(w.address)
         return pb_grpc.PrefillServiceStub(ch) if w.role == "prefill" else pb_grpc.DecodeServiceStub(ch)
 
+    SLOW_POLLS_ALLOWED = 3
+
     async def refresh(self) -> None:
-        """Poll every worker's stats; a worker that does not answer is unhealthy."""
+        """Poll every worker's stats. A worker that cannot be reached is unhealthy at once; one
+        that answers too slowly (its engine thread in a long step, a machine loaded by a worker
+        starting beside it) only after `SLOW_POLLS_ALLOWED` slow polls in a row: its streams
+        are still flowing, and taking it out of the pool would refuse requests it can serve."""
         async def one(w: WorkerEndpoint):
             try:
                 self.stats[w.worker_id] = await self._stub(w).Stats(pb.StatsRequest(), timeout=self.stats_timeout_s)
                 self.healthy[w.worker_id] = True
+                self._slow_polls[w.worker_id] = 0
                 self._streams_at_poll[w.worker_id] = self.decode_streams.get(w.worker_id, 0)
-            except grpc.aio.AioRpcError:
-                self.healthy[w.worker_id] = False
+            except grpc.aio.AioRpcError as e:
+                slow = self._slow_polls.get(w.worker_id, 0) + 1 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 0
+                self._slow_polls[w.worker_id] = slow
+                if not (0 < slow < self.SLOW_POLLS_ALLOWED and self.healthy.get(w.worker_id)):
+                    self.healthy[w.worker_id] = False
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
 
     def ready(self) -> bool:

@@ -7,8 +7,8 @@ import time
 import grpc
 from redis.exceptions import RedisError
 
-from deploy.registry import EventFollower, connect, describe_error, list_workers
-from protos import worker_pb2 as pb
+from pdserve.deploy.registry import EventFollower, connect, describe_error, list_workers
+from pdserve.protos import worker_pb2 as pb
 
 from .cluster import ClusterClient, WorkerEndpoint
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from protos.convert import invalid_details, logprob_from_proto, refused_by
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.protos.convert import invalid_details, logprob_from_proto, refused_by
 
 from .cluster import ClusterClient
 from .metrics import RouterMetrics

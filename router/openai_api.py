@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from fastapi.responses import StreamingResponse
 
-from engine.aio import stop_tasks
+from pdserve.engine.aio import stop_tasks
 
 from .generation import Delta, Generation
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -78,7 +78,7 @@ class OpenAIHandlers:
     # ---- choices ------------------------------------------------------------------------
     def _check_structured(self, params) -> None:
         if params.structured is not None:  # a bad schema is a 400 here, before any worker sees it
-            from engine.errors import InvalidRequestError
+            from pdserve.engine.errors import InvalidRequestError
             try:
                 self.tokenizer.grammar_compiler(self.tokenizer.vocab_size).check(params.structured)
             except InvalidRequestError as e:

@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import Any
 
-from engine.structured import Structured
+from pdserve.engine.structured import Structured
 
 from .protocol import APIError
 

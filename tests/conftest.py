@@ -15,9 +15,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on the CPU (set before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.tiny import tiny_llama  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.engine import LLMEngine  # noqa: E402
+from pdserve.engine.tiny import tiny_llama  # noqa: E402
 
 
 def assert_engine_clean(engine: LLMEngine) -> None:
@@ -52,8 +52,8 @@ def make_engine():
 @pytest.fixture(scope="session")
 def smollm():
     """The real default model (loaded once per session) and its tokenizer."""
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_model
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.weights import load_model
 
     loaded = load_model()
     return loaded, Tokenizer.from_model_path(loaded.path)
@@ -72,7 +72,7 @@ def hf_smollm(smollm):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer alone (no weights)."""
-    from engine.tokenizer import Tokenizer
-    from engine.weights import default_model_path
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.weights import default_model_path
 
     return Tokenizer.from_model_path(default_model_path())

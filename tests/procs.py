@@ -13,11 +13,11 @@ ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PY
 
 
 class Proc:
-    """`python -m deploy.cli ARGS`: stdout a pipe (for its ready line), stderr collected in
+    """`python -m pdserve ARGS`: stdout a pipe (for its ready line), stderr collected in
     `log` by a thread."""
 
     def __init__(self, *args: str, stdout=subprocess.PIPE):
-        self.p = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=stdout,
+        self.p = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=stdout,
                                   stderr=subprocess.PIPE, text=True, env=ENV)
         self.log: list[str] = []
         self._reader = threading.Thread(target=lambda: self.log.extend(iter(self.p.stderr.readline, "")), daemon=True)

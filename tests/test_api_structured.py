@@ -8,11 +8,11 @@ import httpx
 import jsonschema
 import pytest
 
-from deploy.local import LocalCluster, LocalClusterConfig
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.structured import Structured
+from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import Structured
 from tests.test_migration import stream_and_kill
 
 pytestmark = pytest.mark.slow

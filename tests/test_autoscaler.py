@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy.autoscaler import (POOLS, Autoscaler, AutoscalerConfig, DecodePolicy, IntervalQuantile, PoolSignals,
+from pdserve.deploy.autoscaler import (POOLS, Autoscaler, AutoscalerConfig, DecodePolicy, IntervalQuantile, PoolSignals,
                                PrefillPolicy, Signals, diff_buckets, histogram_buckets, histogram_quantile,
                                signals_from_stats)
-from protos import worker_pb2 as pb
+from pdserve.protos import worker_pb2 as pb
 
 TRACES = Path(__file__).parent / "data" / "autoscaler"
 TIMING = dict(min_replicas=1, max_replicas=4, scale_up_after_s=30, scale_down_after_s=120, cooldown_s=60,
@@ -258,3 +258,45 @@ def test_signals_from_worker_stats():
     assert (s.prefill.refused, s.decode.refused) == (0, 0)
     assert (s.prefill.replicas, s.decode.replicas) == (4, 3)
     assert Signals.from_dict(s.to_dict()) == s
+
+
+class _Pools:
+    """The actuator side of AutoscaleLoop (PoolControl's interface), recording the sizes asked."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.pools, self.asked = dict(sizes), []
+
+    def sizes(self) -> dict[str, int]:
+        return dict(self.pools)
+
+    async def scale(self, sizes: dict[str, int]) -> dict[str, int]:
+        self.asked.append(sizes)
+        self.pools |= sizes
+        return self.sizes()
+
+
+def test_loop_grows_a_pool_whose_stats_refresh_slower_than_its_rounds():
+    """A busy prefill worker answers its Stats call only between engine steps, so the
+    router's copy can be older than one autoscaler round. Such a round is not judged: the
+    refusals counted when the stats do arrive keep the overload streak going."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.deploy.autoscale_loop import AutoscaleLoop
+    from pdserve.router.metrics import RouterMetrics
+
+    cluster = SimpleNamespace(stats={}, healthy={"prefill-0": True, "decode-0": True})
+    router = SimpleNamespace(metrics=RouterMetrics(), cluster=cluster)
+    pools = _Pools({"prefill": 1, "decode": 1})
+    policy = dict(scale_up_after_s=2.0, cooldown_s=0.0, max_replicas=2)
+    loop = AutoscaleLoop(router, pools, AutoscalerConfig(prefill=PrefillPolicy(**policy), decode=DecodePolicy(**policy)),
+                         log=lambda msg: None, interval_s=1.0)
+    decode = stats("decode-0", "decode", kv_usage=0.5)
+    refused = 0
+    for t in range(8):
+        if t % 2 == 0:  # the prefill worker's stats arrive every other round, 40 more refusals each time
+            refused += 40
+            cluster.stats = {"prefill-0": stats("prefill-0", "prefill", refused=refused), "decode-0": decode}
+        decode = cluster.stats["decode-0"] = stats("decode-0", "decode", kv_usage=0.5)
+        asyncio.run(loop.tick(now=float(t)))
+    assert pools.asked == [{"prefill": 2}]

@@ -13,9 +13,9 @@ import time
 import httpx
 import pytest
 
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from tests.procs import Proc
 
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ def test_baseline_chat_and_errors(baseline):
 
 def test_bench_peers_quick(tmp_path):
     out = tmp_path / "peers.json"
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench-peers", "--quick", "--port", str(free_port()),
+    r = subprocess.run([sys.executable, "-m", "pdserve", "bench-peers", "--quick", "--port", str(free_port()),
                         "--systems", "pdserve-aggregated,transformers,llama.cpp", "--kv-cache-memory", "64MiB",
                         "--output", str(out), "--plot-dir", ""],
                        capture_output=True, text=True, timeout=600, env=ENV)

@@ -10,11 +10,11 @@ import httpx
 import numpy as np
 import pytest
 
-from deploy import bench_serving
-from deploy.bench_metrics import (RequestResult, format_table, meets_slo, parse_prefix_cache, percentile,
+from pdserve.deploy import bench_serving
+from pdserve.deploy.bench_metrics import (RequestResult, format_table, meets_slo, parse_prefix_cache, percentile,
                                   prefix_cache_delta, summarize)
-from deploy.bench_serving import add_bench_serving_args, bench, cap_requests, load_points, parse_endpoints
-from deploy.bench_workloads import (Session, Vocabulary, arrival_offsets, load_trace, multi_turn_workload,
+from pdserve.deploy.bench_serving import add_bench_serving_args, bench, cap_requests, load_points, parse_endpoints
+from pdserve.deploy.bench_workloads import (Session, Vocabulary, arrival_offsets, load_trace, multi_turn_workload,
                                     parse_range, random_workload, shared_prefix_workload, trace_offsets,
                                     trace_workload)
 
@@ -322,9 +322,9 @@ def test_max_duration_stops_sending(monkeypatch):
 # ---- a live pdserve cluster --------------------------------------------------------------------------
 @pytest.mark.slow
 def test_bench_against_live_cluster(smollm, tmp_path):
-    from deploy.cli import main
-    from deploy.local import LocalCluster, LocalClusterConfig
-    from engine.config import CacheConfig, EngineConfig
+    from pdserve.deploy.cli import main
+    from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+    from pdserve.engine.config import CacheConfig, EngineConfig
 
     loaded, tok = smollm
     cfg = LocalClusterConfig(model_name="smollm2", engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)))

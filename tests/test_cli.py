@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 def pdserve(*args, stdin=None, timeout=180):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 

@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError, KVTransferError
-from engine.events import BlockRemoved, BlockStored
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from pdserve.engine.errors import InvalidRequestError, KVTransferError
+from pdserve.engine.events import BlockRemoved, BlockStored
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 

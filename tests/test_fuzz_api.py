@@ -35,9 +35,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.generation.modes import GenerationMode
 
-from deploy.local import LocalCluster, LocalClusterConfig
-from engine.config import CacheConfig, EngineConfig
-from router.app import Router, RouterConfig, create_app
+from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.router.app import Router, RouterConfig, create_app
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from router.metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -331,7 +331,7 @@ def test_pools_match_worker_groups(overlay):
 def cli_help() -> dict[str, str]:
     out = {}
     for sub in ("up", "router"):
-        r = subprocess.run([sys.executable, "-m", "deploy.cli", sub, "--help"], cwd=ROOT, capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "pdserve", sub, "--help"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         out[sub] = r.stdout

@@ -6,12 +6,12 @@ import asyncio
 import pytest
 import torch
 
-from engine.errors import KVTransferError
-from engine.sampling_params import SamplingParams
-from kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
-from kv_transfer.local import LocalKVSender
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.wire import iter_chunks, make_header, tensor_bytes
+from pdserve.engine.errors import KVTransferError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
+from pdserve.kv_transfer.local import LocalKVSender
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.wire import iter_chunks, make_header, tensor_bytes
 
 LAYOUT = (2, 2, 16, 2, 16)  # the tiny model: layers, K/V, block size, kv heads, head dim
 FP = "tiny-0"
@@ -40,7 +40,7 @@ def wire(request):
 def with_wire(wire, fn, receiver, **sender_kw):
     async def main():
         if wire == "ucx":
-            from kv_transfer.ucx_transport import UcxKVSender, UcxKVServer
+            from pdserve.kv_transfer.ucx_transport import UcxKVSender, UcxKVServer
             server, sender = UcxKVServer(receiver), UcxKVSender("prefill-0", **sender_kw)
         else:
             server, sender = GrpcKVServer(receiver), GrpcKVSender("prefill-0", **sender_kw)
@@ -148,7 +148,7 @@ def test_lease_expiry_and_late_push(wire):
 def test_unreachable_receiver_and_timeout_fail_cleanly(wire):
     async def main():
         if wire == "ucx":
-            from kv_transfer.ucx_transport import UcxKVSender
+            from pdserve.kv_transfer.ucx_transport import UcxKVSender
             sender, target = UcxKVSender("p"), "ucx://127.0.0.1:1"
         else:
             sender, target = GrpcKVSender("p"), "127.0.0.1:1"
@@ -258,7 +258,7 @@ def test_failed_transfer_frees_destination_blocks(make_engine, wire):
                                                    (16, 16, 32)])
 def test_reblock_keeps_every_token_in_order(src_bs, dst_bs, first):
     """The re-paged KV holds exactly tokens [first, num_tokens), in order, zero after."""
-    from kv_transfer.relayout import reblock
+    from pdserve.kv_transfer.relayout import reblock
 
     num_tokens, offset = 99, first // src_bs * src_bs
     n_src = -(-(num_tokens - offset) // src_bs)

@@ -3,11 +3,11 @@ reference backend, and the engine on it."""
 import pytest
 import torch
 
-from engine.attention import (AttentionMetadata, NativeAttentionBackend, TorchAttentionBackend,
+from pdserve.engine.attention import (AttentionMetadata, NativeAttentionBackend, TorchAttentionBackend,
                               default_backend)
-from engine.config import EngineConfig
-from engine.native import NativeKernelUnavailable, available
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.native import NativeKernelUnavailable, available
+from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler for the native kernels")
 
@@ -67,7 +67,7 @@ def test_peaked_softmax_and_nan_match_torch():
 
 
 def test_bad_input_is_a_named_error():
-    from engine.native import paged_decode_attention
+    from pdserve.engine.native import paged_decode_attention
 
     q, kc, vc, meta = _decode_case([4], 9, 3, 64, 16)
     with pytest.raises(ValueError, match="dtype"):

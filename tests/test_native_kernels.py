@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import native
+from pdserve.engine import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels cannot be built here (no gcc?)")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy.redis_server import redis_server_binary
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.deploy.redis_server import redis_server_binary
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 TAG = str(os.getpid() % 100000)
@@ -62,7 +62,7 @@ def in_ns(logs: Path, ns: str, *argv: str) -> subprocess.Popen:
 
 
 def pdserve(logs: Path, ns: str, *args: str) -> subprocess.Popen:
-    return in_ns(logs, ns, sys.executable, "-m", "deploy.cli", *args)
+    return in_ns(logs, ns, sys.executable, "-m", "pdserve", *args)
 
 
 def stderr_of(p: subprocess.Popen) -> str:

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.quant import (Fp16Linear, QuantizationUnavailable, W8A8Linear, WeightOnlyLinear, fbgemm_available,
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.quant import (Fp16Linear, QuantizationUnavailable, W8A8Linear, WeightOnlyLinear, fbgemm_available,
                           make_linear)
-from engine.sampling_params import SamplingParams
-from engine.weights import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.weights import load_model
 
 from conftest import assert_engine_clean
 
@@ -121,8 +121,8 @@ def test_workers_load_what_the_config_says(smollm):
     worker once dropped the quantization and served fp32 weights under --quantization int8)."""
     import inspect
 
-    from deploy import launch, worker_cmd
-    from engine.weights import load_for_config
+    from pdserve.deploy import launch, worker_cmd
+    from pdserve.engine.weights import load_for_config
     loaded = load_for_config(EngineConfig(quantization="int8"))
     assert loaded.fingerprint.endswith("+int8")
     assert type(loaded.model.lm_head_linear).__name__ == "WeightOnlyLinear"
@@ -132,11 +132,11 @@ def test_workers_load_what_the_config_says(smollm):
 
 @pytest.mark.slow
 def test_cli_flag(smollm):
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "What is the capital of France?", "--chat",
+    r = subprocess.run([sys.executable, "-m", "pdserve", "generate", "What is the capital of France?", "--chat",
                         "--max-tokens", "24", "--kv-cache-memory", "64MiB", "--quantization", "fp16"],
                        capture_output=True, text=True, timeout=180, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "hi", "--quantization", "int3"],
+    r = subprocess.run([sys.executable, "-m", "pdserve", "generate", "hi", "--quantization", "int3"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--quantization" in r.stderr

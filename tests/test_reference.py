@@ -4,10 +4,10 @@ Hugging Face directory loader."""
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledChunk
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def engine(smollm):
 @pytest.fixture(scope="module")
 def plain_engine(smollm):
     """Linear layers through torch's default matmul on the weights as loaded."""
-    from engine.weights import load_model
+    from pdserve.engine.weights import load_model
 
     eng = LLMEngine(load_model(packed_weights=False), EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), smollm[1])
     yield eng
@@ -138,8 +138,8 @@ def test_chat_template_matches_transformers(smollm):
 def test_hf_directory_loader(smollm, hf_smollm, tmp_path, engine):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_model
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.weights import load_model
 
     # transformers writes the directory (config.json + model.safetensors) from its own model
     plain = LlamaForCausalLM(LlamaConfig(**smollm[0].config.to_hf_dict()))
@@ -159,7 +159,7 @@ def test_hf_directory_loader(smollm, hf_smollm, tmp_path, engine):
 def test_prompt_logprobs_match_transformers(smollm, hf_smollm):
     """Prompt logprobs (echo + logprobs): every prompt token's logprob as transformers gives
     it, whether the prompt is prefilled whole or in chunks, and also when it is cached."""
-    from engine.config import SchedulerConfig
+    from pdserve.engine.config import SchedulerConfig
 
     loaded, tok = smollm
     ids = tok.encode(PROMPTS[2])

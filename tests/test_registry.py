@@ -11,14 +11,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from deploy.local import LocalCluster, LocalClusterConfig
-from deploy.redis_server import EmbeddedRedis
-from deploy.registry import (EventFollower, EventPublisher, WorkerRecord, WorkerRegistration, connect, list_workers,
+from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.deploy.redis_server import EmbeddedRedis
+from pdserve.deploy.registry import (EventFollower, EventPublisher, WorkerRecord, WorkerRegistration, connect, list_workers,
                              redact_secrets, redact_url, worker_key)
-from engine.block_hash import hash_blocks
-from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig
-from router.prefix_index import PrefixIndex
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.router.prefix_index import PrefixIndex
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +210,8 @@ def test_embedded_redis_with_a_password_requires_it(redis_with_password):
 
 
 def test_registration_and_discovery_with_a_password(redis_with_password):
-    from router.cluster import ClusterClient
-    from router.discovery import RegistryDiscovery
+    from pdserve.router.cluster import ClusterClient
+    from pdserve.router.discovery import RegistryDiscovery
 
     async def main():
         rec = WorkerRecord("w1", "prefill", "127.0.0.1:1", incarnation="a")
@@ -229,8 +229,8 @@ def test_registration_and_discovery_with_a_password(redis_with_password):
 
 @pytest.mark.parametrize("wrong", ["", ":wrong@", "someone:wrong@"])
 def test_a_wrong_or_missing_password_is_a_clear_warning_not_a_crash(redis_with_password, caplog, wrong):
-    from router.cluster import ClusterClient
-    from router.discovery import RegistryDiscovery
+    from pdserve.router.cluster import ClusterClient
+    from pdserve.router.discovery import RegistryDiscovery
 
     url = f"redis://{wrong}{redis_with_password.host}:{redis_with_password.port}/0"
 
@@ -297,10 +297,10 @@ def test_a_malformed_url_error_does_not_quote_the_password():
 
 
 def test_passwords_never_reach_the_logs_when_redis_is_unreachable(caplog):
-    from deploy.redis_server import free_port
-    from engine.events import BlockStored
-    from router.cluster import ClusterClient
-    from router.discovery import RegistryDiscovery
+    from pdserve.deploy.redis_server import free_port
+    from pdserve.engine.events import BlockStored
+    from pdserve.router.cluster import ClusterClient
+    from pdserve.router.discovery import RegistryDiscovery
 
     secret = "Zq9-very-secret"
     url = f"redis://admin:{secret}@127.0.0.1:{free_port()}/0"  # nothing listens there
@@ -326,13 +326,13 @@ def test_passwords_never_reach_the_logs_when_redis_is_unreachable(caplog):
 
 
 def test_up_logs_the_registry_url_without_its_password(tmp_path, monkeypatch, capsys):
-    import deploy.up
-    from deploy.cli import main
+    import pdserve.deploy.up
+    from pdserve.deploy.cli import main
 
     def stop_here(*_):  # just after the registry line; nothing is started
         raise ValueError("stopped by the test")
 
-    monkeypatch.setattr(deploy.up, "_start_ray", stop_here)
+    monkeypatch.setattr(pdserve.deploy.up, "_start_ray", stop_here)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     assert main(["up", "--model", str(model), "--redis-url", "redis://alice:Zq9-up-secret@127.0.0.1:1/0"]) == 2
@@ -370,7 +370,7 @@ def test_a_registry_that_never_answers_times_out_instead_of_hanging():
 def test_embedded_redis_says_why_it_could_not_start():
     import socket
 
-    from deploy.redis_server import EmbeddedRedis
+    from pdserve.deploy.redis_server import EmbeddedRedis
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -7,10 +7,10 @@ import json
 import httpx
 import pytest
 
-from deploy.local import LocalCluster, LocalClusterConfig
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -385,7 +385,7 @@ def test_a_batch_that_fails_or_is_cancelled_while_starting_leaves_nothing(cluste
     handler is cancelled while its prompts start (a server shutting down) closes them too."""
     import asyncio
 
-    from engine.sampling_params import SamplingParams as SP
+    from pdserve.engine.sampling_params import SamplingParams as SP
     tok = smollm[1]
     r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": ["Hello there", "hi " * 9000], "n": 2, "max_tokens": 50, "temperature": 0})

@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from deploy.local import LocalCluster, LocalClusterConfig
-from engine.config import CacheConfig, EngineConfig
-from router.app import RouterConfig
+from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.router.app import RouterConfig
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -97,7 +97,7 @@ def test_request_timeout_gives_504_and_aborts(cluster):
 
 def test_up_refuses_public_host_without_key():
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--host", "0.0.0.0"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "pdserve", "up", "--host", "0.0.0.0"], capture_output=True, text=True,
                        timeout=60, env=env)
     assert r.returncode == 2 and "--api-key" in r.stderr
 

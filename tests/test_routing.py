@@ -1,12 +1,12 @@
 """Prefix index and routing policies, without a network."""
 import pytest
 
-from engine.block_hash import hash_blocks
-from engine.block_manager import BlockManager
-from engine.events import AllBlocksCleared, BlockRemoved, BlockStored
-from router.cluster import ClusterClient, WorkerEndpoint
-from router.policies import NoWorkerError, WorkerLoad, make_policy
-from router.prefix_index import PrefixIndex
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.router.cluster import ClusterClient, WorkerEndpoint
+from pdserve.router.policies import NoWorkerError, WorkerLoad, make_policy
+from pdserve.router.prefix_index import PrefixIndex
 
 
 def stored(seq, h):
@@ -254,7 +254,7 @@ def test_the_router_counts_the_streams_it_opened_on_each_decode_worker():
 def test_a_decode_workers_load_is_its_last_report_corrected_by_this_routers_streams_since():
     """Its report counted this router's streams as they were at the poll; those opened or
     closed since are counted now, and the streams of other routers are kept."""
-    from protos import worker_pb2 as pb
+    from pdserve.protos import worker_pb2 as pb
 
     c = ClusterClient("least_loaded", block_size=16)
     c.set_workers([WorkerEndpoint("d0", "decode", "a:1"), WorkerEndpoint("d1", "decode", "a:2")])

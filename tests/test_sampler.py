@@ -3,9 +3,9 @@ import math
 
 import torch
 
-from engine.request import Request
-from engine.sampler import _truncate, apply_penalties, sample
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import _truncate, apply_penalties, sample
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def req(params, prompt=(1, 2), output=(), seed=0):

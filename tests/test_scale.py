@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from deploy.redis_server import free_port
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.deploy.redis_server import free_port
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from tests.chaos.test_ray_faults import Proc, get_workers, wait_until
 from tests.procs import ENV, alive, descendants
 
@@ -25,7 +25,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def scale(url: str, **sizes) -> subprocess.CompletedProcess:
     args = [f"--{k}={v}" for k, v in sizes.items()]
-    return subprocess.run([sys.executable, "-m", "deploy.cli", "scale", "--url", url, *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pdserve", "scale", "--url", url, *args], capture_output=True,
                           text=True, timeout=300, env=ENV)
 
 

@@ -2,11 +2,11 @@
 property test over random add/abort/step interleavings (no leak, exact accounting)."""
 from hypothesis import given, settings, strategies as st
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
 
 
 def make(num_blocks=16, bs=4, max_seqs=4, budget=16, threshold=0):

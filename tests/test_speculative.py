@@ -3,11 +3,11 @@ model under batching, preemption and prefix caching; the real model on a copying
 most guesses are accepted), other requests are untouched, every block comes back."""
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.speculative import accepted, propose
-from engine.tiny import tiny_llama
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.speculative import accepted, propose
+from pdserve.engine.tiny import tiny_llama
 
 
 def test_propose_takes_the_latest_longest_match():

@@ -8,11 +8,11 @@ import re
 import jsonschema
 import pytest
 
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.structured import Structured
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import Structured
 
 pytestmark = pytest.mark.slow
 

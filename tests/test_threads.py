@@ -14,12 +14,12 @@ SCRIPT = r"""
 import asyncio, json, os, threading
 import torch
 torch.set_num_threads(2)
-from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.threads import in_fresh_thread, openmp_threads_here, single_threaded_here
-from engine.tiny import tiny_llama
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.threads import in_fresh_thread, openmp_threads_here, single_threaded_here
+from pdserve.engine.tiny import tiny_llama
 
 def threads():
     return len(os.listdir("/proc/self/task"))

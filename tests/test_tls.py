@@ -7,13 +7,13 @@ import grpc
 import httpx
 import pytest
 
-from deploy.local import LocalCluster, LocalClusterConfig
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from protos import worker_pb2 as pb
-from protos import worker_pb2_grpc as pb_grpc
-from protos.security import TLSConfig, TLSConfigError, open_channel
+from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protos import worker_pb2 as pb
+from pdserve.protos import worker_pb2_grpc as pb_grpc
+from pdserve.protos.security import TLSConfig, TLSConfigError, open_channel
 
 trustme = pytest.importorskip("trustme")
 pytestmark = pytest.mark.slow

@@ -7,12 +7,12 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the GPU kernels need triton (a test dependency on x86-64)")
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tiny import tiny_llama  # noqa: E402
-from engine.triton_kernels import copy_blocks, paged_decode_attention, store_kv  # noqa: E402
+from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from pdserve.engine.engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.tiny import tiny_llama  # noqa: E402
+from pdserve.engine.triton_kernels import copy_blocks, paged_decode_attention, store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

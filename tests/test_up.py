@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from deploy.redis_server import free_port
+from pdserve.deploy.redis_server import free_port
 from tests.procs import Proc, alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 def test_up_serves_and_shuts_down_cleanly(smollm):
     from openai import OpenAI
 
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
 
     port = free_port()
     up = Proc("up", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-token", "test-token")

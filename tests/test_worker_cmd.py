@@ -11,8 +11,8 @@ import time
 import pytest
 import redis
 
-from deploy.redis_server import EmbeddedRedis
-from deploy.registry import worker_key
+from pdserve.deploy.redis_server import EmbeddedRedis
+from pdserve.deploy.registry import worker_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -31,7 +31,7 @@ def test_shutdown_watchdog_dumps_stacks_and_exits():
 
 def start_worker(redis_url: str, log_path, role: str = "decode") -> subprocess.Popen:
     log = open(log_path, "w+")
-    p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--role", role, "--worker-id", "d-1",
+    p = subprocess.Popen([sys.executable, "-m", "pdserve", "worker", "--role", role, "--worker-id", "d-1",
                           "--redis-url", redis_url, "--cluster-name", "wcmd", "--kv-cache-memory", "32MiB",
                           "--threads", "1", "--drain-timeout", "5"],
                          stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=ENV)
@@ -93,10 +93,10 @@ def stream_forever(address: str) -> threading.Thread:
     """A generation that outlives the drain timeout, read on a thread until the worker ends it."""
     import grpc
 
-    from engine.sampling_params import SamplingParams
-    from protos import worker_pb2 as pb
-    from protos import worker_pb2_grpc as pb_grpc
-    from protos.convert import params_to_proto
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protos import worker_pb2 as pb
+    from pdserve.protos import worker_pb2_grpc as pb_grpc
+    from pdserve.protos.convert import params_to_proto
 
     started, errors = threading.Event(), []
 

@@ -6,14 +6,14 @@ import asyncio
 import grpc
 import pytest
 
-from decode_worker.service import DecodeWorker
-from engine.async_engine import AsyncEngine
-from engine.sampling_params import SamplingParams
-from kv_transfer.senders import SchemeKVSender
-from prefill_worker.service import PrefillWorker
-from protos import worker_pb2 as pb
-from protos import worker_pb2_grpc as pb_grpc
-from protos.convert import params_to_proto
+from pdserve.decode_worker.service import DecodeWorker
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.senders import SchemeKVSender
+from pdserve.prefill_worker.service import PrefillWorker
+from pdserve.protos import worker_pb2 as pb
+from pdserve.protos import worker_pb2_grpc as pb_grpc
+from pdserve.protos.convert import params_to_proto
 
 PROMPTS = [[(11 * i + j) % 500 + 3 for j in range(18 + 21 * i)] for i in range(3)]
 PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),

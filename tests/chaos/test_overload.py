@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from deploy.local import LocalCluster, LocalClusterConfig
-from engine.config import CacheConfig, EngineConfig
-from router.app import RouterConfig
+from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.router.app import RouterConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 MODEL = "smollm2"

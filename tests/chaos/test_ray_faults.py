@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from deploy.redis_server import EmbeddedRedis, free_port
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.deploy.redis_server import EmbeddedRedis, free_port
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from tests import procs
 from tests.procs import alive, descendants
 
@@ -141,7 +141,9 @@ def test_decode_worker_sigkill_mid_stream(cluster, reference):
 
 
 def test_prefill_worker_sigkill_mid_prefill(cluster, reference):
-    prompt = "Tell me about the sea. " * 110  # ~700 tokens: the prefill takes a while
+    # ~1150 tokens, three prefill steps: the prompt is seen running for two of them (a poll of the
+    # stats lands between steps), and the KV still fits the 64 MiB caches
+    prompt = "Tell me about the sea. " * 180
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
     result = {}
     t = threading.Thread(target=lambda: result.setdefault(

@@ -5,17 +5,15 @@ then walk a valid answer token by token: compute the next-token bitmask, accept 
 Prints compile time and mask time per token (median and p99) and writes JSON.
 
     pip install llguidance xgrammar transformers   # xgrammar needs transformers for its tokenizer info
-    python bench/grammar_backends.py
+    python bench/experiments/grammar_backends.py
 """
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCHEMAS = {
     "person": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
@@ -87,8 +85,8 @@ def bench_xgrammar(tok, vocab, schema, tokens):
 
 
 def main() -> None:
-    from engine.tokenizer import Tokenizer
-    from engine.weights import default_model_path
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.weights import default_model_path
 
     tok = Tokenizer.from_model_path(default_model_path())
     vocab = 49152  # the model's embedding rows

@@ -15,9 +15,9 @@ clusters, each started, measured and stopped in turn:
   (8 conversations x 4 turns, 256-token system prompt, 24-token turns): each turn's history
   is in the decode worker's cache, so only the new part is prefilled there.
 
-Writes bench/decode-routing-results.json.
+Writes bench/experiments/decode-routing-results.json.
 
-    . .venv/bin/activate && python bench/decode_routing.py
+    . .venv/bin/activate && python bench/experiments/decode_routing.py
 """
 import asyncio
 import json
@@ -25,11 +25,10 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.bench_metrics import format_table  # noqa: E402
-from deploy.bench_peers import PREFIX_PHASE, Server, bench_args  # noqa: E402
-from deploy.bench_serving import bench  # noqa: E402
+from pdserve.bench.metrics import format_table
+from pdserve.bench.peers import PREFIX_PHASE, Server, bench_args
+from pdserve.bench.serving import bench
 
 OUT = Path(__file__).resolve().parent
 PORT = 8391
@@ -68,7 +67,7 @@ def worker_metrics(url: str) -> dict:
 
 
 def main() -> None:
-    py = [sys.executable, "-m", "deploy.cli", "up", "--port", str(PORT)]
+    py = [sys.executable, "-m", "pdserve", "up", "--port", str(PORT)]
     results, rows = {}, []
     for name, (up_args, phase) in CASES.items():
         srv = Server(name.replace(" ", "_").replace(",", "").replace("+", "p"), py + up_args, PORT, OUT / "logs")

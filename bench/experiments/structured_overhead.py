@@ -1,18 +1,16 @@
 """What structured output adds to a decode step: the same batch decoded with and without a
 grammar constraint (a JSON schema whose one string field lets every request run the whole
-budget), repeats interleaved, medians reported. Writes bench/structured-results.json.
+budget), repeats interleaved, medians reported. Writes bench/experiments/structured-results.json.
 
-    . .venv/bin/activate && python bench/structured_overhead.py
+    . .venv/bin/activate && python bench/experiments/structured_overhead.py
 """
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400, "maxLength": 800}},
           "required": ["story"], "additionalProperties": False}
@@ -31,12 +29,12 @@ def step_times(engine, prompts, params) -> list[float]:
 
 
 def main() -> None:
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.structured import Structured
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_model
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.structured import Structured
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.weights import load_model
 
     loaded = load_model()
     tok = Tokenizer.from_model_path(loaded.path)

@@ -6,24 +6,22 @@ One "step" = 30 layers x [qkv (960,576), o (576,576), gate+up (3072,576), down (
 served from the 32 MB L3 the way a single repeated matrix would be). Each step runs every
 matrix in sequence at M rows; best of --repeats, with the kernels interleaved per repeat so a
 noisy neighbour hits them alike. GB/s = weight bytes read per step / time (int8: 1 B/weight
-+ scales; Q4_1: 0.5 B/weight + 8 B per group of 32). Writes bench/native-kernels-results.json.
++ scales; Q4_1: 0.5 B/weight + 8 B per group of 32). Writes bench/experiments/native-kernels-results.json.
 
-    .venv/bin/python bench/native_kernels.py [--repeats 5] [--ms 1,4,8,16,32]
+    .venv/bin/python bench/experiments/native_kernels.py [--repeats 5] [--ms 1,4,8,16,32]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import native  # noqa: E402
+from pdserve.engine import native
 
 HERE = Path(__file__).resolve().parent
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -3,25 +3,23 @@
 Quality: perplexity on a fixed text (bench/data/perplexity.txt, 512-token windows, prompt
 logprobs through the engine) and greedy agreement on a prompt set (identical outputs, and the
 mean share of tokens generated before the first divergence). Speed: pure-decode steps at batch
-1 and 32, repeats interleaved across the variants, medians. Writes bench/quantization-results.json.
+1 and 32, repeats interleaved across the variants, medians. Writes bench/experiments/quantization-results.json.
 
-    . .venv/bin/activate && python bench/quantization.py
+    . .venv/bin/activate && python bench/experiments/quantization.py
 """
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.bench_engine import bench_pdserve_decode  # noqa: E402
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from engine.weights import load_model  # noqa: E402
+from pdserve.bench.engine import bench_pdserve_decode
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.weights import load_model
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("none", "int8", "q4_1", "fp16", "w8a8")
@@ -67,7 +65,7 @@ def main() -> None:
         load_s[q] = time.perf_counter() - t
         tok = tok or Tokenizer.from_model_path(loaded.path)
         engines[q] = LLMEngine(loaded, EngineConfig(quantization=q, cache=CacheConfig(kv_cache_memory=256 << 20)), tok)
-    text = tok.encode((HERE / "data" / "perplexity.txt").read_text())
+    text = tok.encode((HERE.parent / "data" / "perplexity.txt").read_text())
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=48, temperature=0)
     res = {q: {"load_s": load_s[q]} for q in VARIANTS}

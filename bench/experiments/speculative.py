@@ -1,25 +1,23 @@
 """Prompt-lookup speculative decoding: greedy single-stream decode speed with and without it
 on tasks whose output copies the input (code edit, quoting) and on free text, same engine,
-interleaved repeats, medians; outputs must be identical. Writes bench/speculative-results.json.
+interleaved repeats, medians; outputs must be identical. Writes bench/experiments/speculative-results.json.
 
-    . .venv/bin/activate && python bench/speculative.py
+    . .venv/bin/activate && python bench/experiments/speculative.py
 """
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from engine.weights import load_model  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.weights import load_model
 
 loaded = load_model(); tok = Tokenizer.from_model_path(loaded.path)
-text = (Path(__file__).resolve().parents[1] / "engine" / "speculative.py").read_text()[:1500]
+text = (Path(__file__).resolve().parents[2] / "engine" / "speculative.py").read_text()[:1500]
 tasks = {
  "code edit": f"Here is a Python file:\n{text}\nRewrite it exactly as it is, without changes.",
  "quote summary": "The report says: 'Revenue grew 12% to 4.1 billion dollars, driven by cloud services, while operating costs fell 3%.' Quote the report's sentence exactly, then summarize it.",

@@ -1,0 +1,52 @@
+"""The router's view of worker health: a worker it cannot reach leaves the pool at once; one
+that answers its Stats poll too slowly (a long engine step, a loaded machine) stays in until
+several polls in a row were slow, since it still serves the streams it has."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdserve.protos import worker_pb2 as pb
+from pdserve.protos import worker_pb2_grpc as pb_grpc
+from pdserve.router.cluster import ClusterClient, WorkerEndpoint
+
+
+class SlowStats(pb_grpc.DecodeServiceServicer):
+    def __init__(self):
+        self.delay_s = 0.0
+
+    async def Stats(self, request, context):
+        await asyncio.sleep(self.delay_s)
+        return pb.WorkerStats(worker_id="d0", role="decode", num_blocks=8, free_blocks=8)
+
+
+def test_slow_polls_keep_a_worker_until_they_repeat_and_a_dead_one_leaves_at_once():
+    async def main():
+        servicer, server = SlowStats(), grpc.aio.server()
+        pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = ClusterClient(stats_timeout_s=0.2)
+        client.set_workers([WorkerEndpoint("d0", "decode", f"127.0.0.1:{port}")])
+        seen = []
+        try:
+            await client.refresh()
+            seen.append(client.healthy["d0"])
+            servicer.delay_s = 0.5
+            for _ in range(ClusterClient.SLOW_POLLS_ALLOWED):
+                await client.refresh()
+                seen.append(client.healthy["d0"])
+            servicer.delay_s = 0.0
+            await client.refresh()
+            seen.append(client.healthy["d0"])
+            await server.stop(0)
+            await client.refresh()
+            seen.append(client.healthy["d0"])
+        finally:
+            await server.stop(0)
+            await client.close()
+        return seen
+
+    # healthy; two slow polls tolerated, the third takes it out; back when it answers; gone when down
+    assert asyncio.run(main()) == [True, True, True, False, True, False]

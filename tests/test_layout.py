@@ -1,0 +1,124 @@
+"""The package layout a newcomer and an installer rely on: one installed package, `pdserve`;
+every import written `pdserve.…` (or relative); each layer imports only the layers below it
+(docs/architecture.md); no two modules import each other, directly or round a circle."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# installed name -> folder in the checkout (pyproject.toml's package-dir)
+FOLDERS = {"pdserve": "pdserve", "pdserve.engine": "engine", "pdserve.protos": "protos",
+           "pdserve.kv_transfer": "kv_transfer", "pdserve.registry": "registry", "pdserve.router": "router",
+           "pdserve.prefill_worker": "prefill_worker", "pdserve.decode_worker": "decode_worker",
+           "pdserve.deploy": "deploy", "pdserve.bench": "bench"}
+
+# each layer and what it may import (besides itself); the root package's own modules are
+# layers of their own: `pdserve.config` (the cluster's typed config) and `pdserve.cli`
+ALLOWED = {
+    "pdserve.engine": set(),
+    "pdserve.protos": {"pdserve.engine"},
+    "pdserve.config": {"pdserve.engine", "pdserve.protos"},
+    "pdserve.kv_transfer": {"pdserve.engine", "pdserve.protos"},
+    "pdserve.registry": {"pdserve.engine"},
+    "pdserve.prefill_worker": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer"},
+    "pdserve.decode_worker": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer"},
+    "pdserve.router": {"pdserve.engine", "pdserve.protos", "pdserve.registry", "pdserve.config"},
+    "pdserve.deploy": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer", "pdserve.registry",
+                       "pdserve.config", "pdserve.router", "pdserve.prefill_worker", "pdserve.decode_worker"},
+    "pdserve.bench": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer", "pdserve.registry",
+                      "pdserve.config", "pdserve.router", "pdserve.deploy"},
+    "pdserve.cli": {"pdserve.engine", "pdserve.config", "pdserve.deploy", "pdserve.bench"},
+    "pdserve.__main__": {"pdserve.cli"},
+    "pdserve": set(),
+}
+OLD_NAMES = {"engine", "router", "deploy", "protos", "kv_transfer", "prefill_worker", "decode_worker",
+             "registry", "bench"}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, by its installed name."""
+    out = {}
+    for pkg, folder in FOLDERS.items():
+        base = ROOT / folder
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if pkg == "pdserve" and parts and f"pdserve.{parts[0]}" in FOLDERS:
+                continue
+            out[".".join([pkg, *parts])] = path
+    return out
+
+
+def imports_of(name: str, path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, relative ones resolved, at any depth."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.append((node.lineno, mod))
+            found += [(node.lineno, f"{mod}.{a.name}") for a in node.names]  # `from pkg import module`
+    return found
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "pdserve"
+    if ".".join(parts[:2]) in FOLDERS:
+        return ".".join(parts[:2])
+    return ".".join(parts[:2])  # a module of the root package (pdserve.config, pdserve.cli)
+
+
+MODULES = modules()
+
+
+def test_every_import_names_the_installed_package():
+    bad = [f"{MODULES[m].relative_to(ROOT)}:{line}: {imp}" for m in MODULES for line, imp in imports_of(m, MODULES[m])
+           if imp.split(".")[0] in OLD_NAMES]
+    assert not bad, "imports of the checkout's folders instead of pdserve.*:\n" + "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_wheel_installs_one_package(tmp_path):
+    """A non-editable build holds `pdserve/` and nothing else at the top level, with the
+    data files the package reads (C kernels, .proto files)."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+    wheel, = tmp_path.glob("pdserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"pdserve"}, tops
+    for needed in ("pdserve/engine/native/attention.c", "pdserve/protos/worker.proto", "pdserve/__main__.py",
+                   "pdserve/protos/worker_pb2.py", "pdserve/router/app.py"):
+        assert needed in names, needed
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "pdserve = pdserve.deploy.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+@pytest.mark.slow
+def test_installed_package_runs_from_anywhere(tmp_path):
+    """`python -m pdserve` and the modules import from a directory outside the checkout
+    (no folder of the checkout shadows or stands in for the package)."""
+    r = subprocess.run([sys.executable, "-c", "import pdserve.router.app, pdserve.deploy.up; "
+                        "import sys; assert 'engine' not in sys.modules and 'router' not in sys.modules"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "pdserve", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "bench-transfer" in r.stdout, r.stderr
