@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 
-
 def timed(fn, repeats: int = 20) -> float:
     fn()
     torch.cuda.synchronize()

@@ -18,14 +18,14 @@ from pdserve.engine.aio import stop_tasks
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.block_hash import root_hash
 from pdserve.engine.errors import InvalidRequestError, KVTransferError
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.grpc_transport import GrpcKVServer
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.protos import worker_pb2 as pb
-from pdserve.protos.security import TLSConfig, add_port, open_channel
 from pdserve.protos import worker_pb2_grpc as pb_grpc
-from pdserve.protos.convert import (block_snapshot, check_cluster_token, logprob_from_proto, output_to_proto,
-                            params_from_proto, params_to_proto, refuse_invalid, refuse_when_full, refused_by,
-                            worker_stats)
+from pdserve.protos.convert import block_snapshot, logprob_from_proto, output_to_proto, params_from_proto, worker_stats
+from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, open_channel
+from pdserve.protos.status import refuse_invalid, refuse_when_full, refused_by
 
 TRANSFER_POLICIES = ("recompute", "fail")
 KV_TRANSPORTS = ("grpc", "ucx")
@@ -59,8 +59,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         w.queued += 1  # until its first token: waiting for KV or for a place in the batch
         queued = True
         try:
-            remote = await w.admit(rid, prompt, params, request.prefill_address, context,
-                                   list(request.resume_token_ids), request.local_prefill_tokens)
+            remote = await w.admit(request, prompt, params, context)
             async for out in w.engine.stream(rid, q):
                 if queued:
                     w.queued, queued = w.queued - 1, False
@@ -134,16 +133,18 @@ class DecodeWorker:
         await check_cluster_token(self.cluster_token, token, context)
 
     # ---- admission ------------------------------------------------------------------------
-    async def admit(self, rid: str, prompt: list[int], params, prefill_address: str, context,
-                    resume: list[int] | None = None, local_tail: int = 0) -> bool:
-        """Start the request; returns True if its prompt was prefilled remotely. A migrated
-        request (`resume`: tokens it already produced) is recomputed here, and so is a
-        prompt of which at most `local_tail` tokens are not in this worker's cache."""
+    async def admit(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams, context) -> bool:
+        """Start the request (`params`: its parameters as read here); returns True if its
+        prompt was prefilled remotely. A migrated request (`resume_token_ids`: tokens it
+        already produced) is recomputed here, and so is a prompt of which at most
+        `local_prefill_tokens` are not in this worker's cache."""
+        rid, resume, local_tail = request.request_id, list(request.resume_token_ids), request.local_prefill_tokens
+        prefill_address = request.prefill_address
         # prompt logprobs come from the prompt's logits: computed here, where they are returned
         if (prefill_address and len(prompt) > self.local_prefill_threshold and not resume
                 and params.prompt_logprobs is None):
             try:
-                done = await self._remote_prefill(rid, prompt, params, prefill_address, local_tail)
+                done = await self._remote_prefill(request, prompt, params, local_tail)
                 if done is True:
                     return True
                 if done is False:  # taken here: few of its tokens are not cached here
@@ -179,10 +180,13 @@ class DecodeWorker:
                 return dest
             await asyncio.sleep(0.05)  # blocks come back as running requests finish
 
-    async def _remote_prefill(self, rid, prompt, params, prefill_address, local_tail: int = 0) -> bool | None:
+    async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams,
+                              local_tail: int = 0) -> bool | None:
         """True: prefilled remotely; False: taken here, few tokens uncached (see
         `_destination_blocks`); None: no blocks free in time (the caller prefills it here,
-        queued). Raises KVTransferError on failure after releasing the destination blocks."""
+        queued). Raises KVTransferError on failure after releasing the destination blocks.
+        The prefill worker gets the request's parameters as the router sent them."""
+        rid, prefill_address = request.request_id, request.prefill_address
         dest = await self._destination_blocks(rid, prompt, params, local_tail)
         if dest is TAKEN_HERE:
             return False
@@ -193,7 +197,7 @@ class DecodeWorker:
         self.receiver.expect(rid, dest, len(prompt), self.transfer_timeout_s, first_token_index=skip)
         try:
             reply = await self._prefill_stub(prefill_address).Prefill(pb.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params),
+                request_id=rid, prompt_token_ids=prompt, params=request.params,
                 kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer_timeout_s, skip_tokens=skip,
                 cluster_token=self.cluster_token), timeout=self.transfer_timeout_s)
             arrival = self.receiver.take(rid)

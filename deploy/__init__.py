@@ -1,2 +1,5 @@
-"""The `pdserve` command line: try the engine (generate, chat), measure it (bench-engine);
-later issues add launching and scaling the prefill and decode pools."""
+"""Starting and scaling pdserve's processes: one worker with its registry heartbeat
+(`worker_host.py`), Ray pools of them (`launch.py`), the in-process cluster (`local.py`), the
+router as a process (`router_server.py`), `pdserve up` (`up.py`), `pdserve worker`
+(`worker_cmd.py`), `pdserve scale`'s client (`scale.py`) and the autoscaler (`autoscaler.py`,
+its loop in `autoscale_loop.py`)."""

@@ -8,16 +8,26 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .autoscaler import (AutoscalerConfig, Autoscaler, DecodePolicy, IntervalQuantile, PrefillPolicy,
-                         histogram_buckets, signals_from_stats)
+from pdserve.config import AutoscaleConfig
+
+from .autoscaler import (
+    Autoscaler,
+    AutoscalerConfig,
+    DecodePolicy,
+    IntervalQuantile,
+    PrefillPolicy,
+    histogram_buckets,
+    signals_from_stats,
+)
 
 
-def autoscaler_config(args) -> AutoscalerConfig:
-    """The policy from `pdserve up`'s flags (bounds and SLOs; the rest keeps its defaults)."""
-    bounds = dict(min_replicas=1, max_replicas=args.autoscale_max, scale_up_after_s=args.autoscale_up_after,
-                  scale_down_after_s=args.autoscale_down_after, cooldown_s=args.autoscale_cooldown)
-    return AutoscalerConfig(prefill=PrefillPolicy(ttft_slo_s=args.ttft_slo, **bounds),
-                            decode=DecodePolicy(itl_slo_s=args.itl_slo, **bounds))
+def autoscaler_config(config: AutoscaleConfig) -> AutoscalerConfig:
+    """Both pools' policies from the cluster's autoscaling settings (bounds and SLOs; the
+    rest keeps the decision core's defaults)."""
+    bounds = dict(min_replicas=1, max_replicas=config.max_replicas, scale_up_after_s=config.up_after_s,
+                  scale_down_after_s=config.down_after_s, cooldown_s=config.cooldown_s)
+    return AutoscalerConfig(prefill=PrefillPolicy(ttft_slo_s=config.ttft_slo_s, **bounds),
+                            decode=DecodePolicy(itl_slo_s=config.itl_slo_s, **bounds))
 
 
 class AutoscaleLoop:

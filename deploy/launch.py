@@ -10,34 +10,36 @@ import asyncio
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from .worker_host import HostedWorker, WorkerSpec
+from pdserve.config import ClusterConfig, PoolConfig, WorkerConfig
+
+from .worker_host import HostedWorker
 
 
 @ray.remote
 class WorkerActor:
     """One worker in its own process. Async actor: the gRPC servers share its event loop."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, config: WorkerConfig):
         import torch
 
         from pdserve.engine.threads import in_fresh_thread
         from pdserve.engine.tokenizer import Tokenizer
         from pdserve.engine.weights import load_for_config
 
-        if spec.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
-            spec = replace(spec, host=ray.util.get_node_ip_address())
-        self.spec = spec
-        if spec.engine.num_threads:
-            torch.set_num_threads(spec.engine.num_threads)
+        if config.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
+            config = replace(config, host=ray.util.get_node_ip_address())
+        self.config = config
+        if config.engine.num_threads:
+            torch.set_num_threads(config.engine.num_threads)
 
         def build() -> HostedWorker:
-            loaded = load_for_config(spec.engine)  # all of it: quantization was once dropped here
-            return HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
+            loaded = load_for_config(config.engine)
+            return HostedWorker(config, loaded, Tokenizer.from_model_path(loaded.path))
 
         # off this thread: the engine thread's OpenMP team must be the process's only one (engine/threads.py)
         self.host = in_fresh_thread(build)
@@ -72,22 +74,13 @@ class PoolScaleError(RuntimeError):
     """A pool could not be resized (new workers did not start)."""
 
 
-@dataclass
-class PoolSpec:
-    role: str
-    replicas: int
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    max_queue: int = 0
-    max_restarts: int = 10         # Ray restarts a dead worker process up to this many times (-1: always)
-    resource: str = ""             # a custom Ray resource each worker takes 1 of (e.g. a KubeRay worker group's)
-
-
 class Pool:
     """A group of WorkerActors of one role, started, supervised and resized on its own."""
 
-    def __init__(self, spec: PoolSpec, base: WorkerSpec, name_prefix: str = ""):
-        self.spec, self.base = spec, base
+    def __init__(self, role: str, cluster: ClusterConfig, name_prefix: str = ""):
+        """The pool of `role` in `cluster` (its size, resources and queues: cluster.pools()[role])."""
+        self.role, self.cluster = role, cluster
+        self.config: PoolConfig = cluster.pools()[role]
         self.name_prefix = name_prefix
         self.actors: list = []
         self.records: list[dict] = []
@@ -97,22 +90,22 @@ class Pool:
         self._lock = threading.Lock()
 
     def _new_actors(self, n: int) -> list:
-        s = self.spec
-        opts = dict(num_cpus=s.num_cpus, num_gpus=s.num_gpus, max_restarts=s.max_restarts)
-        if s.resource:
-            opts["resources"] = {s.resource: 1}
-        threads = self.base.engine.num_threads or max(1, int(s.num_cpus))
+        p = self.config
+        opts = dict(num_cpus=p.num_cpus, num_gpus=p.num_gpus, max_restarts=p.max_restarts)
+        if p.resource:
+            opts["resources"] = {p.resource: 1}
+        engine = self.cluster.engine
+        engine = replace(engine, num_threads=engine.num_threads or max(1, int(p.num_cpus)))  # threads follow CPUs
         actors = []
         for _ in range(n):  # ids are never reused: a removed worker's id stays retired
-            spec = replace(self.base, role=s.role, worker_id=f"{self.name_prefix}{s.role}-{self._next_index}",
-                           max_queue=s.max_queue, engine=replace(self.base.engine, num_threads=threads))
+            worker = self.cluster.worker(self.role, f"{self.name_prefix}{self.role}-{self._next_index}", engine=engine)
             self._next_index += 1
-            actors.append(WorkerActor.options(**opts).remote(spec))
+            actors.append(WorkerActor.options(**opts).remote(worker))
         return actors
 
     def launch(self) -> list:
         """Create the actors and ask them to start; returns the pending start results."""
-        self.actors = self._new_actors(self.spec.replicas)
+        self.actors = self._new_actors(self.config.replicas)
         return [a.start.remote() for a in self.actors]
 
     def wait(self, refs: list) -> list[dict]:
@@ -142,7 +135,7 @@ class Pool:
                 except (GetTimeoutError, RayError) as e:
                     for a in added:
                         ray.kill(a)
-                    raise PoolScaleError(f"{len(added)} new {self.spec.role} worker(s) did not start within "
+                    raise PoolScaleError(f"{len(added)} new {self.role} worker(s) did not start within "
                                          f"{start_timeout_s:g}s (no node with the resources they need?): {e}") from e
                 self.actors += added
                 self.records += records
@@ -214,7 +207,7 @@ class PoolControl:
     pools of this `pdserve up`, by role."""
 
     def __init__(self, pools: list[Pool], log=lambda msg: None, max_replicas: int = 64):
-        self.pools = {p.spec.role: p for p in pools}
+        self.pools = {p.role: p for p in pools}
         self.log, self.max_replicas = log, max_replicas
 
     def sizes(self) -> dict[str, int]:

@@ -5,48 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import uvicorn
 
-from pdserve.engine.config import EngineConfig
+from pdserve.config import ClusterConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import LoadedModel
-from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.engine.weights import LoadedModel, served_model_name
+from pdserve.router.app import create_app
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint
 from pdserve.router.discovery import RegistryDiscovery
-from pdserve.protos.security import TLSConfig
+from pdserve.router.router import Router
 
-from .worker_host import HostedWorker, WorkerSpec
-
-
-@dataclass
-class LocalClusterConfig:
-    num_prefill: int = 1
-    num_decode: int = 1
-    mode: str = "disaggregated"    # or "aggregated": decode workers prefill themselves, no prefill pool
-    policy: str = "prefix_aware"
-    decode_local_prefill: int = 0  # router: a decode worker holding all of a prompt but this many tokens prefills it
-    cluster: str = "local"
-    cluster_token: str = field(default="", repr=False)
-    redis_url: str = field(default="", repr=False)  # "": static wiring, no KV events
-    host: str = "127.0.0.1"
-    port: int = 0
-    model_name: str = "default"
-    transfer_policy: str = "recompute"
-    local_prefill_threshold: int = 0
-    tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS between router and workers
-    kv_transport: str = "grpc"     # decode workers receive KV over grpc | ucx
-    kv_layer_group: int = 0        # prefill workers push KV every N layers (0: at the end)
-    prefill_max_queue: int = 0     # per worker; 0: unbounded
-    decode_max_queue: int = 0
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
+from .worker_host import HostedWorker
 
 
 class LocalCluster:
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: LocalClusterConfig):
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: ClusterConfig):
+        """The cluster `config` describes, in this process: its pools' workers (by their
+        replicas and queues) and its router (on `config.router.port`, 0 for any free port).
+        Without a registry (`config.registry.redis_url` empty) the router is wired to the
+        workers directly and follows no KV events."""
         self.loaded, self.tokenizer, self.config = loaded, tokenizer, config
         self.workers: list[HostedWorker] = []
         self.loop = asyncio.new_event_loop()
@@ -55,36 +35,24 @@ class LocalCluster:
         self._serve_task = None
         self.url = ""
 
-    def _specs(self) -> list[WorkerSpec]:
-        c = self.config
-        base = WorkerSpec("prefill", "", c.cluster, c.redis_url, c.cluster_token, c.host, c.transfer_policy,
-                          c.local_prefill_threshold, engine=c.engine, tls=c.tls, kv_transport=c.kv_transport,
-                          kv_layer_group=c.kv_layer_group)
-        if c.mode == "aggregated":
-            return [replace(base, role="aggregated", worker_id=f"aggregated-{i}", max_queue=c.decode_max_queue)
-                    for i in range(c.num_decode)]
-        return ([replace(base, role="prefill", worker_id=f"prefill-{i}", max_queue=c.prefill_max_queue)
-                 for i in range(c.num_prefill)] +
-                [replace(base, role="decode", worker_id=f"decode-{i}", max_queue=c.decode_max_queue)
-                 for i in range(c.num_decode)])
-
     async def _start(self) -> None:
         c = self.config
-        for spec in self._specs():
-            w = HostedWorker(spec, self.loaded, self.tokenizer)
-            await w.start()
-            self.workers.append(w)
-        cluster = ClusterClient(c.policy, c.engine.cache.block_size, c.engine.cache.cache_namespace, c.cluster_token,
-                                tls=c.tls, local_prefill_tokens=c.decode_local_prefill)
+        for role, pool in c.pools().items():
+            for i in range(pool.replicas):
+                w = HostedWorker(c.worker(role, f"{role}-{i}"), self.loaded, self.tokenizer)
+                await w.start()
+                self.workers.append(w)
+        rc = replace(c.router, model_name=c.router.model_name or served_model_name(self.loaded.path),
+                     refresh_interval_s=0.1)
+        cluster = ClusterClient.from_config(rc, c.security, c.engine.cache.block_size, c.engine.cache.cache_namespace)
         discovery = None
-        if c.redis_url:
-            discovery = RegistryDiscovery(c.redis_url, c.cluster, cluster)
+        if c.registry.redis_url:
+            discovery = RegistryDiscovery(c.registry.redis_url, c.registry.cluster_name, cluster)
         else:
-            cluster.set_workers([WorkerEndpoint(w.record.worker_id, w.record.role, w.record.address)
-                                 for w in self.workers])
-        self.router = Router(cluster, self.tokenizer, replace(c.router, model_name=c.model_name, refresh_interval_s=0.1),
-                             discovery=discovery)
-        server = uvicorn.Server(uvicorn.Config(create_app(self.router), host=c.host, port=c.port,
+            cluster.set_workers([WorkerEndpoint(worker_id=w.record.worker_id, role=w.record.role,
+                                                address=w.record.address) for w in self.workers])
+        self.router = Router(cluster, self.tokenizer, rc, c.security, discovery=discovery)
+        server = uvicorn.Server(uvicorn.Config(create_app(self.router), host=rc.host, port=rc.port,
                                                log_level="warning", lifespan="on",
                                                timeout_graceful_shutdown=10))
         self._server = server
@@ -93,7 +61,7 @@ class LocalCluster:
             if self._serve_task.done():
                 self._serve_task.result()  # raises the startup error
             await asyncio.sleep(0.02)
-        self.url = f"http://{c.host}:{server.servers[0].sockets[0].getsockname()[1]}"
+        self.url = f"http://{rc.host}:{server.servers[0].sockets[0].getsockname()[1]}"
         while not (cluster.ready() and len(cluster.workers) == len(self.workers)):
             await asyncio.sleep(0.05)
 
@@ -133,7 +101,7 @@ class LocalCluster:
             self.loop.close()
 
     def worker(self, worker_id: str) -> HostedWorker:
-        return next(w for w in self.workers if w.spec.worker_id == worker_id)
+        return next(w for w in self.workers if w.config.worker_id == worker_id)
 
     def engines(self) -> list[LLMEngine]:
         return [w.engine for w in self.workers]

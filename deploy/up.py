@@ -8,73 +8,21 @@ import shutil
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import replace
 
-from .router_server import add_router_args, check_exposure, make_logger, serve_router, tls_config
+from pdserve.config import ClusterConfig
+
+from .router_server import check_exposure, make_logger, serve_router
 
 
-def add_up_args(p) -> None:
-    add_router_args(p)
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default: %(default)s)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
-    p.add_argument("--mode", choices=("disaggregated", "aggregated"), default="disaggregated",
-                   help="aggregated: --decode workers that prefill themselves, no prefill pool")
-    p.add_argument("--prefill-cpus", type=float, default=1.0, help="Ray CPUs per prefill worker")
-    p.add_argument("--decode-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
-    p.add_argument("--prefill-gpus", type=float, default=0.0, help="GPUs per prefill worker (with --device cuda)")
-    p.add_argument("--decode-gpus", type=float, default=0.0, help="GPUs per decode worker (with --device cuda)")
-    p.add_argument("--prefill-resource", default="", help="custom Ray resource each prefill worker takes 1 of "
-                   "(e.g. the one a KubeRay worker group advertises): places the pool on those nodes")
-    p.add_argument("--decode-resource", default="", help="the same for decode workers")
-    p.add_argument("--autoscale", action="store_true",
-                   help="size each pool from its own signals (prefill: queued tokens, TTFT; decode: KV usage, ITL)")
-    p.add_argument("--autoscale-max", type=int, default=4, help="most workers per pool when autoscaling")
-    p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT p90 target of the autoscaler (s)")
-    p.add_argument("--itl-slo", type=float, default=0.1, help="ITL p90 target of the autoscaler (s)")
-    p.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds between autoscaler rounds")
-    p.add_argument("--autoscale-up-after", type=float, default=30.0,
-                   help="a pool overloaded this long (s, continuously) grows")
-    p.add_argument("--autoscale-down-after", type=float, default=300.0,
-                   help="a pool underused this long (s, continuously) shrinks")
-    p.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds between two changes of a pool")
-    p.add_argument("--no-router", action="store_true",
-                   help="run the pools only (routers run elsewhere: `pdserve router`); --port then serves "
-                        "/health and the admin endpoints")
-    p.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
-    p.add_argument("--worker-host", default="", help="address workers serve on: 'auto' (their node's IP, the "
-                   "default with --ray-address) or an address (default without: 127.0.0.1)")
-    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", ""),
-                   help="use this Redis instead of an embedded redis-server (env PDSERVE_REDIS_URL, which keeps a "
-                        "password out of `ps`)")
-    p.add_argument("--cluster-name", default="", help="registry namespace (default: random)")
-    p.add_argument("--kv-transport", choices=("grpc", "ucx"), default="grpc",
-                   help="how decode workers receive KV: grpc, or ucx (pip install 'pdserve[ucx]'; RDMA/NVLink/"
-                        "shared memory where present, TCP elsewhere)")
-    p.add_argument("--kv-layer-group", type=int, default=0,
-                   help="prefill workers push a prompt's KV every N layers as they are computed, overlapping "
-                        "transfer with compute (0: all layers at the end)")
-    p.add_argument("--transfer-policy", choices=("recompute", "fail"), default="recompute",
-                   help="when a KV hand-off fails: prefill on the decode worker, or fail the request")
-    p.add_argument("--local-prefill-threshold", type=int, default=0,
-                   help="prompts of at most this many tokens are prefilled on the decode worker")
-    p.add_argument("--prefill-max-queue", type=int, default=64,
-                   help="prompts queued per prefill worker before it refuses more (0: unbounded)")
-    p.add_argument("--decode-max-queue", type=int, default=64,
-                   help="requests waiting for their first token per decode worker before it refuses more "
-                        "(0: unbounded); a request refused by every worker of a pool gets 429")
-    p.add_argument("--max-restarts", type=int, default=10,
-                   help="Ray restarts a dead worker up to this many times; it re-registers (-1: always)")
-    p.set_defaults(func=cmd_up)
-
-
-def _start_ray(args, needed_cpus: float):
+def _start_ray(ray_address: str, needed_cpus: float):
+    """Join `ray_address`, or start a private local Ray (returns its session directory)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if args.ray_address:
-        ray.init(address=args.ray_address, log_to_driver=False)
+    if ray_address:
+        ray.init(address=ray_address, log_to_driver=False)
         return None
     temp = tempfile.mkdtemp(prefix="pdserve-ray-")
     ray.init(num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)), include_dashboard=False,
@@ -82,46 +30,35 @@ def _start_ray(args, needed_cpus: float):
     return temp
 
 
-def cmd_up(args) -> int:
+def run_up(config: ClusterConfig, api: bool = True) -> int:
+    """Run the cluster until Ctrl-C or SIGTERM. api=False (`--no-router`): the pools and their
+    admin endpoints only; routers run elsewhere."""
     import ray
 
     from pdserve.engine.weights import resolve_model_path
+    from pdserve.registry.embedded import EmbeddedRedis
+    from pdserve.registry.urls import redact_url
 
-    from .cli import engine_config
-    from .launch import Pool, PoolControl, PoolSpec
-    from .redis_server import EmbeddedRedis
-    from .registry import redact_url
-    from .worker_host import WorkerSpec
+    from .launch import Pool, PoolControl
 
-    check_exposure(args)
-    tls = tls_config(args)
+    check_exposure(config.router, config.security)
     t0 = time.monotonic()
     log = make_logger(t0)
-    engine_cfg = engine_config(args)
-    model_path = resolve_model_path(engine_cfg.model or None)
-    redis = None if args.redis_url else EmbeddedRedis().start()
-    redis_url = args.redis_url or redis.url
-    log(f"registry: {redact_url(redis_url)}" + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
-    cluster_name = args.cluster_name or uuid.uuid4().hex[:8]
-    log(f"cluster name: {cluster_name} (`pdserve router --redis-url URL --cluster-name {cluster_name}` adds a router)")
-    decode = PoolSpec("decode", args.decode, args.decode_cpus, args.decode_gpus, args.decode_max_queue,
-                      args.max_restarts, args.decode_resource)
-    if args.mode == "aggregated":
-        pools = [replace(decode, role="aggregated")]
-    else:
-        pools = [PoolSpec("prefill", args.prefill, args.prefill_cpus, args.prefill_gpus, args.prefill_max_queue,
-                          args.max_restarts, args.prefill_resource), decode]
+    model_path = resolve_model_path(config.engine.model or None)
+    redis = None if config.registry.redis_url else EmbeddedRedis().start()
+    if redis is not None:
+        config = replace(config, registry=replace(config.registry, redis_url=redis.url))
+    registry = config.registry
+    log(f"registry: {redact_url(registry.redis_url)}" + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
+    log(f"cluster name: {registry.cluster_name} (`pdserve router --redis-url URL --cluster-name "
+        f"{registry.cluster_name}` adds a router)")
     started: list[Pool] = []
     supervisor = None
     ray_temp, clean = None, False
     try:
-        ray_temp = _start_ray(args, sum(p.replicas * p.num_cpus for p in pools))
+        ray_temp = _start_ray(config.ray_address, sum(p.replicas * p.num_cpus for p in config.pools().values()))
         log(f"ray: {ray.get_runtime_context().gcs_address}" + (f" (session files in {ray_temp})" if ray_temp else ""))
-        worker_host = args.worker_host or ("auto" if args.ray_address else "127.0.0.1")
-        base = WorkerSpec("", "", cluster_name, redis_url, args.cluster_token, worker_host, args.transfer_policy,
-                          args.local_prefill_threshold, tls=tls, kv_transport=args.kv_transport,
-                          kv_layer_group=args.kv_layer_group, engine=engine_cfg)
-        started = [Pool(spec, base) for spec in pools]
+        started = [Pool(role, config) for role in config.pools()]
         pending = [pool.launch() for pool in started]  # all pools load their model at once
         for pool, refs in zip(started, pending):
             for r in pool.wait(refs):
@@ -136,8 +73,7 @@ def cmd_up(args) -> int:
         supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
         supervisor.start()
         control = PoolControl(started, log)
-        serve_router(args, model_path, engine_cfg.cache.block_size, engine_cfg.cache.cache_namespace, redis_url,
-                     cluster_name, log, t0, control=control, api=not args.no_router)
+        serve_router(config, model_path, log, t0, control=control, api=api)
         clean = True
         return 0
     finally:

@@ -11,23 +11,7 @@ import signal
 import sys
 import time
 
-
-def add_worker_args(p) -> None:
-    p.add_argument("--role", choices=("prefill", "decode", "aggregated"), required=True)
-    p.add_argument("--worker-id", required=True, help="unique in the cluster, e.g. prefill-host3")
-    p.add_argument("--host", default="127.0.0.1", help="bind and advertise address of its services")
-    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL", ""),
-                   help="the cluster's registry (env PDSERVE_REDIS_URL)")
-    p.add_argument("--cluster-name", required=True)
-    p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""))
-    p.add_argument("--transfer-policy", choices=("recompute", "fail"), default="recompute")
-    p.add_argument("--kv-transport", choices=("grpc", "ucx"), default="grpc", help="decode workers: receive KV over")
-    p.add_argument("--kv-layer-group", type=int, default=0, help="prefill workers: push KV every N layers (0: at the end)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests queued here before it refuses more")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on Ctrl-C/SIGTERM: seconds the requests in flight get to finish (then the router migrates them)")
-    p.set_defaults(func=cmd_worker)
-
+from pdserve.config import WorkerConfig
 
 STOP_GRACE_S = 30.0  # what stopping may take after the drain: gRPC grace, Redis timeouts, engine thread
 
@@ -48,30 +32,24 @@ def shutdown_watchdog(timeout_s: float) -> None:
     faulthandler.dump_traceback_later(timeout_s, exit=True)
 
 
-def cmd_worker(args) -> int:
+def run_worker(config: WorkerConfig, drain_timeout_s: float = 30.0) -> int:
+    """Serve until Ctrl-C or SIGTERM, then drain for up to `drain_timeout_s` and exit."""
     import torch
 
     from pdserve.engine.threads import in_fresh_thread, single_threaded_here
     from pdserve.engine.tokenizer import Tokenizer
     from pdserve.engine.weights import load_for_config
 
-    from .cli import engine_config
     from .router_server import make_logger
-    from .worker_host import HostedWorker, WorkerSpec
+    from .worker_host import HostedWorker
 
-    if not args.redis_url:
-        raise ValueError("pdserve worker needs the cluster's registry: --redis-url (or PDSERVE_REDIS_URL)")
     log = make_logger(time.monotonic())
-    cfg = engine_config(args)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    spec = WorkerSpec(args.role, args.worker_id, args.cluster_name, args.redis_url, args.cluster_token, args.host,
-                      args.transfer_policy, max_queue=args.max_queue, kv_transport=args.kv_transport,
-                      kv_layer_group=args.kv_layer_group, engine=cfg)
+    if config.engine.num_threads:
+        torch.set_num_threads(config.engine.num_threads)
 
     def build() -> HostedWorker:
-        loaded = load_for_config(cfg)
-        return HostedWorker(spec, loaded, Tokenizer.from_model_path(loaded.path))
+        loaded = load_for_config(config.engine)
+        return HostedWorker(config, loaded, Tokenizer.from_model_path(loaded.path))
 
     host = in_fresh_thread(build)  # the engine thread's OpenMP team is then the only one (engine/threads.py)
 
@@ -82,14 +60,14 @@ def cmd_worker(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, stop)
         record = await host.start()
-        log(f"{args.role} worker {args.worker_id} (pid {os.getpid()}) on {record.address}"
+        log(f"{config.role} worker {config.worker_id} (pid {os.getpid()}) on {record.address}"
             + (f", KV on {record.kv_address}" if record.kv_address else ""))
         print(f"ready {record.address}", flush=True)
         await stop.wait()
-        shutdown_watchdog(args.drain_timeout + STOP_GRACE_S)
-        log(f"draining (up to {args.drain_timeout:g}s)")
-        if not await host.drain(args.drain_timeout):
-            log(f"requests still in flight after {args.drain_timeout:g}s: {host.describe_busy()}; stopping anyway")
+        shutdown_watchdog(drain_timeout_s + STOP_GRACE_S)
+        log(f"draining (up to {drain_timeout_s:g}s)")
+        if not await host.drain(drain_timeout_s):
+            log(f"requests still in flight after {drain_timeout_s:g}s: {host.describe_busy()}; stopping anyway")
         await host.stop()
         log("stopped")
 

@@ -6,51 +6,35 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
 
+from pdserve.config import WorkerConfig
 from pdserve.decode_worker.service import DecodeWorker
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import LoadedModel
 from pdserve.kv_transfer.senders import SchemeKVSender
 from pdserve.prefill_worker.service import PrefillWorker
-from pdserve.protos.security import TLSConfig
-
-from .registry import EventPublisher, WorkerRecord, WorkerRegistration
-
-
-@dataclass
-class WorkerSpec:
-    role: str                      # "prefill" | "decode" | "aggregated"
-    worker_id: str
-    cluster: str = "default"
-    redis_url: str = field(default="", repr=False)  # "" : no registry, no events (static wiring)
-    cluster_token: str = field(default="", repr=False)
-    host: str = "127.0.0.1"
-    transfer_policy: str = "recompute"
-    local_prefill_threshold: int = 0
-    tls: TLSConfig = field(default_factory=TLSConfig)
-    kv_transport: str = "grpc"     # what this decode worker receives KV over: grpc | ucx
-    kv_layer_group: int = 0        # prefill: push KV every this many layers as they compute (0: at the end)
-    max_queue: int = 0             # requests queued at this worker before it refuses more (0: unbounded)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+from pdserve.registry.events import EventPublisher
+from pdserve.registry.membership import WorkerRecord, WorkerRegistration
 
 
 class HostedWorker:
-    def __init__(self, spec: WorkerSpec, loaded: LoadedModel, tokenizer: Tokenizer):
-        self.spec = spec
-        self.publisher = EventPublisher(spec.redis_url, spec.cluster, spec.worker_id) if spec.redis_url else None
-        engine = AsyncEngine(LLMEngine(loaded, spec.engine, tokenizer, self.publisher))
-        if spec.role == "prefill":
-            sender = SchemeKVSender(spec.worker_id, spec.cluster_token, tls=spec.tls)
-            self.worker = PrefillWorker(engine, sender, spec.worker_id,
-                                        spec.cluster_token, spec.max_queue, spec.tls, spec.kv_layer_group)
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel, tokenizer: Tokenizer):
+        self.config = c = config
+        registry, security, transfer = c.registry, c.security, c.transfer
+        self.publisher = (EventPublisher(registry.redis_url, registry.cluster_name, c.worker_id)
+                          if registry.redis_url else None)
+        engine = AsyncEngine(LLMEngine(loaded, c.engine, tokenizer, self.publisher))
+        if c.role == "prefill":
+            sender = SchemeKVSender(c.worker_id, security.cluster_token, tls=security.tls)
+            self.worker = PrefillWorker(engine, sender, worker_id=c.worker_id, cluster_token=security.cluster_token,
+                                        max_queue=c.max_queue, tls=security.tls, layer_group=transfer.layer_group)
         else:  # decode, or aggregated: a decode worker that always prefills itself
-            self.worker = DecodeWorker(engine, spec.worker_id, spec.cluster_token, spec.transfer_policy,
-                                       local_prefill_threshold=spec.local_prefill_threshold, max_queue=spec.max_queue,
-                                       tls=spec.tls, kv_transport=spec.kv_transport)
+            self.worker = DecodeWorker(engine, worker_id=c.worker_id, cluster_token=security.cluster_token,
+                                       transfer_policy=transfer.policy,
+                                       local_prefill_threshold=transfer.local_prefill_threshold,
+                                       max_queue=c.max_queue, tls=security.tls, kv_transport=transfer.transport)
         self.registration: WorkerRegistration | None = None
 
     @property
@@ -58,13 +42,14 @@ class HostedWorker:
         return self.worker.engine.engine
 
     async def start(self) -> WorkerRecord:
-        s = self.spec
-        address = await self.worker.start(s.host)
-        record = WorkerRecord(s.worker_id, s.role, address, getattr(self.worker, "kv_address", ""), uuid.uuid4().hex)
+        c = self.config
+        address = await self.worker.start(c.host)
+        record = WorkerRecord(worker_id=c.worker_id, role=c.role, address=address,
+                              kv_address=getattr(self.worker, "kv_address", ""), incarnation=uuid.uuid4().hex)
         if self.publisher is not None:
             await self.publisher.reset_stream()
             self.publisher.start()
-            self.registration = WorkerRegistration(s.redis_url, s.cluster, record)
+            self.registration = WorkerRegistration(c.registry.redis_url, c.registry.cluster_name, record)
             await self.registration.beat()
             self.registration.start()
         self.record = record

@@ -23,8 +23,8 @@ from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import TokenLogprobs, sample
 from .sampling_params import SamplingParams
-from .speculative import NgramSpeculator
 from .scheduler import Scheduler
+from .speculative import NgramSpeculator
 from .tokenizer import Tokenizer
 from .weights import LoadedModel, load_for_config
 

@@ -3,6 +3,7 @@
 In: a prefill engine's exported blocks (`LLMEngine.export_kv`) and the destination blocks a
 decode engine allocated (`LLMEngine.add_remote_request`). Out: checked arrivals that the decode
 worker imports (`LLMEngine.import_kv`). `wire.py` is the format (a `KVHeader` + raw payload in
-chunks), `receiver.py` the decode side's leases and checks, `grpc_transport.py` and `local.py`
-the transports behind the `KVSender` interface (`base.py`); UCX comes later.
+chunks), `receiver.py` the decode side's leases and checks, `grpc_transport.py`, `local.py` and
+`ucx_transport.py` the transports behind the `KVSender` interface (`base.py`), and
+`senders.py` picks one by the receiver's address scheme.
 """

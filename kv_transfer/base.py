@@ -1,5 +1,5 @@
-"""One interface for every KV transport (gRPC now, in-process for single-box and tests,
-UCX later): push one request's blocks to a decode worker and raise on any failure."""
+"""One interface for every KV transport (gRPC, UCX, and in-process for single-box runs and
+tests): push one request's blocks to a decode worker and raise on any failure."""
 from __future__ import annotations
 
 from typing import Protocol

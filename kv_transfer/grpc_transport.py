@@ -13,9 +13,9 @@ import grpc
 import torch
 
 from pdserve.engine.errors import KVTransferError
-from pdserve.protos.security import TLSConfig, add_port, open_channel
 from pdserve.protos import kv_transfer_pb2 as pb
 from pdserve.protos import kv_transfer_pb2_grpc as pb_grpc
+from pdserve.protos.security import TLSConfig, add_port, open_channel
 
 from .receiver import KVReceiver, PushAssembler
 from .wire import CHUNK_BYTES, iter_chunks, make_header, tensor_bytes

@@ -1,6 +1,6 @@
 """`python -m pdserve`: the `pdserve` command."""
 import sys
 
-from pdserve.deploy.cli import main
+from pdserve.cli import main
 
 sys.exit(main())

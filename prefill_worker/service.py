@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 import itertools
+import time
 
 import grpc
 
@@ -17,10 +17,10 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.errors import InvalidRequestError, KVTransferError
 from pdserve.kv_transfer.base import KVSender
 from pdserve.protos import worker_pb2 as pb
-from pdserve.protos.security import TLSConfig, add_port
 from pdserve.protos import worker_pb2_grpc as pb_grpc
-from pdserve.protos.convert import (block_snapshot, check_cluster_token, logprob_to_proto, params_from_proto,
-                            refuse_invalid, refuse_when_full, worker_stats)
+from pdserve.protos.convert import block_snapshot, logprob_to_proto, params_from_proto, worker_stats
+from pdserve.protos.security import TLSConfig, add_port, check_cluster_token
+from pdserve.protos.status import refuse_invalid, refuse_when_full
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):

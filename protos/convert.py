@@ -1,18 +1,18 @@
-"""Conversions between the protobuf messages and the engine's Python types (both ways, so
-that every process agrees on one mapping)."""
+"""Conversions between the engine's types and the wire's messages, each in one function per
+direction, so that every process agrees on one mapping: sampling parameters, token
+logprobs, request outputs, and a worker's stats and cached blocks."""
 from __future__ import annotations
 
-import hmac
+from typing import TYPE_CHECKING
 
-import grpc
-
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import Structured
 
 from . import worker_pb2 as pb
+
+if TYPE_CHECKING:  # only their attributes are read here
+    from pdserve.engine.engine import LLMEngine, RequestOutput
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -82,44 +82,3 @@ def block_snapshot(engine: LLMEngine) -> pb.BlockSnapshot:
     """Run on the engine thread, so the hashes and the event number agree."""
     hashes, seq = engine.blocks.snapshot()
     return pb.BlockSnapshot(block_hashes=hashes, seq=seq)
-
-
-async def check_cluster_token(expected: str, given: str, context) -> None:
-    """Abort the RPC unless `given` is the cluster token (constant-time compare)."""
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
-
-
-REFUSED_BY = "pdserve-refused-by"
-INVALID_PARAM, INVALID_CODE = "pdserve-param", "pdserve-code"
-"""Trailing-metadata key naming the worker that refused a request because its queue is full."""
-
-
-async def refuse_when_full(context, worker_id: str, what: str, limit: int = 0, state: str = "") -> None:
-    """Abort the RPC with RESOURCE_EXHAUSTED, naming the refusing worker so the router can
-    try another one of its pool (or answer 429 when the whole pool is full). `state`: why,
-    if not the queue limit (e.g. "draining")."""
-    why = state or "at its queue limit" + (f" ({limit} requests)" if limit else "")
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what} {worker_id} is {why}",
-                        trailing_metadata=((REFUSED_BY, worker_id),))
-
-
-async def refuse_invalid(context, e: InvalidRequestError) -> None:
-    """Abort the RPC with INVALID_ARGUMENT, carrying the error's field and code, so the
-    router's 400 names them as if it had found the error itself."""
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e),
-                        trailing_metadata=((INVALID_PARAM, e.param or ""), (INVALID_CODE, e.code or "")))
-
-
-def invalid_details(e: grpc.aio.AioRpcError) -> tuple[str | None, str | None]:
-    """(param, code) sent by `refuse_invalid`; None where absent."""
-    meta = dict(e.trailing_metadata() or ())
-    return meta.get(INVALID_PARAM) or None, meta.get(INVALID_CODE) or None
-
-
-def refused_by(e: grpc.aio.AioRpcError) -> str:
-    """The worker named by `refuse_when_full`, or "" if the error does not name one."""
-    for key, value in e.trailing_metadata() or ():
-        if key == REFUSED_BY:
-            return value
-    return ""

@@ -10,6 +10,7 @@ Kubernetes get arbitrary IPs).
 """
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,3 +65,9 @@ def open_channel(target: str, tls: TLSConfig | None, options: list | tuple = ())
             options.append(("grpc.ssl_target_name_override", tls.server_name))
         return grpc.aio.secure_channel(target, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(target, options=options)
+
+
+async def check_cluster_token(expected: str, given: str, context) -> None:
+    """Abort the RPC unless `given` is the cluster token (constant-time compare)."""
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")

@@ -1,5 +1,8 @@
-"""OpenAI-compatible HTTP router (filled by the "Disaggregated serving" issue).
+"""The router: the OpenAI-compatible HTTP API in front of the pools.
 
-In: OpenAI requests from clients. Out: SSE/JSON responses. Calls decode workers over gRPC,
-follows the global prefix index through KV events in Redis.
+In: OpenAI requests (`app.py`, `protocol.py`). Out: JSON or SSE responses (`responses.py`).
+The `Router` (`router.py`) admits a request as generations (`generation.py`), routed
+(`cluster.py`, `policies.py`) to decode workers over gRPC with a prefill worker chosen by the
+global prefix index (`prefix_index.py`), which follows the workers' KV events in Redis
+(`discovery.py`).
 """

@@ -1,12 +1,10 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions and chat completions, streaming
-(SSE) and not, models, health and Prometheus metrics."""
+"""The HTTP front end (FastAPI): the OpenAI endpoints over a `Router`, models, tokenize,
+health, Prometheus metrics and the admin endpoints (workers, pools), behind API keys."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import time
-from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,84 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pdserve.engine.aio import stop_tasks
-from pdserve.engine.tokenizer import Tokenizer
 
-from .cluster import ClusterClient
-from .generation import Generation
-from .metrics import RouterMetrics
-from .openai_api import OpenAIHandlers
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       http_error, validation_error)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    model_name: str = "default"
-    """The model id clients must name."""
-    refresh_interval_s: float = 0.5
-    """How often worker loads (and, with a registry, membership and KV events) are read."""
-    api_keys: tuple[str, ...] = ()
-    """Accepted `Authorization: Bearer` keys for /v1; empty: no authentication."""
-    max_inflight: int = 0
-    """Requests admitted at once; beyond it 429 with Retry-After. 0: unbounded."""
-    request_timeout_s: float = 0.0
-    """A request not finished after this long gets 504 (and is aborted). 0: no limit."""
-
-    def __post_init__(self):
-        if self.max_inflight < 0 or self.request_timeout_s < 0:
-            raise ValueError("max_inflight and request_timeout_s must be >= 0")
-
-
-class Router(OpenAIHandlers):
-    def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, config: RouterConfig | None = None,
-                 discovery=None):
-        """discovery: a RegistryDiscovery that keeps `cluster` in step with Redis (None:
-        the worker list is static)."""
-        self.config = config = config or RouterConfig()
-        self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, config.model_name
-        self.discovery = discovery
-        self.refresh_interval_s = config.refresh_interval_s
-        self.metrics = RouterMetrics()
-        self.inflight = 0
-        self.started = time.time()  # the model card's `created`
-        self.control = None  # a deploy.launch.PoolControl when this router runs next to its pools
-
-    def _generation(self, prompt: list[int], params, prefix: str) -> Generation:
-        """Admit a request (or refuse it with 429) and make its Generation."""
-        limit = self.config.max_inflight
-        if limit and self.inflight >= limit:
-            self.metrics.requests.labels("rejected").inc()
-            self.metrics.rejected.labels("router_inflight").inc()
-            raise APIError(429, f"the server is at capacity ({limit} requests in flight); retry shortly",
-                           "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
-        self.inflight += 1
-
-        def done():
-            self.inflight -= 1
-        return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
-                          timeout_s=self.config.request_timeout_s, on_done=done)
-
-    # ---- requests -----------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
-
-    def _encode_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """Every prompt of the request as token ids (checked: non-empty, in the vocabulary)."""
-        out = []
-        for k, p in enumerate(req.prompts()):
-            which = f"prompt {k}" if len(req.prompts()) > 1 else "prompt"
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            if not ids:
-                raise APIError(400, f"{which} is empty", param="prompt")
-            vocab = self.tokenizer.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"{which} contains token id {bad}, outside the vocabulary [0, {vocab})",
-                               param="prompt")
-            out.append(ids)
-        return out
+from .errors import APIError, http_error, validation_error
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .router import Router
 
 
 def api_key_auth(api_keys: tuple[str, ...]):
@@ -182,7 +106,7 @@ def create_app(router: Router) -> FastAPI:
     async def _api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    authorized = api_key_auth(router.config.api_keys)
+    authorized = api_key_auth(router.security.api_keys)
 
     @app.exception_handler(HTTPException)  # e.g. a body that is not UTF-8: same error shape as ours
     async def _http_error(request: Request, e: HTTPException):
@@ -210,7 +134,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
     async def model(model: str):
-        router._check_model(model)
+        router.check_model(model)
         return model_card()
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])

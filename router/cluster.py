@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdserve.config import RouterConfig, SecurityConfig
 from pdserve.engine.block_hash import hash_blocks, root_hash
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
@@ -42,16 +43,17 @@ class Route:
 
 
 class ClusterClient:
-    def __init__(self, policy: str = "prefix_aware", block_size: int = 16, namespace: str = "",
-                 cluster_token: str = "", stats_timeout_s: float = 2.0, tls: TLSConfig | None = None,
-                 local_prefill_tokens: int = 0):
-        """tls: mutual TLS to the workers (their services must use the same CA).
-        local_prefill_tokens: a decode worker whose own cache holds all of a prompt but at
-        most this many tokens prefills the rest itself (no prefill worker, no KV transfer); it
-        decides, on its cache as it is when the request arrives; 0: never."""
+    def __init__(self, *, routing: str = "prefix_aware", block_size: int = 16, namespace: str = "",
+                 cluster_token: str = "", tls: TLSConfig | None = None, local_prefill_tokens: int = 0,
+                 stats_timeout_s: float = 2.0):
+        """block_size, namespace: the workers' KV block size and cache namespace (the prefix
+        index hashes prompts as they do). tls: mutual TLS to the workers (their services must
+        use the same CA). local_prefill_tokens: a decode worker whose own cache holds all of a
+        prompt but at most this many tokens prefills the rest itself (no prefill worker, no KV
+        transfer); it decides, on its cache as it is when the request arrives; 0: never."""
         self.local_prefill_tokens = local_prefill_tokens
         self.index = PrefixIndex()
-        self.policy = make_policy(policy, self.index)
+        self.policy = make_policy(routing, self.index)
         self.block_size, self.namespace = block_size, namespace
         self.cluster_token = cluster_token
         self.stats_timeout_s = stats_timeout_s
@@ -69,6 +71,13 @@ class ClusterClient:
         # requests between two polls went to one decode worker while the others idled
         self.decode_streams: dict[str, int] = {}
         self._streams_at_poll: dict[str, int] = {}  # decode_streams when each worker's stats came
+
+    @classmethod
+    def from_config(cls, router: RouterConfig, security: SecurityConfig, block_size: int,
+                    namespace: str = "") -> ClusterClient:
+        return cls(routing=router.routing, block_size=block_size, namespace=namespace,
+                   cluster_token=security.cluster_token, tls=security.tls,
+                   local_prefill_tokens=router.decode_local_prefill)
 
     # ---- membership ---------------------------------------------------------------------
     def set_workers(self, workers: list[WorkerEndpoint]) -> None:

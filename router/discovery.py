@@ -7,8 +7,10 @@ import time
 import grpc
 from redis.exceptions import RedisError
 
-from pdserve.deploy.registry import EventFollower, connect, describe_error, list_workers
 from pdserve.protos import worker_pb2 as pb
+from pdserve.registry.events import EventFollower
+from pdserve.registry.membership import list_workers
+from pdserve.registry.urls import connect, describe_error
 
 from .cluster import ClusterClient, WorkerEndpoint
 
@@ -41,7 +43,7 @@ class RegistryDiscovery:
                 self.client.index.remove_worker(r.worker_id)  # restarted: its old blocks are gone
                 self.follower.rewind(r.worker_id)
             self._incarnations[r.worker_id] = r.incarnation
-            self._seen[r.worker_id] = (WorkerEndpoint(r.worker_id, r.role, r.address), now)
+            self._seen[r.worker_id] = (WorkerEndpoint(worker_id=r.worker_id, role=r.role, address=r.address), now)
         self._seen = {w: v for w, v in self._seen.items() if now - v[1] < self.grace_s}
         self.client.set_workers([ep for ep, _ in self._seen.values()])
         try:

@@ -17,12 +17,13 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.protos.convert import invalid_details, logprob_from_proto, refused_by
+from pdserve.protos.convert import logprob_from_proto
+from pdserve.protos.status import invalid_details, refused_by
 
 from .cluster import ClusterClient
+from .errors import APIError
 from .metrics import RouterMetrics
 from .policies import NoWorkerError
-from .protocol import APIError
 
 # a decode worker that died or restarted, as opposed to a request it refused
 _WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,

@@ -1,4 +1,5 @@
-"""OpenAI request models, their validation, and OpenAI-style errors.
+"""OpenAI request models and their validation; each request's `sampling_params` is the one
+place an API request becomes the engine's `SamplingParams`.
 
 Unknown fields are refused by name (a silently ignored parameter is a wrong answer served
 as success); out-of-range values are refused by the engine's own `SamplingParams.validate`
@@ -12,24 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import Structured
 
+from .errors import APIError
+from .tools import check_tools, forced_tool, structured_from_response_format
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one completions request (each is a generation in flight)
 """Choices per request at most."""
-
-
-class APIError(Exception):
-    """An error the API returns as `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def _valid_unicode(value: Any) -> Any:
@@ -101,14 +92,18 @@ class _Common(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        vocab_size: int | None = None) -> SamplingParams:
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None,
+                         structured: Structured | None, prompt_logprobs: int | None = None) -> SamplingParams:
         p = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                            min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                            stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids),
                            ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=self.token_bias(),
-                           cache_salt=self.cache_salt or "", min_tokens=self.min_tokens)
+                           cache_salt=self.cache_salt or "", min_tokens=self.min_tokens, structured=structured,
+                           prompt_logprobs=prompt_logprobs)
         try:
             p.validate(vocab_size)
         except InvalidRequestError as e:
@@ -136,6 +131,12 @@ class CompletionRequest(_Common):
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise APIError(400, f"logprobs must be in [0, 5], got {self.logprobs}", param="logprobs")
 
+
+    def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
+        """What the workers run for each prompt of this request (stop strings stay here)."""
+        echo_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, vocab_size,
+                                     structured_from_response_format(self.response_format), echo_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each prompt as text or token ids (one prompt is a batch of one)."""
@@ -182,10 +183,20 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        vocab_size: int | None = None) -> SamplingParams:
+    def tool_specs(self) -> dict[str, dict]:
+        """The tools by name, checked (and `tool_choice` against them)."""
+        return check_tools(self.tools, self.tool_choice)
+
+    def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
+        """What the workers run for this conversation: a required tool call is a constraint
+        on the output, as is `response_format` (not both)."""
+        forced = forced_tool(self.tools, self.tool_choice, self.tool_specs())
+        if forced is not None and self.response_format and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format cannot be combined with a required tool call (tool_choice)",
+                           param="response_format")
+        structured = forced or structured_from_response_format(self.response_format)
         try:
-            return super().sampling_params(max_tokens, logprobs, vocab_size)
+            return self._sampling_params(self.max_new_tokens(), self.wanted_logprobs(), vocab_size, structured)
         except APIError as e:  # name the field the client sent, not the engine's
             if e.param == "max_tokens" and self.max_completion_tokens is not None:
                 e.param = "max_completion_tokens"
@@ -211,31 +222,16 @@ class TokenizeRequest(BaseModel):
 
     _unicode_only = field_validator("prompt")(_valid_unicode)
 
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if self.messages is not None:
+            if not self.messages:  # as the chat endpoint refuses it
+                raise APIError(400, "messages must contain at least one message", param="messages")
+            check_tools(self.tools, self.tool_choice)
+
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def validation_error(errors: list[dict]) -> APIError:
-    """Turn pydantic's errors into one OpenAI-style error naming the first bad field."""
-    e = errors[0]
-    # a union's member appears in the location as its type ("prompt.list[int]"): not a field
-    loc = [str(x) for x in e.get("loc", ()) if x != "body" and str(x) not in _TYPE_TAGS and "[" not in str(x)]
-    param = ".".join(loc) or None
-    if e.get("type") == "extra_forbidden":
-        return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
-    if e.get("type") == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {e.get('msg')}", code="invalid_json")
-    msg = e["ctx"]["error"] if e.get("type") == "value_error" and "error" in e.get("ctx", {}) else e.get("msg")
-    return APIError(400, f"{param}: {msg}", param=param)
-
-
-def http_error(status: int, detail: Any) -> APIError:
-    """Starlette's own HTTP errors (a body that is not UTF-8 or not parseable, an unknown
-    path, a wrong method) in the OpenAI shape, so that every 4xx has the same body."""
-    return APIError(status, str(detail), "invalid_request_error" if status < 500 else "server_error")

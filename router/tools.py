@@ -15,7 +15,7 @@ from typing import Any
 
 from pdserve.engine.structured import Structured
 
-from .protocol import APIError
+from .errors import APIError
 
 TOOL_INSTRUCTIONS = ("You can call these tools (JSON Schema of each one's arguments):\n{tools}\n"
                      "To call a tool, answer with only a JSON object "

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+
+from pdserve.registry.embedded import EmbeddedRedis
 
 ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")
 
@@ -59,3 +62,18 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def restart_redis(host: str, port: int, within_s: float = 20.0) -> EmbeddedRedis:
+    """On its old port, retrying as an operator would: until the clients' reconnect attempts
+    give up on it, one of them can hold the port (a TCP self-connect: the port is in the
+    ephemeral range, and a connect to a dead local port can pick it as its own)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return EmbeddedRedis(host, port).start()
+        except RuntimeError as e:
+            if time.monotonic() > deadline:
+                raise
+            print(f"redis restart failed, retrying: {e}")
+            time.sleep(0.5)

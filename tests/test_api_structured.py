@@ -8,11 +8,12 @@ import httpx
 import jsonschema
 import pytest
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import Structured
+from tests.clusters import local_config
 from tests.test_migration import stream_and_kill
 
 pytestmark = pytest.mark.slow
@@ -33,8 +34,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 @pytest.fixture(scope="module")
 def cluster(smollm):
     loaded, tok = smollm
-    c = LocalCluster(loaded, tok, LocalClusterConfig(
-        model_name=MODEL, num_decode=2, engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)))).start()
+    c = LocalCluster(loaded, tok, local_config(64 << 20, decode=2)).start()
     yield c
     c.stop()
     assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in c.engines())

@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from pdserve.deploy.redis_server import free_port
+from pdserve.registry.embedded import free_port
 from tests.chaos.test_ray_faults import Proc, get_workers, wait_until
 from tests.procs import alive, descendants
 

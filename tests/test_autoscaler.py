@@ -12,9 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.autoscaler import (POOLS, Autoscaler, AutoscalerConfig, DecodePolicy, IntervalQuantile, PoolSignals,
-                               PrefillPolicy, Signals, diff_buckets, histogram_buckets, histogram_quantile,
-                               signals_from_stats)
+from pdserve.deploy.autoscaler import (
+    POOLS,
+    Autoscaler,
+    AutoscalerConfig,
+    DecodePolicy,
+    IntervalQuantile,
+    PoolSignals,
+    PrefillPolicy,
+    Signals,
+    diff_buckets,
+    histogram_buckets,
+    histogram_quantile,
+    signals_from_stats,
+)
 from pdserve.protos import worker_pb2 as pb
 
 TRACES = Path(__file__).parent / "data" / "autoscaler"

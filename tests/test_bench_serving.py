@@ -10,13 +10,29 @@ import httpx
 import numpy as np
 import pytest
 
-from pdserve.deploy import bench_serving
-from pdserve.deploy.bench_metrics import (RequestResult, format_table, meets_slo, parse_prefix_cache, percentile,
-                                  prefix_cache_delta, summarize)
-from pdserve.deploy.bench_serving import add_bench_serving_args, bench, cap_requests, load_points, parse_endpoints
-from pdserve.deploy.bench_workloads import (Session, Vocabulary, arrival_offsets, load_trace, multi_turn_workload,
-                                    parse_range, random_workload, shared_prefix_workload, trace_offsets,
-                                    trace_workload)
+from pdserve.bench import serving as bench_serving
+from pdserve.bench.metrics import (
+    RequestResult,
+    format_table,
+    meets_slo,
+    parse_prefix_cache,
+    percentile,
+    prefix_cache_delta,
+    summarize,
+)
+from pdserve.bench.serving import add_bench_serving_args, bench, cap_requests, load_points, parse_endpoints
+from pdserve.bench.workloads import (
+    Session,
+    Vocabulary,
+    arrival_offsets,
+    load_trace,
+    multi_turn_workload,
+    parse_range,
+    random_workload,
+    shared_prefix_workload,
+    trace_offsets,
+    trace_workload,
+)
 
 
 def ok(ttft=0.1, e2e=1.0, out=10, itl=(), input_len=8):
@@ -322,12 +338,12 @@ def test_max_duration_stops_sending(monkeypatch):
 # ---- a live pdserve cluster --------------------------------------------------------------------------
 @pytest.mark.slow
 def test_bench_against_live_cluster(smollm, tmp_path):
-    from pdserve.deploy.cli import main
-    from pdserve.deploy.local import LocalCluster, LocalClusterConfig
-    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.cli import main
+    from pdserve.deploy.local import LocalCluster
+    from tests.clusters import local_config
 
     loaded, tok = smollm
-    cfg = LocalClusterConfig(model_name="smollm2", engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)))
+    cfg = local_config(64 << 20)
     cluster = LocalCluster(loaded, tok, cfg).start()
     out = tmp_path / "results.json"
     try:

@@ -5,11 +5,12 @@ either way, and every block comes back."""
 import httpx
 import pytest
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.deploy.local import LocalCluster
 from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from tests.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -23,8 +24,7 @@ LONG = "Before you answer, consider the season, the opening hours, the queues an
 def test_a_decode_worker_holding_the_prefix_prefills_a_short_tail_itself(smollm, local_tokens):
     loaded, tok = smollm
     questions = ["What is a good museum in Paris?", "Which museum in Rome would you recommend to a family with two young children?", LONG + "And in Madrid?"]
-    cfg = LocalClusterConfig(model_name=MODEL, decode_local_prefill=local_tokens,
-                             engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)))
+    cfg = local_config(32 << 20, router={"decode_local_prefill": local_tokens})
     c = LocalCluster(loaded, tok, cfg).start()
     try:
         answers = []

@@ -35,9 +35,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.generation.modes import GenerationMode
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
-from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.router.app import Router, RouterConfig, create_app
+from pdserve.config import RouterConfig
+from pdserve.deploy.local import LocalCluster
+from pdserve.router.app import create_app
+from pdserve.router.router import Router
+from tests.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -63,8 +65,7 @@ CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + \
 @pytest.fixture(scope="module")
 def cluster(smollm):
     loaded, tok = smollm
-    cfg = LocalClusterConfig(model_name=MODEL, engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)),
-                             router=RouterConfig(request_timeout_s=TIMEOUT_S))
+    cfg = local_config(64 << 20, router={"request_timeout_s": TIMEOUT_S})
     c = LocalCluster(loaded, tok, cfg).start()
     yield c
     c.stop()

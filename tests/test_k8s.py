@@ -34,7 +34,6 @@ import kubernetes_validate
 import pytest
 import yaml
 
-
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 OVERLAYS = ("cpu-dev", "gpu")

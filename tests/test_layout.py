@@ -4,6 +4,7 @@ every import written `pdserve.…` (or relative); each layer imports only the la
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,7 +21,8 @@ FOLDERS = {"pdserve": "pdserve", "pdserve.engine": "engine", "pdserve.protos": "
            "pdserve.deploy": "deploy", "pdserve.bench": "bench"}
 
 # each layer and what it may import (besides itself); the root package's own modules are
-# layers of their own: `pdserve.config` (the cluster's typed config) and `pdserve.cli`
+# layers of their own: `pdserve.config` (the cluster's typed config), `pdserve.flags` (the
+# command line's flags and the config they build) and `pdserve.cli`
 ALLOWED = {
     "pdserve.engine": set(),
     "pdserve.protos": {"pdserve.engine"},
@@ -33,8 +35,10 @@ ALLOWED = {
     "pdserve.deploy": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer", "pdserve.registry",
                        "pdserve.config", "pdserve.router", "pdserve.prefill_worker", "pdserve.decode_worker"},
     "pdserve.bench": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer", "pdserve.registry",
-                      "pdserve.config", "pdserve.router", "pdserve.deploy"},
-    "pdserve.cli": {"pdserve.engine", "pdserve.config", "pdserve.deploy", "pdserve.bench"},
+                      "pdserve.config", "pdserve.router", "pdserve.prefill_worker", "pdserve.decode_worker",
+                      "pdserve.deploy"},
+    "pdserve.flags": {"pdserve.engine", "pdserve.protos", "pdserve.config"},
+    "pdserve.cli": {"pdserve.engine", "pdserve.config", "pdserve.flags", "pdserve.deploy", "pdserve.bench"},
     "pdserve.__main__": {"pdserve.cli"},
     "pdserve": set(),
 }
@@ -94,12 +98,51 @@ def test_every_import_names_the_installed_package():
     assert not bad, "imports of the checkout's folders instead of pdserve.*:\n" + "\n".join(bad)
 
 
+def test_layers_import_only_the_layers_below():
+    bad = []
+    for m, path in MODULES.items():
+        mine = layer_of(m)
+        for line, imp in imports_of(m, path):
+            if imp.split(".")[0] != "pdserve" or imp == "pdserve":
+                continue
+            theirs = layer_of(imp)
+            if theirs != mine and theirs not in ALLOWED[mine]:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {mine} imports {imp}")
+    assert not bad, "imports against the layering (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_no_import_circles():
+    graph = {m: {imp for _, imp in imports_of(m, p) if imp in MODULES and imp != m} for m, p in MODULES.items()}
+    for m in graph:  # a package's __init__ is not a dependency of the modules inside it
+        graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                pytest.fail("import circle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
 @pytest.mark.slow
 def test_wheel_installs_one_package(tmp_path):
     """A non-editable build holds `pdserve/` and nothing else at the top level, with the
     data files the package reads (C kernels, .proto files)."""
+    src = tmp_path / "src"  # a copy: a build writes build/ and *.egg-info/ into the tree it builds
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", ".cache", "build", "*.egg-info",
+                                                               "__pycache__", ".pytest_cache", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+                    str(tmp_path), str(src)], check=True, capture_output=True, cwd=tmp_path)
     wheel, = tmp_path.glob("pdserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
@@ -108,14 +151,14 @@ def test_wheel_installs_one_package(tmp_path):
                    "pdserve/protos/worker_pb2.py", "pdserve/router/app.py"):
         assert needed in names, needed
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "pdserve = pdserve.deploy.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "pdserve = pdserve.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 @pytest.mark.slow
 def test_installed_package_runs_from_anywhere(tmp_path):
     """`python -m pdserve` and the modules import from a directory outside the checkout
     (no folder of the checkout shadows or stands in for the package)."""
-    r = subprocess.run([sys.executable, "-c", "import pdserve.router.app, pdserve.deploy.up; "
+    r = subprocess.run([sys.executable, "-c", "import pdserve.router.app, pdserve.deploy.up, pdserve.bench.serving; "
                         "import sys; assert 'engine' not in sys.modules and 'router' not in sys.modules"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

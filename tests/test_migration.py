@@ -7,10 +7,11 @@ import json
 import httpx
 import pytest
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from tests.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -19,9 +20,7 @@ PROMPT = "The history of the printing press begins"
 
 def start(smollm, num_decode):
     loaded, tok = smollm
-    return LocalCluster(loaded, tok, LocalClusterConfig(
-        num_decode=num_decode, model_name=MODEL,
-        engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)))).start()
+    return LocalCluster(loaded, tok, local_config(32 << 20, decode=num_decode)).start()
 
 
 def stream_and_kill(c, body, kill_after=8):
@@ -37,7 +36,7 @@ def stream_and_kill(c, body, kill_after=8):
                 if ev.get("choices"):
                     texts.append(ev["choices"][0]["text"])
                 if len(texts) == kill_after:
-                    victim = next(w for w in c.workers if w.spec.role == "decode" and w.engine.has_unfinished_requests())
+                    victim = next(w for w in c.workers if w.config.role == "decode" and w.engine.has_unfinished_requests())
                     c.run(victim.worker._server.stop(0))  # the worker's process is gone, as far as gRPC can tell
     return "".join(texts), events
 

@@ -3,8 +3,7 @@ reference backend, and the engine on it."""
 import pytest
 import torch
 
-from pdserve.engine.attention import (AttentionMetadata, NativeAttentionBackend, TorchAttentionBackend,
-                              default_backend)
+from pdserve.engine.attention import AttentionMetadata, NativeAttentionBackend, TorchAttentionBackend, default_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.native import NativeKernelUnavailable, available
 from pdserve.engine.sampling_params import SamplingParams

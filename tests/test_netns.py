@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.redis_server import redis_server_binary
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.registry.embedded import redis_server_binary
 
 pytestmark = pytest.mark.slow
 TAG = str(os.getpid() % 100000)

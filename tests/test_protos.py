@@ -24,3 +24,39 @@ def test_stubs_import_the_installed_package():
 
     assert worker_pb2.DESCRIPTOR.name == "pdserve/protos/worker.proto"
     assert kv_transfer_pb2.DESCRIPTOR.name == "pdserve/protos/kv_transfer.proto"
+
+
+def _non_default(f):
+    """A value of SamplingParams field `f` that differs from its default (and survives float32)."""
+    from pdserve.engine.structured import Structured
+
+    return {"max_tokens": 77, "temperature": 0.5, "top_p": 0.25, "top_k": 7, "min_p": 0.125, "seed": 2**62 + 5,
+            "repetition_penalty": 1.5, "presence_penalty": -0.75, "frequency_penalty": 0.5, "min_tokens": 3,
+            "logit_bias": {11: -100.0, 12: 2.5}, "stop": ["###"], "stop_token_ids": [2, 3], "ignore_eos": True,
+            "logprobs": 4, "prompt_logprobs": 0, "structured": Structured("regex", "[ab]+"), "cache_salt": "tenant-a",
+            }[f.name]
+
+
+def test_sampling_params_round_trip_every_field():
+    """Every field of SamplingParams crosses the wire and comes back equal, alone and all at
+    once; stop strings do not travel (the router applies them on text). A field added to
+    SamplingParams without a wire form fails here."""
+    from dataclasses import fields
+
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protos import worker_pb2 as pb
+    from pdserve.protos.convert import params_from_proto, params_to_proto
+
+    travel = [f for f in fields(SamplingParams) if f.name != "stop"]
+    for f in travel:
+        p = SamplingParams(**{f.name: _non_default(f)})
+        assert params_from_proto(params_to_proto(p)) == p, f.name
+    every = SamplingParams(**{f.name: _non_default(f) for f in travel})
+    assert params_from_proto(params_to_proto(every)) == every
+    back = params_from_proto(params_to_proto(SamplingParams(stop=["###"])))
+    assert back.stop == []
+    # unset optionals stay unset (None is "no limit" / "no logprobs", not 0)
+    none = SamplingParams(max_tokens=None, seed=None, logprobs=None, prompt_logprobs=None)
+    assert params_from_proto(params_to_proto(none)) == none
+    wire = {d.name for d in pb.SamplingParams.DESCRIPTOR.fields}
+    assert wire == {f.name for f in travel} - {"structured"} | {"structured_kind", "structured_spec"}

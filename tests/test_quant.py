@@ -9,15 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_engine_clean
 
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.quant import (Fp16Linear, QuantizationUnavailable, W8A8Linear, WeightOnlyLinear, fbgemm_available,
-                          make_linear)
+from pdserve.engine.quant import (
+    Fp16Linear,
+    QuantizationUnavailable,
+    W8A8Linear,
+    WeightOnlyLinear,
+    fbgemm_available,
+    make_linear,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.weights import load_model
-
-from conftest import assert_engine_clean
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="torch built without fbgemm")
 TEXT = (Path(__file__).resolve().parents[1] / "bench" / "data" / "perplexity.txt").read_text()

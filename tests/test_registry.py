@@ -11,14 +11,17 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
-from pdserve.deploy.redis_server import EmbeddedRedis
-from pdserve.deploy.registry import (EventFollower, EventPublisher, WorkerRecord, WorkerRegistration, connect, list_workers,
-                             redact_secrets, redact_url, worker_key)
+from pdserve.config import RegistryConfig
+from pdserve.deploy.local import LocalCluster
 from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.registry.embedded import EmbeddedRedis
+from pdserve.registry.events import EventFollower, EventPublisher
+from pdserve.registry.membership import WorkerRecord, WorkerRegistration, list_workers, worker_key
+from pdserve.registry.urls import connect, redact_secrets, redact_url
 from pdserve.router.prefix_index import PrefixIndex
+from tests.clusters import local_config
+from tests.procs import restart_redis
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def test_embedded_redis_goes_when_its_starter_is_killed():
     import subprocess
     import sys
 
-    code = ("from deploy.redis_server import EmbeddedRedis; import time; r = EmbeddedRedis().start(); "
+    code = ("from pdserve.registry.embedded import EmbeddedRedis; import time; r = EmbeddedRedis().start(); "
             "print(r.pid, flush=True); time.sleep(600)")
     starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,8 +125,8 @@ SYSTEM = ("You are a meticulous assistant for a travel agency. Always answer in 
 
 def run_cluster(smollm, redis_url, policy, questions):
     loaded, tok = smollm
-    cfg = LocalClusterConfig(num_prefill=2, policy=policy, redis_url=redis_url, cluster=f"c-{policy}",
-                             model_name=MODEL, engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)))
+    cfg = local_config(32 << 20, prefill=2, router={"routing": policy},
+                       registry=RegistryConfig(redis_url=redis_url, cluster_name=f"c-{policy}"))
     c = LocalCluster(loaded, tok, cfg).start()
     try:
         for q in questions:
@@ -156,8 +159,7 @@ def test_router_survives_a_redis_restart(smollm):
     loaded, tok = smollm
     r = EmbeddedRedis().start()
     port = r.port
-    cfg = LocalClusterConfig(redis_url=r.url, cluster="restart", model_name=MODEL,
-                             engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)))
+    cfg = local_config(32 << 20, registry=RegistryConfig(redis_url=r.url, cluster_name="restart"))
     c = LocalCluster(loaded, tok, cfg).start()
     # prompts of more than one block, so that each request emits KV events
     body = {"model": MODEL, "prompt": "The weather today is sunny with a light breeze from the west, and "
@@ -166,7 +168,7 @@ def test_router_survives_a_redis_restart(smollm):
         r.stop()
         # Redis is down: routing continues on the last known workers
         assert httpx.post(c.url + "/v1/completions", json=body, timeout=60).status_code == 200
-        r = EmbeddedRedis(port=port).start()
+        r = restart_redis("127.0.0.1", port)  # on its old port, as an operator would
         deadline = time.time() + 15
         while time.time() < deadline:
             keys = redis.Redis.from_url(r.url).keys(worker_key("restart", "*"))
@@ -297,8 +299,8 @@ def test_a_malformed_url_error_does_not_quote_the_password():
 
 
 def test_passwords_never_reach_the_logs_when_redis_is_unreachable(caplog):
-    from pdserve.deploy.redis_server import free_port
     from pdserve.engine.events import BlockStored
+    from pdserve.registry.embedded import free_port
     from pdserve.router.cluster import ClusterClient
     from pdserve.router.discovery import RegistryDiscovery
 
@@ -327,7 +329,7 @@ def test_passwords_never_reach_the_logs_when_redis_is_unreachable(caplog):
 
 def test_up_logs_the_registry_url_without_its_password(tmp_path, monkeypatch, capsys):
     import pdserve.deploy.up
-    from pdserve.deploy.cli import main
+    from pdserve.cli import main
 
     def stop_here(*_):  # just after the registry line; nothing is started
         raise ValueError("stopped by the test")
@@ -370,7 +372,7 @@ def test_a_registry_that_never_answers_times_out_instead_of_hanging():
 def test_embedded_redis_says_why_it_could_not_start():
     import socket
 
-    from pdserve.deploy.redis_server import EmbeddedRedis
+    from pdserve.registry.embedded import EmbeddedRedis
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -7,10 +7,11 @@ import json
 import httpx
 import pytest
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from tests.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -19,7 +20,7 @@ MODEL = "smollm2"
 @pytest.fixture(scope="module")
 def cluster(smollm):
     loaded, tok = smollm
-    cfg = LocalClusterConfig(model_name=MODEL, engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)))
+    cfg = local_config(64 << 20)
     c = LocalCluster(loaded, tok, cfg).start()
     yield c
     c.stop()
@@ -303,8 +304,7 @@ def test_disaggregation_really_happened(cluster):
 
 def test_aggregated_mode_equals_engine(smollm, reference):
     loaded, tok = smollm
-    cfg = LocalClusterConfig(mode="aggregated", model_name=MODEL,
-                             engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)))
+    cfg = local_config(32 << 20, mode="aggregated")
     c = LocalCluster(loaded, tok, cfg).start()
     try:
         r = httpx.post(c.url + "/v1/chat/completions", timeout=60, json={

@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
-from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.router.app import RouterConfig
+from pdserve.config import SecurityConfig
+from pdserve.deploy.local import LocalCluster
+from tests.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -20,8 +20,7 @@ KEY = "sk-test-123"
 @pytest.fixture(scope="module")
 def cluster(smollm):
     loaded, tok = smollm
-    cfg = LocalClusterConfig(model_name=MODEL, engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)),
-                             router=RouterConfig(api_keys=(KEY,), max_inflight=2))
+    cfg = local_config(64 << 20, router={"max_inflight": 2}, security=SecurityConfig(api_keys=(KEY,)))
     c = LocalCluster(loaded, tok, cfg).start()
     yield c
     c.stop()
@@ -116,8 +115,7 @@ def test_pool_queue_limits_give_429_once_every_worker_of_the_pool_is_full(smollm
 
     loaded, tok = smollm
     # KV room for all of them on the decode worker (short of blocks, a request waits there for them)
-    cfg = LocalClusterConfig(model_name=MODEL, num_prefill=2, prefill_max_queue=1,
-                             engine=EngineConfig(cache=CacheConfig(kv_cache_memory=256 << 20)))
+    cfg = local_config(256 << 20, prefill=2, prefill_max_queue=1)
     c = LocalCluster(loaded, tok, cfg).start()
     prefill = [c.worker(f"prefill-{i}").worker for i in range(2)]
     decode = c.worker("decode-0").worker

@@ -149,7 +149,7 @@ def test_a_prompt_the_prefill_worker_never_computed_is_not_expected_there():
     """The decode worker prefilled it itself (or the request failed or moved before its first
     token): the next prompt with its prefix must not be sent to that prefill worker for a
     cache it does not have."""
-    c = ClusterClient("prefix_aware", block_size=16)
+    c = ClusterClient(routing="prefix_aware", block_size=16)
     c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("p1", "prefill", "a:2"),
                    WorkerEndpoint("d0", "decode", "a:3")])
     c.healthy = {"p0": True, "p1": True, "d0": True}
@@ -194,7 +194,7 @@ def test_unhealthy_workers_are_skipped_and_none_left_is_an_error():
 def test_the_router_counts_the_prefills_it_sent_before_the_workers_report_them():
     """Between two stats polls, every worker looks idle: new prompts are spread by what this
     router itself sent, and each route's tokens come off when it settles (once)."""
-    c = ClusterClient("prefix_aware", block_size=16)
+    c = ClusterClient(routing="prefix_aware", block_size=16)
     c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("p1", "prefill", "a:2"),
                    WorkerEndpoint("d0", "decode", "a:3")])
     c.healthy = {"p0": True, "p1": True, "d0": True}
@@ -237,7 +237,7 @@ def test_decode_workers_are_picked_by_streams_then_by_the_prefix_they_hold():
 def test_the_router_counts_the_streams_it_opened_on_each_decode_worker():
     """A burst between two stats polls: every decode worker reports nothing running, so the
     router spreads the requests by the streams it opened itself, and gives each back once."""
-    c = ClusterClient("prefix_aware", block_size=16)
+    c = ClusterClient(routing="prefix_aware", block_size=16)
     c.set_workers([WorkerEndpoint("d0", "decode", "a:1"), WorkerEndpoint("d1", "decode", "a:2")])
     c.healthy = {"d0": True, "d1": True}
     routes = [c.route([g * 1000 + i for i in range(40)]) for g in range(6)]  # 6 prefixes seen nowhere
@@ -256,7 +256,7 @@ def test_a_decode_workers_load_is_its_last_report_corrected_by_this_routers_stre
     closed since are counted now, and the streams of other routers are kept."""
     from pdserve.protos import worker_pb2 as pb
 
-    c = ClusterClient("least_loaded", block_size=16)
+    c = ClusterClient(routing="least_loaded", block_size=16)
     c.set_workers([WorkerEndpoint("d0", "decode", "a:1"), WorkerEndpoint("d1", "decode", "a:2")])
     c.healthy = {"d0": True, "d1": True}
     c.stats = {"d0": pb.WorkerStats(running=4, waiting=1), "d1": pb.WorkerStats(running=2)}
@@ -270,7 +270,7 @@ def test_a_decode_workers_load_is_its_last_report_corrected_by_this_routers_stre
 
 
 def test_routing_looks_prefixes_up_under_the_requests_cache_salt():
-    c = ClusterClient("prefix_aware", block_size=16)
+    c = ClusterClient(routing="prefix_aware", block_size=16)
     c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("p1", "prefill", "a:2"),
                    WorkerEndpoint("d0", "decode", "a:3")])
     c.healthy = {"p0": True, "p1": True, "d0": True}
@@ -286,7 +286,7 @@ def test_routing_looks_prefixes_up_under_the_requests_cache_salt():
 def test_a_decode_worker_is_expected_to_hold_a_prompt_once_its_first_token_came():
     """The router counts a prompt's blocks on its decode worker at once; a route that ends
     before its first token (refused, failed, client gone) takes that back, a served one not."""
-    c = ClusterClient("prefix_aware", block_size=16)
+    c = ClusterClient(routing="prefix_aware", block_size=16)
     c.set_workers([WorkerEndpoint("d0", "decode", "a:1"), WorkerEndpoint("d1", "decode", "a:2")])
     c.healthy = {"d0": True, "d1": True}
     prompt = list(range(300, 348))
@@ -300,7 +300,7 @@ def test_a_decode_worker_is_expected_to_hold_a_prompt_once_its_first_token_came(
     c.release(served)
     assert c.index.match(blocks) == {served.decode.worker_id: 3}
     assert not make_policy("least_loaded", PrefixIndex()).follows_prefixes
-    ll = ClusterClient("least_loaded", block_size=16)
+    ll = ClusterClient(routing="least_loaded", block_size=16)
     ll.set_workers([WorkerEndpoint("d0", "decode", "a:1")])
     ll.healthy = {"d0": True}
     ll.route(prompt)

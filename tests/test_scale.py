@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from pdserve.deploy.redis_server import free_port
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.registry.embedded import free_port
 from tests.chaos.test_ray_faults import Proc, get_workers, wait_until
 from tests.procs import ENV, alive, descendants
 

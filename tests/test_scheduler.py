@@ -1,6 +1,7 @@
 """Scheduler + block manager without a model: budgets, chunking, order, preemption, and a
 property test over random add/abort/step interleavings (no leak, exact accounting)."""
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig

@@ -7,13 +7,15 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
+from pdserve.config import SecurityConfig
+from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.security import TLSConfig, TLSConfigError, open_channel
+from tests.clusters import local_config
 
 trustme = pytest.importorskip("trustme")
 pytestmark = pytest.mark.slow
@@ -35,8 +37,7 @@ def tls_cluster(smollm, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tls")
     tls = write_identity(trustme.CA(), tmp, "cluster")
     loaded, tok = smollm
-    c = LocalCluster(loaded, tok, LocalClusterConfig(model_name=MODEL, tls=tls, cluster_token="t0k",
-                                                     engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20))))
+    c = LocalCluster(loaded, tok, local_config(32 << 20, security=SecurityConfig(tls=tls, cluster_token="t0k")))
     c.start()
     c.tls, c.tmp = tls, tmp
     yield c

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.deploy.redis_server import free_port
+from pdserve.registry.embedded import free_port
 from tests.procs import Proc, alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

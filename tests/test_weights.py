@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import save_file
 

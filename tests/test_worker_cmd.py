@@ -11,15 +11,15 @@ import time
 import pytest
 import redis
 
-from pdserve.deploy.redis_server import EmbeddedRedis
-from pdserve.deploy.registry import worker_key
+from pdserve.registry.embedded import EmbeddedRedis
+from pdserve.registry.membership import worker_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONWARNINGS="ignore")
 
 
 def test_shutdown_watchdog_dumps_stacks_and_exits():
-    code = ("from deploy.worker_cmd import shutdown_watchdog; import time\n"
+    code = ("from pdserve.deploy.worker_cmd import shutdown_watchdog; import time\n"
             "def stuck_in_shutdown():\n    time.sleep(120)\n"
             "shutdown_watchdog(0.5); stuck_in_shutdown()")
     t = time.monotonic()

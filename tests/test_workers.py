@@ -278,3 +278,31 @@ def test_hanging_prefill_worker_times_out_and_recomputes(make_engine):
     (tokens, last), stats, pending = asyncio.run(main())
     assert tokens == want[1] and not last.prefilled_remotely
     assert stats.transfer_failures >= 1 and pending == [] and stats.free_blocks == stats.num_blocks
+
+
+def test_decode_forwards_the_request_parameters_to_the_prefill_worker_unchanged(make_engine, monkeypatch):
+    """The prefill worker receives the very SamplingParams message the router sent the decode
+    worker, every field set, not one the decode worker rebuilt from its own reading of it."""
+    from pdserve.prefill_worker.service import PrefillServicer
+
+    seen = []
+    real = PrefillServicer.Prefill
+
+    async def recording(self, request, context):
+        seen.append(pb.SamplingParams.FromString(request.params.SerializeToString()))
+        return await real(self, request, context)
+    monkeypatch.setattr(PrefillServicer, "Prefill", recording)
+    sent = params_to_proto(SamplingParams(
+        max_tokens=6, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=2**62 + 1, repetition_penalty=1.2,
+        presence_penalty=0.5, frequency_penalty=-0.5, min_tokens=2, logit_bias={5: 3.0, 9: -100.0},
+        stop_token_ids=[7], ignore_eos=True, logprobs=3, cache_salt="tenant-b"))
+
+    async def main():
+        async with Cluster(make_engine) as c:
+            req = pb.GenerateRequest(request_id="fwd", prompt_token_ids=PROMPTS[1], params=sent,
+                                     prefill_address=c.prefill.address)
+            return [msg async for msg in c.stub.Generate(req)]
+
+    msgs = asyncio.run(main())
+    assert msgs[-1].finished and msgs[-1].prefilled_remotely
+    assert seen == [sent]

@@ -25,7 +25,6 @@ import re
 import sys
 from pathlib import Path
 
-
 from pdserve.bench.metrics import format_table
 from pdserve.bench.peers import PREFIX_PHASE, Server, bench_args
 from pdserve.bench.serving import bench

@@ -14,7 +14,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 SCHEMAS = {
     "person": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
                                                  "tags": {"type": "array", "items": {"type": "string"}}},

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-
 from pdserve.engine import native
 
 HERE = Path(__file__).resolve().parent

@@ -13,7 +13,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 from pdserve.bench.engine import bench_pdserve_decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine

@@ -9,7 +9,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams

@@ -11,7 +11,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400, "maxLength": 800}},
           "required": ["story"], "additionalProperties": False}
 STEPS = 48

@@ -10,9 +10,8 @@ import time
 import httpx
 import pytest
 
-from pdserve.deploy.local import LocalCluster, LocalClusterConfig
-from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.router.app import RouterConfig
+from pdserve.deploy.local import LocalCluster
+from tests.clusters import local_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 MODEL = "smollm2"
@@ -72,9 +71,8 @@ def check(results) -> dict:
 
 def test_twice_the_sustainable_rate(smollm):
     loaded, tok = smollm
-    cfg = LocalClusterConfig(model_name=MODEL, prefill_max_queue=2, decode_max_queue=4,
-                             engine=EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)),
-                             router=RouterConfig(max_inflight=8, request_timeout_s=60))
+    cfg = local_config(32 << 20, prefill_max_queue=2, decode_max_queue=4,
+                       router={"max_inflight": 8, "request_timeout_s": 60})
     c = LocalCluster(loaded, tok, cfg).start()
     try:
         asyncio.run(closed_loop(c.url, 2, 2))  # warm-up

@@ -14,12 +14,12 @@ import time
 import httpx
 import pytest
 
-from pdserve.deploy.redis_server import EmbeddedRedis, free_port
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.registry.embedded import free_port
 from tests import procs
-from tests.procs import alive, descendants
+from tests.procs import alive, descendants, restart_redis
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.chaos]
 TOKEN = "chaos-token"
@@ -195,21 +195,6 @@ def test_router_sigkill_then_restart(cluster):
     wait_until(lambda: clean(cluster.url), 10, "all KV blocks back")
     print(f"\n(router: workers aborted the dead router's stream within {aborted_in:.2f} s)")
     report("router SIGKILL mid-stream, restarted", 0, 0, ready)
-
-
-def restart_redis(host: str, port: int, within_s: float = 20.0) -> EmbeddedRedis:
-    """On its old port, retrying as an operator would: until the clients' reconnect attempts
-    give up on it, one of them can hold the port (a TCP self-connect: the port is in the
-    ephemeral range, and a connect to a dead local port can pick it as its own)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            return EmbeddedRedis(host, port).start()
-        except RuntimeError as e:
-            if time.monotonic() > deadline:
-                raise
-            print(f"redis restart failed, retrying: {e}")
-            time.sleep(0.5)
 
 
 def test_redis_killed_then_restarted(cluster):

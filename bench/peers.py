@@ -29,8 +29,8 @@ from pathlib import Path
 
 from pdserve.engine.quant import QUANTIZATIONS
 
-from .bench_metrics import format_table
-from .bench_serving import add_bench_serving_args, bench
+from .metrics import format_table
+from .serving import add_bench_serving_args, bench
 
 PHASES = {
     "single": ["--max-concurrency", "1", "--num-requests", "4", "--input-len", "128", "--output-len", "128"],
@@ -222,7 +222,7 @@ def prefix_routing(args, out_dir: Path, log) -> dict:
 
 
 def cmd_bench_peers(args) -> int:
-    from .bench_plots import write_plots
+    from .plots import write_plots
 
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     out_path = Path(args.output)

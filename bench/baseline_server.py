@@ -218,10 +218,9 @@ def cmd_baseline_server(args) -> int:
 
     from pdserve.engine.threads import in_fresh_thread, single_threaded_here
     from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.weights import load_model, served_model_name
 
-    from .bench_engine import hf_baseline
-    from .router_server import served_model_name
+    from .engine import hf_baseline
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -150,10 +150,9 @@ def bench_hf_prefill(model, vocab, length, seed) -> float:
 
 
 def cmd_bench_engine(args) -> int:
+    from pdserve.engine.arg_utils import engine_config
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.engine import LLMEngine
-
-    from .cli import engine_config
 
     cfg = engine_config(args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -79,7 +79,7 @@ async def mixed_workload(url: str, model: str, args, vocab_words: list[str]) -> 
 
 
 def run_mode(mode_args: list[str], args, vocab_words) -> dict:
-    from .redis_server import free_port
+    from pdserve.registry.embedded import free_port
 
     port = free_port()
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")

@@ -21,11 +21,29 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .bench_metrics import (RequestResult, format_table, load_label, parse_prefix_cache, prefix_cache_delta,
-                            summarize, table_row)
-from .bench_workloads import (Session, Turn, Vocabulary, arrival_offsets, load_trace, multi_turn_workload,
-                              parse_range, random_workload, shared_prefix_workload, trace_offsets, trace_workload,
-                              workload_summary)
+from .metrics import (
+    RequestResult,
+    format_table,
+    load_label,
+    parse_prefix_cache,
+    prefix_cache_delta,
+    summarize,
+    table_row,
+)
+from .workloads import (
+    Session,
+    Turn,
+    Vocabulary,
+    arrival_offsets,
+    load_trace,
+    multi_turn_workload,
+    parse_range,
+    random_workload,
+    shared_prefix_workload,
+    trace_offsets,
+    trace_workload,
+    workload_summary,
+)
 
 METRICS_SETTLE_S = 1.0  # pdserve's router refreshes worker counters every 0.25-0.5 s: wait for the last ones
 
@@ -358,7 +376,7 @@ def cmd_bench_serving(args) -> int:
         import httpx  # noqa: F401
     except ImportError:
         raise ValueError("pdserve bench needs httpx: pip install httpx") from None
-    from .bench_plots import write_plots
+    from .plots import write_plots
 
     endpoints = parse_endpoints(args.endpoints, args.base_url)
     results, samples, rows = asyncio.run(bench(args, endpoints))

@@ -1,0 +1,190 @@
+"""The cluster's typed configuration: one tree, built once from the command line (or by a
+caller) and passed down whole or by branch. Nothing below the CLI reads flags or the
+environment.
+
+    ClusterConfig
+    ├── engine: EngineConfig        (pdserve.engine.config: model, KV cache, scheduler)
+    ├── router: RouterConfig        the OpenAI front end and its routing
+    ├── prefill, decode: PoolConfig each pool's size and resources
+    ├── transfer: TransferConfig    the KV hand-off between the pools
+    ├── registry: RegistryConfig    Redis: membership and KV events
+    ├── security: SecurityConfig    API keys, the cluster token, internal TLS
+    └── autoscale: AutoscaleConfig  pool sizes from their own signals
+
+A worker gets a `WorkerConfig`: its identity plus the branches that concern it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.config import EngineConfig
+from pdserve.protos.security import TLSConfig
+
+ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+KV_TRANSPORTS = ("grpc", "ucx")
+TRANSFER_POLICIES = ("recompute", "fail")
+MODES = ("disaggregated", "aggregated")
+ROLES = ("prefill", "decode", "aggregated")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if not value >= low:  # NaN fails too
+        raise ValueError(f"{name} must be >= {low:g}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Accepted `Authorization: Bearer` keys on the API; empty: no authentication."""
+    cluster_token: str = field(default="", repr=False)
+    """Shared secret every internal gRPC call carries ("": none)."""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    """Mutual TLS on every internal gRPC connection (disabled when empty)."""
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    redis_url: str = field(default="", repr=False)
+    """The cluster's Redis ("": no registry: workers are wired statically, no KV events)."""
+    cluster_name: str = "default"
+    """Namespace of this cluster's keys and streams in Redis."""
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    transport: str = "grpc"
+    """What decode workers receive KV over: grpc | ucx (prefill workers follow the address)."""
+    layer_group: int = 0
+    """Prefill workers push a prompt's KV every this many layers as they compute (0: at the end)."""
+    policy: str = "recompute"
+    """A failed hand-off is prefilled again on the decode worker (recompute) or fails (fail)."""
+    local_prefill_threshold: int = 0
+    """Decode workers prefill prompts of at most this many tokens themselves (no hand-off)."""
+
+    def __post_init__(self):
+        _one_of("kv transport", self.transport, KV_TRANSPORTS)
+        _one_of("transfer policy", self.policy, TRANSFER_POLICIES)
+        _at_least("kv layer group", self.layer_group, 0)
+        _at_least("local prefill threshold", self.local_prefill_threshold, 0)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """0: any free port."""
+    model_name: str = ""
+    """The model id clients must name ("": the model file's name)."""
+    routing: str = "prefix_aware"
+    """How a pool's worker is chosen: prefix_aware | round_robin | least_loaded."""
+    decode_local_prefill: int = 64
+    """A decode worker whose own cache holds all of a prompt but at most this many tokens
+    prefills the rest itself (no prefill worker, no KV transfer); 0: never."""
+    refresh_interval_s: float = 0.25
+    """How often worker loads (and, with a registry, membership and KV events) are read."""
+    max_inflight: int = 256
+    """Requests admitted at once; beyond it 429 with Retry-After. 0: unbounded."""
+    request_timeout_s: float = 600.0
+    """A request not finished after this long gets 504 (and is aborted). 0: no limit."""
+
+    def __post_init__(self):
+        _one_of("routing", self.routing, ROUTING_POLICIES)
+        for name in ("max_inflight", "request_timeout_s", "decode_local_prefill"):
+            _at_least(name, getattr(self, name), 0)
+        _at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    replicas: int = 1
+    num_cpus: float = 1.0
+    """Ray CPUs per worker; its torch threads follow."""
+    num_gpus: float = 0.0
+    max_queue: int = 64
+    """Requests queued per worker before it refuses more (0: unbounded)."""
+    max_restarts: int = 10
+    """Ray restarts a dead worker process up to this many times (-1: always)."""
+    resource: str = ""
+    """A custom Ray resource each worker takes 1 of (e.g. a KubeRay worker group's)."""
+
+    def __post_init__(self):
+        _at_least("replicas", self.replicas, 0)
+        _at_least("max_queue", self.max_queue, 0)
+        _at_least("max_restarts", self.max_restarts, -1)
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    enabled: bool = False
+    max_replicas: int = 4
+    ttft_slo_s: float = 2.0
+    """TTFT p90 target of the prefill pool."""
+    itl_slo_s: float = 0.1
+    """ITL p90 target of the decode pool."""
+    interval_s: float = 5.0
+    up_after_s: float = 30.0
+    """A pool overloaded this long (continuously) grows."""
+    down_after_s: float = 300.0
+    """A pool underused this long (continuously) shrinks."""
+    cooldown_s: float = 60.0
+    """Seconds between two changes of a pool."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker: who it is, where it serves, and the cluster's settings it takes part in."""
+
+    role: str
+    """prefill | decode | aggregated (a decode worker that always prefills itself)."""
+    worker_id: str
+    host: str = "127.0.0.1"
+    """Bind and advertised address of its services ("auto": its Ray node's address)."""
+    max_queue: int = 0
+    """Requests queued here before it refuses more (0: unbounded)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def __post_init__(self):
+        _one_of("role", self.role, ROLES)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    mode: str = "disaggregated"
+    """aggregated: decode workers that prefill themselves, no prefill pool (the baseline)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    ray_address: str = ""
+    """Join this Ray cluster instead of starting one."""
+    worker_host: str = ""
+    """Address workers serve on: "auto" (their node's IP), an address, or "" (auto with
+    ray_address, else 127.0.0.1)."""
+
+    def __post_init__(self):
+        _one_of("mode", self.mode, MODES)
+
+    def pools(self) -> dict[str, PoolConfig]:
+        """The pools this cluster runs, by role."""
+        if self.mode == "aggregated":
+            return {"aggregated": self.decode}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def worker(self, role: str, worker_id: str, **overrides) -> WorkerConfig:
+        """The config of one worker of the pool `role`."""
+        fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),
+                      max_queue=self.pools()[role].max_queue, engine=self.engine, transfer=self.transfer,
+                      registry=self.registry, security=self.security)
+        return WorkerConfig(role=role, worker_id=worker_id, **(fields | overrides))

@@ -1,0 +1,213 @@
+"""The cluster commands' flags (`pdserve up`, `router`, `worker`, `scale`) and the one place
+they, and the environment, become the typed config tree of `pdserve.config`. Defaults are
+the config's own, so that a flag and the field it sets cannot disagree."""
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+
+from pdserve.config import (
+    KV_TRANSPORTS,
+    MODES,
+    ROLES,
+    ROUTING_POLICIES,
+    TRANSFER_POLICIES,
+    AutoscaleConfig,
+    ClusterConfig,
+    PoolConfig,
+    RegistryConfig,
+    RouterConfig,
+    SecurityConfig,
+    TransferConfig,
+    WorkerConfig,
+)
+from pdserve.engine.arg_utils import engine_config
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.protos.security import TLSConfig
+
+_R, _P, _T, _A = RouterConfig(), PoolConfig(), TransferConfig(), AutoscaleConfig()
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the HTTP front end, shared by `pdserve up` and `pdserve router`."""
+    p.add_argument("--host", default=_R.host, help="router bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=_R.port, help="router port (default: %(default)s)")
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default=_R.routing)
+    p.add_argument("--decode-local-prefill", type=int, default=_R.decode_local_prefill, metavar="TOKENS",
+                   help="a decode worker prefills a prompt itself when at most TOKENS of it are not in its own "
+                        "cache (a short prompt, or one whose prefix it holds): no prefill worker, no KV transfer "
+                        "(0: every prompt through the prefill pool; default: %(default)s)")
+    p.add_argument("--cluster-token", default=_env("PDSERVE_CLUSTER_TOKEN"),
+                   help="shared secret of the internal services (env PDSERVE_CLUSTER_TOKEN)")
+    p.add_argument("--served-model-name", default="", help="model id in the API (default: from the file name)")
+    p.add_argument("--api-key", default=_env("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY); required when "
+                        "--host is not a loopback address")
+    g = p.add_argument_group("internal TLS (mutual TLS between router and workers; all three files, or none)")
+    g.add_argument("--tls-cert", default=_env("PDSERVE_TLS_CERT"), help="certificate chain, PEM")
+    g.add_argument("--tls-key", default=_env("PDSERVE_TLS_KEY"), help="its private key, PEM")
+    g.add_argument("--tls-ca", default=_env("PDSERVE_TLS_CA"), help="the cluster CA, PEM")
+    g.add_argument("--tls-server-name", default=_env("PDSERVE_TLS_SERVER_NAME"),
+                   help="name to verify in the workers' certificates (default: the address dialled)")
+    p.add_argument("--max-inflight", type=int, default=_R.max_inflight,
+                   help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
+    p.add_argument("--request-timeout", type=float, default=_R.request_timeout_s,
+                   help="seconds before an unfinished request gets 504 and is aborted (0: none)")
+    _add_registry_args(p)
+
+
+def _add_registry_args(p: argparse.ArgumentParser, name_required: bool = False) -> None:
+    p.add_argument("--redis-url", default=_env("PDSERVE_REDIS_URL"),
+                   help="the cluster's Redis (env PDSERVE_REDIS_URL, which keeps a password out of `ps`); "
+                        "`pdserve up` without one starts an embedded redis-server")
+    p.add_argument("--cluster-name", required=name_required, default="",
+                   help="the cluster's registry namespace" + ("" if name_required else " (default: random)"))
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    add_router_args(p)
+    p.add_argument("--prefill", type=int, default=_P.replicas, help="prefill workers (default: %(default)s)")
+    p.add_argument("--decode", type=int, default=_P.replicas, help="decode workers (default: %(default)s)")
+    p.add_argument("--mode", choices=MODES, default=MODES[0],
+                   help="aggregated: --decode workers that prefill themselves, no prefill pool")
+    for pool in ("prefill", "decode"):
+        p.add_argument(f"--{pool}-cpus", type=float, default=_P.num_cpus, help=f"Ray CPUs per {pool} worker")
+        p.add_argument(f"--{pool}-gpus", type=float, default=_P.num_gpus,
+                       help=f"GPUs per {pool} worker (with --device cuda)")
+        p.add_argument(f"--{pool}-resource", default=_P.resource, help=f"custom Ray resource each {pool} worker "
+                       "takes 1 of (e.g. the one a KubeRay worker group advertises): places the pool on those nodes")
+        p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
+                       help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
+                            "refused by every worker of a pool gets 429")
+    p.add_argument("--max-restarts", type=int, default=_P.max_restarts,
+                   help="Ray restarts a dead worker up to this many times; it re-registers (-1: always)")
+    a = p.add_argument_group("autoscaling")
+    a.add_argument("--autoscale", action="store_true",
+                   help="size each pool from its own signals (prefill: queued tokens, TTFT; decode: KV usage, ITL)")
+    a.add_argument("--autoscale-max", type=int, default=_A.max_replicas, help="most workers per pool when autoscaling")
+    a.add_argument("--ttft-slo", type=float, default=_A.ttft_slo_s, help="TTFT p90 target of the autoscaler (s)")
+    a.add_argument("--itl-slo", type=float, default=_A.itl_slo_s, help="ITL p90 target of the autoscaler (s)")
+    a.add_argument("--autoscale-interval", type=float, default=_A.interval_s, help="seconds between rounds")
+    a.add_argument("--autoscale-up-after", type=float, default=_A.up_after_s,
+                   help="a pool overloaded this long (s, continuously) grows")
+    a.add_argument("--autoscale-down-after", type=float, default=_A.down_after_s,
+                   help="a pool underused this long (s, continuously) shrinks")
+    a.add_argument("--autoscale-cooldown", type=float, default=_A.cooldown_s, help="seconds between two changes of a pool")
+    p.add_argument("--no-router", action="store_true",
+                   help="run the pools only (routers run elsewhere: `pdserve router`); --port then serves "
+                        "/health and the admin endpoints")
+    p.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
+    p.add_argument("--worker-host", default="", help="address workers serve on: 'auto' (their node's IP, the "
+                   "default with --ray-address) or an address (default without: 127.0.0.1)")
+    _add_transfer_args(p)
+    p.add_argument("--local-prefill-threshold", type=int, default=_T.local_prefill_threshold,
+                   help="prompts of at most this many tokens are prefilled on the decode worker")
+
+
+def _add_transfer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default=_T.transport,
+                   help="how decode workers receive KV: grpc, or ucx (pip install 'pdserve[ucx]'; RDMA/NVLink/"
+                        "shared memory where present, TCP elsewhere)")
+    p.add_argument("--kv-layer-group", type=int, default=_T.layer_group,
+                   help="prefill workers push a prompt's KV every N layers as they are computed, overlapping "
+                        "transfer with compute (0: all layers at the end)")
+    p.add_argument("--transfer-policy", choices=TRANSFER_POLICIES, default=_T.policy,
+                   help="when a KV hand-off fails: prefill on the decode worker, or fail the request")
+
+
+def add_router_cmd_args(p: argparse.ArgumentParser) -> None:
+    """`pdserve router`: the router's flags, the registry it reads, and what it must know of
+    the workers' engines (the tokenizer's model, the KV block size its prefix hashes use)."""
+    add_router_args(p)
+    p.add_argument("--model", default="", help="the cluster's model file or directory (for the tokenizer)")
+    p.add_argument("--block-size", type=int, default=CacheConfig().block_size,
+                   help="the workers' KV block size (prefix hashing)")
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=ROLES, required=True)
+    p.add_argument("--worker-id", required=True, help="unique in the cluster, e.g. prefill-host3")
+    p.add_argument("--host", default="127.0.0.1", help="bind and advertise address of its services")
+    p.add_argument("--redis-url", default=_env("PDSERVE_REDIS_URL"), help="the cluster's registry (env PDSERVE_REDIS_URL)")
+    p.add_argument("--cluster-name", required=True)
+    p.add_argument("--cluster-token", default=_env("PDSERVE_CLUSTER_TOKEN"))
+    _add_transfer_args(p)
+    p.add_argument("--max-queue", type=int, default=_P.max_queue, help="requests queued here before it refuses more")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM: seconds the requests in flight get to finish (then the router migrates them)")
+
+
+def add_scale_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the `pdserve up` whose pools to resize")
+    p.add_argument("--api-key", default=_env("PDSERVE_API_KEY"), help="(env PDSERVE_API_KEY)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
+    p.add_argument("--decode", type=int, default=None, help="decode workers wanted")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (removed workers drain first)")
+
+
+# ---- flags -> config ------------------------------------------------------------------------
+def security_config(args: argparse.Namespace) -> SecurityConfig:
+    """The API keys, cluster token and internal TLS; the TLS files are read now (a missing
+    one is a TLSConfigError at start, not on the first request)."""
+    tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, ca_file=args.tls_ca,
+                    server_name=args.tls_server_name)
+    if tls.enabled:
+        tls.server_credentials()
+    return SecurityConfig(api_keys=(args.api_key,) if args.api_key else (), cluster_token=args.cluster_token, tls=tls)
+
+
+def _router_config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(host=args.host, port=args.port, model_name=args.served_model_name, routing=args.routing,
+                        decode_local_prefill=args.decode_local_prefill, max_inflight=args.max_inflight,
+                        request_timeout_s=args.request_timeout)
+
+
+def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:
+    return PoolConfig(replicas=replicas, num_cpus=getattr(args, f"{role}_cpus"), num_gpus=getattr(args, f"{role}_gpus"),
+                      max_queue=getattr(args, f"{role}_max_queue"), max_restarts=args.max_restarts,
+                      resource=getattr(args, f"{role}_resource"))
+
+
+def up_config(args: argparse.Namespace) -> ClusterConfig:
+    """`pdserve up`'s cluster; a cluster without a name gets a random one."""
+    return ClusterConfig(
+        mode=args.mode, engine=engine_config(args), router=_router_config(args),
+        prefill=_pool(args, "prefill", args.prefill), decode=_pool(args, "decode", args.decode),
+        transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
+                                policy=args.transfer_policy, local_prefill_threshold=args.local_prefill_threshold),
+        registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name or uuid.uuid4().hex[:8]),
+        security=security_config(args),
+        autoscale=AutoscaleConfig(enabled=args.autoscale, max_replicas=args.autoscale_max, ttft_slo_s=args.ttft_slo,
+                                  itl_slo_s=args.itl_slo, interval_s=args.autoscale_interval,
+                                  up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after,
+                                  cooldown_s=args.autoscale_cooldown),
+        ray_address=args.ray_address, worker_host=args.worker_host)
+
+
+def router_config(args: argparse.Namespace) -> ClusterConfig:
+    """`pdserve router`'s view of a running cluster: its registry, and of its engines the
+    model (for the tokenizer) and the KV block size."""
+    if not args.redis_url:
+        raise ValueError("pdserve router needs the cluster's registry: --redis-url (or PDSERVE_REDIS_URL)")
+    if not args.cluster_name:
+        raise ValueError("pdserve router needs the cluster's name: --cluster-name (see `pdserve up`'s log)")
+    return ClusterConfig(engine=EngineConfig(model=args.model, cache=CacheConfig(block_size=args.block_size)),
+                         router=_router_config(args), security=security_config(args),
+                         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name))
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """`pdserve worker`: one worker joining a cluster's registry."""
+    if not args.redis_url:
+        raise ValueError("pdserve worker needs the cluster's registry: --redis-url (or PDSERVE_REDIS_URL)")
+    return WorkerConfig(role=args.role, worker_id=args.worker_id, host=args.host, max_queue=args.max_queue,
+                        engine=engine_config(args),
+                        transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
+                                                policy=args.transfer_policy),
+                        registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name),
+                        security=SecurityConfig(cluster_token=args.cluster_token))

@@ -1,0 +1,140 @@
+"""OpenAI response shapes: usage, logprobs in the completions and chat formats, and a set of
+choices streamed as server-sent events."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Callable
+
+from fastapi.responses import StreamingResponse
+
+from pdserve.engine.aio import stop_tasks
+from pdserve.engine.tokenizer import Tokenizer
+
+from .errors import APIError
+from .generation import Delta, Generation
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(gens: list[Generation], per_prompt: int | None = None) -> dict:
+    """A request's usage: every choice's tokens, and each prompt's once (choices come
+    `per_prompt` to a prompt, prompt-major; default: all share one prompt)."""
+    firsts = [g.usage() for g in gens[::per_prompt or len(gens)]]
+    prompt = sum(f["prompt_tokens"] for f in firsts)
+    done = sum(g.completion_tokens for g in gens)
+    u = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    cached = sum(f.get("prompt_tokens_details", {}).get("cached_tokens", 0) for f in firsts)
+    if cached:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+class Logprobs:
+    """Token logprobs as the API shows them: each token as its text."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _offsets(self, toks: list[str], start: int) -> list[int]:
+        offsets, pos = [], start
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return offsets
+
+    def completion(self, d: Delta, offset: int) -> dict:
+        """A delta's tokens in the completions format; `offset`: where its text starts."""
+        toks = [self._text(lp.token_id) for lp in d.logprobs]
+        return {"tokens": toks, "token_logprobs": [lp.logprob for lp in d.logprobs],
+                "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in d.logprobs],
+                "text_offset": self._offsets(toks, offset)}
+
+    def echo(self, ids: list[int], g: Generation) -> dict:
+        """The prompt's tokens with their logprobs (the first token has none), for echo."""
+        toks = [self._text(t) for t in ids]
+        return {"tokens": toks, "token_logprobs": [None] + [lp.logprob for lp in g.prompt_logprobs],
+                "top_logprobs": [None] + [{self._text(t): v for t, v in lp.top} for lp in g.prompt_logprobs],
+                "text_offset": self._offsets(toks, 0)}
+
+    def chat(self, d: Delta) -> dict:
+        """A delta's tokens in the chat format."""
+        def entry(t, v):
+            s = self._text(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+        return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in d.logprobs]}
+
+
+async def collect(gens: list[Generation], on_delta: Callable[[int, Delta, int], None]) -> list[str]:
+    """Every choice's whole text; `on_delta(i, delta, offset)` sees each delta as it comes.
+    The choices are closed however this ends."""
+    async def one(i: int, g: Generation) -> str:
+        text = ""
+        async for d in g.deltas():
+            on_delta(i, d, len(text))
+            text += d.text
+        return text
+    try:
+        return list(await asyncio.gather(*(one(i, g) for i, g in enumerate(gens))))
+    finally:
+        await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+
+
+async def stream(gens: list[Generation], chunk, final, base: dict, include_usage: bool,
+                 per_prompt: int | None = None) -> StreamingResponse:
+    """SSE of every choice's deltas as they come; `chunk(i, delta, offset)` and `final(i)`
+    give the events (or None to send nothing)."""
+    async def events():
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, g: Generation):
+            try:
+                async for d in g.deltas():
+                    await q.put((i, d))
+                await q.put((i, None))
+            except BaseException as e:  # noqa: BLE001 - reported in-band below
+                await q.put((i, e))
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        offsets, left = [0] * len(gens), len(gens)
+        try:
+            while left:
+                i, item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    left -= 1
+                    for ev in final(i):
+                        yield sse(ev)
+                    continue
+                ev = chunk(i, item, offsets[i])
+                offsets[i] += len(item.text)
+                if ev is not None:
+                    yield sse(ev)
+            if include_usage:
+                yield sse(base | {"choices": [], "usage": usage(gens, per_prompt)})
+        except APIError as e:  # after the first byte the status is sent: report in-band
+            yield sse(e.body())
+        finally:
+            await stop_tasks(*tasks)
+            await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+        yield "data: [DONE]\n\n"
+
+    # Start the generator now: a started async generator is closed (its `finally` runs,
+    # aborting the requests) whenever it is dropped, even if the client vanished before
+    # the server began to send the body and the body was never iterated.
+    inner = events()
+    first = await anext(inner)
+
+    async def body():
+        yield first
+        async for item in inner:
+            yield item
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

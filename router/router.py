@@ -1,0 +1,263 @@
+"""The router's request handling: an OpenAI request becomes n `Generation`s (choices) per
+prompt (completions take a batch of prompts), admitted against the in-flight limit, whose
+deltas are formatted as completions or chat completions, streamed (SSE) or collected.
+
+n > 1 shares the prompt: the first choice runs ahead until its first token, so its prompt
+blocks are in the prefix caches (prefill and decode side) and the other choices reuse them by
+reference count; each choice then computes only the prompt's last, partial block and its own
+tokens. Seeded choices use seed, seed+1, ... so that they differ and are reproducible.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+from pdserve.config import RouterConfig, SecurityConfig
+from pdserve.engine.aio import stop_tasks
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+
+from . import responses
+from .cluster import ClusterClient
+from .errors import APIError
+from .generation import Delta, Generation
+from .metrics import RouterMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .tools import parse_tool_call, render_messages
+
+
+class Router:
+    def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, config: RouterConfig | None = None,
+                 security: SecurityConfig | None = None, discovery=None):
+        """discovery: a RegistryDiscovery that keeps `cluster` in step with Redis (None:
+        the worker list is static)."""
+        self.config = config = config or RouterConfig()
+        self.security = security or SecurityConfig()
+        self.cluster, self.tokenizer = cluster, tokenizer
+        self.model_name = config.model_name or "default"
+        self.discovery = discovery
+        self.refresh_interval_s = config.refresh_interval_s
+        self.metrics = RouterMetrics()
+        self.logprobs = responses.Logprobs(tokenizer)
+        self.inflight = 0
+        self.started = time.time()  # the model card's `created`
+        self.control = None  # the pools (deploy.launch.PoolControl) when this router runs next to them
+
+    # ---- admission ----------------------------------------------------------------------
+    def _generation(self, prompt: list[int], params: SamplingParams, prefix: str) -> Generation:
+        """Admit a request (or refuse it with 429) and make its Generation."""
+        limit = self.config.max_inflight
+        if limit and self.inflight >= limit:
+            self.metrics.requests.labels("rejected").inc()
+            self.metrics.rejected.labels("router_inflight").inc()
+            raise APIError(429, f"the server is at capacity ({limit} requests in flight); retry shortly",
+                           "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.inflight += 1
+
+        def done():
+            self.inflight -= 1
+        return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
+                          timeout_s=self.config.request_timeout_s, on_done=done)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _check_fits(self, choices: int, param: str) -> None:
+        """A request needing more generations than the router ever admits at once can never
+        succeed: a 400 naming the field, not a 429 that would have the client retry forever."""
+        limit = self.config.max_inflight
+        if limit and choices > limit:
+            raise APIError(400, f"this request needs {choices} generations at once; this server admits at most "
+                                f"{limit}", param=param)
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        if params.structured is not None:  # a bad schema is a 400 here, before any worker sees it
+            try:
+                self.tokenizer.grammar_compiler(self.tokenizer.vocab_size).check(params.structured)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param=e.param) from e
+
+    # ---- prompts ------------------------------------------------------------------------
+    def _encode_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Every prompt of the request as token ids (checked: non-empty, in the vocabulary)."""
+        out = []
+        for k, p in enumerate(req.prompts()):
+            which = f"prompt {k}" if len(req.prompts()) > 1 else "prompt"
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, f"{which} is empty", param="prompt")
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{which} contains token id {bad}, outside the vocabulary [0, {vocab})",
+                               param="prompt")
+            out.append(ids)
+        return out
+
+    def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """A chat request's prompt as the model sees it: messages (and tools) through the
+        chat template, tokenized. `/tokenize` uses the same, so its count is the one billed."""
+        messages = render_messages([{"role": m.role, "content": m.text()} | (m.model_extra or {}) for m in req.messages],
+                                   req.tools, req.tool_choice)
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        return self.tokenizer.encode(prompt)
+
+    # ---- choices ------------------------------------------------------------------------
+    async def _start_choices(self, ids: list[int], params: SamplingParams, n: int, prefix: str) -> list[Generation]:
+        self._check_structured(params)
+        self._check_fits(n, "n")
+        gens: list[Generation] = []
+        try:
+            gens.append(self._generation(ids, params, prefix))
+            await gens[0].start()  # runs ahead: the prompt's blocks are cached for the others
+            for i in range(1, n):
+                gens.append(self._generation(ids, replace(params, seed=params.seed + i)
+                                             if params.seed is not None else params, prefix))
+            await asyncio.gather(*(g.start() for g in gens[1:]))
+        except BaseException:
+            await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+            raise
+        return gens
+
+    async def _start_batch(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                           prefix: str) -> list[Generation]:
+        """n choices of every prompt, started together; prompt-major (choice k*n + j is the
+        j-th of prompt k), as OpenAI numbers them. The first prompt that cannot start fails
+        the request at once: the others are cancelled and every started choice is closed."""
+        self._check_fits(len(prompts) * n, "prompt" if len(prompts) > 1 else "n")
+        if len(prompts) == 1:
+            return await self._start_choices(prompts[0], params, n, prefix)
+        tasks = [asyncio.ensure_future(self._start_choices(ids, params, n, prefix)) for ids in prompts]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()
+            return [g for t in tasks for g in t.result()]
+        except BaseException:
+            await stop_tasks(*tasks)  # a cancelled group closes the choices it started itself
+            started = [g for t in tasks if t.done() and not t.cancelled() and t.exception() is None
+                       for g in t.result()]
+            await asyncio.gather(*(g.close() for g in started), return_exceptions=True)
+            raise
+
+    # ---- endpoints ----------------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's `/tokenize`: a prompt, or chat messages (+ tools), as token ids."""
+        if req.model is not None:
+            self.check_model(req.model)
+        req.check_supported()
+        ids = self._chat_ids(req) if req.messages is not None else self.tokenizer.encode(req.prompt)
+        return {"count": len(ids), "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        if req.model is not None:
+            self.check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens contains {bad}, outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    async def completions(self, req: CompletionRequest):
+        req.check_supported()
+        self.check_model(req.model)
+        prompts = self._encode_prompts(req)
+        gens = await self._start_batch(prompts, req.sampling_params(self.tokenizer.vocab_size), req.n, "cmpl")
+        base = {"id": gens[0].request_id, "object": "text_completion", "created": gens[0].created,
+                "model": self.model_name}
+        want_lp = req.logprobs is not None
+        ids_of = [ids for ids in prompts for _ in range(req.n)]  # choice i's prompt
+        echo_of = [e for ids in prompts for e in [self.tokenizer.decode(ids) if req.echo else ""] * req.n]
+        if req.stream:
+            echoed = [not e for e in echo_of]
+
+            def chunk(i: int, d: Delta, offset: int) -> dict:
+                text = d.text if echoed[i] else echo_of[i] + d.text
+                lp = self.logprobs.completion(d, len(echo_of[i]) + offset) if want_lp else None
+                if lp is not None and not echoed[i]:
+                    lp = {k: v + lp[k] for k, v in self.logprobs.echo(ids_of[i], gens[i]).items()}
+                echoed[i] = True
+                return base | {"choices": [{"index": i, "text": text, "finish_reason": None, "logprobs": lp}]}
+
+            def final(i: int) -> list[dict]:
+                return [base | {"choices": [{"index": i, "text": "", "logprobs": None,
+                                             "finish_reason": gens[i].finish_reason}]}]
+            return await responses.stream(gens, chunk, final, base, req.include_usage(), req.n)
+        lps = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in gens]
+
+        def on_delta(i: int, d: Delta, offset: int) -> None:
+            if want_lp:
+                for k, v in self.logprobs.completion(d, len(echo_of[i]) + offset).items():
+                    lps[i][k] += v
+        texts = await responses.collect(gens, on_delta)
+        if req.echo and want_lp:
+            lps = [{k: v + lp[k] for k, v in self.logprobs.echo(ids, g).items()}
+                   for lp, g, ids in zip(lps, gens, ids_of)]
+        return base | {"choices": [{"index": i, "text": echo_of[i] + t, "logprobs": lps[i] if want_lp else None,
+                                    "finish_reason": g.finish_reason} for i, (t, g) in enumerate(zip(texts, gens))],
+                       "usage": responses.usage(gens, req.n)}
+
+    async def chat(self, req: ChatCompletionRequest):
+        req.check_supported()
+        self.check_model(req.model)
+        specs = req.tool_specs()
+        ids = self._chat_ids(req)
+        gens = await self._start_choices(ids, req.sampling_params(self.tokenizer.vocab_size), req.n, "chatcmpl")
+        base = {"id": gens[0].request_id, "object": "chat.completion", "created": gens[0].created,
+                "model": self.model_name}
+        want_lp = req.logprobs
+        calls_possible = bool(specs) and req.tool_choice != "none"
+
+        def finish(i: int, text: str) -> tuple[dict, str]:
+            """The message (or delta) and finish_reason of choice i, its whole text known."""
+            calls = parse_tool_call(text, specs) if calls_possible else None
+            if calls:
+                return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            return {"role": "assistant", "content": text}, gens[i].finish_reason
+        if req.stream:
+            return await self._stream_chat(req, gens, base | {"object": "chat.completion.chunk"}, finish,
+                                           calls_possible)
+        content_lps: list[list] = [[] for _ in gens]
+
+        def on_delta(i: int, d: Delta, offset: int) -> None:
+            if want_lp:
+                content_lps[i] += self.logprobs.chat(d)["content"]
+        texts = await responses.collect(gens, on_delta)
+        choices = []
+        for i, text in enumerate(texts):
+            message, reason = finish(i, text)
+            choices.append({"index": i, "message": message, "finish_reason": reason,
+                            "logprobs": {"content": content_lps[i]} if want_lp else None})
+        return base | {"choices": choices, "usage": responses.usage(gens)}
+
+    async def _stream_chat(self, req: ChatCompletionRequest, gens: list[Generation], sbase: dict, finish,
+                           calls_possible: bool):
+        """Chat choices as SSE chunks; a reply that may be a tool call is held until it is
+        complete (only then is it known to be one)."""
+        started, held = [False] * len(gens), [""] * len(gens)
+
+        def chunk(i: int, d: Delta, offset: int) -> dict | None:
+            if calls_possible:
+                held[i] += d.text
+                return None
+            delta = {"content": d.text} | ({} if started[i] else {"role": "assistant"})
+            started[i] = True
+            return sbase | {"choices": [{"index": i, "delta": delta, "finish_reason": None,
+                                         "logprobs": self.logprobs.chat(d) if req.logprobs else None}]}
+
+        def final(i: int) -> list[dict]:
+            events, reason = [], gens[i].finish_reason
+            if calls_possible:
+                message, reason = finish(i, held[i])
+                if message.get("tool_calls"):
+                    message["tool_calls"] = [c | {"index": k} for k, c in enumerate(message["tool_calls"])]
+                events.append(sbase | {"choices": [{"index": i, "delta": message, "finish_reason": None,
+                                                    "logprobs": None}]})
+            return events + [sbase | {"choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                   "finish_reason": reason}]}]
+        return await responses.stream(gens, chunk, final, sbase, req.include_usage())
