@@ -1,0 +1,105 @@
+"""The cluster's config tree and the flags that build it: a flag's default is its field's
+default, every flag reaches its field, each worker gets its pool's branch, and a bad value
+is refused naming the field."""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import pytest
+
+from pdserve import flags
+from pdserve.cli import parser
+from pdserve.config import (
+    AutoscaleConfig,
+    ClusterConfig,
+    PoolConfig,
+    RegistryConfig,
+    RouterConfig,
+    TransferConfig,
+    WorkerConfig,
+)
+from pdserve.engine.config import CacheConfig, EngineConfig
+
+
+def parse(*argv: str):
+    return parser().parse_args(list(argv))
+
+
+def test_up_without_flags_is_the_config_defaults(monkeypatch):
+    for name in ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_TOKEN", "PDSERVE_REDIS_URL", "PDSERVE_TLS_CERT"):
+        monkeypatch.delenv(name, raising=False)
+    got = flags.up_config(parse("up"))
+    assert len(got.registry.cluster_name) == 8  # a random name, printed at start
+    want = ClusterConfig(registry=RegistryConfig(cluster_name=got.registry.cluster_name))
+    assert {f.name: getattr(got, f.name) for f in fields(got)} == {f.name: getattr(want, f.name) for f in fields(want)}
+    assert flags.up_config(parse("up")).registry.cluster_name != got.registry.cluster_name
+
+
+def test_every_up_flag_reaches_its_field(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", "from-env")
+    c = flags.up_config(parse(
+        "up", "--prefill", "2", "--decode", "3", "--prefill-cpus", "0.5", "--decode-gpus", "1", "--decode-max-queue", "5",
+        "--prefill-resource", "pf", "--max-restarts", "-1", "--routing", "round_robin", "--decode-local-prefill", "0",
+        "--max-inflight", "9", "--request-timeout", "30", "--served-model-name", "m", "--host", "0.0.0.0",
+        "--port", "9000", "--api-key", "k", "--kv-transport", "ucx", "--kv-layer-group", "5",
+        "--transfer-policy", "fail", "--local-prefill-threshold", "12", "--redis-url", "redis://h:1/0",
+        "--cluster-name", "prod", "--autoscale", "--autoscale-max", "6", "--ttft-slo", "3", "--itl-slo", "0.2",
+        "--autoscale-interval", "2", "--autoscale-up-after", "10", "--autoscale-down-after", "20",
+        "--autoscale-cooldown", "7", "--ray-address", "ray://head:10001", "--worker-host", "auto",
+        "--threads", "2", "--block-size", "32", "--kv-cache-memory", "256MiB", "--quantization", "int8"))
+    assert c.prefill == PoolConfig(replicas=2, num_cpus=0.5, max_queue=64, max_restarts=-1, resource="pf")
+    assert c.decode == PoolConfig(replicas=3, num_gpus=1.0, max_queue=5, max_restarts=-1)
+    assert c.router == RouterConfig(host="0.0.0.0", port=9000, model_name="m", routing="round_robin",
+                                    decode_local_prefill=0, max_inflight=9, request_timeout_s=30.0)
+    assert c.transfer == TransferConfig(transport="ucx", layer_group=5, policy="fail", local_prefill_threshold=12)
+    assert c.registry == RegistryConfig(redis_url="redis://h:1/0", cluster_name="prod")
+    assert (c.security.api_keys, c.security.cluster_token) == (("k",), "from-env")
+    assert c.autoscale == AutoscaleConfig(enabled=True, max_replicas=6, ttft_slo_s=3.0, itl_slo_s=0.2, interval_s=2.0,
+                                          up_after_s=10.0, down_after_s=20.0, cooldown_s=7.0)
+    assert (c.ray_address, c.worker_host) == ("ray://head:10001", "auto")
+    assert c.engine == EngineConfig(num_threads=2, quantization="int8",
+                                    cache=CacheConfig(block_size=32, kv_cache_memory=256 << 20))
+
+
+def test_each_worker_gets_its_pools_branch():
+    c = ClusterConfig(decode=PoolConfig(max_queue=3), prefill=PoolConfig(max_queue=7),
+                      transfer=TransferConfig(policy="fail"), registry=RegistryConfig(cluster_name="x"))
+    w = c.worker("decode", "decode-4")
+    assert (w.role, w.worker_id, w.host, w.max_queue) == ("decode", "decode-4", "127.0.0.1", 3)
+    assert (w.transfer, w.registry, w.engine, w.security) == (c.transfer, c.registry, c.engine, c.security)
+    assert c.worker("prefill", "p").max_queue == 7
+    assert replace(c, ray_address="ray://h:1").worker("prefill", "p").host == "auto"  # its node's address
+    assert list(c.pools()) == ["prefill", "decode"]
+    assert replace(c, mode="aggregated").pools() == {"aggregated": c.decode}
+
+
+def test_router_and_worker_commands_build_their_configs():
+    r = flags.router_config(parse("router", "--redis-url", "redis://h:1/0", "--cluster-name", "prod",
+                                  "--block-size", "32", "--model", "/m.gguf"))
+    assert (r.registry.cluster_name, r.engine.model, r.engine.cache.block_size) == ("prod", "/m.gguf", 32)
+    with pytest.raises(ValueError, match="--cluster-name"):
+        flags.router_config(parse("router", "--redis-url", "redis://h:1/0"))
+    w = flags.worker_config(parse("worker", "--role", "prefill", "--worker-id", "p9", "--cluster-name", "prod",
+                                  "--redis-url", "redis://h:1/0", "--max-queue", "2", "--kv-layer-group", "5"))
+    assert w == WorkerConfig(role="prefill", worker_id="p9", max_queue=2, transfer=TransferConfig(layer_group=5),
+                             registry=RegistryConfig(redis_url="redis://h:1/0", cluster_name="prod"),
+                             security=w.security)
+    with pytest.raises(ValueError, match="--redis-url"):
+        flags.worker_config(parse("worker", "--role", "decode", "--worker-id", "d", "--cluster-name", "c",
+                                  "--redis-url", ""))
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: RouterConfig(routing="random"), "routing must be one of"),
+    (lambda: RouterConfig(max_inflight=-1), "max_inflight must be >= 0"),
+    (lambda: RouterConfig(refresh_interval_s=float("nan")), "refresh_interval_s"),
+    (lambda: TransferConfig(transport="tcp"), "kv transport must be one of"),
+    (lambda: TransferConfig(policy="retry"), "transfer policy must be one of"),
+    (lambda: PoolConfig(replicas=-1), "replicas must be >= 0"),
+    (lambda: PoolConfig(max_restarts=-2), "max_restarts must be >= -1"),
+    (lambda: ClusterConfig(mode="split"), "mode must be one of"),
+    (lambda: WorkerConfig(role="router", worker_id="w"), "role must be one of"),
+])
+def test_bad_values_are_refused_by_name(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
