@@ -64,14 +64,27 @@ def add_admin_routes(app: FastAPI, control, authorized) -> None:
             raise APIError(503, str(e), "server_error", code="scale_failed") from e
 
 
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's, answered in the OpenAI shape."""
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)  # e.g. a body that is not UTF-8: same error shape as ours
+    async def _http_error(request: Request, e: HTTPException):
+        return JSONResponse(http_error(e.status_code, e.detail).body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        err = validation_error(e.errors())
+        return JSONResponse(err.body(), status_code=err.status)
+
+
 def create_admin_app(control, api_keys: tuple[str, ...]) -> FastAPI:
     """`pdserve up --no-router`: the pools' admin endpoints and a health probe, no API."""
     app = FastAPI(title="pdserve pools")
     authorized = api_key_auth(api_keys)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -82,7 +95,8 @@ def create_admin_app(control, api_keys: tuple[str, ...]) -> FastAPI:
     return app
 
 
-def create_app(router: Router) -> FastAPI:
+def _lifespan(router: Router):
+    """While the app serves: keep the router's view of the workers fresh; then close it."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async def refresher():
@@ -99,23 +113,14 @@ def create_app(router: Router) -> FastAPI:
             await router.cluster.close()
             if router.discovery is not None:
                 await router.discovery.close()
+    return lifespan
 
-    app = FastAPI(title="pdserve", lifespan=lifespan)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
+def create_app(router: Router) -> FastAPI:
+    """The OpenAI API over `router`, with health, metrics and the admin endpoints."""
+    app = FastAPI(title="pdserve", lifespan=_lifespan(router))
+    add_error_handlers(app)
     authorized = api_key_auth(router.security.api_keys)
-
-    @app.exception_handler(HTTPException)  # e.g. a body that is not UTF-8: same error shape as ours
-    async def _http_error(request: Request, e: HTTPException):
-        return JSONResponse(http_error(e.status_code, e.detail).body(), status_code=e.status_code, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError):
-        err = validation_error(e.errors())
-        return JSONResponse(err.body(), status_code=err.status)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(req: CompletionRequest):
@@ -153,15 +158,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/admin/workers", dependencies=[Depends(authorized)])
     async def workers():
-        """What this router routes to: each worker's role, address, health and last stats."""
-        out = []
-        for w in router.cluster.workers.values():
-            s = router.cluster.stats.get(w.worker_id)
-            out.append({"worker_id": w.worker_id, "role": w.role, "address": w.address,
-                        "healthy": bool(router.cluster.healthy.get(w.worker_id)),
-                        "running": s.running if s else None, "waiting": s.waiting if s else None,
-                        "kv_usage": s.kv_usage if s else None, "refused": s.refused if s else None})
-        return {"workers": sorted(out, key=lambda w: w["worker_id"])}
+        return {"workers": worker_view(router.cluster)}
 
     add_admin_routes(app, router.control, authorized)
 
@@ -171,3 +168,15 @@ def create_app(router: Router) -> FastAPI:
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def worker_view(cluster) -> list[dict]:
+    """What a router routes to: each worker's role, address, health and last stats."""
+    out = []
+    for w in cluster.workers.values():
+        s = cluster.stats.get(w.worker_id)
+        out.append({"worker_id": w.worker_id, "role": w.role, "address": w.address,
+                    "healthy": bool(cluster.healthy.get(w.worker_id)),
+                    "running": s.running if s else None, "waiting": s.waiting if s else None,
+                    "kv_usage": s.kv_usage if s else None, "refused": s.refused if s else None})
+    return sorted(out, key=lambda w: w["worker_id"])
