@@ -1,8 +1,8 @@
 """`pdserve bench`: a serving benchmark against any OpenAI-compatible endpoint.
 
-Flow: build a seeded workload (deploy/bench_workloads.py) -> for each endpoint and each load
+Flow: build a seeded workload (bench/workloads.py) -> for each endpoint and each load
 point of the sweep (request rate × concurrency) send it with streaming requests on an
-httpx.AsyncClient, one record per request -> metrics (deploy/bench_metrics.py) -> a table on
+httpx.AsyncClient, one record per request -> metrics (bench/metrics.py) -> a table on
 stdout, JSON results and, when matplotlib is importable, PNG plots. Every endpoint gets the
 same prompts; load point i uses seed + i so one point's prompts are not cache hits for the
 next. A load point stops sending new requests after --max-duration and waits for those in
