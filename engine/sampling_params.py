@@ -1,6 +1,7 @@
 """Per-request sampling parameters and their validation."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
@@ -12,6 +13,15 @@ MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI allows
 MAX_CACHE_SALT = 1024  # characters
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy."""
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# the smallest repetition penalty, as the wire's float32 carries it: 0.01 arrives at a worker
+# as 0.0099999998, and must pass there as it did at the router
+MIN_REPETITION_PENALTY = _float32(0.01)
 
 
 @dataclass
@@ -61,7 +71,7 @@ class SamplingParams:
             bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not 0.01 <= self.repetition_penalty <= 10.0:  # tiny penalties overflow the logits
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:  # tiny penalties overflow the logits
             bad("repetition_penalty", f"must be in [0.01, 10], got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")

@@ -114,8 +114,8 @@ class Router:
         try:
             gens.append(self._generation(ids, params, prefix))
             await gens[0].start()  # runs ahead: the prompt's blocks are cached for the others
-            for i in range(1, n):
-                gens.append(self._generation(ids, replace(params, seed=params.seed + i)
+            for i in range(1, n):  # seeds wrap within the wire's range: any valid seed serves any n
+                gens.append(self._generation(ids, replace(params, seed=(params.seed + i) % 2**63)
                                              if params.seed is not None else params, prefix))
             await asyncio.gather(*(g.start() for g in gens[1:]))
         except BaseException:

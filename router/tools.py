@@ -73,7 +73,8 @@ def check_tools(tools: list[dict] | None, tool_choice: Any) -> dict[str, dict]:
             raise _bad(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
         specs[name] = params
     if tool_choice not in (None, "none", "auto", "required"):
-        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not (isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(name, str)):
             raise _bad('tool_choice must be "none", "auto", "required" or '
                        '{"type": "function", "function": {"name": ...}}', "tool_choice")
@@ -101,11 +102,11 @@ def render_messages(messages: list[dict], tools: list[dict] | None, tool_choice:
     """Messages for the chat template: assistant tool calls and tool results as text, and the
     tool descriptions in the system message."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.get("content") or ""
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [{"name": c.get("function", {}).get("name"),
-                      "arguments": _loads(c.get("function", {}).get("arguments", "{}"))} for c in m["tool_calls"]]
+            calls = [{"name": fn["name"], "arguments": _loads(fn.get("arguments", "{}"))}
+                     for fn in _call_functions(m["tool_calls"], i)]
             content = "\n".join(json.dumps(c) for c in calls)
         out.append({"role": m["role"], "content": content})
     if tools and tool_choice != "none":
@@ -116,6 +117,23 @@ def render_messages(messages: list[dict], tools: list[dict] | None, tool_choice:
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
         else:
             out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _call_functions(tool_calls: Any, i: int) -> list[dict]:
+    """The `function` of each of an assistant message's `tool_calls`, checked for OpenAI's
+    shape: a list of {"function": {"name": str, "arguments": str}} objects."""
+    shape = (f'messages[{i}].tool_calls must be a list of {{"type": "function", "function": '
+             '{"name": <string>, "arguments": <JSON string>}} objects')
+    if not isinstance(tool_calls, list):
+        raise _bad(shape, "messages")
+    out = []
+    for c in tool_calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", "{}"), str)):
+            raise _bad(shape, "messages")
+        out.append(fn)
     return out
 
 

@@ -180,6 +180,12 @@ def test_forced_tool_call(cluster):
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # legal-looking JSON of the wrong shape: a 400 naming it, not a 500
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": None}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [1, "x"]}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": "get_weather"}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]}, "messages"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
 ])
@@ -187,6 +193,9 @@ def test_bad_tool_and_format_combinations_are_400(cluster, body, param):
     r = httpx.post(cluster.url + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    if "messages" in body:  # /tokenize renders messages the same way, and refuses them the same way
+        r = httpx.post(cluster.url + "/tokenize", timeout=30, json={"model": MODEL} | body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_json_schema_survives_a_migration(cluster, smollm, reference):

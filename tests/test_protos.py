@@ -58,5 +58,10 @@ def test_sampling_params_round_trip_every_field():
     # unset optionals stay unset (None is "no limit" / "no logprobs", not 0)
     none = SamplingParams(max_tokens=None, seed=None, logprobs=None, prompt_logprobs=None)
     assert params_from_proto(params_to_proto(none)) == none
+    # documented bounds survive float32: what the router accepted, a worker accepts
+    for edge in (SamplingParams(repetition_penalty=0.01), SamplingParams(repetition_penalty=10.0, top_p=1e-3,
+                                                                          min_p=1.0, temperature=100.0)):
+        edge.validate()
+        params_from_proto(params_to_proto(edge)).validate()
     wire = {d.name for d in pb.SamplingParams.DESCRIPTOR.fields}
     assert wire == {f.name for f in travel} - {"structured"} | {"structured_kind", "structured_spec"}

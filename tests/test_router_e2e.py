@@ -230,6 +230,26 @@ def test_bad_requests_get_openai_errors(cluster, body, status, param):
     assert err["message"] and err["type"] and (param is None or err["param"] == param)
 
 
+def test_the_largest_seed_serves_every_choice(cluster):
+    """Choice i uses seed + i, wrapping below 2**63: the largest valid seed is served for any
+    n (seed + i past it would not fit the wire's int64)."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "n": 3, "seed": 2**63 - 1, "temperature": 1.0}
+    r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3
+    assert httpx.post(cluster.url + "/v1/completions", json=body, timeout=60).json()["choices"] == r.json()["choices"]
+
+
+@pytest.mark.parametrize("edge", [{"repetition_penalty": 0.01}, {"repetition_penalty": 10.0},
+                                  {"presence_penalty": -2.0, "frequency_penalty": 2.0}, {"temperature": 100.0}])
+def test_documented_bounds_are_served(cluster, edge):
+    """The ends of each documented range pass the router and the workers alike (the wire
+    carries floats as float32)."""
+    r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2} | edge,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_a_chat_past_the_context_length_says_so_as_openai_does(client):
     from openai import BadRequestError
     with pytest.raises(BadRequestError) as e:
