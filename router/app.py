@@ -36,6 +36,17 @@ def api_key_auth(api_keys: tuple[str, ...]):
     return authorized
 
 
+def refuse_cross_site(request: Request) -> None:
+    """An admin action must come as JSON and not from another site: a web page the operator
+    opens can send a form or text POST to a loopback server without a key (no CORS preflight
+    guards those), and browsers label what a page sends (Sec-Fetch-Site)."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise APIError(415, "send the request as JSON (Content-Type: application/json)", param="body",
+                       code="unsupported_media_type")
+    if request.headers.get("sec-fetch-site", "none").lower() not in ("none", "same-origin"):
+        raise APIError(403, "admin requests from a web page of another site are refused", code="cross_site")
+
+
 def add_admin_routes(app: FastAPI, control, authorized) -> None:
     """GET /admin/pools and POST /admin/scale {"prefill": N, "decode": M} over a
     `deploy.launch.PoolControl` (None: this process manages no pools, e.g. `pdserve router`)."""
@@ -48,6 +59,7 @@ def add_admin_routes(app: FastAPI, control, authorized) -> None:
 
     @app.post("/admin/scale", dependencies=[Depends(authorized)])
     async def scale(request: Request):
+        refuse_cross_site(request)
         if control is None:
             raise APIError(404, "this router manages no pools: send it to the `pdserve up` that runs them",
                            code="no_pools")
