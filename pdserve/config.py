@@ -91,10 +91,12 @@ class RouterConfig:
     """Requests admitted at once; beyond it 429 with Retry-After. 0: unbounded."""
     request_timeout_s: float = 600.0
     """A request not finished after this long gets 504 (and is aborted). 0: no limit."""
+    max_body_bytes: int = 32 << 20
+    """A request body past this size gets 413 before it is parsed. 0: no limit."""
 
     def __post_init__(self):
         _one_of("routing", self.routing, ROUTING_POLICIES)
-        for name in ("max_inflight", "request_timeout_s", "decode_local_prefill"):
+        for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "max_body_bytes"):
             _at_least(name, getattr(self, name), 0)
         _at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 

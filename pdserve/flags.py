@@ -23,7 +23,7 @@ from pdserve.config import (
     WorkerConfig,
 )
 from pdserve.engine.arg_utils import engine_config
-from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, parse_size
 from pdserve.protos.security import TLSConfig
 
 _R, _P, _T, _A = RouterConfig(), PoolConfig(), TransferConfig(), AutoscaleConfig()
@@ -58,6 +58,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
     p.add_argument("--request-timeout", type=float, default=_R.request_timeout_s,
                    help="seconds before an unfinished request gets 504 and is aborted (0: none)")
+    p.add_argument("--max-body-size", default=f"{_R.max_body_bytes >> 20}MiB",
+                   help="request bodies past this size get 413 before they are parsed (0: no limit; "
+                        "default: %(default)s)")
     _add_registry_args(p)
 
 
@@ -164,7 +167,8 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
 def _router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, model_name=args.served_model_name, routing=args.routing,
                         decode_local_prefill=args.decode_local_prefill, max_inflight=args.max_inflight,
-                        request_timeout_s=args.request_timeout)
+                        request_timeout_s=args.request_timeout,
+                        max_body_bytes=parse_size(args.max_body_size))
 
 
 def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:

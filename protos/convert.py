@@ -75,7 +75,7 @@ def worker_stats(engine: LLMEngine, worker_id: str, role: str, **counters) -> pb
     return pb.WorkerStats(worker_id=worker_id, role=role, num_blocks=blocks.num_blocks,
                           free_blocks=blocks.num_free_blocks, running=len(sched.running), waiting=len(sched.waiting),
                           queued_prefill_tokens=queued, kv_usage=blocks.usage, prefix_queries=blocks.prefix_queries,
-                          prefix_hits=blocks.prefix_hits, **counters)
+                          prefix_hits=blocks.prefix_hits, max_model_len=engine.max_model_len, **counters)
 
 
 def block_snapshot(engine: LLMEngine) -> pb.BlockSnapshot:

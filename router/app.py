@@ -18,6 +18,44 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .router import Router
 
 
+class BodyLimit:
+    """ASGI middleware: a request body past `limit` bytes is answered 413 before the app reads
+    it, by its Content-Length or, for a chunked body, as its bytes arrive."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, scope, receive, send) -> None:
+        err = APIError(413, f"the request body is larger than {self.limit} bytes (--max-body-size)",
+                       code="request_too_large")
+        await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.limit:
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:  # the server holds the body to its declared length
+            if int(declared) > self.limit:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                chunks.append(message)
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            chunks.append(message)
+            if not message.get("more_body"):
+                break
+
+        async def replay():
+            return chunks.pop(0) if chunks else await receive()
+        await self.app(scope, replay, send)
+
+
 def api_key_auth(api_keys: tuple[str, ...]):
     """A FastAPI dependency: 401 unless `Authorization: Bearer <one of api_keys>` (none: open)."""
     keys = [k.encode() for k in api_keys]
@@ -131,6 +169,7 @@ def _lifespan(router: Router):
 def create_app(router: Router) -> FastAPI:
     """The OpenAI API over `router`, with health, metrics and the admin endpoints."""
     app = FastAPI(title="pdserve", lifespan=_lifespan(router))
+    app.add_middleware(BodyLimit, limit=router.config.max_body_bytes)
     add_error_handlers(app)
     authorized = api_key_auth(router.security.api_keys)
 

@@ -119,6 +119,11 @@ class ClusterClient:
                     self.healthy[w.worker_id] = False
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
 
+    def max_model_len(self) -> int:
+        """The longest context any healthy worker that decodes serves (0: none has said yet)."""
+        return max((s.max_model_len for wid, s in self.stats.items()
+                    if s.role != "prefill" and self.healthy.get(wid)), default=0)
+
     def ready(self) -> bool:
         """True when at least one decode-capable worker answers (and a prefill worker, if the
         cluster has a prefill pool)."""

@@ -82,6 +82,14 @@ class Router:
                 raise APIError(400, str(e), param=e.param) from e
 
     # ---- prompts ------------------------------------------------------------------------
+    def _check_length(self, ids: list[int], which: str, param: str) -> None:
+        """A prompt no worker can hold is a 400 at once, before it is hashed or sent."""
+        limit = self.cluster.max_model_len()
+        if limit and len(ids) >= limit:
+            raise APIError(400, f"{which} has {len(ids)} tokens; this model's context length is {limit} tokens, "
+                                "which leaves no room to generate: shorten the prompt", param=param,
+                           code="context_length_exceeded")
+
     def _encode_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Every prompt of the request as token ids (checked: non-empty, in the vocabulary)."""
         out = []
@@ -90,6 +98,7 @@ class Router:
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, f"{which} is empty", param="prompt")
+            self._check_length(ids, which, "prompt")
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
@@ -207,6 +216,7 @@ class Router:
         self.check_model(req.model)
         specs = req.tool_specs()
         ids = self._chat_ids(req)
+        self._check_length(ids, "the conversation", "messages")
         gens = await self._start_choices(ids, req.sampling_params(self.tokenizer.vocab_size), req.n, "chatcmpl")
         base = {"id": gens[0].request_id, "object": "chat.completion", "created": gens[0].created,
                 "model": self.model_name}

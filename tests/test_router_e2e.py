@@ -250,6 +250,35 @@ def test_documented_bounds_are_served(cluster, edge):
     assert r.status_code == 200, r.text
 
 
+def test_a_prompt_no_worker_can_hold_is_refused_at_once(cluster):
+    """1.5 million token ids: a 400 context_length_exceeded from the router, not a retryable
+    429 after hashing every block and overrunning the worker RPC's message size."""
+    r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": [12] * 1_500_000, "max_tokens": 1},
+                   timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt") and "1500000 tokens" in err["message"]
+
+
+def test_a_body_past_the_limit_gets_413_declared_or_chunked(cluster):
+    big = {"model": MODEL, "prompt": "hi", "user": "x" * (33 << 20)}
+    r = httpx.post(cluster.url + "/v1/completions", json=big, timeout=120)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "hi", "user": "'
+        for _ in range(33):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+    r = httpx.post(cluster.url + "/v1/completions", content=chunks(), timeout=120,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text[:300]
+    small = b'{"model": "' + MODEL.encode() + b'", "prompt": "hi", "max_tokens": 2}'
+    r = httpx.post(cluster.url + "/v1/completions", content=iter([small[:10], small[10:]]), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
 def test_a_chat_past_the_context_length_says_so_as_openai_does(client):
     from openai import BadRequestError
     with pytest.raises(BadRequestError) as e:
