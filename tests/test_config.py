@@ -40,7 +40,7 @@ def test_every_up_flag_reaches_its_field(monkeypatch):
     c = flags.up_config(parse(
         "up", "--prefill", "2", "--decode", "3", "--prefill-cpus", "0.5", "--decode-gpus", "1", "--decode-max-queue", "5",
         "--prefill-resource", "pf", "--max-restarts", "-1", "--routing", "round_robin", "--decode-local-prefill", "0",
-        "--max-inflight", "9", "--request-timeout", "30", "--served-model-name", "m", "--host", "0.0.0.0",
+        "--max-inflight", "9", "--request-timeout", "30", "--max-body-size", "1MiB", "--served-model-name", "m", "--host", "0.0.0.0",
         "--port", "9000", "--api-key", "k", "--kv-transport", "ucx", "--kv-layer-group", "5",
         "--transfer-policy", "fail", "--local-prefill-threshold", "12", "--redis-url", "redis://h:1/0",
         "--cluster-name", "prod", "--autoscale", "--autoscale-max", "6", "--ttft-slo", "3", "--itl-slo", "0.2",
@@ -50,7 +50,8 @@ def test_every_up_flag_reaches_its_field(monkeypatch):
     assert c.prefill == PoolConfig(replicas=2, num_cpus=0.5, max_queue=64, max_restarts=-1, resource="pf")
     assert c.decode == PoolConfig(replicas=3, num_gpus=1.0, max_queue=5, max_restarts=-1)
     assert c.router == RouterConfig(host="0.0.0.0", port=9000, model_name="m", routing="round_robin",
-                                    decode_local_prefill=0, max_inflight=9, request_timeout_s=30.0)
+                                    decode_local_prefill=0, max_inflight=9, request_timeout_s=30.0,
+                                    max_body_bytes=1 << 20)
     assert c.transfer == TransferConfig(transport="ucx", layer_group=5, policy="fail", local_prefill_threshold=12)
     assert c.registry == RegistryConfig(redis_url="redis://h:1/0", cluster_name="prod")
     assert (c.security.api_keys, c.security.cluster_token) == (("k",), "from-env")
