@@ -87,13 +87,24 @@ class EventPublisher:
 
 
 def decode_event(fields: dict) -> KVEvent:
-    f = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v for k, v in fields.items()}
-    seq = int(f["seq"])
-    if f["type"] == "stored":
+    """A stream entry as a KVEvent; ValueError when it is not one of ours (a sequence number
+    and block hashes in [0, 2**64), a known type)."""
+    try:
+        f = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
+             for k, v in fields.items()}
+        seq, kind = int(f["seq"]), f["type"]
+        numbers = [seq] + [int(f[k]) for k in ("hash", "parent") if k in f]
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"not a KV event: {e!r}") from None
+    if not all(0 <= n < 2**64 for n in numbers):
+        raise ValueError("not a KV event: numbers outside [0, 2**64)")
+    if kind == "stored" and "hash" in f:
         return BlockStored(seq, int(f["hash"]), int(f.get("parent", 0)), (), -1)
-    if f["type"] == "removed":
+    if kind == "removed" and "hash" in f:
         return BlockRemoved(seq, int(f["hash"]), -1)
-    return AllBlocksCleared(seq)
+    if kind == "cleared":
+        return AllBlocksCleared(seq)
+    raise ValueError(f"not a KV event: type {kind!r}")
 
 
 class EventFollower:
@@ -102,6 +113,7 @@ class EventFollower:
     def __init__(self, redis: aioredis.Redis, cluster: str, index):
         self.redis, self.cluster, self.index = redis, cluster, index
         self._last_id: dict[str, bytes | str] = {}
+        self.malformed = 0  # stream entries skipped: not KV events
 
     def rewind(self, worker_id: str) -> None:
         """Re-read a worker's stream from its start (after a resync, events newer than the
@@ -120,7 +132,13 @@ class EventFollower:
         for key, entries in await self.redis.xread(streams, count=count):
             wid = (key.decode() if isinstance(key, bytes) else key).rsplit(":", 1)[1]
             for entry_id, fields in entries:
-                self.index.apply(wid, decode_event(fields))
                 self._last_id[wid] = entry_id
+                try:
+                    event = decode_event(fields)
+                except ValueError as e:
+                    self.malformed += 1
+                    log.warning("skipped a malformed entry of %s's KV events: %s", wid, e)
+                    continue
+                self.index.apply(wid, event)
                 applied += 1
         return applied

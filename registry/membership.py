@@ -65,10 +65,39 @@ class WorkerRegistration:
         await self.redis.aclose()
 
 
-async def list_workers(redis: aioredis.Redis, cluster: str) -> list[WorkerRecord]:
+ROLES = ("prefill", "decode", "aggregated")
+
+
+def parse_record(raw: bytes | str) -> WorkerRecord:
+    """A registry entry as a WorkerRecord; ValueError names what is wrong with it. Redis is
+    input like any other: whoever can write there must not be able to break a router."""
+    try:
+        d = json.loads(raw)
+    except (TypeError, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError("not a JSON object")
+    fields = {"worker_id", "role", "address", "kv_address", "incarnation"}
+    if set(d) - fields or not {"worker_id", "role", "address"} <= set(d):
+        raise ValueError(f"fields {sorted(d)}; expected {sorted(fields)}")
+    if not all(isinstance(v, str) and len(v) <= 1024 for v in d.values()):
+        raise ValueError("every field must be a string of at most 1024 characters")
+    if d["role"] not in ROLES or not d["worker_id"] or not d["address"]:
+        raise ValueError(f"role {d['role']!r} (one of {', '.join(ROLES)}), worker_id and address must be set")
+    return WorkerRecord(**d)
+
+
+async def list_workers(redis: aioredis.Redis, cluster: str, on_malformed=None) -> list[WorkerRecord]:
+    """The cluster's registered workers, by id. An entry that is not a worker record is
+    skipped; `on_malformed(key, why)` hears of it."""
     out = []
     async for key in redis.scan_iter(match=worker_key(cluster, "*"), count=500):
         raw = await redis.get(key)
-        if raw:
-            out.append(WorkerRecord(**json.loads(raw)))
+        if not raw:
+            continue
+        try:
+            out.append(parse_record(raw))
+        except ValueError as e:
+            if on_malformed is not None:
+                on_malformed(key.decode(errors="replace") if isinstance(key, bytes) else key, str(e))
     return sorted(out, key=lambda r: r.worker_id)

@@ -28,12 +28,13 @@ class RegistryDiscovery:
         self._incarnations: dict[str, str] = {}
         self._seen: dict[str, tuple[WorkerEndpoint, float]] = {}
         self.resyncs = 0
+        self.malformed_records = 0  # registry entries skipped: not worker records
 
     async def sync(self) -> None:
         """One round: membership, new events, resyncs. With Redis unreachable the router
         keeps routing on what it last knew."""
         try:
-            records = await list_workers(self.redis, self.cluster_name)
+            records = await list_workers(self.redis, self.cluster_name, on_malformed=self._malformed)
         except (RedisError, OSError) as e:
             log.warning("registry unreachable, keeping the last known workers: %s", describe_error(e, self._url))
             return
@@ -52,6 +53,10 @@ class RegistryDiscovery:
             log.warning("KV event streams unreachable: %s", describe_error(e, self._url))
         for wid in list(self.client.index.needs_resync):
             await self._resync(wid)
+
+    def _malformed(self, key: str, why: str) -> None:
+        self.malformed_records += 1
+        log.warning("skipped registry entry %s: %s", key[:200], why)
 
     async def _resync(self, worker_id: str) -> None:
         w = self.client.workers.get(worker_id)

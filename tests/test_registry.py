@@ -89,6 +89,48 @@ def test_heartbeat_registers_and_a_silent_worker_expires(redis_server):
     assert asyncio.run(main()) == []
 
 
+def test_malformed_registry_entries_and_events_are_skipped_and_counted(redis_server):
+    """Redis is input: whatever is written under the cluster's keys, the router's sync goes
+    on with the well-formed workers and events and counts the rest."""
+    import json
+
+    import redis.asyncio as aioredis
+
+    from pdserve.router.cluster import ClusterClient
+    from pdserve.router.discovery import RegistryDiscovery
+
+    good = WorkerRecord("d0", "decode", "127.0.0.1:1", incarnation="a")
+    bad = {"not-json": b"{", "a-list": b"[1, 2]", "no-address": json.dumps({"worker_id": "x", "role": "decode"}),
+           "a-number": json.dumps({"worker_id": "x", "role": "decode", "address": 5}),
+           "unknown-role": json.dumps({"worker_id": "x", "role": "boss", "address": "h:1"}),
+           "extra-field": json.dumps({"worker_id": "x", "role": "decode", "address": "h:1", "admin": "yes"}),
+           "huge": json.dumps({"worker_id": "x" * 5000, "role": "decode", "address": "h:1"})}
+
+    async def main():
+        db = aioredis.from_url(redis_server.url)
+        await db.set(worker_key("mal", "d0"), json.dumps(good.__dict__))
+        for name, raw in bad.items():
+            await db.set(worker_key("mal", name), raw)
+        stream = "pdserve:mal:events:d0"
+        await db.delete(stream)
+        for fields in ({"seq": 1, "type": "stored", "hash": 7, "parent": 0}, {"seq": "x", "type": "stored"},
+                       {"type": "removed"}, {"seq": 2, "type": "stored", "hash": 2**70}, {"seq": 3, "type": "boom"},
+                       {"seq": 4, "type": "stored"}, {"seq": 5, "type": "removed", "hash": 7}):
+            await db.xadd(stream, fields)
+        disc = RegistryDiscovery(redis_server.url, "mal", ClusterClient())
+        try:
+            await disc.sync()
+            return list(disc.client.workers), disc.malformed_records, disc.follower.malformed, disc.client.index
+        finally:
+            await disc.close()
+            await db.aclose()
+
+    workers, records, events, index = asyncio.run(main())
+    assert workers == ["d0"] and records == len(bad)
+    assert events == 5  # the stored and removed events of block 7 applied, in order: nothing held
+    assert index.match([7]) == {}
+
+
 def test_events_flow_into_the_prefix_index(redis_server):
     async def main():
         import redis.asyncio as aioredis
