@@ -6,6 +6,7 @@ marks those that do not answer unhealthy, so routing skips them at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -45,7 +46,7 @@ class Route:
 class ClusterClient:
     def __init__(self, *, routing: str = "prefix_aware", block_size: int = 16, namespace: str = "",
                  cluster_token: str = "", tls: TLSConfig | None = None, local_prefill_tokens: int = 0,
-                 stats_timeout_s: float = 2.0):
+                 stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0):
         """block_size, namespace: the workers' KV block size and cache namespace (the prefix
         index hashes prompts as they do). tls: mutual TLS to the workers (their services must
         use the same CA). local_prefill_tokens: a decode worker whose own cache holds all of a
@@ -61,7 +62,8 @@ class ClusterClient:
         self.workers: dict[str, WorkerEndpoint] = {}
         self.stats: dict[str, pb.WorkerStats] = {}
         self.healthy: dict[str, bool] = {}
-        self._slow_polls: dict[str, int] = {}  # consecutive Stats calls that ran past the timeout
+        self.slow_grace_s = slow_grace_s
+        self._slow_since: dict[str, float] = {}  # when a worker's Stats calls began to run past the timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
         # prompt tokens this router sent to each prefill worker that have not come back as a
         # first token: known at once, where the workers' stats arrive a poll later. Without
@@ -86,7 +88,7 @@ class ClusterClient:
             self.index.remove_worker(wid)
             self.stats.pop(wid, None)
             self.healthy.pop(wid, None)
-            self._slow_polls.pop(wid, None)
+            self._slow_since.pop(wid, None)
         self.workers = new
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -99,24 +101,26 @@ class ClusterClient:
         ch = self._channel(w.address)
         return pb_grpc.PrefillServiceStub(ch) if w.role == "prefill" else pb_grpc.DecodeServiceStub(ch)
 
-    SLOW_POLLS_ALLOWED = 3
-
     async def refresh(self) -> None:
         """Poll every worker's stats. A worker that cannot be reached is unhealthy at once; one
         that answers too slowly (its engine thread in a long step, a machine loaded by a worker
-        starting beside it) only after `SLOW_POLLS_ALLOWED` slow polls in a row: its streams
-        are still flowing, and taking it out of the pool would refuse requests it can serve."""
+        starting beside it) only once it has been slow for `slow_grace_s`: its streams are
+        still flowing, and taking it out of the pool would refuse requests it can serve. (A
+        frozen worker also stops its registry heartbeat, and leaves the pool that way.)"""
         async def one(w: WorkerEndpoint):
+            wid = w.worker_id
             try:
-                self.stats[w.worker_id] = await self._stub(w).Stats(pb.StatsRequest(), timeout=self.stats_timeout_s)
-                self.healthy[w.worker_id] = True
-                self._slow_polls[w.worker_id] = 0
-                self._streams_at_poll[w.worker_id] = self.decode_streams.get(w.worker_id, 0)
+                self.stats[wid] = await self._stub(w).Stats(pb.StatsRequest(), timeout=self.stats_timeout_s)
+                self.healthy[wid] = True
+                self._slow_since.pop(wid, None)
+                self._streams_at_poll[wid] = self.decode_streams.get(wid, 0)
             except grpc.aio.AioRpcError as e:
-                slow = self._slow_polls.get(w.worker_id, 0) + 1 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 0
-                self._slow_polls[w.worker_id] = slow
-                if not (0 < slow < self.SLOW_POLLS_ALLOWED and self.healthy.get(w.worker_id)):
-                    self.healthy[w.worker_id] = False
+                now = time.monotonic()
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._slow_since.pop(wid, None)
+                    self.healthy[wid] = False
+                elif now - self._slow_since.setdefault(wid, now) >= self.slow_grace_s or not self.healthy.get(wid):
+                    self.healthy[wid] = False
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
 
     def max_model_len(self) -> int:
