@@ -56,6 +56,25 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+async def while_connected(request: Request, work):
+    """Await `work` (a request's handling) unless the client disconnects first; then it is
+    cancelled, which aborts its generations on the workers: nothing runs for a client that
+    has gone. (A stream, once started, watches its client itself.)"""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":  # the body is read: only this can come
+            pass
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            await stop_tasks(task)
+        await stop_tasks(watch)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
 def api_key_auth(api_keys: tuple[str, ...]):
     """A FastAPI dependency: 401 unless `Authorization: Bearer <one of api_keys>` (none: open)."""
     keys = [k.encode() for k in api_keys]
@@ -174,12 +193,12 @@ def create_app(router: Router) -> FastAPI:
     authorized = api_key_auth(router.security.api_keys)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(req: CompletionRequest):
-        return await router.completions(req)
+    async def completions(req: CompletionRequest, request: Request):
+        return await while_connected(request, router.completions(req))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat(req: ChatCompletionRequest):
-        return await router.chat(req)
+    async def chat(req: ChatCompletionRequest, request: Request):
+        return await while_connected(request, router.chat(req))
 
     def model_card() -> dict:
         return {"id": router.model_name, "object": "model", "created": int(router.started), "owned_by": "pdserve"}

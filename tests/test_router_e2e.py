@@ -415,6 +415,29 @@ def test_client_gone_before_the_body_frees_everything(cluster):
     assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines())
 
 
+@pytest.mark.parametrize("path,prompt", [
+    ("/v1/completions", {"prompt": "Tell me everything about the sea. " * 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me everything about the sea."}]})])
+def test_a_client_gone_from_a_non_streaming_request_stops_its_work(cluster, path, prompt):
+    """A JSON (non-streaming) request whose client hangs up while it generates is aborted on
+    the workers at once, not run to max_tokens for nobody."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    u = urlparse(cluster.url)
+    body = json.dumps({"model": MODEL, "max_tokens": 800, "temperature": 0, "ignore_eos": True} | prompt).encode()
+    with socket.create_connection((u.hostname, u.port)) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                  + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.time() + 30
+        while time.time() < deadline and not any(e.has_unfinished_requests() for e in cluster.engines()):
+            time.sleep(0.02)
+        assert any(e.has_unfinished_requests() for e in cluster.engines()), "the request never started"
+    assert wait_quiescent(cluster, timeout_s=5.0), ([e.blocks.num_used_blocks for e in cluster.engines()],
+                                                    cluster.router.inflight)
+
+
 def quiescent(cluster) -> bool:
     return (cluster.router.inflight == 0 and cluster.router.cluster.decode_streams == {}
             and all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in cluster.engines()))
