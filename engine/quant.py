@@ -59,18 +59,6 @@ def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 # What fbgemm's kernel needs of the CPU to keep this module's promises (accuracy, and a row's
 # result independent of its batch). Measured on an AVX2-only EPYC: w8a8 had 5x the error
 # (perplexity x1.41 against x1.05 with VNNI) and fp16 gave rows that depend on the batch.
@@ -81,7 +69,9 @@ FBGEMM_CPU_NEEDS = {"w8a8": ("avx512_vnni", "AVX-512 VNNI", "loses accuracy (5x 
 def fbgemm_cpu_problem(quantization: str, flags: set[str] | None = None) -> str | None:
     """Why `quantization` cannot run right on this CPU, or None if it can."""
     flag, name, harm = FBGEMM_CPU_NEEDS[quantization]
-    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        from .native import cpu_flags  # the C kernels' build reads the same flags
+        flags = cpu_flags()
     if flags and flag not in flags:  # no flags known (not Linux): trust fbgemm
         return (f"--quantization {quantization} needs a CPU with {name} (this one has "
                 f"{'AVX2' if 'avx2' in flags else 'neither'}): fbgemm's kernel here {harm}; int8 or q4_1 "

@@ -39,7 +39,8 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -55,7 +56,7 @@ def _flags() -> list[str]:
     # otherwise woq.c compiles its scalar path. -fopenmp links libgomp.so.1, which resolves to
     # the copy torch already loaded (same soname; torch is imported above): one thread pool.
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp"]
-    if {"avx2", "fma"} <= _cpu_flags():
+    if {"avx2", "fma"} <= cpu_flags():
         flags += ["-mavx2", "-mfma"]
     return flags
 
