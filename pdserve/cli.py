@@ -64,6 +64,13 @@ def _scale(args) -> int:
     return 0
 
 
+def _export_hf(args) -> int:
+    from pdserve.engine.export import export_hf
+
+    print(export_hf(args.model, args.out, args.dtype))
+    return 0
+
+
 def _bench_commands(sub) -> None:
     """The benchmark lab's commands; each parses its own flags (pdserve.bench)."""
     from pdserve.bench import baseline_server, cluster, engine, peers, serving, transfer
@@ -105,6 +112,12 @@ def parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
     for p in (g, c):
         add_sampling_args(p)
+    x = sub.add_parser("export-hf", help="write the model as a Hugging Face directory (safetensors, tokenizer, "
+                       "chat template) for other servers")
+    x.add_argument("--model", default="", help="GGUF file (default: the default model)")
+    x.add_argument("--out", required=True, help="directory to write")
+    x.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    x.set_defaults(func=_export_hf)
     r.set_defaults(func=_router)
     s.set_defaults(func=_scale)
     _bench_commands(sub)
