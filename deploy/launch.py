@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -96,9 +97,13 @@ class Pool:
             opts["resources"] = {p.resource: 1}
         engine = self.cluster.engine
         engine = replace(engine, num_threads=engine.num_threads or max(1, int(p.num_cpus)))  # threads follow CPUs
+        share = ""
+        if self.cluster.share_cores and engine.device == "cpu":  # one directory per cluster and host
+            share = os.path.join(tempfile.gettempdir(), f"pdserve-cores-{self.cluster.registry.cluster_name}")
         actors = []
         for _ in range(n):  # ids are never reused: a removed worker's id stays retired
-            worker = self.cluster.worker(self.role, f"{self.name_prefix}{self.role}-{self._next_index}", engine=engine)
+            worker = self.cluster.worker(self.role, f"{self.name_prefix}{self.role}-{self._next_index}", engine=engine,
+                                         core_share_dir=share)
             self._next_index += 1
             actors.append(WorkerActor.options(**opts).remote(worker))
         return actors

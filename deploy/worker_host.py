@@ -10,6 +10,7 @@ import uuid
 from pdserve.config import WorkerConfig
 from pdserve.decode_worker.service import DecodeWorker
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.cores import CoreShare
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import LoadedModel
@@ -25,7 +26,9 @@ class HostedWorker:
         registry, security, transfer = c.registry, c.security, c.transfer
         self.publisher = (EventPublisher(registry.redis_url, registry.cluster_name, c.worker_id)
                           if registry.redis_url else None)
-        engine = AsyncEngine(LLMEngine(loaded, c.engine, tokenizer, self.publisher))
+        self.cores = (CoreShare(c.core_share_dir, c.worker_id, own_threads=c.engine.num_threads or 1)
+                      if c.core_share_dir else None)
+        engine = AsyncEngine(LLMEngine(loaded, c.engine, tokenizer, self.publisher), cores=self.cores)
         if c.role == "prefill":
             sender = SchemeKVSender(c.worker_id, security.cluster_token, tls=security.tls)
             self.worker = PrefillWorker(engine, sender, worker_id=c.worker_id, cluster_token=security.cluster_token,
@@ -87,5 +90,7 @@ class HostedWorker:
         if self.registration is not None:
             await self.registration.stop()
         await self.worker.stop()
+        if self.cores is not None:  # the engine thread has stopped with the worker
+            self.cores.close()
         if self.publisher is not None:
             await self.publisher.stop()

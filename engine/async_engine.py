@@ -12,6 +12,7 @@ import threading
 from concurrent.futures import Future
 from typing import AsyncIterator, Callable, TypeVar
 
+from .cores import CoreShare
 from .engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -28,8 +29,11 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, cores: CoreShare | None = None):
+        """`cores`: this process's share of the host's cores; each step with work then runs
+        on the threads it lends (engine/cores.py)."""
         self.engine = engine
+        self.cores = cores
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -103,11 +107,15 @@ class AsyncEngine:
             while not self._stopping:
                 # nothing ran last time (no requests, or all waiting on remote KV or memory):
                 # only a command can change that, so sleep until one arrives, never spin
+                if idle and self.cores is not None:
+                    self.cores.idle()
                 self._drain(block=idle)
                 if self._stopping:
                     break
                 idle = True
                 if self.engine.has_unfinished_requests():
+                    if self.cores is not None:
+                        self.cores.step_threads()
                     self._publish(self.engine.step())
                     idle = not self.engine.last_step_progress
         except BaseException as e:  # noqa: BLE001 - report to every waiter, then stop

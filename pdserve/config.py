@@ -85,6 +85,10 @@ class RouterConfig:
     decode_local_prefill: int = 64
     """A decode worker whose own cache holds all of a prompt but at most this many tokens
     prefills the rest itself (no prefill worker, no KV transfer); 0: never."""
+    prefill_queue_limit: int = 512
+    """Conditional disaggregation by load: once the chosen prefill worker has this many prompt
+    tokens queued, a prompt that would wait less on its decode worker is prefilled there
+    (router/policies.prefill_on_decode); 0: always the prefill pool."""
     refresh_interval_s: float = 0.25
     """How often worker loads (and, with a registry, membership and KV events) are read."""
     max_inflight: int = 256
@@ -96,7 +100,8 @@ class RouterConfig:
 
     def __post_init__(self):
         _one_of("routing", self.routing, ROUTING_POLICIES)
-        for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "max_body_bytes"):
+        for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "prefill_queue_limit",
+                     "max_body_bytes"):
             _at_least(name, getattr(self, name), 0)
         _at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 
@@ -152,6 +157,9 @@ class WorkerConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    core_share_dir: str = ""
+    """Workers given the same directory on one host lend each other their cores while idle
+    (engine/cores.py); "": this worker keeps its own threads."""
 
     def __post_init__(self):
         _one_of("role", self.role, ROLES)
@@ -174,6 +182,9 @@ class ClusterConfig:
     worker_host: str = ""
     """Address workers serve on: "auto" (their node's IP), an address, or "" (auto with
     ray_address, else 127.0.0.1)."""
+    share_cores: bool = True
+    """CPU workers on one host lend their cores to each other while idle (engine/cores.py): a
+    lone request's prefill and decode each run on every core."""
 
     def __post_init__(self):
         _one_of("mode", self.mode, MODES)

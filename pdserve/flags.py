@@ -42,6 +42,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a decode worker prefills a prompt itself when at most TOKENS of it are not in its own "
                         "cache (a short prompt, or one whose prefix it holds): no prefill worker, no KV transfer "
                         "(0: every prompt through the prefill pool; default: %(default)s)")
+    p.add_argument("--prefill-queue-limit", type=int, default=_R.prefill_queue_limit, metavar="TOKENS",
+                   help="once the prefill worker has TOKENS prompt tokens queued, a prompt that would wait less "
+                        "on its decode worker is prefilled there, so neither pool idles while the other is "
+                        "saturated (0: always the prefill pool; default: %(default)s)")
     p.add_argument("--cluster-token", default=_env("PDSERVE_CLUSTER_TOKEN"),
                    help="shared secret of the internal services (env PDSERVE_CLUSTER_TOKEN)")
     p.add_argument("--served-model-name", default="", help="model id in the API (default: from the file name)")
@@ -79,7 +83,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default=MODES[0],
                    help="aggregated: --decode workers that prefill themselves, no prefill pool")
     for pool in ("prefill", "decode"):
-        p.add_argument(f"--{pool}-cpus", type=float, default=_P.num_cpus, help=f"Ray CPUs per {pool} worker")
+        p.add_argument(f"--{pool}-cpus", type=float, default=None,
+                       help=f"Ray CPUs per {pool} worker; its threads follow (default: {_P.num_cpus:g}, or with "
+                            "--mode aggregated the machine's cores shared by the decode workers)")
         p.add_argument(f"--{pool}-gpus", type=float, default=_P.num_gpus,
                        help=f"GPUs per {pool} worker (with --device cuda)")
         p.add_argument(f"--{pool}-resource", default=_P.resource, help=f"custom Ray resource each {pool} worker "
@@ -87,6 +93,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
                        help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
                             "refused by every worker of a pool gets 429")
+    p.add_argument("--no-share-cores", dest="share_cores", action="store_false",
+                   help="CPU workers keep their own threads (by default workers on one host lend their cores to "
+                        "each other while idle: a lone request's prefill and decode each run on every core)")
     p.add_argument("--max-restarts", type=int, default=_P.max_restarts,
                    help="Ray restarts a dead worker up to this many times; it re-registers (-1: always)")
     a = p.add_argument_group("autoscaling")
@@ -166,13 +175,18 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
 
 def _router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, model_name=args.served_model_name, routing=args.routing,
-                        decode_local_prefill=args.decode_local_prefill, max_inflight=args.max_inflight,
+                        decode_local_prefill=args.decode_local_prefill,
+                        prefill_queue_limit=args.prefill_queue_limit, max_inflight=args.max_inflight,
                         request_timeout_s=args.request_timeout,
                         max_body_bytes=parse_size(args.max_body_size))
 
 
 def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:
-    return PoolConfig(replicas=replicas, num_cpus=getattr(args, f"{role}_cpus"), num_gpus=getattr(args, f"{role}_gpus"),
+    cpus = getattr(args, f"{role}_cpus", None)
+    if cpus is None:  # an aggregated worker prefills and decodes: it gets the cores no prefill pool takes
+        aggregated = getattr(args, "mode", "") == "aggregated" and role == "decode"
+        cpus = max(1, (os.cpu_count() or 1) // max(replicas, 1)) if aggregated else _P.num_cpus
+    return PoolConfig(replicas=replicas, num_cpus=cpus, num_gpus=getattr(args, f"{role}_gpus"),
                       max_queue=getattr(args, f"{role}_max_queue"), max_restarts=args.max_restarts,
                       resource=getattr(args, f"{role}_resource"))
 
@@ -190,7 +204,7 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
                                   itl_slo_s=args.itl_slo, interval_s=args.autoscale_interval,
                                   up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after,
                                   cooldown_s=args.autoscale_cooldown),
-        ray_address=args.ray_address, worker_host=args.worker_host)
+        ray_address=args.ray_address, worker_host=args.worker_host, share_cores=args.share_cores)
 
 
 def router_config(args: argparse.Namespace) -> ClusterConfig:

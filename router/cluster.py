@@ -19,7 +19,7 @@ from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import params_to_proto
 from pdserve.protos.security import TLSConfig, open_channel
 
-from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy
+from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy, prefill_on_decode
 from .prefix_index import PrefixIndex
 
 
@@ -35,7 +35,7 @@ class Route:
     decode: WorkerEndpoint
     prefill: WorkerEndpoint | None
     cached_tokens: int
-    prefill_tokens: int = 0  # tokens the prefill worker computes: its load until `settle`
+    prefill_tokens: int = 0  # tokens its prefiller (the prefill worker, else the decode one) computes: load until `settle`
     holds_stream: bool = False  # counted in its decode worker's streams until `release`
     block_hashes: list[int] = field(default_factory=list)  # the prompt's
     expected_until: float = 0.0  # its blocks count as held by the prefill worker until then (or `settle`)
@@ -46,13 +46,17 @@ class Route:
 class ClusterClient:
     def __init__(self, *, routing: str = "prefix_aware", block_size: int = 16, namespace: str = "",
                  cluster_token: str = "", tls: TLSConfig | None = None, local_prefill_tokens: int = 0,
-                 stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0):
+                 prefill_queue_limit: int = 0, stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0):
         """block_size, namespace: the workers' KV block size and cache namespace (the prefix
         index hashes prompts as they do). tls: mutual TLS to the workers (their services must
         use the same CA). local_prefill_tokens: a decode worker whose own cache holds all of a
         prompt but at most this many tokens prefills the rest itself (no prefill worker, no KV
-        transfer); it decides, on its cache as it is when the request arrives; 0: never."""
+        transfer); it decides, on its cache as it is when the request arrives; 0: never.
+        prefill_queue_limit: once the chosen prefill worker has this many prompt tokens queued,
+        a prompt that would wait less on its decode worker is prefilled there
+        (`policies.prefill_on_decode`); 0: never."""
         self.local_prefill_tokens = local_prefill_tokens
+        self.prefill_queue_limit = prefill_queue_limit
         self.index = PrefixIndex()
         self.policy = make_policy(routing, self.index)
         self.block_size, self.namespace = block_size, namespace
@@ -79,7 +83,8 @@ class ClusterClient:
                     namespace: str = "") -> ClusterClient:
         return cls(routing=router.routing, block_size=block_size, namespace=namespace,
                    cluster_token=security.cluster_token, tls=security.tls,
-                   local_prefill_tokens=router.decode_local_prefill)
+                   local_prefill_tokens=router.decode_local_prefill,
+                   prefill_queue_limit=router.prefill_queue_limit)
 
     # ---- membership ---------------------------------------------------------------------
     def set_workers(self, workers: list[WorkerEndpoint]) -> None:
@@ -161,12 +166,12 @@ class ClusterClient:
         defeat the limit)."""
         prefill: PrefillChoice | None = None
         prefill_pool = self._loads({"prefill"})
+        decode_pool = [w for w in self._loads({"decode", "aggregated"}) if w.worker_id not in exclude]
         candidates = [w for w in prefill_pool if w.worker_id not in exclude]
         if prefill_pool and not candidates:
             raise NoWorkerError("every prefill worker refused the request")
         hashes = hash_blocks(prompt, self.block_size, self.namespace, parent=root_hash(cache_salt))
-        decode_id = self.policy.pick_decode([w for w in self._loads({"decode", "aggregated"})
-                                             if w.worker_id not in exclude], hashes)
+        decode_id = self.policy.pick_decode(decode_pool, hashes)
         # the prompt's blocks land there (KV import or local prefill) before its events say so
         decode_until = self.index.expect(decode_id, hashes, ttl_s=30.0) if self.policy.follows_prefixes else 0.0
         try:
@@ -174,14 +179,26 @@ class ClusterClient:
         except NoWorkerError:
             pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
         self.decode_streams[decode_id] = self.decode_streams.get(decode_id, 0) + 1
+        if prefill is not None and self._prefill_here(prefill, prefill_pool, decode_pool, decode_id, len(prompt)):
+            if prefill.expected_until:
+                self.index.withdraw(prefill.worker_id, hashes, prefill.expected_until)
+            prefill = None
         if prefill is None:
-            return Route(self.workers[decode_id], None, 0, holds_stream=True, block_hashes=hashes,
+            self.pending_prefill[decode_id] = self.pending_prefill.get(decode_id, 0) + len(prompt)
+            return Route(self.workers[decode_id], None, 0, len(prompt), holds_stream=True, block_hashes=hashes,
                          decode_expected_until=decode_until)
         todo = max(len(prompt) - prefill.cached_tokens, 0)
         self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
         return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,
                      holds_stream=True, block_hashes=hashes, expected_until=prefill.expected_until,
                      decode_expected_until=decode_until)
+
+    def _prefill_here(self, prefill: PrefillChoice, prefill_pool: list[WorkerLoad], decode_pool: list[WorkerLoad],
+                      decode_id: str, prompt_len: int) -> bool:
+        """Whether the decode worker should prefill the prompt itself, by load (see __init__)."""
+        queued = {w.worker_id: w.queued_prefill_tokens for w in prefill_pool + decode_pool}
+        return prefill_on_decode(queued.get(prefill.worker_id, 0), queued.get(decode_id, 0),
+                                 max(prompt_len - prefill.cached_tokens, 0), self.prefill_queue_limit)
 
     def settle(self, route: Route | None, prefilled_remotely: bool = True) -> None:
         """The route's prefill is over (its first token came, or it failed): take its tokens
@@ -192,10 +209,8 @@ class ClusterClient:
             return
         route.settled = True
         route.decode_expected_until = 0.0  # the prompt is on the decode worker now: its events follow
-        if route.prefill is None:
-            return
-        wid = route.prefill.worker_id
-        if not prefilled_remotely and route.expected_until:
+        wid = (route.prefill or route.decode).worker_id
+        if route.prefill is not None and not prefilled_remotely and route.expected_until:
             self.index.withdraw(wid, route.block_hashes, route.expected_until)
         route.expected_until = 0.0
         if not route.prefill_tokens:

@@ -5,7 +5,7 @@ from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint
-from pdserve.router.policies import NoWorkerError, WorkerLoad, make_policy
+from pdserve.router.policies import NoWorkerError, WorkerLoad, make_policy, prefill_on_decode
 from pdserve.router.prefix_index import PrefixIndex
 
 
@@ -242,13 +242,14 @@ def test_the_router_counts_the_streams_it_opened_on_each_decode_worker():
     c.healthy = {"d0": True, "d1": True}
     routes = [c.route([g * 1000 + i for i in range(40)]) for g in range(6)]  # 6 prefixes seen nowhere
     assert [r.decode.worker_id for r in routes] == ["d0", "d1", "d0", "d1", "d0", "d1"]
-    assert c.decode_streams == {"d0": 3, "d1": 3} and c.pending_prefill == {}
+    # with no prefill pool, each decode worker prefills its own prompts: their tokens are its load
+    assert c.decode_streams == {"d0": 3, "d1": 3} and c.pending_prefill == {"d0": 120, "d1": 120}
     # a prompt sharing the 2nd one's prefix follows it there (d1 is within one stream of d0)
     c.release(routes[0])
     assert c.route([1000 + i for i in range(32)] + [5] * 8).decode.worker_id == "d1"
     for r in routes + routes:
         c.release(r)
-    assert c.decode_streams == {"d1": 1}  # the last route is still open
+    assert c.decode_streams == {"d1": 1} and c.pending_prefill == {"d1": 40}  # the last route is still open
 
 
 def test_a_decode_workers_load_is_its_last_report_corrected_by_this_routers_streams_since():
@@ -305,3 +306,36 @@ def test_a_decode_worker_is_expected_to_hold_a_prompt_once_its_first_token_came(
     ll.healthy = {"d0": True}
     ll.route(prompt)
     assert ll.index.match(blocks) == {}  # only prefix_aware uses (and fills) the index
+
+
+def test_prefill_moves_to_the_decode_worker_only_when_the_prefill_queue_is_deep():
+    # below the limit: the prefill pool, however idle the decode worker
+    assert not prefill_on_decode(prefill_backlog=511, decode_backlog=0, todo=250, limit=512)
+    # at the limit, and the prompt would wait less on the decode worker
+    assert prefill_on_decode(prefill_backlog=512, decode_backlog=0, todo=250, limit=512)
+    assert prefill_on_decode(prefill_backlog=1000, decode_backlog=749, todo=250, limit=512)
+    # ...but not if the decode worker's own queue is as long
+    assert not prefill_on_decode(prefill_backlog=1000, decode_backlog=750, todo=250, limit=512)
+    assert not prefill_on_decode(prefill_backlog=10**6, decode_backlog=0, todo=10, limit=0)  # 0: off
+
+
+def test_a_saturated_prefill_pool_lends_prompts_to_its_decode_worker_and_takes_them_back():
+    """A burst of prompts: the first ones queue on the prefill worker; once its queue reaches
+    the limit, the next ones alternate so both queues stay level; as prompts settle, the
+    tokens come off the worker that computes them, and new ones go to the prefill pool again."""
+    c = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=500)
+    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
+    c.healthy = {"p0": True, "d0": True}
+    prompts = [[g * 1000 + i for i in range(250)] for g in range(8)]
+    routes = [c.route(p) for p in prompts]
+    where = [r.prefill.worker_id if r.prefill else "d0" for r in routes]
+    assert where == ["p0", "p0", "d0", "p0", "d0", "p0", "d0", "p0"], where
+    assert c.pending_prefill == {"p0": 5 * 250, "d0": 3 * 250}
+    # a prompt prefilled on the decode worker is not expected in the prefill worker's cache
+    assert c.index.match(hash_blocks(prompts[2], 16, "")).get("p0", 0) == 0
+    assert c.index.match(hash_blocks(prompts[3], 16, "")).get("p0", 0) == 15
+    for r in routes:
+        c.settle(r, prefilled_remotely=r.prefill is not None)
+        c.release(r)
+    assert c.pending_prefill == {} and c.decode_streams == {}
+    assert c.route(prompts[0][:10] + [5] * 240).prefill.worker_id == "p0"

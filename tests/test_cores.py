@@ -1,0 +1,72 @@
+"""Cores lent between workers of one host (engine/cores.py): a worker steps on its peers'
+threads only while every peer is idle, gives them back as soon as one is busy, and a dead
+peer's cores count as free."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdserve.engine import cores
+from pdserve.engine.cores import CoreShare
+
+
+@pytest.fixture(autouse=True)
+def no_check_interval(monkeypatch):
+    monkeypatch.setattr(cores, "CHECK_INTERVAL_S", 0.0)
+
+
+def share(tmp_path, name, own=1, max_threads=4):
+    applied = []
+    s = CoreShare(tmp_path, name, own_threads=own, max_threads=max_threads, set_threads=applied.append)
+    return s, applied
+
+
+def test_a_worker_borrows_idle_peers_threads_and_gives_them_back(tmp_path):
+    prefill, p_applied = share(tmp_path, "prefill-0")
+    decode, d_applied = share(tmp_path, "decode-0", own=2)
+    assert prefill.step_threads() == 3  # decode idle: its 2 threads join prefill's own 1
+    assert decode.step_threads() == 2   # prefill busy: decode keeps to its own
+    assert prefill.step_threads() == 1  # decode busy now: back to its own
+    decode.idle()
+    assert prefill.step_threads() == 3
+    assert p_applied == [3, 1, 3] and d_applied == []  # only changes are applied
+    prefill.close()
+    decode.close()
+    assert not list(tmp_path.glob("*.busy"))
+
+
+def test_never_more_than_the_machine_and_one_busy_peer_stops_lending(tmp_path):
+    a, _ = share(tmp_path, "a", own=1, max_threads=2)
+    b, _ = share(tmp_path, "b", own=1, max_threads=2)
+    c, _ = share(tmp_path, "c", own=1, max_threads=2)
+    assert a.step_threads() == 2  # b and c idle, but the machine has 2
+    assert b.step_threads() == 1  # a is busy: no lending, even though c is idle
+    for s in (a, b, c):
+        s.close()
+
+
+def test_a_dead_peers_cores_are_free(tmp_path):
+    me, _ = share(tmp_path, "me")
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pdserve.engine.cores import CoreShare; "
+        f"s = CoreShare({str(tmp_path)!r}, 'peer', own_threads=2, max_threads=4, set_threads=lambda n: None); "
+        "s.step_threads(); print('busy', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "busy"
+        assert me.step_threads() == 1
+        peer.kill()
+        peer.wait(10)
+        deadline = time.monotonic() + 5
+        while me.step_threads() != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert me.threads == 3  # its lock went with the process; its file still says it owned 2
+    finally:
+        peer.kill()
+        peer.stdout.close()
+        me.close()
+
+
+def test_bad_sizes_are_refused(tmp_path):
+    with pytest.raises(ValueError):
+        CoreShare(tmp_path, "x", own_threads=0)
