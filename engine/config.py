@@ -159,7 +159,8 @@ class EngineConfig:
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
     attention: str = "auto"
-    """Attention kernels: "auto" (Triton on CUDA, the C kernel on CPU in fp32, else torch),
+    """Attention kernels: "auto" (Triton on CUDA, the C kernel on CPU in fp32, else torch; with
+    the C kernel, RoPE and SwiGLU run on fused C kernels too),
     "torch", "native" or "triton"."""
     quantization: str = "none"
     """Weight quantization applied at load (engine/quant.py), CPU only: "int8" or "q4_1"

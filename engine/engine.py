@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import default_backend
+from .attention import NativeAttentionBackend, default_backend
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -62,6 +62,9 @@ class LLMEngine:
         # Triton kernels on CUDA, the C kernel on CPU (the model is shared between engines;
         # backends keep no state beyond the step's metadata)
         loaded.model.backend = default_backend(config.device, _DTYPES[config.dtype], config.attention)
+        # with the C attention kernel come the fused C elementwise ops (RoPE, SwiGLU); "torch": none
+        fused = getattr(loaded.model.model.layers[0].mlp, "gate_up_weight", None) is not None
+        loaded.model.use_native_ops(isinstance(loaded.model.backend, NativeAttentionBackend) and fused)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks)
         # a request can never need more blocks than the cache holds (it would preempt itself forever)
         self.max_model_len = min(loaded.config.max_position_embeddings,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from .config import ModelConfig
 from .quant import make_linear
@@ -39,9 +40,35 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # (T, 1, head_dim): broadcasts over heads
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def forward(self, positions: torch.Tensor, native: bool = False) -> "Rope":
+        return Rope(self, positions, native)
+
+
+class Rope:
+    """RoPE at one step's positions, applied to every layer's q and k: by the fused C kernel
+    in place on the qkv projection's output (`native`, CPU fp32), else by torch ops on
+    (T, 1, head_dim) cos/sin rows gathered once per step."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, native: bool):
+        self.native = native
+        if native:
+            self.positions, self.cos_table, self.sin_table = positions.to(torch.int64), rotary.cos, rotary.sin
+        else:
+            self.cos, self.sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
+
+    def qkv(self, qkv: torch.Tensor, n_heads: int, n_kv: int, hd: int):
+        """Split a fused (T, (n_heads + 2 n_kv) hd) projection into rotated q, k and v, each
+        (T, heads, hd); `qkv` is overwritten on the native path."""
+        T = qkv.shape[0]
+        if self.native:
+            native.rope_(qkv, self.positions, self.cos_table, self.sin_table, n_heads + n_kv, hd)
+            q, k, v = qkv.split((n_heads * hd, n_kv * hd, n_kv * hd), dim=-1)
+            return q.view(T, n_heads, hd), k.view(T, n_kv, hd), v.view(T, n_kv, hd)
+        q, k, v = qkv.split((n_heads * hd, n_kv * hd, n_kv * hd), dim=-1)
+        return self.rotate(q.view(T, n_heads, hd)), self.rotate(k.view(T, n_kv, hd)), v.view(T, n_kv, hd)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, self.cos, self.sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,17 +102,15 @@ class LlamaAttention(nn.Module):
         self.qkv_linear = make_linear(w, quantization, packed)
         self.o_linear = make_linear(self.o_proj.weight.data, quantization, packed)
 
-    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         if self.qkv_weight is not None:
-            q, k, v = self.qkv_linear(x).split(
-                (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd), dim=-1)
+            q, k, v = rope.qkv(self.qkv_linear(x), self.n_heads, self.n_kv, self.hd)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = apply_rope(q.view(T, self.n_heads, self.hd), cos, sin)  # (T, n_heads, hd)
-        k = apply_rope(k.view(T, self.n_kv, self.hd), cos, sin)     # (T, n_kv, hd)
-        v = v.view(T, self.n_kv, self.hd)
+            q = rope.rotate(self.q_proj(x).view(T, self.n_heads, self.hd))  # (T, n_heads, hd)
+            k = rope.rotate(self.k_proj(x).view(T, self.n_kv, self.hd))     # (T, n_kv, hd)
+            v = self.v_proj(x).view(T, self.n_kv, self.hd)
         out = backend.forward(q, k, v, kv[0], kv[1], meta)         # (T, n_heads, hd)
         out = out.reshape(T, self.n_heads * self.hd)
         return self.o_proj(out) if self.o_linear is None else self.o_linear(out)
@@ -99,6 +124,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None
         self.gate_up_linear = self.down_linear = None
+        self.native = False  # silu(gate) * up by the fused C kernel (set by LlamaForCausalLM.fuse)
 
     def fuse(self, packed: bool, quantization: str = "none") -> None:
         w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
@@ -109,7 +135,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = self.gate_up_linear(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_linear(x)
+            if self.native:
+                act = native.silu_mul(gate_up)
+                return self.down_linear(act)
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         act = F.silu(gate) * up
@@ -124,8 +154,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv, meta, backend):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
+    def forward(self, h, rope, kv, meta, backend):
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -152,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.backend = backend or TorchAttentionBackend()
         self.lm_head_linear = None
+        self.native_ops = False  # RoPE and SwiGLU by the fused C kernels (engine/native/fused.c)
 
     def fuse(self, packed: bool = False, quantization: str = "none") -> "LlamaForCausalLM":
         """Fuse q/k/v and gate/up into single matrices for inference (weights unchanged) and
@@ -167,6 +198,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_linear = make_linear(self.lm_head.weight.data, head, packed)
         return self
 
+    def use_native_ops(self, on: bool = True) -> "LlamaForCausalLM":
+        """Run RoPE and SwiGLU on the fused C kernels (fp32 CPU weights, fused by `fuse`; the
+        kernels must load, see engine/native). Off: the same math in torch ops."""
+        if on and not (self.lm_head.weight.device.type == "cpu" and self.lm_head.weight.dtype == torch.float32
+                       and self.model.layers[0].mlp.gate_up_weight is not None):
+            raise ValueError("the native elementwise kernels need a fused fp32 model on the CPU")
+        if on:
+            native.load()
+        self.native_ops = on
+        for layer in self.model.layers:
+            layer.mlp.native = on
+        return self
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, after_layer=None) -> torch.Tensor:
@@ -174,9 +218,9 @@ class LlamaForCausalLM(nn.Module):
         after_layer(i): called once layer i has written its K/V (layer-wise KV streaming).
         Returns the final normed hidden states, (T, hidden)."""
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary(positions)
+        rope = self.rotary(positions, self.native_ops)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            h = layer(h, cos, sin, kv, meta, self.backend)
+            h = layer(h, rope, kv, meta, self.backend)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(h)

@@ -174,3 +174,61 @@ def test_scalar_fallback(tmp_path, monkeypatch):
         x = torch.randn(3, k)
         _close(native.int8_matmul(x, q, s), x.double() @ native.dequantize_int8(q, s).double().T)
         _close(native.q4_1_matmul(x, p, d, mn), x.double() @ native.dequantize_q4_1(p, d, mn).double().T)
+
+
+@pytest.mark.parametrize("T,I", [(1, 1536), (7, 13), (65, 1536)])
+def test_fused_silu_mul_matches_torch(T, I):
+    import torch.nn.functional as F
+
+    from pdserve.engine import native
+
+    g = torch.Generator().manual_seed(T * I)
+    gate_up = torch.randn(T, 2 * I, generator=g) * 6
+    gate_up[0, 0], gate_up[-1, I - 1] = 120.0, -120.0  # saturating exp in both directions
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    with pytest.raises(ValueError):
+        native.silu_mul(gate_up[:, 1:])  # not contiguous, odd width
+
+
+def test_fused_rope_matches_the_torch_rotation_and_leaves_v_alone():
+    from pdserve.engine import native
+    from pdserve.engine.model import RotaryEmbedding, apply_rope
+
+    rot = RotaryEmbedding(64, 256, 10000.0)
+    T, H, KV = 37, 9, 3
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(T, (H + 2 * KV) * 64, generator=g)
+    pos = torch.randint(0, 256, (T,), generator=g)
+    cos, sin = rot.cos[pos].unsqueeze(1), rot.sin[pos].unsqueeze(1)
+    q, k, v = qkv.split((H * 64, KV * 64, KV * 64), dim=-1)
+    want_q, want_k = apply_rope(q.reshape(T, H, 64), cos, sin), apply_rope(k.reshape(T, KV, 64), cos, sin)
+    out = native.rope_(qkv.clone(), pos, rot.cos, rot.sin, H + KV, 64)
+    torch.testing.assert_close(out[:, :H * 64].view(T, H, 64), want_q, rtol=0, atol=2e-6)
+    torch.testing.assert_close(out[:, H * 64:(H + KV) * 64].view(T, KV, 64), want_k, rtol=0, atol=2e-6)
+    assert torch.equal(out[:, (H + KV) * 64:], v)
+    with pytest.raises(ValueError):
+        native.rope_(qkv.clone(), torch.full((T,), 256), rot.cos, rot.sin, H + KV, 64)  # past the table
+
+
+def test_the_engine_gives_the_same_tokens_with_and_without_the_fused_ops(smollm):
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    loaded, tok = smollm
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a haiku about rivers."}]),
+                        add_special_tokens=False)
+    outs = {}
+    for attention in ("auto", "torch"):
+        eng = LLMEngine(loaded, EngineConfig(attention=attention, cache=CacheConfig(kv_cache_memory=16 << 20)), tok)
+        assert loaded.model.native_ops == (attention == "auto")
+        eng.add_request("r", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        toks = []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                toks += o.new_token_ids
+        outs[attention] = toks
+        assert eng.blocks.num_used_blocks == 0
+    LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=4 << 20)), tok)  # the shared model back on "auto"
+    assert outs["auto"] == outs["torch"] and len(outs["auto"]) == 24

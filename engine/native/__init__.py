@@ -23,11 +23,13 @@ from pathlib import Path
 
 import torch
 
-# one library from every C file here: weight-only matmuls (woq.c), paged decode attention (attention.c)
-SRC: tuple[Path, ...] | Path = (Path(__file__).with_name("woq.c"), Path(__file__).with_name("attention.c"))
+# one library from every C file here: weight-only matmuls (woq.c), paged decode attention
+# (attention.c), fused elementwise ops (fused.c); vecmath.h is shared by them
+SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n) for n in ("woq.c", "attention.c", "fused.c"))
+HEADERS = (Path(__file__).with_name("vecmath.h"),)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_i8 = _q4 = _attn = None  # the bound C functions, looked up once
+_i8 = _q4 = _attn = _silu_mul = _rope = None  # the bound C functions, looked up once
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -81,7 +83,7 @@ def library_path(src=None) -> Path:
         version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise NativeKernelUnavailable(f"cannot run the C compiler {cc!r}: {e}") from e
-    code = b"\0".join(p.read_bytes() for p in srcs)
+    code = b"\0".join(p.read_bytes() for p in [*srcs, *HEADERS])
     key = hashlib.sha256(code + "\0".join([cc, version, *flags]).encode()).hexdigest()[:16]
     return _cache_dir() / f"{srcs[0].stem}-{key}.so"
 
@@ -117,7 +119,7 @@ def build(src=None) -> Path:
 
 def load() -> ctypes.CDLL:
     """Build if needed, load once per process and bind the argument types."""
-    global _lib, _i8, _q4, _attn
+    global _lib, _i8, _q4, _attn, _silu_mul, _rope
     if _lib is not None:
         return _lib
     with _lock:
@@ -132,7 +134,11 @@ def load() -> ctypes.CDLL:
             lib.woq_int8_matmul.restype = lib.woq_q4_1_matmul.restype = None
             lib.paged_decode_attention_f32.argtypes = [p, p, p, p, p, p] + [c_int] * 6 + [ctypes.c_float, c_int]
             lib.paged_decode_attention_f32.restype = c_int
+            lib.silu_mul_f32.argtypes = [p, p, i64, i64, c_int]
+            lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, p, c_int]
+            lib.silu_mul_f32.restype = lib.rope_f32.restype = None
             _i8, _q4, _attn = lib.woq_int8_matmul, lib.woq_q4_1_matmul, lib.paged_decode_attention_f32
+            _silu_mul, _rope = lib.silu_mul_f32, lib.rope_f32
             _lib = lib
     return _lib
 
@@ -271,3 +277,36 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                    out.data_ptr(), B, H, kvh, D, bs, tables.shape[1], D ** -0.5, torch.get_num_threads()):
         raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation in one pass (fused.c): (T, 2I) fp32 contiguous [gate | up] ->
+    silu(gate) * up, (T, I)."""
+    if _silu_mul is None:
+        load()
+    if gate_up.dtype is not _F32 or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
+        raise _bad("expected a contiguous fp32 (T, 2I) gate/up tensor", gate_up)
+    T, I2 = gate_up.shape
+    out = torch.empty(T, I2 // 2, dtype=_F32)
+    _silu_mul(gate_up.data_ptr(), out.data_ptr(), T, I2 // 2, torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+          head_dim: int) -> torch.Tensor:
+    """RoPE in place (fused.c) on the first `heads` heads of each row of x (T, W) fp32 with
+    unit stride along W (the q and k parts of a fused qkv row); cos/sin (max_positions,
+    head_dim) contiguous tables, positions (T,) int64 within them. Returns x."""
+    if _rope is None:
+        load()
+    if x.dtype is not _F32 or x.dim() != 2 or x.stride(1) != 1 or heads * head_dim > x.shape[1] or head_dim % 2:
+        raise _bad("expected fp32 (T, W) rows with unit stride holding the rotated heads", x)
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim or not (
+            cos.is_contiguous() and sin.is_contiguous() and cos.dtype is _F32 and sin.dtype is _F32):
+        raise _bad("expected contiguous fp32 (max_positions, head_dim) cos/sin tables", cos, sin)
+    pos = positions.to(_I64).contiguous()
+    if pos.shape != (x.shape[0],) or x.shape[0] and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
+        raise _bad("every row needs a position inside the tables", pos)
+    _rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+          torch.get_num_threads())
+    return x
