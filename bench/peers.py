@@ -7,12 +7,16 @@ installed, llama.cpp's server (`llama-cpp-python`) and vLLM; missing ones are sk
 Each system is started, timed until it answers a completion (time to ready), measured, and
 stopped (SIGINT to the process started here, then SIGKILL after a grace period).
 
-Phases, the same for every system:
-- single: 1 stream, 128-token prompts, 128 tokens out -> decode tok/s of one stream (1/TPOT)
-- ttft512: 1 stream, 512-token prompts, 4 tokens out -> TTFT
-- load: 8 and 32 concurrent streams, 128 in / 128 out -> output tok/s at each load
-Then pdserve with 2 prefill workers on a shared-prefix workload, prefix-aware vs round-robin
-routing (a prefill KV cache that holds about half of the groups' system prompts).
+Workloads, the same for every system, each load point on prompts that server has not seen
+(every point has its own seed), temperature 0.7, streaming, closed loop at 1, 8 and 32 streams:
+- prompt-heavy: ~250-token prompts, 64 tokens out
+- decode-heavy: ~64-token prompts, 512 tokens out
+- long-prompt: ~2,000-token prompts, 64 tokens out (1 and 8 streams)
+- multi-turn: chat conversations of 3 turns, each resending the history (8 at a time)
+Each point reports output tok/s, TTFT, TPOT and ITL, and goodput at the SLO (--slo-ttft,
+--slo-tpot). The reference for ratios is vLLM where it runs, else the transformers baseline.
+Then, optionally, pdserve with 2 prefill workers on a shared-prefix workload, prefix-aware vs
+round-robin routing (a prefill KV cache that holds about half of the groups' system prompts).
 """
 from __future__ import annotations
 
@@ -29,56 +33,73 @@ from pathlib import Path
 
 from pdserve.engine.quant import QUANTIZATIONS
 
+from . import vllm_peer
 from .metrics import format_table
 from .serving import add_bench_serving_args, bench
 
-PHASES = {
-    "single": ["--max-concurrency", "1", "--num-requests", "4", "--input-len", "128", "--output-len", "128"],
-    "ttft512": ["--max-concurrency", "1", "--num-requests", "6", "--input-len", "512", "--output-len", "4"],
-    "load": ["--max-concurrency", "8,32", "--num-requests", "64", "--input-len", "128", "--output-len", "128"],
+# workload -> (its flags, {streams: requests}); requests None: the workload's own count
+WORKLOADS: dict[str, tuple[list[str], dict[int, int | None]]] = {
+    "prompt-heavy": (["--input-len", "200:300", "--output-len", "64"], {1: 6, 8: 24, 32: 64}),
+    "decode-heavy": (["--input-len", "48:80", "--output-len", "512"], {1: 1, 8: 8, 32: 32}),
+    "long-prompt": (["--input-len", "1800:2200", "--output-len", "64"], {1: 3, 8: 8}),
+    "multi-turn": (["--workload", "multi-turn", "--api", "chat", "--num-conversations", "8", "--num-turns", "3",
+                    "--input-len", "60:140", "--output-len", "64", "--system-prompt-len", "200"], {8: None}),
 }
+
+
+def phases(slo_ttft: float, slo_tpot: float) -> dict[str, list[str]]:
+    """"workload c=N" -> `pdserve bench` flags; a seed per point, so no point reuses another's prompts."""
+    out = {}
+    for w, (flags, points) in WORKLOADS.items():
+        for c, n in points.items():
+            seed = 1000 + 100 * len(out)
+            out[f"{w} c={c}"] = [*flags, "--max-concurrency", str(c), "--seed", str(seed), "--temperature", "0.7",
+                                 "--slo-ttft", str(slo_ttft), "--slo-tpot", str(slo_tpot),
+                                 *(["--num-requests", str(n)] if n else [])]
+    return out
 PREFIX_PHASE = ["--workload", "shared-prefix", "--num-groups", "8", "--prompts-per-group", "6",
                 "--system-prompt-len", "768", "--question-len", "32", "--output-len", "8", "--max-concurrency", "4"]
-QUICK = {"single": ["--max-concurrency", "1", "--num-requests", "2", "--input-len", "32", "--output-len", "8"]}
+QUICK = {"prompt-heavy c=1": ["--max-concurrency", "1", "--num-requests", "2", "--input-len", "32",
+                               "--output-len", "8"]}
 
 
-def systems(args, port: int) -> dict[str, list[str] | None]:
-    """name -> command line (None: not installed here)."""
+def systems(args, port: int) -> dict[str, tuple[list[str], dict] | None]:
+    """name -> (command line, extra environment); None: not installed here."""
     py = [sys.executable, "-m", "pdserve"]
     common = ["--kv-cache-memory", args.kv_cache_memory, "--quantization", args.quantization]
-    # the aggregated worker gets every core, as the other servers do; disaggregated splits them
-    aggregated = ["up", "--port", str(port), "--mode", "aggregated", "--decode-cpus", str(os.cpu_count() or 1)]
-    out = {
-        "pdserve": py + ["up", "--port", str(port), *common],
-        "pdserve-aggregated": py + [*aggregated, *common],
+    out: dict[str, tuple[list[str], dict] | None] = {
+        # the README's main command, no flags but the port and the KV size every system gets
+        "pdserve": (py + ["up", "--port", str(port), *common], {}),
+        "pdserve-aggregated": (py + ["up", "--port", str(port), "--mode", "aggregated", *common], {}),
         # weight-only int8 (perplexity +0.5%): the fast single-stream configuration
-        "pdserve-aggregated-int8": py + [*aggregated, "--kv-cache-memory", args.kv_cache_memory,
-                                         "--quantization", "int8"],
-        "transformers": py + ["baseline-server", "--port", str(port), "--max-batch", "32"],
-        "llama.cpp": None, "vllm": None,
+        "pdserve-aggregated-int8": (py + ["up", "--port", str(port), "--mode", "aggregated", "--kv-cache-memory",
+                                          args.kv_cache_memory, "--quantization", "int8"], {}),
+        "transformers": (py + ["baseline-server", "--port", str(port), "--max-batch", "32"], {}),
+        "llama.cpp": None, "vllm": None, "vllm-bf16": None, "vllm-fp32": None,
     }
     from pdserve.engine.weights import default_model_path
     if importlib.util.find_spec("llama_cpp") is not None:
-        out["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()),
-                            "--port", str(port), "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096",
-                            # by default a new request cancels the one in flight: queue them instead
-                            "--interrupt_requests", "False"]
-    if importlib.util.find_spec("vllm") is not None:
-        gguf = default_model_path()
-        out["vllm"] = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(gguf),
-                       "--tokenizer", "HuggingFaceTB/SmolLM2-135M-Instruct", "--port", str(port),
-                       "--served-model-name", "SmolLM2-135M-Instruct"]
+        out["llama.cpp"] = ([sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()),
+                             "--port", str(port), "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096",
+                             # by default a new request cancels the one in flight: queue them instead
+                             "--interrupt_requests", "False"], {})
+    venv = Path(args.vllm_venv)
+    for name, dtype in (("vllm", vllm_peer.best_dtype()), ("vllm-bf16", "bfloat16"), ("vllm-fp32", "float32")):
+        cmd = vllm_peer.command(port, dtype, venv, Path(args.vllm_model))
+        if cmd:
+            out[name] = (cmd, vllm_peer.environment(venv))
     return out
 
 
 class Server:
     """One system under test, started here and stopped by its own PID."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path):
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, env: dict | None = None):
         self.name, self.cmd, self.url = name, cmd, f"http://127.0.0.1:{port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore",
+                   **(env or {}))
         self.t0 = time.perf_counter()
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -131,51 +152,52 @@ def run_phases(name: str, url: str, phases: dict[str, list[str]], out_dir: Path,
 
 
 def headline(merged: dict, ready: dict) -> dict:
-    """Per system: the figures the README table shows."""
-    def run(phase, name, label=None):
-        runs = merged.get(phase, {}).get("results", {}) or {}
-        ep = runs.get("endpoints", {}).get(name)
-        if not ep:
-            return None
-        return next((r["metrics"] for r in ep["runs"] if label is None or r["label"].endswith(label)), None)
-
+    """Per system: each load point's figures (what the README tables show)."""
     out = {}
     for name in ready:
-        single, ttft, = run("single", name), run("ttft512", name)
-        c8, c32 = run("load", name, "c=8"), run("load", name, "c=32")
-        tpot = single and single["tpot_ms"]["p50"]
-        out[name] = {
-            "ready_s": ready[name],
-            "single_stream_tok_s": 1000 / tpot if tpot else None,
-            "ttft_p50_ms_512": ttft and ttft["ttft_ms"]["p50"],
-            "output_tok_s_c8": c8 and c8["output_throughput"],
-            "output_tok_s_c32": c32 and c32["output_throughput"],
-            "tpot_p50_ms_c32": c32 and c32["tpot_ms"]["p50"],
-            "failed": sum((m or {}).get("failed", 0) for m in (single, ttft, c8, c32)),
+        points, failed, short = {}, 0, 0
+        for phase, slot in merged.items():
+            ep = ((slot.get("results") or {}).get("endpoints") or {}).get(name)
+            if not ep or not ep["runs"]:
+                continue
+            m = ep["runs"][0]["metrics"]
+            points[phase] = {"output_tok_s": m["output_throughput"], "ttft_p50_ms": m["ttft_ms"]["p50"],
+                             "tpot_p50_ms": m["tpot_ms"]["p50"], "itl_p50_ms": m["itl_ms"]["p50"],
+                             "goodput_req_s": m["goodput"], "request_s": m["request_throughput"]}
+            failed += m.get("failed", 0)
             # requests that ended before their max_tokens (a server ignoring ignore_eos):
             # their throughput is not comparable and the table says so
-            "short_outputs": sum((m or {}).get("output_len_mismatches", 0) for m in (single, ttft, c8, c32)),
-        }
+            short += m.get("output_len_mismatches", 0)
+        out[name] = {"ready_s": ready[name], "failed": failed, "short_outputs": short, "points": points}
     return out
 
 
-def markdown(head: dict, prefix: dict | None, baseline: str = "transformers") -> str:
-    cols = [("ready_s", "ready (s)", "{:.1f}"), ("single_stream_tok_s", "1 stream tok/s", "{:.1f}"),
-            ("ttft_p50_ms_512", "TTFT p50, 512 tok (ms)", "{:.0f}"), ("output_tok_s_c8", "8 streams tok/s", "{:.0f}"),
-            ("output_tok_s_c32", "32 streams tok/s", "{:.0f}"), ("tpot_p50_ms_c32", "TPOT p50 @32 (ms)", "{:.0f}")]
-    lines = ["| system | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    base = head.get(baseline, {})
+def reference(head: dict) -> str:
+    """The system ratios are taken against: vLLM where it ran, else the transformers baseline."""
+    return next((n for n in ("vllm", "vllm-fp32", "vllm-bf16", "transformers") if n in head), "")
+
+
+def markdown(head: dict, prefix: dict | None) -> str:
+    ref = reference(head)
+    phases = list(dict.fromkeys(p for h in head.values() for p in h["points"]))
+    lines = ["| system | ready (s) | failed |", "|---|---|---|"]
     for name, h in head.items():
-        cells = []
-        for key, _, fmt in cols:
-            v = h.get(key)
-            cell = "-" if v is None else fmt.format(v)
-            if v is not None and base.get(key) and name != baseline and key not in ("ready_s",):
-                cell += f" ({v / base[key]:.2f}x)"
-            cells.append(cell)
         short = f" ({h['short_outputs']} outputs shorter than asked)" if h.get("short_outputs") else ""
-        lines.append(f"| {name}{short} | " + " | ".join(cells) + " |")
-    lines.append(f"\n(x): ratio to {baseline} in the same run; higher is better for tok/s, lower for TTFT/TPOT.")
+        lines.append(f"| {name}{short} | {h['ready_s']:.0f} | {h['failed']} |")
+    lines += ["", "| load point | system | out tok/s | TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) | goodput (req/s) |",
+              "|---|---|---|---|---|---|---|"]
+    for phase in phases:
+        base = head.get(ref, {}).get("points", {}).get(phase, {})
+        for name, h in head.items():
+            m = h["points"].get(phase)
+            if not m:
+                continue
+            ratio = lambda k: (f" ({m[k] / base[k]:.2f}x)" if name != ref and base.get(k) else "")
+            lines.append(f"| {phase} | {name} | {m['output_tok_s']:.1f}{ratio('output_tok_s')} | "
+                         f"{m['ttft_p50_ms']:.0f}{ratio('ttft_p50_ms')} | {m['tpot_p50_ms']:.0f} | "
+                         f"{m['itl_p50_ms']:.0f} | {m['goodput_req_s']:.2f} |")
+    if ref:
+        lines.append(f"\n(x): ratio to {ref} in the same run; higher is better for tok/s, lower for TTFT.")
     if prefix:
         lines += ["", "| shared prefix, 2 prefill workers | TTFT p50 (ms) | TTFT p90 (ms) | prefix hit rate |",
                   "|---|---|---|---|"]
@@ -189,14 +211,19 @@ def markdown(head: dict, prefix: dict | None, baseline: str = "transformers") ->
 
 
 def add_bench_peers_args(p) -> None:
-    p.add_argument("--systems", default="pdserve,pdserve-aggregated,pdserve-aggregated-int8,transformers,llama.cpp,vllm",
+    p.add_argument("--systems", default="vllm,pdserve,pdserve-aggregated,transformers,llama.cpp",
                    help="systems to compare, in order (missing ones are skipped) (default: %(default)s)")
     p.add_argument("--port", type=int, default=8300, help="port each system serves on in turn")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pdserve's KV cache per worker (default: %(default)s)")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="pdserve's weights")
-    p.add_argument("--no-prefix-routing", action="store_true", help="skip prefix-aware vs round-robin")
+    p.add_argument("--prefix-routing", action="store_true", help="also compare prefix-aware and round-robin routing")
+    p.add_argument("--vllm-venv", default=str(vllm_peer.VENV), help="vLLM's own venv (`make vllm`) (default: %(default)s)")
+    p.add_argument("--vllm-model", default=str(vllm_peer.MODEL_DIR),
+                   help="the model as a Hugging Face directory (`pdserve export-hf`) (default: %(default)s)")
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="goodput: TTFT at most this many s (default: %(default)s)")
+    p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput: TPOT at most this many s (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="one tiny phase per system (a smoke test)")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per system to start (vLLM compiles)")
     p.add_argument("--output", default="bench/peers-results.json")
     p.add_argument("--plot-dir", default="bench/plots/peers", help="PNG plots per phase ('' for none)")
     p.set_defaults(func=cmd_bench_peers)
@@ -206,7 +233,8 @@ def prefix_routing(args, out_dir: Path, log) -> dict:
     """TTFT of a shared-prefix workload through 2 prefill workers, per routing policy."""
     py = [sys.executable, "-m", "pdserve", "up", "--port", str(args.port), "--prefill", "2",
           "--kv-cache-memory", "160MiB", "--quantization", args.quantization,
-          "--decode-local-prefill", "0"]  # every prompt through the prefill pool: this compares its routing
+          # every prompt through the prefill pool: this compares its routing
+          "--decode-local-prefill", "0", "--prefill-queue-limit", "0"]
     out = {}
     for policy in ("round_robin", "prefix_aware"):
         srv = Server(f"pdserve-2prefill-{policy}", py + ["--routing", policy], args.port, out_dir / "logs")
@@ -221,6 +249,20 @@ def prefix_routing(args, out_dir: Path, log) -> dict:
     return out
 
 
+def cpu_description() -> dict:
+    """Which CPU the figures came from (`lscpu`'s model name and this process's cores)."""
+    from pdserve.engine.native import cpu_flags
+
+    model = ""
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    flags = cpu_flags()
+    return {"model": model, "cores": len(os.sched_getaffinity(0)),
+            "isa": sorted(f for f in flags if f.startswith(("avx", "amx")) or f == "fma")}
+
+
 def cmd_bench_peers(args) -> int:
     from .plots import write_plots
 
@@ -232,27 +274,29 @@ def cmd_bench_peers(args) -> int:
     unknown = [s for s in wanted if s not in cmds]
     if unknown:
         raise ValueError(f"--systems: unknown {unknown}; known: {', '.join(cmds)}")
-    phases = QUICK if args.quick else PHASES
+    plan = QUICK if args.quick else phases(args.slo_ttft, args.slo_tpot)
     merged, ready, skipped = {}, {}, {}
     for name in wanted:
         if cmds[name] is None:
             skipped[name] = "not installed"
             log(f"{name}: not installed, skipped")
             continue
-        srv = Server(name, cmds[name], args.port, out_dir / "logs")
+        cmd, env = cmds[name]
+        srv = Server(name, cmd, args.port, out_dir / "logs", env)
         try:
             ready[name] = srv.wait_ready(args.ready_timeout)
             log(f"{name}: ready in {ready[name]:.1f}s")
-            run_phases(name, srv.url, phases, out_dir, merged)
+            run_phases(name, srv.url, plan, out_dir, merged)
         except (RuntimeError, TimeoutError) as e:
             skipped[name] = str(e)
             log(f"{name}: {e}")
         finally:
             srv.stop()
-    prefix = None if args.quick or args.no_prefix_routing else prefix_routing(args, out_dir, log)
+    prefix = prefix_routing(args, out_dir, log) if args.prefix_routing and not args.quick else None
     head = headline(merged, ready)
     table = markdown(head, prefix)
-    result = {"headline": head, "prefix_routing": prefix, "skipped": skipped, "markdown": table,
+    result = {"headline": head, "reference": reference(head), "prefix_routing": prefix, "skipped": skipped,
+              "markdown": table, "cpu": cpu_description(),
               "phases": {k: v["results"] for k, v in merged.items()}}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -107,8 +107,32 @@ def test_bench_peers_quick(tmp_path):
     assert set(res["headline"]) | set(res["skipped"]) == {"pdserve-aggregated", "transformers", "llama.cpp"}
     assert {"pdserve-aggregated", "transformers"} <= set(res["headline"])
     for h in res["headline"].values():
-        assert h["failed"] == 0 and h["single_stream_tok_s"] > 0 and h["ready_s"] > 0
+        point = h["points"]["prompt-heavy c=1"]
+        assert h["failed"] == 0 and point["output_tok_s"] > 0 and point["ttft_p50_ms"] > 0 and h["ready_s"] > 0
+    assert res["reference"] == "transformers" and res["cpu"]["cores"] >= 1
     if "llama.cpp" not in res["headline"]:
         assert res["skipped"]["llama.cpp"] == "not installed"
-    assert "| pdserve-aggregated |" in r.stdout and "x)" in r.stdout  # ratio to the baseline
+    assert "| prompt-heavy c=1 | pdserve-aggregated |" in r.stdout and "x)" in r.stdout  # ratio to the baseline
     assert not (tmp_path / "logs" / "transformers.log").read_text().count("Traceback")
+
+
+def test_vllm_runs_from_its_own_venv_with_what_it_needs_here(tmp_path):
+    """vLLM is found in its venv beside an exported model, gets the environment its CPU
+    backend needs, and runs in bf16 only where the CPU has bf16 instructions."""
+    from pdserve.bench import vllm_peer
+
+    assert vllm_peer.best_dtype({"avx2", "fma"}) == "float32"
+    assert vllm_peer.best_dtype({"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert vllm_peer.command(8000, "float32", tmp_path / "no-venv", tmp_path) is None
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").touch()
+    (tmp_path / "venv" / "lib").mkdir()
+    (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
+    (tmp_path / "model").mkdir()
+    assert vllm_peer.command(8000, "float32", tmp_path / "venv", tmp_path / "model") is None  # not exported yet
+    (tmp_path / "model" / "config.json").write_text("{}")
+    cmd = vllm_peer.command(8000, "float32", tmp_path / "venv", tmp_path / "model")
+    assert cmd[0] == str(tmp_path / "venv" / "bin" / "python") and cmd[cmd.index("--dtype") + 1] == "float32"
+    env = vllm_peer.environment(tmp_path / "venv")
+    assert env["LD_PRELOAD"].endswith("libiomp5.so") and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] and int(env["VLLM_CPU_KVCACHE_SPACE"]) > 0

