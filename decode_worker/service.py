@@ -24,7 +24,7 @@ from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import block_snapshot, logprob_from_proto, output_to_proto, params_from_proto, worker_stats
-from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, open_channel
+from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, check_stats_request, open_channel
 from pdserve.protos.status import refuse_invalid, refuse_when_full, refused_by
 
 TRANSFER_POLICIES = ("recompute", "fail")
@@ -57,12 +57,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         params = params_from_proto(request.params)
         q = w.engine.open_stream(rid)
         w.queued += 1  # until its first token: waiting for KV or for a place in the batch
-        queued = True
+        queued, finished = True, False
         try:
             remote = await w.admit(request, prompt, params, context)
             async for out in w.engine.stream(rid, q):
                 if queued:
                     w.queued, queued = w.queued - 1, False
+                finished = out.finished
                 yield output_to_proto(out, prefilled_remotely=remote)
         except InvalidRequestError as e:
             await refuse_invalid(context, e)
@@ -72,6 +73,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if queued:
                 w.queued -= 1
             w.engine.close_stream(rid)
+            if not finished:
+                # whatever point it left at (a cancel while admit() had the engine thread add
+                # it or take its blocks included): the abort runs after those commands, in
+                # order, so nothing it took outlives the call; a no-op if nothing was taken
+                w.receiver.cancel(rid)
+                w.engine.call(lambda e: e.abort(rid))
 
     async def Abort(self, request, context):
         await self.w.check_token(request.cluster_token, context)
@@ -80,14 +87,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return pb.AbortReply(found=found)
 
     async def CachedBlocks(self, request, context):
-        return await self.w.engine.run(block_snapshot)
+        proof = await check_stats_request(self.w.cluster_token, request, context)
+        snap = await self.w.engine.run(block_snapshot)
+        snap.proof = proof
+        return snap
 
     async def Stats(self, request, context):
         w = self.w
+        proof = await check_stats_request(w.cluster_token, request, context)
         return await w.engine.run(lambda e: worker_stats(
             e, w.worker_id, "decode", remote_prefills=w.remote_prefills, local_prefills=w.local_prefills,
             transfer_failures=w.transfer_failures, refused=w.refused, queue_limit=w.max_queue,
-            kv_bytes=w.kv_bytes_received))
+            kv_bytes=w.kv_bytes_received, proof=proof))
 
 
 class DecodeWorker:

@@ -7,6 +7,7 @@ own. An actor loads the model itself (nothing big crosses Ray's object store) an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import threading
@@ -40,7 +41,7 @@ class WorkerActor:
 
         def build() -> HostedWorker:
             loaded = load_for_config(config.engine)
-            return HostedWorker(config, loaded, Tokenizer.from_model_path(loaded.path))
+            return HostedWorker(config, loaded, Tokenizer.from_model_path(loaded.path), exit_on_engine_death=True)
 
         # off this thread: the engine thread's OpenMP team must be the process's only one (engine/threads.py)
         self.host = in_fresh_thread(build)
@@ -134,6 +135,7 @@ class Pool:
         with self._lock:
             notes = []
             if n > len(self.actors):
+                self._check_room(n - len(self.actors))
                 added = self._new_actors(n - len(self.actors))
                 try:
                     records = ray.get([a.start.remote() for a in added], timeout=start_timeout_s)
@@ -156,6 +158,20 @@ class Pool:
                           + ("" if ok else f" (requests still running after {drain_timeout_s:g}s were cut off)")
                           for r, ok in zip(records, drained)]
             return notes
+
+    def _check_room(self, more: int) -> None:
+        """Refuse at once to grow a local Ray cluster past its free resources: its actors would
+        wait for room that never comes (a cluster joined with --ray-address may have an
+        autoscaler that adds nodes, and is left to it)."""
+        if self.cluster.ray_address:
+            return
+        p, free = self.config, ray.available_resources()
+        needs = {"CPU": p.num_cpus * more, "GPU": p.num_gpus * more} | ({p.resource: more} if p.resource else {})
+        short = {k: (v, free.get(k, 0.0)) for k, v in needs.items() if v > 0 and v > free.get(k, 0.0) + 1e-9}
+        if short:
+            what = ", ".join(f"{need:g} {k} (free: {have:g})" for k, (need, have) in short.items())
+            raise PoolScaleError(f"no room for {more} more {self.role} worker(s): they need {what}; start "
+                                 "`pdserve up` with --ray-cpus N (room to grow) or join a larger cluster")
 
     def supervise_once(self, timeout_s: float = 1.0) -> list[str]:
         """Ask every actor to be started. An actor Ray restarted after its process died loads
@@ -192,19 +208,32 @@ class Pool:
         return notes
 
     @staticmethod
-    def _stop_actors(actors: list) -> None:
+    def _stop_actors(actors: list, timeout_s: float = 30.0) -> None:
+        """Ask the actors to stop, wait up to `timeout_s` for all of them, then kill them."""
         try:
-            ray.get([a.stop.remote() for a in actors], timeout=30)
-        except Exception:  # noqa: BLE001 - a dead actor is stopped already
+            ray.get([a.stop.remote() for a in actors], timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a dead or stuck actor is killed below
             pass
         for a in actors:
             ray.kill(a)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
         with self._lock:
             if self.actors:
-                self._stop_actors(self.actors)
+                self._stop_actors(self.actors, timeout_s)
             self.actors, self.records = [], []
+
+
+def stop_pools(pools: list[Pool], timeout_s: float) -> None:
+    """Stop every pool's workers at once: one deadline for all, then they are killed."""
+    with contextlib.ExitStack() as held:
+        for pool in pools:
+            held.enter_context(pool._lock)
+        actors = [a for pool in pools for a in pool.actors]
+        if actors:
+            Pool._stop_actors(actors, timeout_s)
+        for pool in pools:
+            pool.actors, pool.records = [], []
 
 
 class PoolControl:

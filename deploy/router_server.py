@@ -12,10 +12,9 @@ from pathlib import Path
 
 import uvicorn
 
+from pdserve.config import LOOPBACK_HOSTS as LOOPBACK
 from pdserve.config import ClusterConfig, RouterConfig, SecurityConfig
 from pdserve.engine.aio import stop_tasks
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def check_exposure(router: RouterConfig, security: SecurityConfig) -> None:
@@ -50,7 +49,7 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
     router.control = control
     app = create_app(router) if api else create_admin_app(control, config.security.api_keys)
     server = uvicorn.Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="warning",
-                                           timeout_graceful_shutdown=30))  # Ctrl-C: streams get 30 s to finish
+                                           timeout_graceful_shutdown=rc.shutdown_grace_s))  # Ctrl-C: then aborted
 
     async def watch():  # what create_app's lifespan does for the API: keep the view of the workers fresh
         while True:

@@ -15,7 +15,7 @@ from pdserve.config import ClusterConfig
 from .router_server import check_exposure, make_logger, serve_router
 
 
-def _start_ray(ray_address: str, needed_cpus: float):
+def _start_ray(ray_address: str, needed_cpus: float, ray_cpus: float = 0.0):
     """Join `ray_address`, or start a private local Ray (returns its session directory)."""
     import ray
 
@@ -25,7 +25,8 @@ def _start_ray(ray_address: str, needed_cpus: float):
         ray.init(address=ray_address, log_to_driver=False)
         return None
     temp = tempfile.mkdtemp(prefix="pdserve-ray-")
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)), include_dashboard=False,
+    cpus = max(ray_cpus or os.cpu_count() or 1, needed_cpus)
+    ray.init(num_cpus=int(cpus + 0.999), include_dashboard=False,
              object_store_memory=128 << 20, _temp_dir=temp, log_to_driver=False)
     return temp
 
@@ -39,7 +40,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     from pdserve.registry.embedded import EmbeddedRedis
     from pdserve.registry.urls import redact_url
 
-    from .launch import Pool, PoolControl
+    from .launch import Pool, PoolControl, stop_pools
 
     check_exposure(config.router, config.security)
     t0 = time.monotonic()
@@ -51,12 +52,14 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     registry = config.registry
     log(f"registry: {redact_url(registry.redis_url)}" + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
     log(f"cluster name: {registry.cluster_name} (`pdserve router --redis-url URL --cluster-name "
-        f"{registry.cluster_name}` adds a router)")
+        f"{registry.cluster_name} --cluster-token TOKEN` adds a router; without --cluster-token this cluster's "
+        "token is random)")
     started: list[Pool] = []
     supervisor = None
     ray_temp, clean = None, False
     try:
-        ray_temp = _start_ray(config.ray_address, sum(p.replicas * p.num_cpus for p in config.pools().values()))
+        ray_temp = _start_ray(config.ray_address, sum(p.replicas * p.num_cpus for p in config.pools().values()),
+                              config.ray_cpus)
         log(f"ray: {ray.get_runtime_context().gcs_address}" + (f" (session files in {ray_temp})" if ray_temp else ""))
         started = [Pool(role, config) for role in config.pools()]
         pending = [pool.launch() for pool in started]  # all pools load their model at once
@@ -80,9 +83,8 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
         log("shutting down")
         if supervisor is not None:
             stopping.set()
-            supervisor.join(timeout=10)
-        for pool in reversed(started):
-            pool.stop()
+            supervisor.join(timeout=5)
+        stop_pools(started, config.router.shutdown_grace_s)
         if ray.is_initialized():
             ray.shutdown()
         if ray_temp:  # Ray's session files and logs: kept (and named) only when something failed

@@ -49,7 +49,7 @@ def run_worker(config: WorkerConfig, drain_timeout_s: float = 30.0) -> int:
 
     def build() -> HostedWorker:
         loaded = load_for_config(config.engine)
-        return HostedWorker(config, loaded, Tokenizer.from_model_path(loaded.path))
+        return HostedWorker(config, loaded, Tokenizer.from_model_path(loaded.path), exit_on_engine_death=True)
 
     host = in_fresh_thread(build)  # the engine thread's OpenMP team is then the only one (engine/threads.py)
 

@@ -4,6 +4,8 @@ a Ray actor (deploy/launch.py) and in the in-process cluster (deploy/local.py)."
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 import uuid
 
@@ -19,10 +21,18 @@ from pdserve.prefill_worker.service import PrefillWorker
 from pdserve.registry.events import EventPublisher
 from pdserve.registry.membership import WorkerRecord, WorkerRegistration
 
+log = logging.getLogger("pdserve.worker")
+
 
 class HostedWorker:
-    def __init__(self, config: WorkerConfig, loaded: LoadedModel, tokenizer: Tokenizer):
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel, tokenizer: Tokenizer,
+                 exit_on_engine_death: bool = False):
+        """exit_on_engine_death: when the engine thread dies (a bug), leave the registry and
+        end the process, so that Ray (or the process supervisor) starts a fresh worker; off,
+        the worker only leaves the registry (a worker hosted inside another program)."""
         self.config = c = config
+        self.exit_on_engine_death = exit_on_engine_death
+        self._watchdog: asyncio.Task | None = None
         registry, security, transfer = c.registry, c.security, c.transfer
         self.publisher = (EventPublisher(registry.redis_url, registry.cluster_name, c.worker_id)
                           if registry.redis_url else None)
@@ -56,7 +66,21 @@ class HostedWorker:
             await self.registration.beat()
             self.registration.start()
         self.record = record
+        self._watchdog = asyncio.create_task(self._watch_engine())
         return record
+
+    async def _watch_engine(self, interval_s: float = 0.5) -> None:
+        """A dead engine thread must not keep a live registration: its heartbeat would draw
+        requests that can only fail."""
+        engine = self.worker.engine
+        while engine.error is None:
+            await asyncio.sleep(interval_s)
+        log.error("worker %s: its engine stopped (%r); leaving the registry", self.config.worker_id, engine.error)
+        if self.registration is not None:
+            await self.registration.stop()
+            self.registration = None
+        if self.exit_on_engine_death:
+            os._exit(70)  # EX_SOFTWARE; Ray restarts the actor (max_restarts), which re-registers
 
     def busy(self) -> bool:
         """Requests in flight here (queued, running, or a prompt being handed off)."""
@@ -87,6 +111,9 @@ class HostedWorker:
         return True
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self.registration is not None:
             await self.registration.stop()
         await self.worker.stop()

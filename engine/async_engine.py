@@ -78,13 +78,19 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt, params: SamplingParams,
                        hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs; leaving early (cancel, disconnect) aborts it."""
+        """Add a request and yield its outputs; leaving early (cancel, disconnect) aborts it,
+        also when the cancel lands while the engine thread is adding it (the abort is queued
+        behind the add: commands run in order)."""
         q = self.open_stream(request_id)
+        streaming = False
         try:
             await self.run(lambda e: e.add_request(request_id, prompt, params, hold_kv=hold_kv))
-            async for out in self.stream(request_id, q):
+            streaming = True
+            async for out in self.stream(request_id, q):  # aborts it if left before the end
                 yield out
         finally:
+            if not streaming:
+                self.call(lambda e: e.abort(request_id))
             self.close_stream(request_id)
 
     async def stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:

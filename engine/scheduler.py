@@ -59,12 +59,13 @@ class Scheduler:
 
     def add_remote(self, req: Request) -> bool:
         """Admit `req` with blocks for its whole prompt, to be filled by a KV import. Returns
-        False (nothing allocated) if the blocks are not free now, or if requests already wait
+        False (nothing allocated) if the blocks are not free now, if the batch has no seat left
+        (max_num_seqs, counting the requests whose KV is on its way), or if requests already wait
         for blocks here (preempted ones first: a stream of new arrivals must not starve them).
         Cached blocks of the prompt's prefix are shared (by reference count), not imported
         again: `num_cached_tokens` says how many tokens they hold."""
-        if self.waiting:
-            return False
+        if self.waiting or self.seats_taken() >= self.config.max_num_seqs:
+            return False  # a seat in the batch is kept for it from now: it joins when its KV lands
         # not counted in the hit rate: the prompt is computed (and counted) where it is
         # prefilled; what this finds is KV that is not sent again
         prefix = self.blocks.match_prefix(req.all_token_ids, count=False, root=req.cache_root)
@@ -75,6 +76,11 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.remote[req.request_id] = req
         return True
+
+    def seats_taken(self) -> int:
+        """Places in the batch (max_num_seqs) held: running requests and those whose KV is on
+        its way."""
+        return len(self.running) + len(self.remote)
 
     def remote_kv_ready(self, req: Request) -> None:
         """The prompt's KV has landed: the request joins the batch and, once the first token
@@ -150,7 +156,7 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.seats_taken() < self.config.max_num_seqs:
             req = self.waiting[0]
             prefix = PrefixMatch()
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:

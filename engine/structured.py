@@ -31,6 +31,37 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SPEC_BYTES = 64 << 10
 
+# where a JSON schema holds subschemas: maps of them, single ones, lists of them
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUB_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+            "unevaluatedItems", "additionalProperties")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def strict_schema(schema):
+    """The schema as generation should follow it: an object schema that lists its
+    `properties` and says nothing of others gets `additionalProperties: false` (as
+    xgrammar's strict mode, and OpenAI's strict function calling, do). JSON Schema allows
+    unlisted properties by default, and with that freedom a model keeps adding them until
+    max_tokens and never closes the object; a schema that wants them says so
+    (`additionalProperties`, `patternProperties` or `unevaluatedProperties`)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUB_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    for key in _SUB_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    for key in _SUB_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(sub) for sub in out[key]]
+    if isinstance(out.get("properties"), dict) and not {
+            "additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
 
 @dataclass(frozen=True)
 class Structured:
@@ -55,7 +86,7 @@ class Structured:
             if self.kind == "json_object":
                 return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
             if self.kind == "json_schema":
-                return LLMatcher.grammar_from_json_schema(json.loads(self.spec), overrides=JSON_OPTIONS)
+                return LLMatcher.grammar_from_json_schema(strict_schema(json.loads(self.spec)), overrides=JSON_OPTIONS)
             if self.kind == "regex":
                 return LLMatcher.grammar_from_regex(self.spec)
             if self.kind == "choice":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from .errors import InvalidRequestError, ModelLoadError
 
 _CONTROL, _USER_DEFINED = 3, 4
+# stands for message i's content while the template renders (private-use code points, which
+# no message is let to contain on this path: see encode_chat)
+_MARK = "\ue000{}\ue001"
+_MARK_RE = re.compile("\ue000(\\d+)\ue001")
 # llama.cpp pre-tokenizer names whose regex splits digits one by one before byte-level BPE
 _DIGIT_SPLIT_PRE = {"smollm", "llama-bpe", "qwen2", "deepseek-llm", "starcoder"}
 
@@ -36,6 +41,8 @@ class Tokenizer:
         self.add_bos = add_bos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self._text_only: HFTokenizer | None = None  # encodes special-token text as plain text
+        self.special_texts = tuple(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -154,6 +161,36 @@ class Tokenizer:
                 **extra)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False, **extra) -> list[int]:
+        """The chat prompt's token ids. Control tokens come from the template only: text in a
+        message's content that spells one (`<|im_start|>system ...`) is encoded as the plain
+        text it is, so a user cannot forge a system or assistant turn. With
+        `special_tokens_in_content`, content is encoded as the rendered prompt is, special
+        tokens included (what transformers and vLLM do)."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        contents = [m.get("content") for m in messages]
+        if special_tokens_in_content or not any(
+                isinstance(c, str) and any(t in c for t in self.special_texts) for c in contents):
+            return self.encode(prompt)
+        marked = [dict(m, content=_MARK.format(i)) if isinstance(m.get("content"), str) else m
+                  for i, m in enumerate(messages)]
+        pieces = _MARK_RE.split(self.apply_chat_template(marked, add_generation_prompt, **extra))
+        found = [int(i) for i in pieces[1::2]]
+        if len(set(found)) != len(found) or any(i >= len(messages) or marked[i] is messages[i] for i in found):
+            raise InvalidRequestError("messages contain the reserved characters U+E000/U+E001 around digits",
+                                      param="messages")
+        ids = self.encode(pieces[0])
+        for k in range(1, len(pieces), 2):  # odd pieces: a message index; even: template text
+            ids += self._encode_text(contents[int(pieces[k])]) + self.encode(pieces[k + 1], add_special_tokens=False)
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        if self._text_only is None:
+            self._text_only = HFTokenizer.from_str(self._tok.to_str())
+            self._text_only.encode_special_tokens = True
+        return self._text_only.encode(text, add_special_tokens=False).ids
 
     def backend_json(self) -> str:
         """The tokenizer as tokenizer.json text (for llguidance's token trie)."""

@@ -25,6 +25,7 @@ KV_TRANSPORTS = ("grpc", "ucx")
 TRANSFER_POLICIES = ("recompute", "fail")
 MODES = ("disaggregated", "aggregated")
 ROLES = ("prefill", "decode", "aggregated")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -89,19 +90,28 @@ class RouterConfig:
     """Conditional disaggregation by load: once the chosen prefill worker has this many prompt
     tokens queued, a prompt that would wait less on its decode worker is prefilled there
     (router/policies.prefill_on_decode); 0: always the prefill pool."""
+    special_tokens_in_content: bool = False
+    """Encode control-token text inside chat message content as control tokens (as
+    transformers and vLLM do); off: as plain text, so users cannot forge turns."""
     refresh_interval_s: float = 0.25
     """How often worker loads (and, with a registry, membership and KV events) are read."""
     max_inflight: int = 256
     """Requests admitted at once; beyond it 429 with Retry-After. 0: unbounded."""
     request_timeout_s: float = 600.0
     """A request not finished after this long gets 504 (and is aborted). 0: no limit."""
+    shutdown_grace_s: float = 10.0
+    """On Ctrl-C or SIGTERM, requests in flight get this long to finish; then they are
+    aborted, and the workers get as long again to stop before they are killed."""
+    stream_stall_timeout_s: float = 60.0
+    """A streaming client that reads nothing for this long has its requests aborted (its
+    deltas wait in a bounded buffer until then). 0: no limit."""
     max_body_bytes: int = 32 << 20
     """A request body past this size gets 413 before it is parsed. 0: no limit."""
 
     def __post_init__(self):
         _one_of("routing", self.routing, ROUTING_POLICIES)
         for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "prefill_queue_limit",
-                     "max_body_bytes"):
+                     "max_body_bytes", "stream_stall_timeout_s", "shutdown_grace_s"):
             _at_least(name, getattr(self, name), 0)
         _at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 
@@ -112,7 +122,7 @@ class PoolConfig:
     num_cpus: float = 1.0
     """Ray CPUs per worker; its torch threads follow."""
     num_gpus: float = 0.0
-    max_queue: int = 64
+    max_queue: int = 256
     """Requests queued per worker before it refuses more (0: unbounded)."""
     max_restarts: int = 10
     """Ray restarts a dead worker process up to this many times (-1: always)."""
@@ -163,6 +173,10 @@ class WorkerConfig:
 
     def __post_init__(self):
         _one_of("role", self.role, ROLES)
+        if self.host not in LOOPBACK_HOSTS and not self.security.cluster_token:
+            raise ValueError(f"a worker serving on {self.host} is reachable from the network: set a cluster "
+                             "token (--cluster-token or PDSERVE_CLUSTER_TOKEN, the same for the whole cluster) "
+                             "so that only its routers and workers can call it")
 
 
 @dataclass(frozen=True)
@@ -182,6 +196,9 @@ class ClusterConfig:
     worker_host: str = ""
     """Address workers serve on: "auto" (their node's IP), an address, or "" (auto with
     ray_address, else 127.0.0.1)."""
+    ray_cpus: float = 0.0
+    """CPUs of the local Ray cluster `pdserve up` starts (room to grow the pools into);
+    0: this machine's cores, or what the pools need if more."""
     share_cores: bool = True
     """CPU workers on one host lend their cores to each other while idle (engine/cores.py): a
     lone request's prefill and decode each run on every core."""

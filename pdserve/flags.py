@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import uuid
+from dataclasses import replace
 
 from pdserve.config import (
     KV_TRANSPORTS,
@@ -46,8 +48,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="once the prefill worker has TOKENS prompt tokens queued, a prompt that would wait less "
                         "on its decode worker is prefilled there, so neither pool idles while the other is "
                         "saturated (0: always the prefill pool; default: %(default)s)")
+    p.add_argument("--special-tokens-in-content", action="store_true",
+                   help="encode control-token text typed inside chat messages (<|im_start|>...) as control tokens "
+                        "(default: as plain text, so a user cannot forge a system or assistant turn)")
     p.add_argument("--cluster-token", default=_env("PDSERVE_CLUSTER_TOKEN"),
-                   help="shared secret of the internal services (env PDSERVE_CLUSTER_TOKEN)")
+                   help="shared secret of the internal services, checked on every RPC (env PDSERVE_CLUSTER_TOKEN; "
+                        "`pdserve up` makes a random one per cluster when none is given; workers serving on a "
+                        "network address refuse to start without one)")
     p.add_argument("--served-model-name", default="", help="model id in the API (default: from the file name)")
     p.add_argument("--api-key", default=_env("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY); required when "
@@ -62,6 +69,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
     p.add_argument("--request-timeout", type=float, default=_R.request_timeout_s,
                    help="seconds before an unfinished request gets 504 and is aborted (0: none)")
+    p.add_argument("--shutdown-grace", type=float, default=_R.shutdown_grace_s,
+                   help="on Ctrl-C or SIGTERM, seconds requests in flight get to finish before they are aborted; "
+                        "workers get as long again to stop (default: %(default)s)")
+    p.add_argument("--stream-stall-timeout", type=float, default=_R.stream_stall_timeout_s,
+                   help="a streaming client that reads nothing for this many seconds has its requests aborted; "
+                        "until then its tokens wait in a bounded buffer (0: no limit; default: %(default)s)")
     p.add_argument("--max-body-size", default=f"{_R.max_body_bytes >> 20}MiB",
                    help="request bodies past this size get 413 before they are parsed (0: no limit; "
                         "default: %(default)s)")
@@ -93,6 +106,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
                        help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
                             "refused by every worker of a pool gets 429")
+    p.add_argument("--ray-cpus", type=float, default=0.0,
+                   help="CPUs of the local Ray cluster (room to scale the pools into with `pdserve scale`; "
+                        "default: this machine's cores, or what the pools need if more)")
     p.add_argument("--no-share-cores", dest="share_cores", action="store_false",
                    help="CPU workers keep their own threads (by default workers on one host lend their cores to "
                         "each other while idle: a lone request's prefill and decode each run on every core)")
@@ -177,6 +193,8 @@ def _router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, model_name=args.served_model_name, routing=args.routing,
                         decode_local_prefill=args.decode_local_prefill,
                         prefill_queue_limit=args.prefill_queue_limit, max_inflight=args.max_inflight,
+                        special_tokens_in_content=args.special_tokens_in_content,
+                        stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,
                         request_timeout_s=args.request_timeout,
                         max_body_bytes=parse_size(args.max_body_size))
 
@@ -192,19 +210,25 @@ def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:
 
 
 def up_config(args: argparse.Namespace) -> ClusterConfig:
-    """`pdserve up`'s cluster; a cluster without a name gets a random one."""
+    """`pdserve up`'s cluster; a cluster without a name or a cluster token gets a random one
+    (the launcher hands the token to its workers and routers; another router joining the
+    cluster is given it: --cluster-token)."""
+    security = security_config(args)
+    if not security.cluster_token:
+        security = replace(security, cluster_token=secrets.token_urlsafe(24))
     return ClusterConfig(
         mode=args.mode, engine=engine_config(args), router=_router_config(args),
         prefill=_pool(args, "prefill", args.prefill), decode=_pool(args, "decode", args.decode),
         transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
                                 policy=args.transfer_policy, local_prefill_threshold=args.local_prefill_threshold),
         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name or uuid.uuid4().hex[:8]),
-        security=security_config(args),
+        security=security,
         autoscale=AutoscaleConfig(enabled=args.autoscale, max_replicas=args.autoscale_max, ttft_slo_s=args.ttft_slo,
                                   itl_slo_s=args.itl_slo, interval_s=args.autoscale_interval,
                                   up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after,
                                   cooldown_s=args.autoscale_cooldown),
-        ray_address=args.ray_address, worker_host=args.worker_host, share_cores=args.share_cores)
+        ray_address=args.ray_address, worker_host=args.worker_host, share_cores=args.share_cores,
+        ray_cpus=args.ray_cpus)
 
 
 def router_config(args: argparse.Namespace) -> ClusterConfig:

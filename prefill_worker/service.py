@@ -19,7 +19,7 @@ from pdserve.kv_transfer.base import KVSender
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import block_snapshot, logprob_to_proto, params_from_proto, worker_stats
-from pdserve.protos.security import TLSConfig, add_port, check_cluster_token
+from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, check_stats_request
 from pdserve.protos.status import refuse_invalid, refuse_when_full
 
 
@@ -107,14 +107,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pb.AbortReply(found=found)
 
     async def CachedBlocks(self, request, context):
-        return await self.w.engine.run(block_snapshot)
+        proof = await check_stats_request(self.w.cluster_token, request, context)
+        snap = await self.w.engine.run(block_snapshot)
+        snap.proof = proof
+        return snap
 
     async def Stats(self, request, context):
         w = self.w
+        proof = await check_stats_request(w.cluster_token, request, context)
         return await w.engine.run(lambda e: worker_stats(e, w.worker_id, "prefill", remote_prefills=w.prefills,
                                                          transfer_failures=w.transfer_failures, refused=w.refused,
                                                          queue_limit=w.max_queue, kv_bytes=w.kv_bytes,
-                                                         kv_seconds=w.kv_seconds))
+                                                         kv_seconds=w.kv_seconds, proof=proof))
 
 
 class PrefillWorker:

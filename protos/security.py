@@ -10,7 +10,9 @@ Kubernetes get arbitrary IPs).
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +67,32 @@ def open_channel(target: str, tls: TLSConfig | None, options: list | tuple = ())
             options.append(("grpc.ssl_target_name_override", tls.server_name))
         return grpc.aio.secure_channel(target, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(target, options=options)
+
+
+def token_proof(token: str, side: str, nonce: bytes) -> bytes:
+    """HMAC-SHA256 of `side:nonce` under the cluster token: shows the token is held without
+    sending it (`side`: "request" from the caller, "reply" from the worker)."""
+    return hmac.new(token.encode(), side.encode() + b":" + nonce, hashlib.sha256).digest()
+
+
+def stats_request(token: str):
+    """A Stats/CachedBlocks request that proves the token; check the reply with `proves`."""
+    from .worker_pb2 import StatsRequest
+
+    nonce = os.urandom(16)
+    return StatsRequest(nonce=nonce, proof=token_proof(token, "request", nonce))
+
+
+def proves(token: str, request, reply) -> bool:
+    """Whether `reply` (WorkerStats or BlockSnapshot) proves the token for `request`'s nonce."""
+    return hmac.compare_digest(reply.proof, token_proof(token, "reply", request.nonce))
+
+
+async def check_stats_request(token: str, request, context) -> bytes:
+    """Abort the RPC unless the request proves the cluster token; returns the reply's proof."""
+    if not hmac.compare_digest(request.proof, token_proof(token, "request", request.nonce)) or not request.nonce:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+    return token_proof(token, "reply", request.nonce)
 
 
 async def check_cluster_token(expected: str, given: str, context) -> None:

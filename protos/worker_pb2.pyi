@@ -122,11 +122,15 @@ class AbortReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("nonce", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len")
+    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +149,7 @@ class WorkerStats(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -163,15 +168,18 @@ class WorkerStats(_message.Message):
     kv_bytes: int
     kv_seconds: float
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class BlockSnapshot(_message.Message):
-    __slots__ = ("block_hashes", "seq")
+    __slots__ = ("block_hashes", "seq", "proof")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     seq: int
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "kv_address", "dest_block_ids", "timeout_s", "cluster_token", "skip_tokens")

@@ -6,6 +6,7 @@ marks those that do not answer unhealthy, so routing skips them at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -17,10 +18,12 @@ from pdserve.engine.block_hash import hash_blocks, root_hash
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import params_to_proto
-from pdserve.protos.security import TLSConfig, open_channel
+from pdserve.protos.security import TLSConfig, open_channel, proves, stats_request
 
 from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy, prefill_on_decode
 from .prefix_index import PrefixIndex
+
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class ClusterClient:
         # requests between two polls went to one decode worker while the others idled
         self.decode_streams: dict[str, int] = {}
         self._streams_at_poll: dict[str, int] = {}  # decode_streams when each worker's stats came
+        self.impostors: set[str] = set()  # registered workers that answered without proving the token
 
     @classmethod
     def from_config(cls, router: RouterConfig, security: SecurityConfig, block_size: int,
@@ -115,7 +119,14 @@ class ClusterClient:
         async def one(w: WorkerEndpoint):
             wid = w.worker_id
             try:
-                self.stats[wid] = await self._stub(w).Stats(pb.StatsRequest(), timeout=self.stats_timeout_s)
+                req = stats_request(self.cluster_token)
+                stats = await self._stub(w).Stats(req, timeout=self.stats_timeout_s)
+                if not proves(self.cluster_token, req, stats):
+                    # answers, but does not hold the cluster token: not one of our workers
+                    # (a forged or stale registry entry); it gets no traffic, nor the token
+                    self._impostor(wid, w.address)
+                    return
+                self.stats[wid] = stats
                 self.healthy[wid] = True
                 self._slow_since.pop(wid, None)
                 self._streams_at_poll[wid] = self.decode_streams.get(wid, 0)
@@ -127,6 +138,14 @@ class ClusterClient:
                 elif now - self._slow_since.setdefault(wid, now) >= self.slow_grace_s or not self.healthy.get(wid):
                     self.healthy[wid] = False
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
+
+    def _impostor(self, wid: str, address: str) -> None:
+        self.healthy[wid] = False
+        self.stats.pop(wid, None)
+        if wid not in self.impostors:
+            log.warning("worker %s at %s answered without proving the cluster token: no traffic for it",
+                        wid, address)
+        self.impostors.add(wid)
 
     def max_model_len(self) -> int:
         """The longest context any healthy worker that decodes serves (0: none has said yet)."""

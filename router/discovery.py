@@ -7,7 +7,7 @@ import time
 import grpc
 from redis.exceptions import RedisError
 
-from pdserve.protos import worker_pb2 as pb
+from pdserve.protos.security import proves, stats_request
 from pdserve.registry.events import EventFollower
 from pdserve.registry.membership import list_workers
 from pdserve.registry.urls import connect, describe_error
@@ -63,7 +63,10 @@ class RegistryDiscovery:
         if w is None:
             return
         try:
-            snap = await self.client._stub(w).CachedBlocks(pb.StatsRequest(), timeout=5.0)
+            req = stats_request(self.client.cluster_token)
+            snap = await self.client._stub(w).CachedBlocks(req, timeout=5.0)
+            if not proves(self.client.cluster_token, req, snap):
+                return  # not one of ours (ClusterClient.refresh says so): its blocks are not taken
         except grpc.aio.AioRpcError as e:
             log.warning("resync of %s failed: %s", worker_id, e.details())
             return

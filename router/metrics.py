@@ -20,6 +20,8 @@ class RouterMetrics:
         self.rejected = Counter("pdserve_rejected_requests", "Requests refused with 429, by reason "
                                 "(router_inflight: --max-inflight; pool_full: every worker of a pool at its queue limit)",
                                 ["reason"], registry=r)
+        self.stalled_streams = Counter("pdserve_stalled_streams", "Streams cut off and aborted: the client read "
+                                       "nothing for --stream-stall-timeout", registry=r)
         self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker after a failure",
                                   registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)

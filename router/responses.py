@@ -86,20 +86,41 @@ async def collect(gens: list[Generation], on_delta: Callable[[int, Delta, int], 
         await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
 
 
+STREAM_BUFFER = 64  # deltas held per choice for a client that reads slower than they come
+
+
+class ReaderStalled(Exception):
+    """The client stopped reading its stream for longer than the stall timeout."""
+
+
 async def stream(gens: list[Generation], chunk, final, base: dict, include_usage: bool,
-                 per_prompt: int | None = None) -> StreamingResponse:
+                 per_prompt: int | None = None, stall_timeout_s: float = 60.0, on_stall=None) -> StreamingResponse:
     """SSE of every choice's deltas as they come; `chunk(i, delta, offset)` and `final(i)`
-    give the events (or None to send nothing)."""
+    give the events (or None to send nothing). Deltas wait for a slow reader in a buffer of
+    STREAM_BUFFER per choice (then the worker's stream waits, by gRPC's flow control); a
+    reader that takes none for `stall_timeout_s` (0: no limit) has its requests aborted on
+    the workers, and `on_stall()` is called."""
     async def events():
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER * len(gens))
+
+        async def put(item) -> None:
+            try:
+                await asyncio.wait_for(q.put(item), stall_timeout_s or None)
+            except asyncio.TimeoutError:
+                if on_stall is not None:
+                    on_stall()
+                await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+                raise ReaderStalled(f"the client read nothing for {stall_timeout_s:g} s") from None
 
         async def pump(i: int, g: Generation):
             try:
                 async for d in g.deltas():
-                    await q.put((i, d))
-                await q.put((i, None))
+                    await put((i, d))
+                await put((i, None))
+            except ReaderStalled:
+                return  # nobody reads: nothing more to queue
             except BaseException as e:  # noqa: BLE001 - reported in-band below
-                await q.put((i, e))
+                await put((i, e))
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
         offsets, left = [0] * len(gens), len(gens)
         try:

@@ -45,6 +45,11 @@ class Router:
         self.started = time.time()  # the model card's `created`
         self.control = None  # the pools (deploy.launch.PoolControl) when this router runs next to them
 
+    def _stall(self) -> dict:
+        """How a stream treats a client that stops reading (responses.stream)."""
+        return {"stall_timeout_s": self.config.stream_stall_timeout_s,
+                "on_stall": self.metrics.stalled_streams.inc}
+
     # ---- admission ----------------------------------------------------------------------
     def _generation(self, prompt: list[int], params: SamplingParams, prefix: str) -> Generation:
         """Admit a request (or refuse it with 429) and make its Generation."""
@@ -112,8 +117,8 @@ class Router:
         chat template, tokenized. `/tokenize` uses the same, so its count is the one billed."""
         messages = render_messages([{"role": m.role, "content": m.text()} | (m.model_extra or {}) for m in req.messages],
                                    req.tools, req.tool_choice)
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                          special_tokens_in_content=self.config.special_tokens_in_content)
 
     # ---- choices ------------------------------------------------------------------------
     async def _start_choices(self, ids: list[int], params: SamplingParams, n: int, prefix: str) -> list[Generation]:
@@ -196,7 +201,7 @@ class Router:
             def final(i: int) -> list[dict]:
                 return [base | {"choices": [{"index": i, "text": "", "logprobs": None,
                                              "finish_reason": gens[i].finish_reason}]}]
-            return await responses.stream(gens, chunk, final, base, req.include_usage(), req.n)
+            return await responses.stream(gens, chunk, final, base, req.include_usage(), req.n, **self._stall())
         lps = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in gens]
 
         def on_delta(i: int, d: Delta, offset: int) -> None:
@@ -270,4 +275,4 @@ class Router:
                                                     "logprobs": None}]})
             return events + [sbase | {"choices": [{"index": i, "delta": {}, "logprobs": None,
                                                    "finish_reason": reason}]}]
-        return await responses.stream(gens, chunk, final, sbase, req.include_usage())
+        return await responses.stream(gens, chunk, final, sbase, req.include_usage(), **self._stall())

@@ -27,6 +27,7 @@ def test_concurrent_streams_match_the_sync_engine(make_engine):
         ae.stop()
 
 
+@pytest.mark.cancellation
 def test_leaving_a_stream_early_aborts_the_request(make_engine):
     eng = make_engine()
     ae = AsyncEngine(eng)
@@ -46,6 +47,46 @@ def test_leaving_a_stream_early_aborts_the_request(make_engine):
     try:
         assert asyncio.run(main())
         assert asyncio.run(_used_blocks(ae)) == 0
+    finally:
+        ae.stop()
+
+
+@pytest.mark.cancellation
+def test_a_cancel_that_lands_while_the_engine_thread_adds_the_request_aborts_it(make_engine):
+    """The caller is cancelled while its add_request runs on the engine thread: the request
+    must not run on for nobody (the abort is queued behind the add)."""
+    import threading
+
+    eng = make_engine()
+    adding, release = threading.Event(), threading.Event()
+    add = eng.add_request
+
+    def slow_add(*a, **kw):  # the engine thread, in the middle of the command
+        adding.set()
+        release.wait(5)
+        return add(*a, **kw)
+
+    eng.add_request = slow_add
+    ae = AsyncEngine(eng)
+    ae.start()
+
+    async def main():
+        async def consume():
+            async for _ in ae.generate("r", PROMPTS[1], SamplingParams(max_tokens=100_000, ignore_eos=True)):
+                pass
+        task = asyncio.ensure_future(consume())
+        await asyncio.get_running_loop().run_in_executor(None, adding.wait, 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        release.set()
+        for _ in range(200):
+            if await ae.run(lambda e: not e.has_unfinished_requests() and e.blocks.num_used_blocks == 0):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        assert asyncio.run(main())
     finally:
         ae.stop()
 

@@ -15,6 +15,7 @@ from pdserve.config import (
     PoolConfig,
     RegistryConfig,
     RouterConfig,
+    SecurityConfig,
     TransferConfig,
     WorkerConfig,
 )
@@ -30,7 +31,9 @@ def test_up_without_flags_is_the_config_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     got = flags.up_config(parse("up"))
     assert len(got.registry.cluster_name) == 8  # a random name, printed at start
-    want = ClusterConfig(registry=RegistryConfig(cluster_name=got.registry.cluster_name))
+    assert len(got.security.cluster_token) >= 32  # a random token too: workers are not open by default
+    want = ClusterConfig(registry=RegistryConfig(cluster_name=got.registry.cluster_name),
+                         security=replace(SecurityConfig(), cluster_token=got.security.cluster_token))
     assert {f.name: getattr(got, f.name) for f in fields(got)} == {f.name: getattr(want, f.name) for f in fields(want)}
     assert flags.up_config(parse("up")).registry.cluster_name != got.registry.cluster_name
     assert got.share_cores and got.router.prefill_queue_limit == 512
@@ -58,7 +61,7 @@ def test_every_up_flag_reaches_its_field(monkeypatch):
         "--autoscale-interval", "2", "--autoscale-up-after", "10", "--autoscale-down-after", "20",
         "--autoscale-cooldown", "7", "--ray-address", "ray://head:10001", "--worker-host", "auto",
         "--threads", "2", "--block-size", "32", "--kv-cache-memory", "256MiB", "--quantization", "int8"))
-    assert c.prefill == PoolConfig(replicas=2, num_cpus=0.5, max_queue=64, max_restarts=-1, resource="pf")
+    assert c.prefill == PoolConfig(replicas=2, num_cpus=0.5, max_queue=256, max_restarts=-1, resource="pf")
     assert c.decode == PoolConfig(replicas=3, num_gpus=1.0, max_queue=5, max_restarts=-1)
     assert c.router == RouterConfig(host="0.0.0.0", port=9000, model_name="m", routing="round_robin",
                                     decode_local_prefill=0, max_inflight=9, request_timeout_s=30.0,

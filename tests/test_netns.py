@@ -96,7 +96,8 @@ def rx_bytes(ns: str, dev: str) -> int:
 
 def test_kv_crosses_a_network_link(namespaces, smollm, tmp_path):
     loaded, tok = smollm
-    common = ("--redis-url", REDIS_URL, "--cluster-name", "netns", "--kv-cache-memory", "64MiB", "--threads", "1")
+    common = ("--redis-url", REDIS_URL, "--cluster-name", "netns", "--kv-cache-memory", "64MiB", "--threads", "1",
+              "--cluster-token", "netns-token")  # workers on a network address need one
     procs = [in_ns(tmp_path, NS_D, redis_server_binary(), "--bind", IP_D, "--port", "6391", "--requirepass", PASSWORD,
                    "--save", "", "--appendonly", "no")]
     try:
@@ -105,7 +106,8 @@ def test_kv_crosses_a_network_link(namespaces, smollm, tmp_path):
         for p in procs[1:]:
             line = p.stdout.readline()
             assert line.startswith("ready "), stderr_of(p) if p.poll() is not None else line
-        procs.append(pdserve(tmp_path, NS_D, "router", "--port", "8391", "--redis-url", REDIS_URL, "--cluster-name", "netns"))
+        procs.append(pdserve(tmp_path, NS_D, "router", "--port", "8391", "--redis-url", REDIS_URL, "--cluster-name", "netns",
+                             "--cluster-token", "netns-token"))
         assert procs[-1].stdout.readline().startswith("curl "), stderr_of(procs[-1])
 
         prompt = "Tell me about the history of lighthouses on the coast of Portugal. " * 12

@@ -422,3 +422,32 @@ def test_embedded_redis_says_why_it_could_not_start():
         with pytest.raises(RuntimeError, match="(?i)address already in use"):
             r.start()
         assert r.proc is None and r._dir is None  # nothing left behind
+
+
+@pytest.mark.slow
+def test_a_worker_whose_engine_died_leaves_the_registry(smollm, redis_server):
+    """The engine thread of the decode worker dies (a bug in a step): the worker leaves the
+    registry within a second, instead of heartbeating while every request it gets fails."""
+    loaded, tok = smollm
+    cfg = local_config(32 << 20, registry=RegistryConfig(redis_url=redis_server.url, cluster_name="c-dead"))
+    c = LocalCluster(loaded, tok, cfg).start()
+    try:
+        async def members():
+            return sorted(r.worker_id for r in await list_workers(connect(redis_server.url), "c-dead"))
+
+        assert asyncio.run(members()) == ["decode-0", "prefill-0"]
+        decode = c.worker("decode-0")
+
+        def broken_step():
+            raise AssertionError("a bug in the step")
+
+        decode.engine.step = broken_step
+        r = httpx.post(c.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code >= 500
+        deadline = time.time() + 5
+        while asyncio.run(members()) != ["prefill-0"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert asyncio.run(members()) == ["prefill-0"]
+        assert decode.registration is None
+    finally:
+        c.stop()

@@ -369,6 +369,7 @@ def test_aggregated_mode_equals_engine(smollm, reference):
     assert all(e.blocks.num_used_blocks == 0 for e in c.engines())
 
 
+@pytest.mark.cancellation
 def test_client_disconnect_aborts_everywhere(cluster):
     """A client that goes away mid-stream: the request is aborted on every worker and its
     blocks are freed within a second."""
@@ -451,6 +452,7 @@ def wait_quiescent(cluster, timeout_s: float = 5.0) -> bool:
     return quiescent(cluster)
 
 
+@pytest.mark.cancellation
 def test_a_batch_that_fails_or_is_cancelled_while_starting_leaves_nothing(cluster, smollm):
     """One prompt of a batch is refused by the workers (past the context length): the request
     fails with its 400 and the other prompts' started choices are closed. A batch whose

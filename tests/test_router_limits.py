@@ -146,3 +146,39 @@ def test_pool_queue_limits_give_429_once_every_worker_of_the_pool_is_full(smollm
     finally:
         c.stop()
     assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in c.engines())
+
+
+def test_more_streams_than_the_batch_holds_queue_and_are_all_served(smollm):
+    """With the default per-worker queues, 40 concurrent streams against one decode worker
+    whose batch holds 8 are all served in turn: the rest wait in its queue, none gets 429,
+    and the batch never grows past its limit (requests prefilled remotely included)."""
+    import asyncio
+
+    from pdserve.config import PoolConfig
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    loaded, tok = smollm
+    engine = EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20), scheduler=SchedulerConfig(max_num_seqs=8))
+    cfg = local_config(engine=engine, prefill_max_queue=PoolConfig().max_queue, decode_max_queue=PoolConfig().max_queue)
+    c = LocalCluster(loaded, tok, cfg).start()
+    decode = c.worker("decode-0").engine
+    most = []
+
+    async def one(client, i):
+        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 4, "stream": True,
+                "temperature": 0}
+        async with client.stream("POST", c.url + "/v1/completions", json=body) as r:
+            most.append(len(decode.scheduler.running))
+            return r.status_code, [line async for line in r.aiter_lines()][-2:]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(40)))
+    try:
+        results = asyncio.run(all_at_once())
+    finally:
+        c.stop()
+    assert [s for s, _ in results] == [200] * 40
+    assert all(lines[-1] == "data: [DONE]" for _, lines in results)
+    assert max(most) <= 8
+    assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in c.engines())

@@ -55,6 +55,11 @@ def test_scale_decode_up_then_drain_down(smollm):
         assert json.loads(r.stdout) == {"prefill": 1, "decode": 2}
         wait_until(lambda: get_workers(url).get("decode-1", {}).get("healthy"), 15, "decode-1 to register")
         procs |= descendants(up.p.pid)
+        # 0.5 CPU of the local Ray cluster is left: two more workers need 1.0, refused at once
+        t0 = time.monotonic()
+        full = scale(url, decode=4)
+        assert full.returncode == 1 and "no room for 2 more decode worker(s)" in full.stderr, full.stderr
+        assert "--ray-cpus" in full.stderr and time.monotonic() - t0 < 60  # not the 300 s start timeout
 
         # one stream on each decode worker (least-loaded routing), then shrink back to one
         results: dict = {}
@@ -108,7 +113,8 @@ def test_pools_only_head_and_a_separate_router():
     admin endpoints, behind an API key), `pdserve router` runs the OpenAI API elsewhere."""
     port, router_port = free_port(), free_port()
     up = Proc("up", "--no-router", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-name", "topo",
-              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--threads", "1", "--api-key", "k-admin")
+              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--threads", "1", "--api-key", "k-admin",
+              "--cluster-token", "topo-token")  # the separate router is given the cluster's token
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k-admin"}
     procs: set[int] = set()
     router = None
@@ -122,7 +128,8 @@ def test_pools_only_head_and_a_separate_router():
         assert httpx.get(url + "/admin/pools", headers=auth).json()["pools"] == {"prefill": 1, "decode": 1}
         assert httpx.post(url + "/v1/completions", json={}, headers=auth).status_code == 404  # no API here
         redis_url = up.find("registry: ").split("registry: ")[1].split()[0]
-        router = Proc("router", "--port", str(router_port), "--redis-url", redis_url, "--cluster-name", "topo")
+        router = Proc("router", "--port", str(router_port), "--redis-url", redis_url, "--cluster-name", "topo",
+                      "--cluster-token", "topo-token")
         router.wait_ready()
         r = httpx.post(f"http://127.0.0.1:{router_port}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})

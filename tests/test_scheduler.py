@@ -112,8 +112,33 @@ def test_remote_kv_request_joins_batch_when_ready():
     assert bm.num_used_blocks == 0
 
 
+def test_requests_whose_kv_is_on_its_way_hold_their_seats_in_the_batch():
+    """max_num_seqs counts remote requests from admission: neither a local request nor
+    another remote one takes the seat, and the batch never outgrows the limit when the KV
+    lands (it used to, and the scheduler's assertion stopped the engine thread)."""
+    sched, bm = make(num_blocks=16, max_seqs=2)
+    local = req("local", 3, max_tokens=8)
+    sched.add(local)
+    run_step(sched)
+    remote = req("remote", 5, max_tokens=3, start=100)
+    assert sched.add_remote(remote)
+    assert not sched.add_remote(req("late", 5, start=200))  # no seat left: refused, nothing allocated
+    sched.add(req("waits", 3, start=300))
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["local"] and len(sched.waiting) == 1
+    remote.append_output(5)
+    sched.remote_kv_ready(remote)
+    run_step(sched)
+    assert len(sched.running) == 2
+    for r in list(sched.requests.values()):
+        sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert bm.num_used_blocks == 0
+
+
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 6), st.integers(0, 3)),
+    st.tuples(st.just("remote"), st.integers(1, 30), st.integers(1, 6)),
+    st.tuples(st.just("land"), st.integers(0, 40)),
     st.tuples(st.just("abort"), st.integers(0, 40)),
     st.tuples(st.just("step")),
 ), max_size=60)
@@ -132,6 +157,15 @@ def test_random_interleavings_never_leak(seq, num_blocks, max_seqs, budget):
             r = req(f"r{len(added)}", n, mt, start=prefix_group * 1000)
             added.append(r)
             sched.add(r)
+        elif op[0] == "remote":
+            _, n, mt = op
+            r = req(f"r{len(added)}", n, mt, start=5000 + len(added) * 100)
+            if sched.add_remote(r):
+                added.append(r)
+        elif op[0] == "land" and sched.remote:
+            r = list(sched.remote.values())[op[1] % len(sched.remote)]
+            r.append_output(7)
+            sched.remote_kv_ready(r)
         elif op[0] == "abort" and added:
             r = added[op[1] % len(added)]
             if r.request_id in sched.requests:
@@ -139,8 +173,11 @@ def test_random_interleavings_never_leak(seq, num_blocks, max_seqs, budget):
         else:
             run_step(sched)
         assert all(b.ref_count >= 0 for b in bm.blocks)
-        assert len(sched.running) <= max_seqs
+        assert len(sched.running) <= sched.seats_taken() <= max_seqs
     for _ in range(10_000):
+        for r in list(sched.remote.values()):  # every KV hand-off ends
+            r.append_output(7)
+            sched.remote_kv_ready(r)
         if not sched.num_unfinished:
             break
         run_step(sched)

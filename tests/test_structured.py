@@ -104,3 +104,39 @@ def test_invalid_constraints_are_named_errors(engine, structured, needle):
         engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4, structured=structured))
     assert e.value.param == "response_format" and needle in str(e.value)
     assert not engine.has_unfinished_requests()
+
+
+def test_schemas_as_users_write_them_are_compiled_strictly():
+    """Unlisted properties are not generated unless the schema allows them: nested objects,
+    definitions and alternatives included; explicit permissions stay as written."""
+    from pdserve.engine.structured import strict_schema
+
+    loose = {"type": "object", "properties": {
+        "city": {"type": "string"},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"t": {"type": "string"}}}},
+        "any": {"type": "object", "properties": {"k": {}}, "additionalProperties": True},
+        "alt": {"anyOf": [{"$ref": "#/$defs/point"}, {"type": "null"}]},
+        "properties": {"type": "object", "properties": {"x": {"type": "string"}}}},  # a property named so
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}}}}
+    s = strict_schema(loose)
+    assert s["additionalProperties"] is False
+    p = s["properties"]
+    assert p["where"]["additionalProperties"] is False and p["tags"]["items"]["additionalProperties"] is False
+    assert p["any"]["additionalProperties"] is True  # allowed explicitly: kept
+    assert s["$defs"]["point"]["additionalProperties"] is False and p["alt"]["anyOf"][1] == {"type": "null"}
+    assert p["properties"]["additionalProperties"] is False and "additionalProperties" not in p  # not the map
+    assert loose["properties"]["where"] == {"type": "object", "properties": {"lat": {"type": "number"}}}  # untouched
+
+
+def test_a_schema_without_additional_properties_false_still_ends(engine, smollm):
+    """The schema as users write it (no `additionalProperties`): the object closes after
+    its properties instead of growing until max_tokens."""
+    tok = smollm[1]
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"]}
+    params = SamplingParams(max_tokens=120, temperature=0, structured=Structured("json_schema", json.dumps(schema)))
+    out = engine.generate([chat(tok, "Plan a trip. Answer in JSON with a city and a number of days.")], params)[0]
+    doc = json.loads(tok.decode(out, skip_special_tokens=True))
+    assert set(doc) == {"city", "days"} and len(out) < 120

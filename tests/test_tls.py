@@ -14,7 +14,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
-from pdserve.protos.security import TLSConfig, TLSConfigError, open_channel
+from pdserve.protos.security import TLSConfig, TLSConfigError, open_channel, stats_request
 from tests.clusters import local_config
 
 trustme = pytest.importorskip("trustme")
@@ -49,7 +49,7 @@ def stats(address: str, tls: TLSConfig | None, options=()) -> pb.WorkerStats:
     async def call():
         ch = open_channel(address, tls, options) if tls is not None else grpc.aio.insecure_channel(address)
         try:
-            return await pb_grpc.DecodeServiceStub(ch).Stats(pb.StatsRequest(), timeout=5)
+            return await pb_grpc.DecodeServiceStub(ch).Stats(stats_request("t0k"), timeout=5)
         finally:
             await ch.close()
     return asyncio.run(call())

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 
 import httpx
@@ -23,7 +24,8 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
     from pdserve.engine.sampling_params import SamplingParams
 
     port = free_port()
-    up = Proc("up", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-token", "test-token")
+    up = Proc("up", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-token", "test-token",
+              "--shutdown-grace", "3")
     proc = up.p
     try:
         line = proc.stdout.readline()  # the curl line: printed once /health would answer 200
@@ -52,14 +54,23 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
                 break
             time.sleep(0.3)
         assert len(usage) == 2 and all(line.endswith(" 0.0") for line in usage + running), usage + running
+        # Ctrl-C with work in flight that would run for minutes: bounded shutdown all the same
+        streams = [threading.Thread(target=long_stream, args=(port, i), daemon=True) for i in range(3)]
+        for t in streams:
+            t.start()
+        time.sleep(3)
     finally:
         proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
         try:
             rc = proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
         err = up.text()
+    # 3 s for the streams, 3 s for the workers, then Ray and Redis stop (not a timing
+    # assertion: without the bound it waited for the streams, minutes here)
+    assert time.monotonic() - t0 < 30, err
     assert rc == 0, err
     assert "Traceback" not in err, err
     deadline = time.time() + 20
@@ -69,3 +80,14 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
     # Ray's private session directory goes too (113 of them had piled up in /tmp once)
     temp = err.split("session files in ")[1].split(")")[0]
     assert temp.startswith(tempfile.gettempdir()) and not os.path.exists(temp), temp
+
+
+def long_stream(port: int, i: int) -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Tell story {i}", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass  # cut off by the shutdown

@@ -14,6 +14,7 @@ from pdserve.prefill_worker.service import PrefillWorker
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import params_to_proto
+from pdserve.protos.security import stats_request
 
 PROMPTS = [[(11 * i + j) % 500 + 3 for j in range(18 + 21 * i)] for i in range(3)]
 PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
@@ -69,7 +70,7 @@ def test_disaggregated_equals_single_engine(make_engine, kv_transport):
     async def main():
         async with Cluster(make_engine, kv_transport=kv_transport) as c:
             outs = await asyncio.gather(*(c.generate(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))))
-            stats = await c.stub.Stats(pb.StatsRequest())
+            stats = await c.stub.Stats(stats_request(c.token))
             return outs, stats
 
     outs, stats = asyncio.run(main())
@@ -89,7 +90,7 @@ def test_under_kv_pressure_requests_wait_for_blocks_not_prefill_locally(make_eng
         async with Cluster(make_engine, decode_kv=8 * 8192) as c:  # 8 blocks of 16 tokens (tiny model, fp32)
             assert c.decode_engine.blocks.num_blocks == 8
             outs = await asyncio.gather(c.generate("a", prompt, params), c.generate("b", prompt + [7], params))
-            return outs, await c.stub.Stats(pb.StatsRequest())
+            return outs, await c.stub.Stats(stats_request(c.token))
 
     outs, stats = asyncio.run(main())
     assert outs[0][0] == want and len(outs[1][0]) == 40
@@ -131,7 +132,7 @@ def test_pools_with_different_block_sizes(make_engine, decode_block_size):
             outs = [(await c.generate(f"x{i}", prompt, p))[0] for i, p in enumerate(params)]  # 2nd: prefix cached
             outs += [t for t, _ in await asyncio.gather(*(c.generate(f"r{i}", p, sp)
                                                           for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))))]
-            return outs, await c.stub.Stats(pb.StatsRequest())
+            return outs, await c.stub.Stats(stats_request(c.token))
 
     outs, stats = asyncio.run(main())
     assert outs == want
@@ -150,7 +151,7 @@ def test_layer_wise_streaming_gives_the_same_tokens(make_engine, decode_block_si
         # a 32-token step budget: the longer prompts are prefilled in chunks, the last one streams
         async with Cluster(make_engine, layer_group=1, decode_block_size=decode_block_size, prefill_budget=32) as c:
             outs = [(await c.generate(f"l{i}", p, sp))[0] for i, (p, sp) in enumerate(zip(prompts, params))]
-            return outs, c.prefill.stream_pushes, await c.stub.Stats(pb.StatsRequest())
+            return outs, c.prefill.stream_pushes, await c.stub.Stats(stats_request(c.token))
 
     outs, pushes, stats = asyncio.run(main())
     assert outs == want and pushes == 2 * len(prompts)
@@ -200,7 +201,7 @@ def test_dead_prefill_worker_recompute_policy_gives_same_tokens(make_engine):
     async def main():
         async with Cluster(make_engine) as c:
             out = await c.generate("r", PROMPTS[1], PARAMS[1], prefill="127.0.0.1:1")
-            return out, await c.stub.Stats(pb.StatsRequest())
+            return out, await c.stub.Stats(stats_request(c.token))
 
     (tokens, last), stats = asyncio.run(main())
     assert tokens == want[1] and not last.prefilled_remotely
@@ -212,13 +213,14 @@ def test_dead_prefill_worker_fail_policy_errors_cleanly(make_engine):
         async with Cluster(make_engine, policy="fail") as c:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await c.generate("r", PROMPTS[1], PARAMS[0], prefill="127.0.0.1:1")
-            return e.value, await c.stub.Stats(pb.StatsRequest())
+            return e.value, await c.stub.Stats(stats_request(c.token))
 
     err, stats = asyncio.run(main())
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "KV hand-off failed" in err.details()
     assert stats.free_blocks == stats.num_blocks and stats.running == 0
 
 
+@pytest.mark.cancellation
 def test_client_cancel_frees_blocks(make_engine):
     async def main():
         async with Cluster(make_engine) as c:
@@ -229,7 +231,7 @@ def test_client_cancel_frees_blocks(make_engine):
                 break
             call.cancel()
             for _ in range(200):
-                stats = await c.stub.Stats(pb.StatsRequest())
+                stats = await c.stub.Stats(stats_request(c.token))
                 if stats.running == 0 and stats.free_blocks == stats.num_blocks:
                     return True
                 await asyncio.sleep(0.01)
@@ -271,7 +273,7 @@ def test_hanging_prefill_worker_times_out_and_recomputes(make_engine):
             async with Cluster(make_engine) as c:
                 c.decode.transfer_timeout_s = 0.5
                 out = await c.generate("h", PROMPTS[1], PARAMS[1], prefill=f"127.0.0.1:{port}")
-                return out, await c.stub.Stats(pb.StatsRequest()), c.decode.receiver.pending()
+                return out, await c.stub.Stats(stats_request(c.token)), c.decode.receiver.pending()
         finally:
             await server.stop(0)
 
@@ -306,3 +308,47 @@ def test_decode_forwards_the_request_parameters_to_the_prefill_worker_unchanged(
     msgs = asyncio.run(main())
     assert msgs[-1].finished and msgs[-1].prefilled_remotely
     assert seen == [sent]
+
+
+class Impostor(pb_grpc.DecodeServiceServicer):
+    """A server registered under a worker's name that does not hold the cluster token: it
+    answers every Stats call and would gladly take requests (and the token they carry)."""
+
+    def __init__(self):
+        self.generate_calls = 0
+
+    async def Stats(self, request, context):
+        return pb.WorkerStats(worker_id="decode-1", role="decode", num_blocks=999, free_blocks=999,
+                              max_model_len=8192, proof=b"\0" * 32)
+
+    async def Generate(self, request, context):
+        self.generate_calls += 1
+        yield pb.GenerateResponse(token_ids=[1], finished=True, finish_reason="stop")
+
+
+def test_only_workers_that_prove_the_cluster_token_get_traffic(make_engine):
+    """Stats carries no token, only an HMAC proof both ways: a registered address that
+    answers without proving the token is kept out of routing (and never sees the token); a
+    caller without the token is refused by the real worker."""
+    from pdserve.router.cluster import ClusterClient, WorkerEndpoint
+
+    async def main():
+        fake, server = Impostor(), grpc.aio.server()
+        pb_grpc.add_DecodeServiceServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with Cluster(make_engine, token="s3cret") as c:
+            client = ClusterClient(cluster_token="s3cret", block_size=16)
+            client.set_workers([WorkerEndpoint("decode-0", "decode", c.decode.address),
+                                WorkerEndpoint("decode-1", "decode", f"127.0.0.1:{port}")])
+            await client.refresh()
+            routes = [client.route([i, i + 1, i + 2]) for i in range(4)]
+            with pytest.raises(grpc.aio.AioRpcError) as wrong:
+                await c.stub.Stats(stats_request("not-the-token"))
+            await client.close()
+        await server.stop(0)
+        return client, routes, wrong.value.code()
+    client, routes, code = asyncio.run(main())
+    assert client.healthy == {"decode-0": True, "decode-1": False} and client.impostors == {"decode-1"}
+    assert {r.decode.worker_id for r in routes} == {"decode-0"} and "decode-1" not in client.stats
+    assert code == grpc.StatusCode.UNAUTHENTICATED

@@ -1,0 +1,51 @@
+"""A streaming client that stops reading: the router holds a bounded number of its deltas,
+then, past the stall timeout, aborts its generations; a reader that keeps up gets all."""
+import asyncio
+
+from pdserve.router import responses
+from pdserve.router.generation import Delta
+
+
+class Endless:
+    """A Generation's streaming surface, producing as fast as it is asked."""
+
+    def __init__(self, limit: int | None = None):
+        self.produced, self.closed, self.limit = 0, False, limit
+
+    async def deltas(self):
+        while not self.closed and (self.limit is None or self.produced < self.limit):
+            self.produced += 1
+            yield Delta(text="x", token_ids=[1])
+            await asyncio.sleep(0)
+
+    async def close(self):
+        self.closed = True
+
+
+def start(gens, stall_s, stalls):
+    return responses.stream(gens, chunk=lambda i, d, off: {"i": i, "t": d.text}, final=lambda i: [], base={},
+                            include_usage=False, stall_timeout_s=stall_s, on_stall=lambda: stalls.append(1))
+
+
+def test_a_reader_that_stops_is_buffered_boundedly_then_cut_off():
+    async def main():
+        gens, stalls = [Endless(), Endless()], []
+        await start(gens, 0.3, stalls)  # the response is never read past its first event
+        await asyncio.sleep(0.1)
+        assert all(g.produced <= responses.STREAM_BUFFER * 2 + 2 for g in gens)  # bounded, not growing
+        await asyncio.sleep(0.5)
+        assert all(g.closed for g in gens) and stalls  # aborted on the workers
+        produced = [g.produced for g in gens]
+        await asyncio.sleep(0.2)
+        assert [g.produced for g in gens] == produced
+    asyncio.run(main())
+
+
+def test_a_reader_that_keeps_up_gets_every_delta():
+    async def main():
+        gens, stalls = [Endless(limit=500)], []
+        resp = await start(gens, 0.3, stalls)
+        events = [chunk async for chunk in resp.body_iterator]
+        assert sum(e.count('"t": "x"') for e in events) == 500 and events[-1] == "data: [DONE]\n\n"
+        assert not stalls
+    asyncio.run(main())
