@@ -83,7 +83,10 @@ def test_each_worker_gets_its_pools_branch():
     assert (w.role, w.worker_id, w.host, w.max_queue) == ("decode", "decode-4", "127.0.0.1", 3)
     assert (w.transfer, w.registry, w.engine, w.security) == (c.transfer, c.registry, c.engine, c.security)
     assert c.worker("prefill", "p").max_queue == 7
-    assert replace(c, ray_address="ray://h:1").worker("prefill", "p").host == "auto"  # its node's address
+    multi_node = replace(c, ray_address="ray://h:1", security=SecurityConfig(cluster_token="t"))
+    assert multi_node.worker("prefill", "p").host == "auto"  # its node's address
+    with pytest.raises(ValueError, match="reachable from the network: set a cluster token"):
+        replace(c, ray_address="ray://h:1").worker("prefill", "p")  # open to the network: refused
     assert list(c.pools()) == ["prefill", "decode"]
     assert replace(c, mode="aggregated").pools() == {"aggregated": c.decode}
 

@@ -30,14 +30,14 @@ def start(gens, stall_s, stalls):
 def test_a_reader_that_stops_is_buffered_boundedly_then_cut_off():
     async def main():
         gens, stalls = [Endless(), Endless()], []
-        await start(gens, 0.3, stalls)  # the response is never read past its first event
+        resp = await start(gens, 0.3, stalls)  # held (as the server holds it), never read past its first event
         await asyncio.sleep(0.1)
         assert all(g.produced <= responses.STREAM_BUFFER * 2 + 2 for g in gens)  # bounded, not growing
         await asyncio.sleep(0.5)
         assert all(g.closed for g in gens) and stalls  # aborted on the workers
         produced = [g.produced for g in gens]
         await asyncio.sleep(0.2)
-        assert [g.produced for g in gens] == produced
+        assert [g.produced for g in gens] == produced and resp is not None
     asyncio.run(main())
 
 
