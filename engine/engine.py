@@ -21,7 +21,7 @@ from .events import EventListener
 from .kv_cache import KVCache
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampler import TokenLogprobs, sample
+from .sampler import TokenLogprobs, draw, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .speculative import NgramSpeculator
@@ -157,7 +157,7 @@ class LLMEngine:
                 raise InvalidRequestError("resume tokens do not follow the request's constraint", param="resume")
             req.append_output(t)
             if not req.params.greedy:  # one draw per sampled token, as the sampler makes
-                torch.empty(vocab).exponential_(generator=req.generator)
+                draw(req)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now. False if unknown."""
@@ -324,7 +324,7 @@ class LLMEngine:
         if not req.params.greedy:
             # the prefill side drew the first token from the same seeded stream: skip that
             # draw so that the rest equals a single-engine run
-            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
+            draw(req)
         return self._on_token(req, first_token, logprob)
 
     # ---- conveniences ---------------------------------------------------------------------

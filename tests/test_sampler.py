@@ -84,6 +84,15 @@ def test_sampling_follows_the_distribution():
     assert chi2 < 20.0, (counts.tolist(), chi2)  # 4 dof: p < 0.001 above ~18.5
 
 
+def test_sampling_never_picks_a_masked_token():
+    """Inverse-CDF sampling over a distribution with zero-probability entries (truncated by
+    top_k, or -inf logits at either end) only ever returns tokens of positive probability."""
+    logits = torch.tensor([float("-inf"), 0.5, float("-inf"), 0.2, 3.0, float("-inf")])
+    r = req(SamplingParams(temperature=1.0, top_k=2), seed=5)
+    picked = {sample(logits.unsqueeze(0), [r])[0][0] for _ in range(500)}
+    assert picked == {1, 4}
+
+
 def test_seeded_rows_independent_of_batch():
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
     mk = lambda: [req(SamplingParams(temperature=0.9, seed=s), seed=s) for s in (7, 8, 9)]
