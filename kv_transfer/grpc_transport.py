@@ -20,11 +20,14 @@ from pdserve.protos.security import TLSConfig, add_port, open_channel
 from .receiver import KVReceiver, PushAssembler
 from .wire import CHUNK_BYTES, iter_chunks, make_header, tensor_bytes
 
-# the default 4 MB limit is far below a long prompt's KV; chunks keep each message small
-# anyway, this only matters for future single-message senders
+# senders may send messages up to 64 MiB; the server takes at most 8 data chunks' worth per
+# message: gRPC buffers a whole message before the servicer sees its header (and checks the
+# cluster token there), so this bounds what an unauthenticated peer can make it hold
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_RECEIVE_BYTES = 8 * CHUNK_BYTES
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
 
 
 class _Servicer(pb_grpc.KVTransferServicer):
@@ -61,7 +64,7 @@ class GrpcKVServer:
 
     async def start(self) -> str:
         """Start serving; returns the bound address."""
-        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self.receiver, self.on_arrival), self._server)
         self.port = add_port(self._server, f"{self.host}:{self.port}", self.tls)
         await self._server.start()

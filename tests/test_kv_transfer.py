@@ -285,3 +285,31 @@ def test_a_push_starting_at_the_wrong_token_is_refused(wire):
                                         model_fingerprint=FP, timeout_s=10, token_offset=16), rx)
     [arrival] = rx.take_ready()
     assert arrival.kv.shape[2] == 2
+
+
+def test_a_huge_message_is_refused_before_anything_reads_it():
+    """gRPC buffers a whole message before the servicer can check its header and token: the
+    KV server takes at most 8 chunks' worth per message, so a peer without the token cannot
+    make it hold 64 MiB messages."""
+    import grpc
+
+    from pdserve.kv_transfer.grpc_transport import CHANNEL_OPTIONS, MAX_RECEIVE_BYTES
+    from pdserve.protos import kv_transfer_pb2 as kpb
+    from pdserve.protos import kv_transfer_pb2_grpc as kpb_grpc
+
+    rx = KVReceiver(FP, LAYOUT, cluster_token="s3cret")
+
+    async def main():
+        server = GrpcKVServer(rx)
+        addr = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS) as ch:
+                async def chunks():
+                    yield kpb.KVChunk(data=b"\0" * (MAX_RECEIVE_BYTES + 1))
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await kpb_grpc.KVTransferStub(ch).Push(chunks(), timeout=10)
+                return e.value.code()
+        finally:
+            await server.stop()
+    assert asyncio.run(main()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert rx.pending() == []
