@@ -9,6 +9,7 @@ import grpc
 
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
+from pdserve.protos.security import token_proof
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint
 
 
@@ -16,9 +17,10 @@ class SlowStats(pb_grpc.DecodeServiceServicer):
     def __init__(self):
         self.delay_s = 0.0
 
-    async def Stats(self, request, context):
+    async def Stats(self, request, context):  # a worker of a cluster without a token: it proves ""
         await asyncio.sleep(self.delay_s)
-        return pb.WorkerStats(worker_id="d0", role="decode", num_blocks=8, free_blocks=8)
+        return pb.WorkerStats(worker_id="d0", role="decode", num_blocks=8, free_blocks=8,
+                              proof=token_proof("", "reply", request.nonce))
 
 
 def test_slow_polls_keep_a_worker_until_they_repeat_and_a_dead_one_leaves_at_once():
