@@ -130,8 +130,8 @@ class PrefillWorker:
                  cluster_token: str = "", max_queue: int = 0, tls: TLSConfig | None = None,
                  layer_group: int = 0):
         """layer_group > 0: stream each prompt's KV to the decode worker every `layer_group`
-        layers, as they are computed (transfer overlaps compute); 0: after the whole prompt."""
-        """max_queue > 0: at most this many prompts queued or prefilling here; more are
+        layers, as they are computed (transfer overlaps compute); 0: after the whole prompt.
+        max_queue > 0: at most this many prompts queued or prefilling here; more are
         refused with RESOURCE_EXHAUSTED (the router tries another worker, then answers 429)."""
         self.engine = engine
         self.max_queue = max_queue

@@ -16,11 +16,12 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.registry.embedded import free_port
-from tests.chaos.test_ray_faults import Proc, get_workers, wait_until
+from tests.chaos.test_ray_faults import Proc, engine_stats, get_workers, wait_until
 from tests.procs import ENV, alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 MODEL = "SmolLM2-135M-Instruct"
+TOKEN = "scale-token"
 
 
 def scale(url: str, **sizes) -> subprocess.CompletedProcess:
@@ -44,7 +45,7 @@ def test_scale_decode_up_then_drain_down(smollm):
     loaded, tok = smollm
     port = free_port()
     up = Proc("up", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-name", "scale",
-              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--threads", "1")
+              "--cluster-token", TOKEN, "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--threads", "1")
     url = f"http://127.0.0.1:{port}"
     procs: set[int] = set()
     try:
@@ -66,10 +67,10 @@ def test_scale_decode_up_then_drain_down(smollm):
         prompts = {"a": "The history of the printing press begins", "b": "A short story about a lighthouse keeper"}
         threads = {k: threading.Thread(target=stream, args=(url, p, results, k)) for k, p in prompts.items()}
         threads["a"].start()
-        wait_until(lambda: sum(bool(w["running"]) for w in get_workers(url).values() if w["role"] == "decode") == 1,
+        wait_until(lambda: sum(bool(s.running) for _, s in engine_stats(url, "decode", TOKEN).values()) == 1,
                    30, "the first stream to run")
         threads["b"].start()
-        wait_until(lambda: all(w["running"] for w in get_workers(url).values() if w["role"] == "decode"),
+        wait_until(lambda: all(s.running for _, s in engine_stats(url, "decode", TOKEN).values()),
                    30, "a stream on each decode worker")
         shrink: dict = {}
         scaler = threading.Thread(target=lambda: shrink.setdefault("r", scale(url, decode=1)))

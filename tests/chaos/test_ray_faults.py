@@ -11,12 +11,15 @@ import subprocess
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protos import worker_pb2_grpc as pb_grpc
+from pdserve.protos.security import stats_request
 from pdserve.registry.embedded import free_port
 from tests import procs
 from tests.procs import alive, descendants, restart_redis
@@ -45,6 +48,29 @@ def wait_until(cond, timeout: float, what: str):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def engine_stats(url: str, role: str, token: str = TOKEN) -> dict[str, tuple[dict, object]]:
+    """Each `role` worker's registry entry and its Stats, asked of the worker itself: a Stats
+    call is answered between engine steps, so what it says is the engine as it is now (the
+    router's view is a poll old, and a fast CPU prefills a whole prompt, or ends a short
+    stream, between two of its polls)."""
+    stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
+    out = {}
+    for w in get_workers(url).values():
+        if w["role"] == role:
+            with grpc.insecure_channel(w["address"]) as ch:
+                out[w["worker_id"]] = (w, stub(ch).Stats(stats_request(token), timeout=10))
+    return out
+
+
+def busy_worker(url: str, role: str, what: str, timeout: float) -> dict:
+    """The `role` worker seen with a request in its engine (one that has two steps left is
+    seen however fast the machine is)."""
+    def busy():
+        found = [w for w, s in engine_stats(url, role).values() if s.running]
+        return found[0] if found else time.sleep(0.005)
+    return wait_until(busy, timeout, what)
 
 
 def clean(url: str) -> bool:
@@ -128,9 +154,7 @@ def test_decode_worker_sigkill_mid_stream(cluster, reference):
             texts.append(ev["choices"][0]["text"])
             finish = ev["choices"][0]["finish_reason"] or finish
             if len(texts) == 8:
-                serving = wait_until(lambda: [w for w in get_workers(cluster.url).values()
-                                              if w["role"] == "decode" and w["running"]], 5, "the serving worker")
-                victim = serving[0]
+                victim = busy_worker(cluster.url, "decode", "the serving worker", 5)
                 os.kill(cluster.pids[victim["worker_id"]], signal.SIGKILL)
                 killed = time.monotonic()
     assert "".join(texts) == reference(prompt, 48) and finish == "length"  # continued exactly, elsewhere
@@ -141,17 +165,15 @@ def test_decode_worker_sigkill_mid_stream(cluster, reference):
 
 
 def test_prefill_worker_sigkill_mid_prefill(cluster, reference):
-    # ~1150 tokens, three prefill steps: the prompt is seen running for two of them (a poll of the
-    # stats lands between steps), and the KV still fits the 64 MiB caches
+    # ~1150 tokens, three prefill steps (busy_worker sees it after the first), and the KV still
+    # fits the 64 MiB caches
     prompt = "Tell me about the sea. " * 180
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
     result = {}
     t = threading.Thread(target=lambda: result.setdefault(
         "r", httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)))
     t.start()
-    busy = wait_until(lambda: [w for w in get_workers(cluster.url).values() if w["role"] == "prefill" and w["running"]],
-                      30, "a prefill worker to start the prompt")
-    victim = busy[0]
+    victim = busy_worker(cluster.url, "prefill", "a prefill worker to start the prompt", 30)
     os.kill(cluster.pids[victim["worker_id"]], signal.SIGKILL)
     killed = time.monotonic()
     t.join(120)
