@@ -218,7 +218,7 @@ def add_bench_peers_args(p) -> None:
                    help="systems to compare, in order (missing ones are skipped) (default: %(default)s)")
     p.add_argument("--port", type=int, default=8300, help="port each system serves on in turn")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pdserve's KV cache per worker (default: %(default)s)")
-    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="pdserve's weights")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help="pdserve's weights (default: the product default)")
     p.add_argument("--prefix-routing", action="store_true", help="also compare prefix-aware and round-robin routing")
     p.add_argument("--vllm-venv", default=str(vllm_peer.VENV), help="vLLM's own venv (`make vllm`) (default: %(default)s)")
     p.add_argument("--vllm-model", default=str(vllm_peer.MODEL_DIR),
@@ -226,6 +226,7 @@ def add_bench_peers_args(p) -> None:
     p.add_argument("--slo-ttft", type=float, default=5.0, help="goodput: TTFT at most this many s (default: %(default)s)")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput: TPOT at most this many s (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="one tiny phase per system (a smoke test)")
+    p.add_argument("--points", default="", help='only these load points, e.g. "decode-heavy c=32,prompt-heavy c=1"')
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per system to start (vLLM compiles)")
     p.add_argument("--output", default="bench/peers-results.json")
     p.add_argument("--plot-dir", default="bench/plots/peers", help="PNG plots per phase ('' for none)")
@@ -319,6 +320,12 @@ def cmd_bench_peers(args) -> int:
     if unknown:
         raise ValueError(f"--systems: unknown {unknown}; known: {', '.join(cmds)}")
     plan = QUICK if args.quick else phases(args.slo_ttft, args.slo_tpot)
+    if args.points:
+        wanted = [x.strip() for x in args.points.split(",")]
+        unknown = [x for x in wanted if x not in plan]
+        if unknown:
+            raise SystemExit(f"unknown load point(s) {unknown}: choose from {list(plan)}")
+        plan = {k: v for k, v in plan.items() if k in wanted}
     merged, ready, skipped = {}, {}, {}
     for name in wanted:
         if cmds[name] is None:

@@ -28,9 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup speculative decoding: guess up to N tokens per greedy request (0: off)")
     g.add_argument("--attention", choices=("auto", "torch", "native", "triton"), default="auto",
                    help="attention kernels: auto = Triton on CUDA, C on CPU (default: auto)")
-    g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="weight quantization at load, CPU: int8 / q4_1 / fp16 weight-only (fp32 math), w8a8 "
-                        "(int8 activations too: fastest at large batches, ~5%% worse perplexity) (default: none)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                   help="weight quantization at load, CPU: auto = the checkpoint's own Q4_1 layers read in 4 "
+                        "bits at small batches (the same weights; none: all fp32); int8 / q4_1 / fp16 "
+                        "weight-only (fp32 math), w8a8 (int8 activations too: fastest at large batches, ~5%% "
+                        "worse perplexity) (default: auto)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

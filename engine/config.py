@@ -162,8 +162,10 @@ class EngineConfig:
     """Attention kernels: "auto" (Triton on CUDA, the C kernel on CPU in fp32, else torch; with
     the C kernel, RoPE and SwiGLU run on fused C kernels too),
     "torch", "native" or "triton"."""
-    quantization: str = "none"
-    """Weight quantization applied at load (engine/quant.py), CPU only: "int8" or "q4_1"
+    quantization: str = "auto"
+    """Weight quantization applied at load (engine/quant.py), CPU only: "auto" (matrices that are
+    exactly Q4_1, as a Q4_1 GGUF's layers are, read in 4 bits at small batches; the same
+    model), "int8" or "q4_1"
     (weight-only: 3.5x faster matmuls at one row, fp32 math), "fp16" (weight-only), "w8a8"
     (int8 activations too: fastest at large batches, ~5% worse perplexity), or "none"."""
 

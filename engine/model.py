@@ -193,10 +193,18 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse(packed, quantization)
             layer.mlp.fuse(packed, quantization)
         # q4_1 keeps the LM head in int8, as GGUF Q4_1 checkpoints ship it (Q8_0): in 4 bits it
-        # alone raised SmolLM2's perplexity 4%
+        # alone raised SmolLM2's perplexity 4%; "auto" keeps it as shipped
         head = "int8" if quantization == "q4_1" else quantization
         self.lm_head_linear = make_linear(self.lm_head.weight.data, head, packed)
         return self
+
+    def quantized_matrices(self) -> int:
+        """How many of the fused matrices run on a quantized kernel."""
+        from .quant import WeightOnlyLinear
+        lins = [self.lm_head_linear] + [lin for layer in self.model.layers
+                                        for lin in (layer.self_attn.qkv_linear, layer.self_attn.o_linear,
+                                                    layer.mlp.gate_up_linear, layer.mlp.down_linear)]
+        return sum(isinstance(lin, WeightOnlyLinear) for lin in lins)
 
     def use_native_ops(self, on: bool = True) -> "LlamaForCausalLM":
         """Run RoPE and SwiGLU on the fused C kernels (fp32 CPU weights, fused by `fuse`; the

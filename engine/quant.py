@@ -13,6 +13,11 @@ weight-only quantization pays (SmolLM2-135M: 540 MB of fp32 weights per step, 13
 - `W8A8Linear`: int8 weights and int8 activations, each row quantized on the fly with its
   own scale, int32 accumulation (fbgemm): fastest at large batches, ~5% worse perplexity.
 - `Fp16Linear`: fp16 weights, fp32 activations and math (fbgemm): half the bytes, ~lossless.
+- "auto" (the default): a matrix whose fp32 values are exactly a Q4_1 grid (what a Q4_1 GGUF's
+  layers dequantize to) runs as an exact `WeightOnlyLinear`: the C kernel reads the 4-bit
+  form at small batches, oneDNN the original fp32 values at large ones, so the model is the
+  checkpoint's own, in fp32 math. Every other matrix (the Q8_0 LM head, HF checkpoints) stays
+  fp32 on oneDNN.
 
 Every kernel is batch invariant: a row's result does not depend on the other rows in the
 batch, so a request's greedy output is the same alone or batched.
@@ -24,7 +29,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("none", "int8", "q4_1", "fp16", "w8a8")
+QUANTIZATIONS = ("auto", "none", "int8", "q4_1", "fp16", "w8a8")
+EXACT_TOL = 1e-5  # a matrix is a Q4_1 grid if re-quantizing it moves no weight by more than this x max |w|
 
 
 class QuantizationUnavailable(RuntimeError):
@@ -79,13 +85,26 @@ def fbgemm_cpu_problem(quantization: str, flags: set[str] | None = None) -> str 
     return None
 
 
+def small_m(flags: set[str] | None = None) -> int:
+    """The most rows the weight-only C kernels take (more run on oneDNN), per CPU. Measured
+    crossovers with oneDNN fp32 (whole decode steps of SmolLM2, 2 threads): ~12 rows on an
+    AVX-512 EPYC, where oneDNN uses AVX-512 and the kernels AVX2; on an AVX2-only EPYC the
+    kernels were still 5-14% faster at 32 and 48 rows (bench/NOTES.md)."""
+    if flags is None:
+        from .native import cpu_flags
+        flags = cpu_flags()
+    return 8 if "avx512f" in flags or not flags else 48
+
+
 class WeightOnlyLinear:
     """int8 or Q4_1 weights; see the module docstring. Raises QuantizationUnavailable when the
     C kernels cannot be built here (no compiler)."""
 
-    SMALL_M = 8  # measured crossover with oneDNN fp32: ~12 rows on AVX-512, higher on AVX2
+    SMALL_M = small_m()
 
-    def __init__(self, w: torch.Tensor, fmt: str):
+    def __init__(self, w: torch.Tensor, fmt: str, exact: tuple | None = None):
+        """`exact`: `w`'s Q4_1 form when `w` is exactly that grid (`q4_1_grid`): larger batches
+        then run on `w` itself, not on a re-quantized copy."""
         from . import native
         try:
             native.load()
@@ -97,8 +116,8 @@ class WeightOnlyLinear:
             self.packed, self.kernel = native.quantize_int8(w), native.int8_matmul
             self.dequantized = native.dequantize_int8(*self.packed)
         else:
-            self.packed, self.kernel = native.quantize_q4_1(w), native.q4_1_matmul
-            self.dequantized = native.dequantize_q4_1(*self.packed)
+            self.packed, self.kernel = exact or native.quantize_q4_1(w), native.q4_1_matmul
+            self.dequantized = w.detach() if exact else native.dequantize_q4_1(*self.packed)
         self.large = OneDNNLinear(self.dequantized) if onednn_available() else PlainLinear(self.dequantized)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,12 +163,34 @@ class Fp16Linear:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.params)
 
 
+def q4_1_grid(w: torch.Tensor) -> tuple | None:
+    """The Q4_1 form of the fp32 CPU matrix `w` if `w` is exactly that grid (each group of 32
+    along K is q * d + m, q in 0..15, as a Q4_1 checkpoint dequantizes) and the C kernels load;
+    else None."""
+    from . import native
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 32:
+        return None
+    try:
+        native.load()
+    except native.NativeKernelUnavailable:
+        return None
+    packed = native.quantize_q4_1(w)
+    err = native.dequantize_q4_1(*packed).sub_(w).abs_().max()
+    return packed if err <= EXACT_TOL * w.abs().max().clamp(min=1e-30) else None
+
+
 def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True):
     """The kernel for one (out, in) weight. `quantization` is one of QUANTIZATIONS; with
-    "none", `packed` picks oneDNN's layout for fp32 CPU weights."""
+    "none" (and "auto" for a matrix that is not a Q4_1 grid), `packed` picks oneDNN's layout
+    for fp32 CPU weights."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     on_cpu = w.device.type == "cpu"
+    if quantization == "auto":
+        grid = q4_1_grid(w)
+        if grid is not None:
+            return WeightOnlyLinear(w, "q4_1", exact=grid)
+        quantization = "none"
     if quantization in ("int8", "q4_1"):
         if not on_cpu:
             raise QuantizationUnavailable(f"--quantization {quantization} runs on the CPU, not {w.device.type}")

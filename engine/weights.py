@@ -264,7 +264,7 @@ class LoadedModel:
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                device: str = "cpu", packed_weights: bool = True, quantization: str = "none") -> LlamaForCausalLM:
+                device: str = "cpu", packed_weights: bool = True, quantization: str = "auto") -> LlamaForCausalLM:
     """Instantiate the model for `cfg` with `state`'s weights, fused for inference."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -277,17 +277,22 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
 
 def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
                device: str = "cpu", max_model_len: int = 0, packed_weights: bool = True,
-               quantization: str = "none") -> LoadedModel:
+               quantization: str = "auto") -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct).
     `max_model_len` (if > 0) overrides the model's context length. A quantized model gets its
-    own fingerprint: its KV differs from the full-precision model's, so workers refuse to mix them."""
+    own fingerprint: its KV differs from the full-precision model's, so workers refuse to mix them
+    ("auto" only when it found matrices to run quantized: then their kernels' sums, not the weights,
+    differ)."""
     path = resolve_model_path(model)
     state, cfg, fingerprint = load_state_dict(path)
     if max_model_len:
         cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
-    if quantization != "none":
+    if quantization not in ("none", "auto"):
         fingerprint = f"{fingerprint}+{quantization}"
-    return LoadedModel(build_model(cfg, state, dtype, device, packed_weights, quantization), cfg, path, fingerprint)
+    built = build_model(cfg, state, dtype, device, packed_weights, quantization)
+    if quantization == "auto" and built.quantized_matrices():
+        fingerprint = f"{fingerprint}+auto"
+    return LoadedModel(built, cfg, path, fingerprint)
 
 
 def load_for_config(config) -> LoadedModel:

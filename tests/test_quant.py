@@ -100,7 +100,56 @@ def _nll(engine, ids) -> float:
 
 @pytest.fixture(scope="module")
 def quantized(smollm):
-    return {q: load_model(quantization=q) for q in AVAILABLE}
+    return {q: load_model(quantization=q) for q in ("none", *AVAILABLE)}
+
+
+def test_auto_runs_exact_q4_1_grids_quantized_and_the_rest_in_fp32():
+    """"auto": a matrix that is exactly a Q4_1 grid gets the 4-bit kernel at small batches and
+    its own fp32 values on oneDNN above; any other matrix stays fp32."""
+    from pdserve.engine import native
+    g = torch.Generator().manual_seed(2)
+    w = native.dequantize_q4_1(*native.quantize_q4_1(torch.randn(64, 96, generator=g)))  # a Q4_1 grid
+    lin = make_linear(w, "auto")
+    assert isinstance(lin, WeightOnlyLinear) and lin.dequantized.data_ptr() == w.data_ptr()  # no copy
+    for rows in (1, WeightOnlyLinear.SMALL_M):
+        x = torch.randn(rows, 96, generator=g)
+        torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x = torch.randn(WeightOnlyLinear.SMALL_M + 1, 96, generator=g)
+    assert torch.equal(lin(x), make_linear(w, "none")(x))  # above: the fp32 kernel on the same values
+    plain = make_linear(w + 1e-3 * torch.randn(64, 96, generator=g), "auto")
+    assert not isinstance(plain, WeightOnlyLinear)
+    assert not isinstance(make_linear(torch.randn(8, 48), "auto"), WeightOnlyLinear)  # K not a multiple of 32
+
+
+@pytest.mark.slow
+def test_auto_is_the_default_and_the_same_model_as_fp32(smollm, quantized):
+    """The default checkpoint's 120 layer matrices are Q4_1 grids (the LM head, Q8_0, is not):
+    "auto" (the default) reads them in 4 bits and computes the fp32 model's logits to float
+    rounding."""
+    loaded, tok = smollm
+    fp32 = quantized["none"]
+    assert EngineConfig().quantization == "auto" and loaded.fingerprint == f"{fp32.fingerprint}+auto"
+    assert loaded.model.quantized_matrices() == 4 * len(loaded.model.model.layers)
+    assert type(loaded.model.lm_head_linear).__name__ == "OneDNNLinear"
+    ids = tok.encode(TEXT)[:64]
+    cache = CacheConfig(kv_cache_memory=32 << 20, enable_prefix_caching=False)
+    def decode(model, batch: int) -> list[list[tuple[int, float]]]:
+        """Each request's greedy tokens and logprobs, `batch` decoding together (C kernel rows)."""
+        e = LLMEngine(model, EngineConfig(cache=cache), tok)
+        for i in range(batch):
+            e.add_request(f"r{i}", ids[i:i + 16], SamplingParams(max_tokens=6, temperature=0, logprobs=0))
+        got: dict = {}
+        while e.has_unfinished_requests():
+            for out in e.step():
+                got.setdefault(out.request_id, []).extend((lp.token_id, lp.logprob) for lp in out.logprobs)
+        assert_engine_clean(e)
+        return [got[f"r{i}"] for i in range(batch)]
+    for batch in (1, 8):
+        for want, have in zip(decode(fp32, batch), decode(loaded, batch)):
+            assert [t for t, _ in have] == [t for t, _ in want]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(want, have)) < 1e-3
+    ref = _nll(LLMEngine(fp32, EngineConfig(cache=cache), tok), ids)
+    assert abs(_nll(LLMEngine(loaded, EngineConfig(cache=cache), tok), ids) - ref) < 1e-4
 
 
 @pytest.mark.slow
@@ -108,10 +157,11 @@ def test_quality_against_fp32(smollm, quantized):
     """Perplexity on a fixed text through the engine against the same weights in fp32: the
     weight-only formats within 1% (q4_1 is the checkpoint's own format: ~exact), w8a8 within
     10% (measured +5%, bench/NOTES.md)."""
-    loaded, tok = smollm
+    _, tok = smollm
+    loaded = quantized["none"]
     ids = tok.encode(TEXT)[:384]
     cache = CacheConfig(kv_cache_memory=32 << 20, enable_prefix_caching=False)
-    ref = _nll(LLMEngine(loaded, EngineConfig(cache=cache), tok), ids)
+    ref = _nll(LLMEngine(loaded, EngineConfig(quantization="none", cache=cache), tok), ids)
     for q, bound in (("fp16", 0.002), ("int8", 0.01), ("q4_1", 0.01), ("w8a8", 0.10)):
         if q not in AVAILABLE:
             continue

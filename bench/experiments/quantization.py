@@ -16,12 +16,15 @@ from pathlib import Path
 from pdserve.bench.engine import bench_pdserve_decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.quant import FBGEMM_CPU_NEEDS, fbgemm_cpu_problem
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import load_model
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("none", "int8", "q4_1", "fp16", "w8a8")
+# "none" first (the fp32 reference); fbgemm modes only where this CPU runs them right
+VARIANTS = tuple(q for q in ("none", "auto", "int8", "q4_1", "fp16", "w8a8")
+                 if q not in FBGEMM_CPU_NEEDS or not fbgemm_cpu_problem(q))
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is.",
     "Give me three tips for a job interview.", "How do vaccines work?", "Translate 'good morning' into Spanish.",
