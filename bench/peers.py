@@ -321,11 +321,11 @@ def cmd_bench_peers(args) -> int:
         raise ValueError(f"--systems: unknown {unknown}; known: {', '.join(cmds)}")
     plan = QUICK if args.quick else phases(args.slo_ttft, args.slo_tpot)
     if args.points:
-        wanted = [x.strip() for x in args.points.split(",")]
-        unknown = [x for x in wanted if x not in plan]
+        points = [x.strip() for x in args.points.split(",")]
+        unknown = [x for x in points if x not in plan]
         if unknown:
             raise SystemExit(f"unknown load point(s) {unknown}: choose from {list(plan)}")
-        plan = {k: v for k, v in plan.items() if k in wanted}
+        plan = {k: v for k, v in plan.items() if k in points}
     merged, ready, skipped = {}, {}, {}
     for name in wanted:
         if cmds[name] is None:

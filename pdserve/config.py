@@ -90,6 +90,10 @@ class RouterConfig:
     """Conditional disaggregation by load: once the chosen prefill worker has this many prompt
     tokens queued, a prompt that would wait less on its decode worker is prefilled there
     (router/policies.prefill_on_decode); 0: always the prefill pool."""
+    idle_decode_prefill: bool = True
+    """A decode worker with no stream and no prompt of its own prefills a prompt itself: no
+    stream's ITL pays for it, and the prompt skips the KV hand-off (on one host: 859 -> 696 ms
+    TTFT p50 for 240-token prompts, one at a time). Off: only by the two rules above."""
     special_tokens_in_content: bool = False
     """Encode control-token text inside chat message content as control tokens (as
     transformers and vLLM do); off: as plain text, so users cannot forge turns."""

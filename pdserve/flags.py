@@ -48,6 +48,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="once the prefill worker has TOKENS prompt tokens queued, a prompt that would wait less "
                         "on its decode worker is prefilled there, so neither pool idles while the other is "
                         "saturated (0: always the prefill pool; default: %(default)s)")
+    p.add_argument("--no-idle-decode-prefill", dest="idle_decode_prefill", action="store_false",
+                   help="send prompts to the prefill pool even when their decode worker is idle (default: an "
+                        "idle decode worker prefills the prompt itself, skipping the KV hand-off)")
     p.add_argument("--special-tokens-in-content", action="store_true",
                    help="encode control-token text typed inside chat messages (<|im_start|>...) as control tokens "
                         "(default: as plain text, so a user cannot forge a system or assistant turn)")
@@ -192,7 +195,8 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
 def _router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, model_name=args.served_model_name, routing=args.routing,
                         decode_local_prefill=args.decode_local_prefill,
-                        prefill_queue_limit=args.prefill_queue_limit, max_inflight=args.max_inflight,
+                        prefill_queue_limit=args.prefill_queue_limit,
+                        idle_decode_prefill=args.idle_decode_prefill, max_inflight=args.max_inflight,
                         special_tokens_in_content=args.special_tokens_in_content,
                         stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,
                         request_timeout_s=args.request_timeout,

@@ -49,7 +49,8 @@ class Route:
 class ClusterClient:
     def __init__(self, *, routing: str = "prefix_aware", block_size: int = 16, namespace: str = "",
                  cluster_token: str = "", tls: TLSConfig | None = None, local_prefill_tokens: int = 0,
-                 prefill_queue_limit: int = 0, stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0):
+                 prefill_queue_limit: int = 0, idle_decode_prefill: bool = False,
+                 stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0):
         """block_size, namespace: the workers' KV block size and cache namespace (the prefix
         index hashes prompts as they do). tls: mutual TLS to the workers (their services must
         use the same CA). local_prefill_tokens: a decode worker whose own cache holds all of a
@@ -57,8 +58,10 @@ class ClusterClient:
         transfer); it decides, on its cache as it is when the request arrives; 0: never.
         prefill_queue_limit: once the chosen prefill worker has this many prompt tokens queued,
         a prompt that would wait less on its decode worker is prefilled there
-        (`policies.prefill_on_decode`); 0: never."""
+        (`policies.prefill_on_decode`); 0: never. idle_decode_prefill: a decode worker with no
+        stream and no prompt of its own prefills the prompt itself."""
         self.local_prefill_tokens = local_prefill_tokens
+        self.idle_decode_prefill = idle_decode_prefill
         self.prefill_queue_limit = prefill_queue_limit
         self.index = PrefixIndex()
         self.policy = make_policy(routing, self.index)
@@ -88,7 +91,8 @@ class ClusterClient:
         return cls(routing=router.routing, block_size=block_size, namespace=namespace,
                    cluster_token=security.cluster_token, tls=security.tls,
                    local_prefill_tokens=router.decode_local_prefill,
-                   prefill_queue_limit=router.prefill_queue_limit)
+                   prefill_queue_limit=router.prefill_queue_limit,
+                   idle_decode_prefill=router.idle_decode_prefill)
 
     # ---- membership ---------------------------------------------------------------------
     def set_workers(self, workers: list[WorkerEndpoint]) -> None:
@@ -214,10 +218,13 @@ class ClusterClient:
 
     def _prefill_here(self, prefill: PrefillChoice, prefill_pool: list[WorkerLoad], decode_pool: list[WorkerLoad],
                       decode_id: str, prompt_len: int) -> bool:
-        """Whether the decode worker should prefill the prompt itself, by load (see __init__)."""
+        """Whether the decode worker should prefill the prompt itself, by load (see __init__;
+        `decode_pool`: the loads from before this request was counted)."""
         queued = {w.worker_id: w.queued_prefill_tokens for w in prefill_pool + decode_pool}
+        decode = next(w for w in decode_pool if w.worker_id == decode_id)
+        idle = self.idle_decode_prefill and decode.running == 0 and decode.queued_prefill_tokens == 0
         return prefill_on_decode(queued.get(prefill.worker_id, 0), queued.get(decode_id, 0),
-                                 max(prompt_len - prefill.cached_tokens, 0), self.prefill_queue_limit)
+                                 max(prompt_len - prefill.cached_tokens, 0), self.prefill_queue_limit, idle)
 
     def settle(self, route: Route | None, prefilled_remotely: bool = True) -> None:
         """The route's prefill is over (its first token came, or it failed): take its tokens

@@ -123,7 +123,8 @@ class PrefixAware(LeastLoaded):
         return min(near, key=lambda w: (-held.get(w.worker_id, 0), _decode_load(w))).worker_id
 
 
-def prefill_on_decode(prefill_backlog: int, decode_backlog: int, todo: int, limit: int) -> bool:
+def prefill_on_decode(prefill_backlog: int, decode_backlog: int, todo: int, limit: int,
+                      decode_idle: bool = False) -> bool:
     """Conditional disaggregation by load: should the decode worker prefill this prompt itself?
 
     `prefill_backlog`: prompt tokens queued on the chosen prefill worker ahead of this one;
@@ -131,8 +132,11 @@ def prefill_on_decode(prefill_backlog: int, decode_backlog: int, todo: int, limi
     this prompt's uncached tokens. Yes when the prefill worker's queue has reached `limit`
     tokens and the prompt would wait less on the decode worker: a saturated prefill pool then
     lends its work to the decode pool's idle compute (what Dynamo's disaggregated router
-    does with its prefill-queue limit) instead of TTFT growing with the queue. 0: never."""
-    return limit > 0 and prefill_backlog >= limit and decode_backlog + todo < prefill_backlog
+    does with its prefill-queue limit) instead of TTFT growing with the queue. 0: never.
+    Yes too when `decode_idle` (the caller's policy: the decode worker has no stream and no
+    prompt of its own): no stream's inter-token latency pays for the prefill there, and the
+    prompt skips the KV hand-off."""
+    return decode_idle or (limit > 0 and prefill_backlog >= limit and decode_backlog + todo < prefill_backlog)
 
 
 def make_policy(name: str, index: PrefixIndex):

@@ -15,8 +15,8 @@ def local_config(kv_cache_memory: int = 64 << 20, *, prefill: int = 1, decode: i
     limit or timeout, every prompt through the prefill pool (no local prefill on the decode
     worker) and unbounded queues, unless given. `router`: RouterConfig fields; the other
     keywords are ClusterConfig's own."""
-    rc = replace(RouterConfig(port=0, model_name=MODEL, decode_local_prefill=0, prefill_queue_limit=0, max_inflight=0,
-                              request_timeout_s=0),
+    rc = replace(RouterConfig(port=0, model_name=MODEL, decode_local_prefill=0, prefill_queue_limit=0,
+                              idle_decode_prefill=False, max_inflight=0, request_timeout_s=0),
                  **(router or {}))
     fields.setdefault("engine", EngineConfig(cache=CacheConfig(kv_cache_memory=kv_cache_memory)))
     fields.setdefault("registry", RegistryConfig(cluster_name="local"))

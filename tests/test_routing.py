@@ -339,3 +339,27 @@ def test_a_saturated_prefill_pool_lends_prompts_to_its_decode_worker_and_takes_t
         c.release(r)
     assert c.pending_prefill == {} and c.decode_streams == {}
     assert c.route(prompts[0][:10] + [5] * 240).prefill.worker_id == "p0"
+
+
+def test_an_idle_decode_worker_prefills_the_prompt_itself_a_busy_one_does_not():
+    """With idle_decode_prefill, a prompt whose decode worker has no stream and no prompt of its
+    own is prefilled there (no hand-off); once a stream runs there, prompts go to the prefill
+    pool again (its ITL would pay), and back when the stream ends."""
+    assert prefill_on_decode(prefill_backlog=0, decode_backlog=0, todo=250, limit=0, decode_idle=True)
+    c = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=512, idle_decode_prefill=True)
+    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
+    c.healthy = {"p0": True, "d0": True}
+    prompts = [[g * 1000 + i for i in range(250)] for g in range(4)]
+    first = c.route(prompts[0])
+    assert first.prefill is None and c.pending_prefill == {"d0": 250}
+    c.settle(first, prefilled_remotely=False)  # its first token: the stream still runs
+    second = c.route(prompts[1])
+    assert second.prefill.worker_id == "p0"
+    for r in (first, second):
+        c.settle(r)
+        c.release(r)
+    assert c.route(prompts[2]).prefill is None  # idle again
+    off = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=512)
+    off.set_workers(c.workers.values())
+    off.healthy = dict(c.healthy)
+    assert off.route(prompts[3]).prefill.worker_id == "p0"  # off (the default here): the prefill pool

@@ -85,7 +85,8 @@ def cluster():
     port = free_port()
     up = Proc("up", "--port", str(port), "--prefill", "2", "--decode", "2", "--kv-cache-memory", "64MiB",
               "--cluster-token", TOKEN, "--cluster-name", "chaos", "--prefill-cpus", "0.5", "--decode-cpus", "0.5",
-              "--threads", "1")
+              "--threads", "1",
+              "--no-idle-decode-prefill")  # a lone prompt still goes through the prefill pool, to kill it there
     procs: set[int] = set()
     try:
         up.wait_ready()
