@@ -13,11 +13,11 @@ weight-only quantization pays (SmolLM2-135M: 540 MB of fp32 weights per step, 13
 - `W8A8Linear`: int8 weights and int8 activations, each row quantized on the fly with its
   own scale, int32 accumulation (fbgemm): fastest at large batches, ~5% worse perplexity.
 - `Fp16Linear`: fp16 weights, fp32 activations and math (fbgemm): half the bytes, ~lossless.
-- "auto" (the default): a matrix whose fp32 values are exactly a Q4_1 grid (what a Q4_1 GGUF's
-  layers dequantize to) runs as an exact `WeightOnlyLinear`: the C kernel reads the 4-bit
-  form at small batches, oneDNN the original fp32 values at large ones, so the model is the
-  checkpoint's own, in fp32 math. Every other matrix (the Q8_0 LM head, HF checkpoints) stays
-  fp32 on oneDNN.
+- "auto" (the default): a matrix whose fp32 values are exactly a Q4_1 or Q8_0 grid (what a
+  Q4_1 GGUF's layers and its LM head dequantize to) runs as an exact `WeightOnlyLinear`: the C
+  kernel reads the packed form at small batches, oneDNN the original fp32 values at large
+  ones, so the model is the checkpoint's own, in fp32 math. Every other matrix stays fp32 on
+  oneDNN.
 
 Every kernel is batch invariant: a row's result does not depend on the other rows in the
 batch, so a request's greedy output is the same alone or batched.
@@ -97,22 +97,25 @@ def small_m(flags: set[str] | None = None) -> int:
 
 
 class WeightOnlyLinear:
-    """int8 or Q4_1 weights; see the module docstring. Raises QuantizationUnavailable when the
+    """int8, Q4_1 or Q8_0 weights; see the module docstring. Raises QuantizationUnavailable when the
     C kernels cannot be built here (no compiler)."""
 
     SMALL_M = small_m()
 
     def __init__(self, w: torch.Tensor, fmt: str, exact: tuple | None = None):
-        """`exact`: `w`'s Q4_1 form when `w` is exactly that grid (`q4_1_grid`): larger batches
-        then run on `w` itself, not on a re-quantized copy."""
+        """`fmt`: "int8", "q4_1" or "q8_0". `exact`: `w`'s packed form when `w` is exactly that
+        grid (`exact_grid`): larger batches then run on `w` itself, not on a re-quantized copy."""
         from . import native
         try:
             native.load()
         except native.NativeKernelUnavailable as e:
             raise QuantizationUnavailable(f"--quantization {fmt} needs the native kernels: {e}") from e
-        if fmt == "q4_1" and w.shape[1] % 32:
-            raise QuantizationUnavailable(f"--quantization q4_1 needs input sizes divisible by 32, got {w.shape[1]}")
-        if fmt == "int8":
+        if fmt in ("q4_1", "q8_0") and w.shape[1] % 32:
+            raise QuantizationUnavailable(f"--quantization {fmt} needs input sizes divisible by 32, got {w.shape[1]}")
+        if fmt == "q8_0":
+            self.packed, self.kernel = exact or native.quantize_q8_0(w), native.q8_0_matmul
+            self.dequantized = w.detach() if exact else native.dequantize_q8_0(*self.packed)
+        elif fmt == "int8":
             self.packed, self.kernel = native.quantize_int8(w), native.int8_matmul
             self.dequantized = native.dequantize_int8(*self.packed)
         else:
@@ -163,10 +166,10 @@ class Fp16Linear:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.params)
 
 
-def q4_1_grid(w: torch.Tensor) -> tuple | None:
-    """The Q4_1 form of the fp32 CPU matrix `w` if `w` is exactly that grid (each group of 32
-    along K is q * d + m, q in 0..15, as a Q4_1 checkpoint dequantizes) and the C kernels load;
-    else None."""
+def exact_grid(w: torch.Tensor) -> tuple[str, tuple] | None:
+    """("q4_1" or "q8_0", the packed form) of the fp32 CPU matrix `w` if `w` is exactly that
+    grid (each group of 32 along K is q * d + m, q in 0..15, or q * d, q in -127..127, as GGUF
+    checkpoints dequantize) and the C kernels load; else None."""
     from . import native
     if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 32:
         return None
@@ -174,9 +177,13 @@ def q4_1_grid(w: torch.Tensor) -> tuple | None:
         native.load()
     except native.NativeKernelUnavailable:
         return None
-    packed = native.quantize_q4_1(w)
-    err = native.dequantize_q4_1(*packed).sub_(w).abs_().max()
-    return packed if err <= EXACT_TOL * w.abs().max().clamp(min=1e-30) else None
+    tol = EXACT_TOL * w.abs().max().clamp(min=1e-30)
+    for fmt, quantize, dequantize in (("q4_1", native.quantize_q4_1, native.dequantize_q4_1),
+                                      ("q8_0", native.quantize_q8_0, native.dequantize_q8_0)):
+        packed = quantize(w)
+        if dequantize(*packed).sub_(w).abs_().max() <= tol:
+            return fmt, packed
+    return None
 
 
 def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True):
@@ -187,9 +194,9 @@ def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     on_cpu = w.device.type == "cpu"
     if quantization == "auto":
-        grid = q4_1_grid(w)
+        grid = exact_grid(w)
         if grid is not None:
-            return WeightOnlyLinear(w, "q4_1", exact=grid)
+            return WeightOnlyLinear(w, grid[0], exact=grid[1])
         quantization = "none"
     if quantization in ("int8", "q4_1"):
         if not on_cpu:

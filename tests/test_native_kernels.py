@@ -1,4 +1,4 @@
-"""engine.native: the weight-only quantized CPU matmuls (int8, Q4_1) against torch references,
+"""engine.native: the weight-only quantized CPU matmuls (int8, Q4_1, Q8_0) against torch references,
 the quantizers, input validation and the compile cache."""
 from __future__ import annotations
 
@@ -43,6 +43,27 @@ def test_q4_1_matches_reference(n, k):
         _close(native.q4_1_matmul(x, p, d, mn), x.double() @ w.T)
 
 
+@pytest.mark.parametrize("n,k", [s for s in SHAPES if s[1] % 32 == 0])
+def test_q8_0_matches_reference(n, k):
+    q, d = native.quantize_q8_0(_weights(n, k))
+    w = native.dequantize_q8_0(q, d).double()
+    for m in MS:
+        x = torch.randn(m, k)
+        _close(native.q8_0_matmul(x, q, d), x.double() @ w.T)
+    with pytest.raises(ValueError, match="K % 32 == 0"):
+        native.q8_0_matmul(torch.randn(1, k), q, d[:, :-1].contiguous())
+
+
+def test_quantize_q8_0_round_trip_exact():
+    """Weights on a Q8_0 grid (q * d, max |q| = 127 in each group) come back to float rounding."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (8, 4, 32), generator=g)
+    q[..., 0] = 127
+    d = torch.rand(8, 4, 1, generator=g) / 100
+    w = (q * d).reshape(8, 128)
+    assert torch.allclose(native.dequantize_q8_0(*native.quantize_q8_0(w)), w, rtol=1e-6, atol=0)
+
+
 def test_lm_head_shape():
     """The largest matrix of a decode step (SmolLM2's LM head), small M only: it is big."""
     w = _weights(49152, 576)
@@ -60,8 +81,9 @@ def test_batch_invariant():
     rows share a weight load, never a row's summation order)."""
     q, s = native.quantize_int8(_weights(576, 1536))
     p, d, mn = native.quantize_q4_1(_weights(576, 1536))
+    q8 = native.quantize_q8_0(_weights(576, 1536))
     x = torch.randn(33, 1536)
-    for f, args in ((native.int8_matmul, (q, s)), (native.q4_1_matmul, (p, d, mn))):
+    for f, args in ((native.int8_matmul, (q, s)), (native.q4_1_matmul, (p, d, mn)), (native.q8_0_matmul, q8)):
         full = f(x, *args)
         for m in (1, 2, 5, 8, 9, 16):
             assert torch.equal(f(x[:m].contiguous(), *args), full[:m])

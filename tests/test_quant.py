@@ -103,14 +103,17 @@ def quantized(smollm):
     return {q: load_model(quantization=q) for q in ("none", *AVAILABLE)}
 
 
-def test_auto_runs_exact_q4_1_grids_quantized_and_the_rest_in_fp32():
-    """"auto": a matrix that is exactly a Q4_1 grid gets the 4-bit kernel at small batches and
-    its own fp32 values on oneDNN above; any other matrix stays fp32."""
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_auto_runs_exact_grids_quantized_and_the_rest_in_fp32(fmt):
+    """"auto": a matrix that is exactly a Q4_1 or Q8_0 grid gets that C kernel at small batches
+    and its own fp32 values on oneDNN above; any other matrix stays fp32."""
     from pdserve.engine import native
     g = torch.Generator().manual_seed(2)
-    w = native.dequantize_q4_1(*native.quantize_q4_1(torch.randn(64, 96, generator=g)))  # a Q4_1 grid
+    quantize, dequantize = getattr(native, f"quantize_{fmt}"), getattr(native, f"dequantize_{fmt}")
+    w = dequantize(*quantize(torch.randn(64, 96, generator=g)))  # a grid of fmt
     lin = make_linear(w, "auto")
-    assert isinstance(lin, WeightOnlyLinear) and lin.dequantized.data_ptr() == w.data_ptr()  # no copy
+    assert isinstance(lin, WeightOnlyLinear) and lin.kernel is getattr(native, f"{fmt}_matmul")
+    assert lin.dequantized.data_ptr() == w.data_ptr()  # no copy
     for rows in (1, WeightOnlyLinear.SMALL_M):
         x = torch.randn(rows, 96, generator=g)
         torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -123,14 +126,14 @@ def test_auto_runs_exact_q4_1_grids_quantized_and_the_rest_in_fp32():
 
 @pytest.mark.slow
 def test_auto_is_the_default_and_the_same_model_as_fp32(smollm, quantized):
-    """The default checkpoint's 120 layer matrices are Q4_1 grids (the LM head, Q8_0, is not):
-    "auto" (the default) reads them in 4 bits and computes the fp32 model's logits to float
+    """The default checkpoint's 120 layer matrices are Q4_1 grids and its LM head a Q8_0 one:
+    "auto" (the default) reads them packed and computes the fp32 model's logits to float
     rounding."""
     loaded, tok = smollm
     fp32 = quantized["none"]
     assert EngineConfig().quantization == "auto" and loaded.fingerprint == f"{fp32.fingerprint}+auto"
-    assert loaded.model.quantized_matrices() == 4 * len(loaded.model.model.layers)
-    assert type(loaded.model.lm_head_linear).__name__ == "OneDNNLinear"
+    assert loaded.model.quantized_matrices() == 4 * len(loaded.model.model.layers) + 1
+    assert loaded.model.lm_head_linear.kernel.__name__ == "q8_0_matmul"
     ids = tok.encode(TEXT)[:64]
     cache = CacheConfig(kv_cache_memory=32 << 20, enable_prefix_caching=False)
     def decode(model, batch: int) -> list[list[tuple[int, float]]]:

@@ -29,7 +29,7 @@ SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n) for n in ("woq.
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_i8 = _q4 = _attn = _silu_mul = _rope = None  # the bound C functions, looked up once
+_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = None  # the bound C functions, looked up once
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -119,7 +119,7 @@ def build(src=None) -> Path:
 
 def load() -> ctypes.CDLL:
     """Build if needed, load once per process and bind the argument types."""
-    global _lib, _i8, _q4, _attn, _silu_mul, _rope
+    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope
     if _lib is not None:
         return _lib
     with _lock:
@@ -131,13 +131,15 @@ def load() -> ctypes.CDLL:
             p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             lib.woq_int8_matmul.argtypes = [p, p, p, p, i64, i64, i64, c_int]
             lib.woq_q4_1_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, c_int]
-            lib.woq_int8_matmul.restype = lib.woq_q4_1_matmul.restype = None
+            lib.woq_q8_0_matmul.argtypes = [p, p, p, p, i64, i64, i64, c_int]
+            lib.woq_int8_matmul.restype = lib.woq_q4_1_matmul.restype = lib.woq_q8_0_matmul.restype = None
             lib.paged_decode_attention_f32.argtypes = [p, p, p, p, p, p] + [c_int] * 6 + [ctypes.c_float, c_int]
             lib.paged_decode_attention_f32.restype = c_int
             lib.silu_mul_f32.argtypes = [p, p, i64, i64, c_int]
             lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, p, c_int]
             lib.silu_mul_f32.restype = lib.rope_f32.restype = None
-            _i8, _q4, _attn = lib.woq_int8_matmul, lib.woq_q4_1_matmul, lib.paged_decode_attention_f32
+            _i8, _q8, _q4 = lib.woq_int8_matmul, lib.woq_q8_0_matmul, lib.woq_q4_1_matmul
+            _attn = lib.paged_decode_attention_f32
             _silu_mul, _rope = lib.silu_mul_f32, lib.rope_f32
             _lib = lib
     return _lib
@@ -180,6 +182,24 @@ def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return packed.contiguous(), d.contiguous(), m.contiguous()
 
 
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 (GGUF's: groups of 32 along K, w ~ q * d, q in -127..127). Returns q int8 (N, K)
+    and d fp32 (N, K/32)."""
+    if w.dim() != 2 or w.shape[1] % 32:
+        raise ValueError(f"expected a 2-D weight (N, K) with K a multiple of 32, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // 32, 32)
+    d = g.abs().amax(dim=2) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))  # an all-zero group: d = 0, q = 0
+    q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), d.contiguous()
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (q.float().reshape(n, k // 32, 32) * d[..., None]).reshape(n, k)
+
+
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales[:, None]
 
@@ -220,6 +240,26 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
         raise _bad("expected contiguous CPU tensors x fp32 (M, K), q int8 (N, K), scales fp32 (N,)", x, q, scales)
     y = torch.empty(m, n, dtype=_F32)  # the tuple form costs 0.3 us more
     _i8(x.data_ptr(), q.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
+
+
+def q8_0_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """y (M, N) fp32 = x @ dequantize_q8_0(q, d).T; x fp32 (M, K), q int8 (N, K) with K % 32 == 0,
+    d fp32 (N, K/32), all contiguous CPU tensors."""
+    if _q8 is None:
+        load()
+    try:
+        n, k = q.shape
+        m, kx = x.shape
+    except ValueError:
+        raise _bad("x and q must be 2-D", x, q) from None
+    if x.dtype is not _F32 or q.dtype is not _I8 or d.dtype is not _F32 or kx != k or k & 31 \
+            or d.shape != (n, k >> 5) or not (x.is_contiguous() and q.is_contiguous() and d.is_contiguous()) \
+            or not (x.is_cpu and q.is_cpu and d.is_cpu):
+        raise _bad("expected contiguous CPU tensors x fp32 (M, K), q int8 (N, K) with K % 32 == 0, "
+                   "d fp32 (N, K/32)", x, q, d)
+    y = torch.empty(m, n, dtype=_F32)
+    _q8(x.data_ptr(), q.data_ptr(), d.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
 
 

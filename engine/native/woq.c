@@ -10,6 +10,7 @@
  *
  * Formats
  *   int8 : q int8 (N, K); w[n][k] = q[n][k] * s[n]                         (symmetric)
+ *   q8_0 : q int8 (N, K), d fp32 (N, K/32); w[n][k] = q[n][k] * d[n][k/32]  (GGUF's Q8_0)
  *   q4_1 : p uint8 (N, K/2), d, m fp32 (N, K/32); w[n][k] = q * d[n][g] + m[n][g], g = k/32,
  *          GGUF's nibble order: byte 16g + j holds element 32g + j (low nibble) and 32g + 16 + j
  *          (high). 8 bytes -> vpmovzxbd -> "and 15" and "shift right 4" give 16 elements in 4
@@ -50,8 +51,10 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* NR int8 weight rows x MR x rows. Constant NR/MR/mode after inlining: acc stays in registers. */
-INLINE void i8_tile(const int NR, const int MR, const int mode, const float *x, int64_t K,
+/* NR int8 weight rows x MR x rows. Constant NR/MR/mode/grouped after inlining: acc stays in
+ * registers. grouped: q8_0 (each 8 weights scaled by their group's d as converted; K % 32 == 0),
+ * else one scale per row applied to the sums. */
+INLINE void i8_tile(const int NR, const int MR, const int mode, const int grouped, const float *x, int64_t K,
                     const int8_t *w, float *buf, const float *s, float *y, int64_t N) {
     __m256 acc[4][MRMAX]; /* fixed sizes (not VLAs), so the unrolled accesses become registers */
     for (int r = 0; r < NR; r++)
@@ -68,6 +71,7 @@ INLINE void i8_tile(const int NR, const int MR, const int mode, const float *x, 
                 if ((k & 63) == 0) _mm_prefetch((const char *)(w + (r + NR) * K + k), _MM_HINT_T0);
                 __m128i b = _mm_loadl_epi64((const __m128i *)(w + r * K + k));
                 wv[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+                if (grouped) wv[r] = _mm256_mul_ps(wv[r], _mm256_broadcast_ss(s + r * (K / 32) + k / 32));
                 if (mode == STORE) _mm256_storeu_ps(buf + r * K + k, wv[r]);
             }
         }
@@ -79,6 +83,10 @@ INLINE void i8_tile(const int NR, const int MR, const int mode, const float *x, 
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < MR; i++) {
             float t = hsum(acc[r][i]);
+            if (grouped) { /* K % 32 == 0: no tail */
+                y[i * N + r] = t;
+                continue;
+            }
             for (int64_t kk = k; kk < K; kk++) t += x[i * K + kk] * (float)w[r * K + kk];
             y[i * N + r] = t * s[r];
         }
@@ -138,12 +146,17 @@ static int nr_for(int mr) { return mr <= 2 ? 4 : mr <= 6 ? 2 : 1; }
     T(2, 5, STORE) T(2, 6, STORE) T(1, 7, STORE) T(1, 8, STORE) \
     T(2, 4, FROMBUF) T(2, 5, FROMBUF) T(2, 6, FROMBUF) T(1, 6, FROMBUF) T(1, 7, FROMBUF) T(1, 8, FROMBUF)
 #define KEY(NR_, MR_, MODE_) ((MODE_) * 64 + (NR_) * 16 + (MR_))
-#define I8(NR_, MR_, MODE_) case KEY(NR_, MR_, MODE_): i8_tile(NR_, MR_, MODE_, x, K, w, buf, s, y, N); return;
+#define I8(NR_, MR_, MODE_) case KEY(NR_, MR_, MODE_): i8_tile(NR_, MR_, MODE_, 0, x, K, w, buf, s, y, N); return;
+#define Q8(NR_, MR_, MODE_) case KEY(NR_, MR_, MODE_): i8_tile(NR_, MR_, MODE_, 1, x, K, w, buf, s, y, N); return;
 #define Q4(NR_, MR_, MODE_) case KEY(NR_, MR_, MODE_): q4_tile(NR_, MR_, MODE_, x, K, p, d, m, buf, y, N); return;
 
 static void i8_dispatch(int key, const float *x, int64_t K, const int8_t *w, float *buf, const float *s,
                         float *y, int64_t N) {
     switch (key) { SPECS(I8) default: abort(); }
+}
+static void q8_dispatch(int key, const float *x, int64_t K, const int8_t *w, float *buf, const float *s,
+                        float *y, int64_t N) {
+    switch (key) { SPECS(Q8) default: abort(); }
 }
 static void q4_dispatch(int key, const float *x, int64_t K, const uint8_t *p, const float *d, const float *m,
                         float *buf, float *y, int64_t N) {
@@ -161,6 +174,8 @@ static void scalar_rows(int fmt, const float *x, const void *w, const float *s, 
                 float wk;
                 if (fmt == 0) {
                     wk = (float)((const int8_t *)w)[n * K + k];
+                } else if (fmt == 2) {
+                    wk = (float)((const int8_t *)w)[n * K + k] * s[n * (K / 32) + k / 32];
                 } else {
                     const int64_t g = n * (K / 32) + k / 32, j = k % 32;
                     const uint8_t b = ((const uint8_t *)w)[16 * g + j % 16];
@@ -172,7 +187,7 @@ static void scalar_rows(int fmt, const float *x, const void *w, const float *s, 
         }
 }
 
-/* Output rows [n0, n1) of one call: the per-thread unit of work. fmt 0 = int8, 1 = q4_1. */
+/* Output rows [n0, n1) of one call: the per-thread unit of work. fmt 0 = int8, 1 = q4_1, 2 = q8_0. */
 static void run_rows(int fmt, const float *x, const void *w, const float *s, const float *mn, float *y,
                      int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
 #ifdef __AVX2__
@@ -194,6 +209,8 @@ static void run_rows(int fmt, const float *x, const void *w, const float *s, con
             const int key = KEY(nr, mr, chunks == 1 ? DIRECT : c == 0 ? STORE : FROMBUF);
             if (fmt == 0)
                 i8_dispatch(key, x + m0 * K, K, (const int8_t *)w + n * K, buf, s + n, y + m0 * N + n, N);
+            else if (fmt == 2)
+                q8_dispatch(key, x + m0 * K, K, (const int8_t *)w + n * K, buf, s + n * (K / 32), y + m0 * N + n, N);
             else
                 q4_dispatch(key, x + m0 * K, K, (const uint8_t *)w + n * (K / 2), s + n * (K / 32),
                             mn + n * (K / 32), buf, y + m0 * N + n, N);
@@ -231,6 +248,11 @@ static void run(int fmt, const float *x, const void *w, const float *s, const fl
 void woq_int8_matmul(const float *x, const int8_t *q, const float *scale, float *y,
                      int64_t M, int64_t N, int64_t K, int nt) {
     run(0, x, q, scale, NULL, y, M, N, K, nt);
+}
+
+void woq_q8_0_matmul(const float *x, const int8_t *q, const float *d, float *y,
+                     int64_t M, int64_t N, int64_t K, int nt) {
+    run(2, x, q, d, NULL, y, M, N, K, nt);
 }
 
 void woq_q4_1_matmul(const float *x, const uint8_t *packed, const float *d, const float *m, float *y,
