@@ -107,7 +107,8 @@ def test_kv_crosses_a_network_link(namespaces, smollm, tmp_path):
             line = p.stdout.readline()
             assert line.startswith("ready "), stderr_of(p) if p.poll() is not None else line
         procs.append(pdserve(tmp_path, NS_D, "router", "--port", "8391", "--redis-url", REDIS_URL, "--cluster-name", "netns",
-                             "--cluster-token", "netns-token"))
+                             "--cluster-token", "netns-token",
+                             "--no-idle-decode-prefill"))  # the lone prompt's KV must cross the link
         assert procs[-1].stdout.readline().startswith("curl "), stderr_of(procs[-1])
 
         prompt = "Tell me about the history of lighthouses on the coast of Portugal. " * 12

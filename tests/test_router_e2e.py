@@ -482,5 +482,5 @@ def test_a_batch_that_fails_or_is_cancelled_while_starting_leaves_nothing(cluste
         # is named if it does not come
         assert wait_quiescent(cluster, timeout_s=15.0), (
             after_s, cluster.router.inflight, cluster.router.cluster.decode_streams,
-            [(w.config.worker_id, w.engine.blocks.num_used_blocks, list(w.engine.scheduler.requests))
-             for w in cluster.workers])
+            [(w.config.worker_id, w.engine.blocks.num_used_blocks, list(w.engine.scheduler.requests),
+              list(w.engine.blocks._owned), list(w.engine._held)) for w in cluster.workers])
