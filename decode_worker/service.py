@@ -236,7 +236,7 @@ class DecodeWorker:
 
     async def _release(self, rid: str) -> None:
         self.receiver.cancel(rid)
-        await self.engine.run(lambda e: e.abort(rid))
+        await self.engine.run_always(lambda e: e.abort(rid))
 
     def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:
         stub = self._prefill_stubs.get(address)
@@ -253,7 +253,7 @@ class DecodeWorker:
             await asyncio.sleep(interval_s)
             for rid in self.receiver.expired():
                 self.transfer_failures += 1
-                await self.engine.run(lambda e, rid=rid: e.abort(rid))
+                await self.engine.run_always(lambda e, rid=rid: e.abort(rid))
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, kv_port: int = 0) -> str:

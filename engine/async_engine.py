@@ -65,7 +65,14 @@ class AsyncEngine:
         return fut
 
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` on the engine thread; a cancel while it waits its turn drops it."""
         return await asyncio.wrap_future(self.call(fn))
+
+    async def run_always(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Like `run`, but `fn` still runs if the caller is cancelled while it waits its turn
+        (the engine thread may be seconds into a prefill chunk): for cleanup, such as freeing
+        a request's blocks, that must not be lost to a client that went away at that moment."""
+        return await asyncio.shield(asyncio.wrap_future(self.call(fn)))
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """Register for `request_id`'s outputs (call before the request is added)."""

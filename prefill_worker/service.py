@@ -61,13 +61,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             w.kv_seconds += time.perf_counter() - t
             w.kv_bytes += kv.numel() * kv.element_size()
         pushes: list[asyncio.Future] = []
-        if w.layer_group:  # each group of layers leaves while the next ones compute
-            loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
 
-            def on_layers(start: int, end: int, kv) -> None:  # on the engine thread, mid-forward
-                loop.call_soon_threadsafe(lambda: pushes.append(asyncio.ensure_future(push(kv, start))))
-            await w.engine.run(lambda e: e.stream_kv_layers(rid, on_layers, w.layer_group, first_block))
+        def on_layers(start: int, end: int, kv) -> None:  # on the engine thread, mid-forward
+            loop.call_soon_threadsafe(lambda: pushes.append(asyncio.ensure_future(push(kv, start))))
         try:
+            if w.layer_group:  # each group of layers leaves while the next ones compute
+                await w.engine.run(lambda e: e.stream_kv_layers(rid, on_layers, w.layer_group, first_block))
             first = None
             try:  # held from the moment the request finishes, even if cancelled before the loop ends
                 try:
@@ -77,8 +77,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     await refuse_invalid(context, e)
                 if not w.layer_group:
                     _, kv = await w.engine.run(lambda e: e.export_kv(rid))
-            finally:
-                await w.engine.run(lambda e: e.release_kv(rid))
+            finally:  # also when the client goes while the engine thread is in a step
+                await w.engine.run_always(lambda e: e.release_kv(rid))
             try:
                 if w.layer_group:
                     for result in await asyncio.gather(*pushes, return_exceptions=True):
@@ -93,7 +93,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             for t in pushes:
                 t.cancel()
             if w.layer_group:
-                await w.engine.run(lambda e: e.stop_kv_stream(rid))
+                await w.engine.run_always(lambda e: e.stop_kv_stream(rid))
         w.stream_pushes += len(pushes)
         w.prefills += 1
         reply = pb.PrefillReply(first_token=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens)

@@ -352,3 +352,39 @@ def test_only_workers_that_prove_the_cluster_token_get_traffic(make_engine):
     assert client.healthy == {"decode-0": True, "decode-1": False} and client.impostors == {"decode-1"}
     assert {r.decode.worker_id for r in routes} == {"decode-0"} and "decode-1" not in client.stats
     assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.cancellation
+def test_a_prefill_cancelled_while_its_blocks_wait_to_be_freed_still_frees_them(make_engine):
+    """The prompt is done and its KV exported; freeing its held blocks waits behind a step
+    (here a command that blocks the engine thread) when the client goes. The blocks must still
+    come back: a cancel may not drop that cleanup."""
+    import threading
+
+    from pdserve.prefill_worker.service import PrefillServicer
+
+    async def main():
+        async with Cluster(make_engine) as c:
+            eng, ae = c.prefill_engine, c.prefill.engine
+            in_step, go_on = threading.Event(), threading.Event()
+            export = eng.export_kv
+
+            def export_then_stall(rid):  # engine thread: the next command in line is a long "step"
+                out = export(rid)
+                ae.call(lambda e: (in_step.set(), go_on.wait(10)))
+                return out
+            eng.export_kv = export_then_stall
+            req = pb.PrefillRequest(request_id="p", prompt_token_ids=PROMPTS[1], kv_address="127.0.0.1:1",
+                                    params=params_to_proto(PARAMS[0]), dest_block_ids=[0, 1, 2])
+            task = asyncio.ensure_future(PrefillServicer(c.prefill).Prefill(req, None))
+            await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
+            for _ in range(500):  # the handler has queued the release behind the stall
+                if ae._commands.qsize():
+                    break
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            go_on.set()
+            assert await ae.run(lambda e: (e.blocks.num_used_blocks, dict(e._held))) == (0, {})
+
+    asyncio.run(main())
