@@ -148,19 +148,43 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
 
 class NativeAttentionBackend(TorchAttentionBackend):
-    """The CPU path (fp32): decode attention by a C kernel (engine/native/attention.c) that
-    reads each sequence's K/V from the paged blocks in place. The torch backend first copies
-    them into a dense tensor per layer; at 32 streams that copy plus SDPA took ~30% of a
-    decode step. Prefill spans as in the torch backend."""
+    """The CPU path (fp32): every row of a step, decode or prefill, attends by one C kernel
+    (engine/native/attention.c) that reads its sequence's K/V from the paged blocks in place
+    (the torch backend first copies them into a dense tensor per layer; at 32 streams that
+    copy plus SDPA took ~30% of a decode step). A prefill row is a query at its position over
+    the keys up to it, written into the cache just before: so a row's attention is the same
+    float computation whether its prefix was cached, its prompt chunked, its batch larger or
+    it was a speculative guess (with int8 activations, "auto", a rounding difference there
+    would otherwise change outputs). 4x faster than SDPA on this CPU from 64 to 2,000 tokens."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        decode_tokens, meta.num_decode_tokens = meta.num_decode_tokens, 0  # no gather plan needed
-        try:
-            super().prepare(meta)
-        finally:
-            meta.num_decode_tokens = decode_tokens
+        st = meta.backend_state
+        if not meta.prefills:
+            st["tables"], st["lens"] = meta.decode_block_tables, meta.decode_seq_lens
+            return
+        dev = meta.slot_mapping.device
+        width = max([len(sp.block_table) for sp in meta.prefills] + [meta.decode_block_tables.shape[1]])
+        tables, lens = [], []
+        if meta.num_decode_tokens:
+            dt = meta.decode_block_tables
+            tables.append(F.pad(dt, (0, width - dt.shape[1])) if dt.shape[1] < width else dt)
+            lens.append(meta.decode_seq_lens)
+        for sp in meta.prefills:
+            n = sp.end - sp.start
+            row = torch.zeros(width, dtype=torch.long, device=dev)
+            row[:len(sp.block_table)] = torch.tensor(sp.block_table, dtype=torch.long, device=dev)
+            tables.append(row.expand(n, width))
+            lens.append(torch.arange(sp.num_cached + 1, sp.num_cached + n + 1, device=dev))
+        st["tables"], st["lens"] = torch.cat(tables), torch.cat(lens)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        from .native import paged_decode_attention
+        self.store(k, v, k_cache, v_cache, meta)
+        st = meta.backend_state
+        return paged_decode_attention(q, k_cache, v_cache, st["tables"], st["lens"])
 
     def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        """The decode rows alone (one query per sequence)."""
         from .native import paged_decode_attention
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens)
 

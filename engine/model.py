@@ -15,7 +15,7 @@ from torch import nn
 from . import native
 from .attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from .config import ModelConfig
-from .quant import make_linear
+from .quant import W4A8Linear, WeightOnlyLinear, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -200,11 +200,16 @@ class LlamaForCausalLM(nn.Module):
 
     def quantized_matrices(self) -> int:
         """How many of the fused matrices run on a quantized kernel."""
-        from .quant import WeightOnlyLinear
-        lins = [self.lm_head_linear] + [lin for layer in self.model.layers
+        return sum(1 for lin in self._linears() if isinstance(lin, (WeightOnlyLinear, W4A8Linear)))
+
+    def int8_activation_matrices(self) -> int:
+        """How many of the fused matrices quantize their activations to int8 (W4A8Linear)."""
+        return sum(1 for lin in self._linears() if isinstance(lin, W4A8Linear))
+
+    def _linears(self) -> list:
+        return [self.lm_head_linear] + [lin for layer in self.model.layers
                                         for lin in (layer.self_attn.qkv_linear, layer.self_attn.o_linear,
                                                     layer.mlp.gate_up_linear, layer.mlp.down_linear)]
-        return sum(isinstance(lin, WeightOnlyLinear) for lin in lins)
 
     def use_native_ops(self, on: bool = True) -> "LlamaForCausalLM":
         """Run RoPE and SwiGLU on the fused C kernels (fp32 CPU weights, fused by `fuse`; the

@@ -13,11 +13,16 @@ weight-only quantization pays (SmolLM2-135M: 540 MB of fp32 weights per step, 13
 - `W8A8Linear`: int8 weights and int8 activations, each row quantized on the fly with its
   own scale, int32 accumulation (fbgemm): fastest at large batches, ~5% worse perplexity.
 - `Fp16Linear`: fp16 weights, fp32 activations and math (fbgemm): half the bytes, ~lossless.
-- "auto" (the default): a matrix whose fp32 values are exactly a Q4_1 or Q8_0 grid (what a
-  Q4_1 GGUF's layers and its LM head dequantize to) runs as an exact `WeightOnlyLinear`: the C
-  kernel reads the packed form at small batches, oneDNN the original fp32 values at large
-  ones, so the model is the checkpoint's own, in fp32 math. Every other matrix stays fp32 on
-  oneDNN.
+- "exact": a matrix whose fp32 values are exactly a Q4_1 or Q8_0 grid (what a Q4_1 GGUF's
+  layers and its LM head dequantize to) runs as an exact `WeightOnlyLinear`: the C kernel
+  reads the packed form at small batches, oneDNN the original fp32 values at large ones, so
+  the model is the checkpoint's own, in fp32 math. Every other matrix stays fp32 on oneDNN.
+- `W4A8Linear`: a Q4_1 grid with each 16 activations of a row in int8 (own scale), integer
+  products (engine/native/w4a8.c), as GGUF runtimes compute a Q4_1 model (with one scale per
+  32 there): 1.6-2x the fp32 matmul rate from 4 rows up on AVX2.
+- "auto" (the default): "exact", except that Q4_1 grids run as `W4A8Linear` at every batch
+  size where the CPU has AVX2 (one kernel for every M keeps a row's result independent of
+  its batch). Quality against fp32 is measured in bench/NOTES.md.
 
 Every kernel is batch invariant: a row's result does not depend on the other rows in the
 batch, so a request's greedy output is the same alone or batched.
@@ -29,7 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("auto", "none", "int8", "q4_1", "fp16", "w8a8")
+QUANTIZATIONS = ("auto", "exact", "none", "int8", "q4_1", "fp16", "w8a8")
 EXACT_TOL = 1e-5  # a matrix is a Q4_1 grid if re-quantizing it moves no weight by more than this x max |w|
 
 
@@ -129,6 +134,25 @@ class WeightOnlyLinear:
         return self.large(x)
 
 
+class W4A8Linear:
+    """An exact Q4_1 grid, int8 activations per 32 (see the module docstring). Holds one byte
+    per weight in the kernel's layout, not an fp32 copy."""
+
+    def __init__(self, packed: tuple):
+        from .native import w4a8
+        self.packed = w4a8.pack(*packed)
+        self.kernel = w4a8.matmul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x.contiguous(), *self.packed)
+
+
+def w4a8_fits(w: torch.Tensor) -> bool:
+    """Whether `W4A8Linear` runs this (out, in) matrix here: AVX2 and whole blocks of 8 outputs."""
+    from .native import w4a8
+    return w.shape[0] % 8 == 0 and w4a8.available()
+
+
 class W8A8Linear:
     """W8A8 with dynamic per-row activation scales.
 
@@ -188,13 +212,15 @@ def exact_grid(w: torch.Tensor) -> tuple[str, tuple] | None:
 
 def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True):
     """The kernel for one (out, in) weight. `quantization` is one of QUANTIZATIONS; with
-    "none" (and "auto" for a matrix that is not a Q4_1 grid), `packed` picks oneDNN's layout
+    "none" (and "auto"/"exact" for a matrix that is not a grid), `packed` picks oneDNN's layout
     for fp32 CPU weights."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     on_cpu = w.device.type == "cpu"
-    if quantization == "auto":
+    if quantization in ("auto", "exact"):
         grid = exact_grid(w)
+        if grid is not None and quantization == "auto" and grid[0] == "q4_1" and w4a8_fits(w):
+            return W4A8Linear(grid[1])
         if grid is not None:
             return WeightOnlyLinear(w, grid[0], exact=grid[1])
         quantization = "none"

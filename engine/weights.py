@@ -281,17 +281,18 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
     """Load a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct).
     `max_model_len` (if > 0) overrides the model's context length. A quantized model gets its
     own fingerprint: its KV differs from the full-precision model's, so workers refuse to mix them
-    ("auto" only when it found matrices to run quantized: then their kernels' sums, not the weights,
-    differ)."""
+    ("auto"/"exact" only when they found matrices to run quantized, named by what they resolved
+    to: "+w4a8" with int8 activations, "+exact" when only the kernels' sums differ)."""
     path = resolve_model_path(model)
     state, cfg, fingerprint = load_state_dict(path)
     if max_model_len:
         cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
-    if quantization not in ("none", "auto"):
+    if quantization not in ("none", "auto", "exact"):
         fingerprint = f"{fingerprint}+{quantization}"
     built = build_model(cfg, state, dtype, device, packed_weights, quantization)
-    if quantization == "auto" and built.quantized_matrices():
-        fingerprint = f"{fingerprint}+auto"
+    if quantization in ("auto", "exact") and built.quantized_matrices():
+        # what "auto" resolved to on this CPU: KV computed with int8 activations differs
+        fingerprint = f"{fingerprint}+{'w4a8' if built.int8_activation_matrices() else 'exact'}"
     return LoadedModel(built, cfg, path, fingerprint)
 
 

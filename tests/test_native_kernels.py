@@ -237,8 +237,10 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_fused_ops(smollm)
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
-
-    loaded, tok = smollm
+    from pdserve.engine.weights import load_model
+    # fp32 math: the default's int8 activations would turn the two paths' float rounding
+    # differences into different tokens (what this compares is the ops, not the numerics)
+    loaded, tok = load_model(quantization="exact"), smollm[1]
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a haiku about rivers."}]),
                         add_special_tokens=False)
     outs = {}
@@ -252,5 +254,4 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_fused_ops(smollm)
                 toks += o.new_token_ids
         outs[attention] = toks
         assert eng.blocks.num_used_blocks == 0
-    LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=4 << 20)), tok)  # the shared model back on "auto"
     assert outs["auto"] == outs["torch"] and len(outs["auto"]) == 24

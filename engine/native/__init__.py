@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 # one library from every C file here: weight-only matmuls (woq.c), paged decode attention
-# (attention.c), fused elementwise ops (fused.c); vecmath.h is shared by them
-SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n) for n in ("woq.c", "attention.c", "fused.c"))
+# (attention.c), fused elementwise ops (fused.c), Q4_1 x int8 matmuls (w4a8.c, bound in
+# w4a8.py); vecmath.h is shared by them
+SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
+                                     for n in ("woq.c", "attention.c", "fused.c", "w4a8.c"))
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
