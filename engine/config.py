@@ -97,6 +97,9 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing."""
@@ -109,8 +112,14 @@ class CacheConfig:
     """Keep freed full blocks by content hash and reuse them for requests with the same prefix."""
     cache_namespace: str = ""
     """Salt mixed into every block hash (model, LoRA, tenant): different namespaces never share."""
+    kv_cache_dtype: str = "auto"
+    """What K/V are stored in: "auto" (the model's dtype), "fp32" or "bf16" (CPU: half the
+    bytes per token, so twice the blocks for the same memory and half the hand-off bytes;
+    attention reads it in place and computes in fp32)."""
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -60,10 +60,11 @@ def make_engine():
 
     def factory(tiny: bool = True, seed: int = 0, block_size: int = 16, kv_cache_memory: int = 4 << 20,
                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                long_prefill_token_threshold: int = 0, listener=None, loaded=None, tokenizer=None):
+                long_prefill_token_threshold: int = 0, listener=None, loaded=None, tokenizer=None,
+                kv_cache_dtype: str = "auto"):
         cfg = EngineConfig(
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       long_prefill_token_threshold=long_prefill_token_threshold))
         loaded = loaded or (tiny_llama(seed) if tiny else None)

@@ -146,3 +146,37 @@ def test_prefill_rows_match_the_torch_backend_and_each_row_is_its_own_computatio
         alone = paged_decode_attention(q[row:row + 1], kc, vc, torch.tensor([sp.block_table]),
                                        torch.tensor([sp.num_cached + i + 1]))
         assert torch.equal(alone[0], got[row])
+
+
+def test_a_bf16_cache_is_read_as_the_fp32_it_rounds_to():
+    """The kernel on a bf16 cache gives what it gives on the same values widened to fp32
+    (the conversion is exact), for every head size path; the torch backend agrees."""
+    from pdserve.engine.native import paged_decode_attention
+    for n_heads, n_kv, hd in ((9, 3, 64), (4, 4, 16)):
+        q, kc, vc, meta = _decode_case([1, 17, 40], n_heads, n_kv, hd, 16)
+        kb, vb = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+        got = paged_decode_attention(q, kb, vb, meta.decode_block_tables, meta.decode_seq_lens)
+        wide = paged_decode_attention(q, kb.float(), vb.float(), meta.decode_block_tables, meta.decode_seq_lens)
+        torch.testing.assert_close(got, wide, atol=1e-6, rtol=1e-6)
+        ref_meta = AttentionMetadata(**{**meta.__dict__, "backend_state": {}})
+        ref_backend = TorchAttentionBackend()
+        ref_backend.prepare(ref_meta)
+        torch.testing.assert_close(got, ref_backend.decode(q, kb, vb, ref_meta), atol=2e-5, rtol=1e-4)
+
+
+def test_kv_cache_dtype_sizes_the_cache_and_is_what_attention_reads(make_engine):
+    """bf16 K/V: twice the blocks of fp32 for the same memory, the tiny model's greedy tokens
+    as with an fp32 cache; "auto" keeps the model's dtype."""
+    from pdserve.engine.config import CacheConfig
+    from pdserve.engine.kv_cache import kv_dtype
+    fp32, bf16 = make_engine(), make_engine(kv_cache_dtype="bf16")
+    assert bf16.kv_cache.kv.dtype == torch.bfloat16 and fp32.kv_cache.kv.dtype == torch.float32
+    assert bf16.kv_cache.num_blocks == 2 * fp32.kv_cache.num_blocks
+    prompts = [[(i * 5 + j) % 200 + 3 for j in range(n)] for i, n in enumerate((9, 30))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert bf16.generate(prompts, params) == fp32.generate(prompts, params)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="CPU only"):
+        kv_dtype("bf16", torch.float16, "cuda")
+    assert kv_dtype("auto", torch.float16, "cuda") == torch.float16

@@ -24,9 +24,10 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 
 class Cluster:
     def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc",
-                 decode_block_size=16, layer_group=0, prefill_budget=512):
-        self.prefill_engine = make_engine(max_num_batched_tokens=prefill_budget)
-        self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size)
+                 decode_block_size=16, layer_group=0, prefill_budget=512, kv_cache_dtype="auto"):
+        self.prefill_engine = make_engine(max_num_batched_tokens=prefill_budget, kv_cache_dtype=kv_cache_dtype)
+        self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size,
+                                         kv_cache_dtype=kv_cache_dtype)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
                                      token, layer_group=layer_group)
         self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
@@ -77,6 +78,24 @@ def test_disaggregated_equals_single_engine(make_engine, kv_transport):
     assert [t for t, _ in outs] == want
     assert all(last.finished and last.finish_reason == "length" and last.prefilled_remotely for _, last in outs)
     assert stats.remote_prefills == 3 and stats.local_prefills == 0 and stats.free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("layer_group", [0, 1])
+def test_a_bf16_cache_hands_off_its_blocks_as_they_are(make_engine, layer_group):
+    """Both pools with bf16 K/V: the hand-off ships the bf16 blocks (half the bytes of fp32,
+    whole or layer by layer) and the tokens are the single bf16 engine's."""
+    eng = make_engine(kv_cache_dtype="bf16")
+    want = [eng.generate([p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
+
+    async def main():
+        async with Cluster(make_engine, kv_cache_dtype="bf16", layer_group=layer_group) as c:
+            outs = [await c.generate(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
+            return outs, c.prefill.kv_bytes
+    outs, sent = asyncio.run(main())
+    assert [t for t, _ in outs] == want and all(last.prefilled_remotely for _, last in outs)
+    kv = eng.kv_cache.kv
+    per_token = kv.shape[0] * 2 * kv.shape[4] * kv.shape[5] * 2  # layers x K/V x heads x dim x 2 bytes
+    assert sent == sum(-(-len(p) // 16) * 16 for p in PROMPTS) * per_token
 
 
 def test_under_kv_pressure_requests_wait_for_blocks_not_prefill_locally(make_engine):

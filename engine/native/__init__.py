@@ -135,7 +135,7 @@ def load() -> ctypes.CDLL:
             lib.woq_q4_1_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, c_int]
             lib.woq_q8_0_matmul.argtypes = [p, p, p, p, i64, i64, i64, c_int]
             lib.woq_int8_matmul.restype = lib.woq_q4_1_matmul.restype = lib.woq_q8_0_matmul.restype = None
-            lib.paged_decode_attention_f32.argtypes = [p, p, p, p, p, p] + [c_int] * 6 + [ctypes.c_float, c_int]
+            lib.paged_decode_attention_f32.argtypes = [p, p, p, p, p, p] + [c_int] * 6 + [ctypes.c_float, c_int, c_int]
             lib.paged_decode_attention_f32.restype = c_int
             lib.silu_mul_f32.argtypes = [p, p, i64, i64, c_int]
             lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, p, c_int]
@@ -290,12 +290,13 @@ def q4_1_matmul(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch
 
 
 _I64 = torch.int64
+_KV = (torch.float32, torch.bfloat16)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V, read in place (attention.c).
-    q (B, H, D) fp32; caches (num_blocks, block_size, KVH, D) fp32, contiguous; block_tables
+    q (B, H, D) fp32; caches (num_blocks, block_size, KVH, D) fp32 or bf16, contiguous; block_tables
     (B, max_blocks) and seq_lens (B,) int64. Returns (B, H, D)."""
     if _attn is None:
         load()
@@ -305,8 +306,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         nb, bs, kvh, dk = k_cache.shape
     except ValueError:
         raise _bad("q must be (B, H, D) and the caches (num_blocks, block_size, KVH, D)", q, k_cache) from None
-    if q.dtype is not _F32 or k_cache.dtype is not _F32 or v_cache.dtype is not _F32:
-        raise _bad("expected fp32 q and caches (dtype)", q, k_cache, v_cache)
+    if q.dtype is not _F32 or k_cache.dtype not in _KV or v_cache.dtype is not k_cache.dtype:
+        raise _bad("expected fp32 q and fp32 or bf16 caches (dtype)", q, k_cache, v_cache)
     if v_cache.shape != k_cache.shape or dk != D or H % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise _bad("query heads must be a multiple of the KV heads, with the caches' head dim and shape", q, k_cache,
                    v_cache)
@@ -316,7 +317,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise _bad("every sequence needs a block table row covering its length", tables, lens)
     out = torch.empty_like(q)
     if B and _attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                   out.data_ptr(), B, H, kvh, D, bs, tables.shape[1], D ** -0.5, torch.get_num_threads()):
+                   out.data_ptr(), B, H, kvh, D, bs, tables.shape[1], D ** -0.5, torch.get_num_threads(),
+                   int(k_cache.dtype is torch.bfloat16)):
         raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
     return out
 

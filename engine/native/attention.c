@@ -4,7 +4,8 @@
  *
  * Layouts (all contiguous):
  *   q      (B, H, D)                      the decode rows' queries, after RoPE
- *   kc, vc (num_blocks, bs, KVH, D)       one layer's paged K and V
+ *   kc, vc (num_blocks, bs, KVH, D)       one layer's paged K and V, fp32 or bf16 (kv_bf16:
+ *                                         the upper half of an fp32, converted as read)
  *   tables (B, max_blocks) int64          block ids of each sequence
  *   lens   (B,) int64                     tokens in context, including the new one
  *   out    (B, H, D)
@@ -51,7 +52,30 @@ static inline void axpy_f32(float *y, float a, const float *x, int n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+/* Element i of a K/V row (fp32, or bf16 = the fp32's upper 16 bits). */
+static inline float kv_at(const void *row, int64_t i, int bf) {
+    if (!bf) return ((const float *)row)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float dot_kv(const float *q, const char *k, int n, int bf) {
+    if (!bf) return dot_f32(q, (const float *)k, n);
+    float s = 0.f;
+    for (int i = 0; i < n; i++) s += q[i] * kv_at(k, i, 1);
+    return s;
+}
+
 #ifdef __AVX2__
+/* 8 consecutive K/V elements as fp32. */
+static inline __m256 kv8(const void *p, int bf) {
+    if (bf)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
 /* 8 dot products at once: acc[t] holds token t's partial sums; one hadd tree reduces them
  * into a vector of 8 scores (a horizontal sum per token would cost as much as its FMAs). */
 static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
@@ -93,30 +117,31 @@ static inline float softmax_numerators(float *s, int64_t len) {
 
 /* D = 64 (SmolLM2, Llama-style small models): q and the output accumulator of one head fit
  * in 8 registers each; `inline` with a constant D lets the compiler unroll the chunk loops. */
-static inline void attend_d64(const float *q, const float *kc, const float *vc, const int64_t *table,
-                              int64_t len, float *out, int G, int KVH, int kh, int bs, float scale,
-                              float *scores) {
+static inline __attribute__((always_inline)) void attend_d64(const float *q, const char *kc, const char *vc,
+                                                            const int64_t *table, int64_t len, float *out, int G,
+                                                            int KVH, int kh, int bs, float scale, float *scores,
+                                                            const int bf) {
     enum { D = 64, C = D / 8 };
-    const size_t row = (size_t)KVH * D;
+    const size_t esz = bf ? 2 : 4, row = (size_t)KVH * D * esz; /* bytes between consecutive tokens of a block */
     const int64_t nblk = (len + bs - 1) / bs;
     for (int g = 0; g < G; g++) {
         __m256 qv[C];
         for (int c = 0; c < C; c++) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * c), _mm256_set1_ps(scale));
         float *s = scores + (size_t)g * len;
         for (int64_t b = 0; b < nblk; b++) {
-            const float *kb = kc + ((size_t)table[b] * bs * KVH + kh) * D;
+            const char *kb = kc + ((size_t)table[b] * bs * KVH + kh) * D * esz;
             int n = (int)((b + 1) * bs <= len ? bs : len - b * bs), t = 0;
             for (; t + 8 <= n; t += 8) {
                 __m256 a[8];
                 for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
                 for (int c = 0; c < C; c++)
                     for (int u = 0; u < 8; u++)
-                        a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kb + (t + u) * row + 8 * c), a[u]);
+                        a[u] = _mm256_fmadd_ps(qv[c], kv8(kb + (t + u) * row + 8 * c * esz, bf), a[u]);
                 _mm256_storeu_ps(s + b * bs + t, reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
             }
             for (; t < n; t++) {
                 __m256 a = _mm256_setzero_ps();
-                for (int c = 0; c < C; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kb + t * row + 8 * c), a);
+                for (int c = 0; c < C; c++) a = _mm256_fmadd_ps(qv[c], kv8(kb + t * row + 8 * c * esz, bf), a);
                 __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
                 h = _mm_hadd_ps(h, h);
                 s[b * bs + t] = _mm_cvtss_f32(_mm_hadd_ps(h, h));
@@ -126,11 +151,11 @@ static inline void attend_d64(const float *q, const float *kc, const float *vc, 
         __m256 acc[C];
         for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nblk; b++) {
-            const float *vb = vc + ((size_t)table[b] * bs * KVH + kh) * D;
+            const char *vb = vc + ((size_t)table[b] * bs * KVH + kh) * D * esz;
             int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
             for (int t = 0; t < n; t++) {
                 __m256 p = _mm256_set1_ps(s[b * bs + t]);
-                for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + t * row + 8 * c), acc[c]);
+                for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, kv8(vb + t * row + 8 * c * esz, bf), acc[c]);
             }
         }
         __m256 inv = _mm256_set1_ps(1.f / sum);
@@ -139,16 +164,17 @@ static inline void attend_d64(const float *q, const float *kc, const float *vc, 
 }
 #endif
 
-static void attend_generic(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t len,
-                       float *out, int G, int KVH, int kh, int D, int bs, float scale, float *scores, float *acc) {
-    const size_t row = (size_t)KVH * D; /* floats between consecutive tokens of one block */
+static void attend_generic(const float *q, const char *kc, const char *vc, const int64_t *table, int64_t len,
+                           float *out, int G, int KVH, int kh, int D, int bs, float scale, float *scores, float *acc,
+                           int bf) {
+    const size_t esz = bf ? 2 : 4, row = (size_t)KVH * D * esz; /* bytes between consecutive tokens of a block */
     int64_t nblk = (len + bs - 1) / bs;
     for (int64_t b = 0; b < nblk; b++) {
-        const float *kb = kc + ((size_t)table[b] * bs * KVH + kh) * D;
+        const char *kb = kc + ((size_t)table[b] * bs * KVH + kh) * D * esz;
         int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
         for (int t = 0; t < n; t++)
             for (int g = 0; g < G; g++)
-                scores[(size_t)g * len + b * bs + t] = dot_f32(q + (size_t)g * D, kb + t * row, D) * scale;
+                scores[(size_t)g * len + b * bs + t] = dot_kv(q + (size_t)g * D, kb + t * row, D, bf) * scale;
     }
     for (int g = 0; g < G; g++) {
         float *s = scores + (size_t)g * len, m = -FLT_MAX, sum = 0.f;
@@ -159,19 +185,25 @@ static void attend_generic(const float *q, const float *kc, const float *vc, con
     }
     memset(acc, 0, sizeof(float) * G * D);
     for (int64_t b = 0; b < nblk; b++) {
-        const float *vb = vc + ((size_t)table[b] * bs * KVH + kh) * D;
+        const char *vb = vc + ((size_t)table[b] * bs * KVH + kh) * D * esz;
         int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
         for (int t = 0; t < n; t++)
-            for (int g = 0; g < G; g++)
-                axpy_f32(acc + (size_t)g * D, scores[(size_t)g * len + b * bs + t], vb + t * row, D);
+            for (int g = 0; g < G; g++) {
+                const float p = scores[(size_t)g * len + b * bs + t];
+                if (!bf) {
+                    axpy_f32(acc + (size_t)g * D, p, (const float *)(vb + t * row), D);
+                    continue;
+                }
+                for (int i = 0; i < D; i++) acc[(size_t)g * D + i] += p * kv_at(vb + t * row, i, 1);
+            }
     }
     memcpy(out, acc, sizeof(float) * G * D);
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated. */
-int paged_decode_attention_f32(const float *q, const float *kc, const float *vc, const int64_t *tables,
+/* Returns 0, or -1 when scratch memory could not be allocated. kv_bf16: the caches hold bf16. */
+int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, const int64_t *tables,
                                const int64_t *lens, float *out, int B, int H, int KVH, int D, int bs,
-                               int max_blocks, float scale, int nthreads) {
+                               int max_blocks, float scale, int nthreads, int kv_bf16) {
     const int G = H / KVH;
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
@@ -185,13 +217,16 @@ int paged_decode_attention_f32(const float *q, const float *kc, const float *vc,
         }
         const float *qi = q + ((size_t)b * H + (size_t)kh * G) * D;
         float *oi = out + ((size_t)b * H + (size_t)kh * G) * D;
+        const int64_t *table = tables + (size_t)b * max_blocks;
 #ifdef __AVX2__
-        if (D == 64)
-            attend_d64(qi, kc, vc, tables + (size_t)b * max_blocks, lens[b], oi, G, KVH, kh, bs, scale, scratch);
+        if (D == 64 && kv_bf16)
+            attend_d64(qi, kc, vc, table, lens[b], oi, G, KVH, kh, bs, scale, scratch, 1);
+        else if (D == 64)
+            attend_d64(qi, kc, vc, table, lens[b], oi, G, KVH, kh, bs, scale, scratch, 0);
         else
 #endif
-            attend_generic(qi, kc, vc, tables + (size_t)b * max_blocks, lens[b], oi, G, KVH, kh, D, bs, scale,
-                           scratch, scratch + (size_t)G * lens[b]);
+            attend_generic(qi, kc, vc, table, lens[b], oi, G, KVH, kh, D, bs, scale, scratch,
+                           scratch + (size_t)G * lens[b], kv_bf16);
         free(scratch);
     }
     return failed ? -1 : 0;
