@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pdserve.engine import native
+from pdserve.engine.native import w4a8
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels cannot be built here (no gcc?)")
 
@@ -186,8 +187,11 @@ def test_scalar_fallback(tmp_path, monkeypatch):
     """The portable path (built where the CPU lacks AVX2) computes the same products."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_flags", lambda: ["-O2", "-fPIC", "-shared", "-fopenmp"])
-    for name in ("_lib", "_i8", "_q4"):  # restored after the test
+    # every function load() binds, restored after the test: one left on the scalar build would
+    # change the numerics of every later engine in the session
+    for name in native.BOUND:
         monkeypatch.setattr(native, name, None)
+    monkeypatch.setattr(w4a8, "_fn", None)
     assert native.load().woq_has_avx2() == 0
     for n, k in ((7, 64), (96, 576)):
         w = _weights(n, k)

@@ -98,7 +98,9 @@ def test_without_avx2_auto_falls_back_to_exact(tmp_path, monkeypatch):
     """The portable build (a CPU without AVX2) has no w4a8 kernel: "auto" is then "exact"."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_flags", lambda: ["-O2", "-fPIC", "-shared", "-fopenmp"])
-    for name in ("_lib", "_i8", "_q4", "_q8"):  # restored after the test
+    # every function load() binds, restored after the test: one left on the scalar build would
+    # change the numerics of every later engine in the session
+    for name in native.BOUND:
         monkeypatch.setattr(native, name, None)
     monkeypatch.setattr(w4a8, "_fn", None)
     assert not w4a8.available()

@@ -32,6 +32,7 @@ HEADERS = (Path(__file__).with_name("vecmath.h"),)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _i8 = _q8 = _q4 = _attn = _silu_mul = _rope = None  # the bound C functions, looked up once
+BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope")  # what load() sets (tests reset them all)
 
 
 class NativeKernelUnavailable(RuntimeError):
