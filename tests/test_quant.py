@@ -172,7 +172,8 @@ def test_auto_is_the_default_and_costs_little_perplexity(smollm, quantized):
     ref = _nll(LLMEngine(fp32, EngineConfig(quantization="none", cache=cache), tok), ids)
     e = LLMEngine(loaded, EngineConfig(cache=cache), tok)
     nll = _nll(e, ids)
-    assert abs(math.exp(nll - ref) - 1) < 0.015, f"auto: perplexity x{math.exp(nll - ref):.4f} vs fp32"
+    # one-sided: on 384 tokens the difference is noise-sized either way (x0.98 to x1.01 seen)
+    assert math.exp(nll - ref) < 1.015, f"auto: perplexity x{math.exp(nll - ref):.4f} vs fp32"
     assert abs(nll - ref) > 1e-4  # really int8 activations, not fp32 math
     assert_engine_clean(e)
 
