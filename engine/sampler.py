@@ -1,10 +1,10 @@
 """Turns the logits of the rows that finished a step into next tokens.
 
-Greedy rows (temperature 0) take the argmax in one batched op. Other rows are sampled one by
-one with their request's own `torch.Generator`, so a seeded request draws the same tokens
-whether it runs alone or in any batch. Sampling uses the exponential-race form of the
-Gumbel trick (argmax(p / E), E ~ Exp(1)), which needs one random draw per vocabulary entry
-and no sort. Logprobs are those of the model's raw distribution (before temperature and
+Greedy rows (temperature 0) take the argmax in one batched op. Other rows are sampled by
+the inverse CDF with one uniform draw each from their request's own `torch.Generator`, so a
+seeded request draws the same tokens whether it runs alone or in any batch. On the CPU the
+draws of a step run in one C call (native/sampling.c: max, exponentials and the walk to the
+drawn token in three passes per row); elsewhere, or without the native build, in torch. Logprobs are those of the model's raw distribution (before temperature and
 truncation), as OpenAI reports them.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .request import Request
 from .structured import disallowed_rows
 
@@ -85,6 +86,50 @@ def sample_row(logits: torch.Tensor, req: Request) -> int:
     return i
 
 
+def _truncates(p) -> bool:
+    return bool(p.top_k) or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _sample_native(logits: torch.Tensor, reqs: list[Request], pending: list[int], tokens: list) -> None:
+    """`sample_row` for the rows `pending` of CPU logits, the draws in one C call
+    (native.sample_rows): rows without penalties or truncation are read in place at 1/T;
+    the others are transformed as `sample_row` does first."""
+    direct: list[int] = []
+    prepared: list[tuple[int, torch.Tensor]] = []
+    for i in pending:
+        p, row = reqs[i].params, logits[i]
+        if p.has_penalties:
+            row = apply_penalties(row.clone(), reqs[i])
+        if p.greedy:
+            tokens[i] = int(torch.argmax(row))
+        elif p.has_penalties or _truncates(p):
+            prepared.append((i, _truncate(row / p.temperature, p.top_k, p.top_p, p.min_p)))
+        else:
+            direct.append(i)
+    if direct:
+        picked = native.sample_rows(logits, direct, [1.0 / reqs[i].params.temperature for i in direct],
+                                    [float(draw(reqs[i])) for i in direct])
+        for i, t in zip(direct, picked):
+            tokens[i] = t
+    if prepared:
+        rows = torch.stack([r for _, r in prepared])
+        picked = native.sample_rows(rows, list(range(len(prepared))), [1.0] * len(prepared),
+                                    [float(draw(reqs[i])) for i, _ in prepared])
+        for (i, _), t in zip(prepared, picked):
+            tokens[i] = t
+
+
+_native_ok: bool | None = None
+
+
+def _native_sampling() -> bool:
+    """Whether the C sampler loads here (looked up once per process)."""
+    global _native_ok
+    if _native_ok is None:
+        _native_ok = native.available()
+    return _native_ok
+
+
 def draw(req: Request) -> torch.Tensor:
     """The request's next uniform draw in [0, 1): the one random number each sampled token
     takes from its stream (a resumed or remotely started request skips its earlier ones)."""
@@ -114,9 +159,12 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[T
         picked = torch.argmax(rows, dim=-1).tolist()
         for i, t in zip(simple, picked):
             tokens[i] = t
-    for i, r in enumerate(reqs):
-        if tokens[i] is None:
-            tokens[i] = sample_row(logits[i], r)
+    pending = [i for i in range(len(reqs)) if tokens[i] is None]
+    if pending and logits.is_cpu and _native_sampling():
+        _sample_native(logits, reqs, pending, tokens)
+    else:
+        for i in pending:
+            tokens[i] = sample_row(logits[i], reqs[i])
     logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
     want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     if want:

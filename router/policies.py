@@ -123,6 +123,15 @@ class PrefixAware(LeastLoaded):
         return min(near, key=lambda w: (-held.get(w.worker_id, 0), _decode_load(w))).worker_id
 
 
+DECODE_PREFILL_SLOWDOWN = 3
+"""How many times longer a prompt takes on a busy decode worker than on a prefill worker: its
+prefill chunks share the core with its streams' decode steps. Measured on the 2-core CPU of
+bench/NOTES.md (prompt-heavy, 32 streams, 64 prompts after 4 of warm-up): 1 sent it 31 of the
+68, and its queue of them held off its KV imports while the prefill worker waited (59.4 tok/s,
+TTFT p50 5.2 s); 3 sent it 18 (69.2 tok/s, TTFT p50 7.3 s); one prompt at a time, 12-15
+(69-70 tok/s, TTFT p50 8.8-10.4 s)."""
+
+
 def prefill_on_decode(prefill_backlog: int, decode_backlog: int, todo: int, limit: int,
                       decode_idle: bool = False) -> bool:
     """Conditional disaggregation by load: should the decode worker prefill this prompt itself?
@@ -130,13 +139,15 @@ def prefill_on_decode(prefill_backlog: int, decode_backlog: int, todo: int, limi
     `prefill_backlog`: prompt tokens queued on the chosen prefill worker ahead of this one;
     `decode_backlog`: prompt tokens the decode worker is already prefilling itself; `todo`:
     this prompt's uncached tokens. Yes when the prefill worker's queue has reached `limit`
-    tokens and the prompt would wait less on the decode worker: a saturated prefill pool then
-    lends its work to the decode pool's idle compute (what Dynamo's disaggregated router
-    does with its prefill-queue limit) instead of TTFT growing with the queue. 0: never.
+    tokens and the prompt would still be done sooner on the decode worker, which prefills at
+    1 / DECODE_PREFILL_SLOWDOWN of the speed: a saturated prefill pool then lends work to the
+    decode pool's spare compute (what Dynamo's disaggregated router does with its
+    prefill-queue limit) instead of TTFT growing with the queue. 0: never.
     Yes too when `decode_idle` (the caller's policy: the decode worker has no stream and no
     prompt of its own): no stream's inter-token latency pays for the prefill there, and the
     prompt skips the KV hand-off."""
-    return decode_idle or (limit > 0 and prefill_backlog >= limit and decode_backlog + todo < prefill_backlog)
+    return decode_idle or (limit > 0 and prefill_backlog >= limit
+                           and DECODE_PREFILL_SLOWDOWN * (decode_backlog + todo) < prefill_backlog)
 
 
 def make_policy(name: str, index: PrefixIndex):

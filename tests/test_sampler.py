@@ -105,3 +105,64 @@ def test_low_temperature_is_near_greedy():
     r = req(SamplingParams(temperature=0.01), seed=1)
     assert all(sample(LOGITS.unsqueeze(0), [r])[0][0] == 0 for _ in range(50))
     assert math.isclose(float(torch.logsumexp(LOGITS, 0)), 0.0, abs_tol=1e-6)
+
+
+def test_the_c_sampler_draws_the_inverse_cdf_token_of_each_uniform():
+    """native.sample_rows returns, for each uniform, the token whose CDF interval holds it
+    (uniforms at interval midpoints, so rounding cannot move them), over long rows that span
+    many of its 64-token blocks, with -inf entries, at a temperature."""
+    from pdserve.engine import native
+
+    g = torch.Generator().manual_seed(3)
+    V, T = 1000, 0.7
+    logits = torch.randn(2, V, generator=g)
+    logits[:, ::7] = float("-inf")
+    rows, uniforms, expected = [], [], []
+    for row in range(2):
+        p = torch.softmax(logits[row].double() / T, -1)
+        cdf = p.cumsum(0)
+        for tok in torch.randperm(V, generator=g)[:200].tolist():
+            if p[tok] < 1e-4:  # intervals narrower than fp32 rounding of the sums: not a fair test
+                continue
+            lo = float(cdf[tok] - p[tok])
+            rows.append(row)
+            uniforms.append((lo + float(cdf[tok])) / 2)
+            expected.append(tok)
+    assert len(expected) > 100
+    assert native.sample_rows(logits, rows, [1 / T] * len(rows), uniforms) == expected
+
+
+def test_the_c_sampler_never_draws_a_masked_token_and_is_batch_invariant():
+    from pdserve.engine import native
+
+    logits = torch.full((3, 300), float("-inf"))
+    logits[0, 299] = 0.0  # the only drawable token sits at the very end
+    logits[1, :] = torch.linspace(-5, 5, 300)
+    logits[1, 150:] = float("-inf")
+    logits[2, 0] = 1.0
+    u = [0.0, 0.5, 0.999999]
+    assert native.sample_rows(logits, [0, 0, 0], [1.0] * 3, u) == [299] * 3
+    drawn = native.sample_rows(logits, [1] * 3, [1.0] * 3, u)
+    assert all(t < 150 for t in drawn) and drawn == sorted(drawn)
+    assert native.sample_rows(logits, [2], [2.0], [0.7]) == [0]
+    batch = native.sample_rows(logits, [1, 0, 2, 1], [1.0, 1.0, 2.0, 0.5], [0.3, 0.9, 0.7, 0.3])
+    alone = [native.sample_rows(logits, [r], [t], [x])[0] for r, t, x in
+             [(1, 1.0, 0.3), (0, 1.0, 0.9), (2, 2.0, 0.7), (1, 0.5, 0.3)]]
+    assert batch == alone
+
+
+def test_sampled_rows_draw_the_same_tokens_in_c_and_in_torch(monkeypatch):
+    """The step's C sampler and the per-row torch path (CUDA logits, no native build) take
+    the same token for the same seeded draws, plain, truncated and penalized rows alike."""
+    from pdserve.engine import sampler
+
+    logits = torch.randn(4, 2000, generator=torch.Generator().manual_seed(1)) * 3
+    mk = lambda: [req(SamplingParams(temperature=0.8, seed=1), seed=1),  # noqa: E731
+                  req(SamplingParams(temperature=1.2, top_k=50, top_p=0.9), seed=2),
+                  req(SamplingParams(temperature=0.7, repetition_penalty=1.3), output=(5, 9), seed=3),
+                  req(SamplingParams(temperature=0.0), seed=4)]
+    reqs_c, reqs_t = mk(), mk()
+    c = [sample(logits, reqs_c)[0] for _ in range(50)]
+    monkeypatch.setattr(sampler, "_native_sampling", lambda: False)
+    t = [sample(logits, reqs_t)[0] for _ in range(50)]
+    assert sum(a != b for x, y in zip(c, t) for a, b in zip(x, y)) <= 1  # a uniform on an fp32 boundary, at most

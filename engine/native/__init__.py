@@ -27,12 +27,12 @@ import torch
 # (attention.c), fused elementwise ops (fused.c), Q4_1 x int8 matmuls (w4a8.c, bound in
 # w4a8.py); vecmath.h is shared by them
 SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
-                                     for n in ("woq.c", "attention.c", "fused.c", "w4a8.c"))
+                                     for n in ("woq.c", "attention.c", "fused.c", "w4a8.c", "sampling.c"))
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = None  # the bound C functions, looked up once
-BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope")  # what load() sets (tests reset them all)
+_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = None  # the bound C functions, looked up once
+BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope", "_sample")  # what load() sets (tests reset them all)
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -122,7 +122,7 @@ def build(src=None) -> Path:
 
 def load() -> ctypes.CDLL:
     """Build if needed, load once per process and bind the argument types."""
-    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope
+    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope, _sample
     if _lib is not None:
         return _lib
     with _lock:
@@ -141,9 +141,11 @@ def load() -> ctypes.CDLL:
             lib.silu_mul_f32.argtypes = [p, p, i64, i64, c_int]
             lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, p, c_int]
             lib.silu_mul_f32.restype = lib.rope_f32.restype = None
+            lib.sample_rows_f32.argtypes = [p, i64, i64, i64, p, p, p, p, c_int]
+            lib.sample_rows_f32.restype = c_int
             _i8, _q8, _q4 = lib.woq_int8_matmul, lib.woq_q8_0_matmul, lib.woq_q4_1_matmul
             _attn = lib.paged_decode_attention_f32
-            _silu_mul, _rope = lib.silu_mul_f32, lib.rope_f32
+            _silu_mul, _rope, _sample = lib.silu_mul_f32, lib.rope_f32, lib.sample_rows_f32
             _lib = lib
     return _lib
 
@@ -355,3 +357,24 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     _rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
           torch.get_num_threads())
     return x
+
+
+def sample_rows(logits: torch.Tensor, rows: list[int], inv_temps: list[float], uniforms: list[float]) -> list[int]:
+    """Inverse-CDF draws (sampling.c): for each i, the token drawn from row rows[i] of logits
+    (N, V) fp32 CPU with unit stride along V, at inverse temperature inv_temps[i] with the
+    uniform uniforms[i] in [0, 1). A -inf logit is never drawn."""
+    if _sample is None:
+        load()
+    if logits.dtype is not _F32 or logits.dim() != 2 or logits.stride(1) != 1 or not logits.is_cpu:
+        raise _bad("expected CPU fp32 (N, V) logits with unit stride along V", logits)
+    if not len(rows) == len(inv_temps) == len(uniforms) or any(not 0 <= r < logits.shape[0] for r in rows):
+        raise ValueError(f"sample_rows: {len(rows)} rows (of {logits.shape[0]}), {len(inv_temps)} temperatures, "
+                         f"{len(uniforms)} uniforms")
+    n = len(rows)
+    idx = torch.tensor(rows, dtype=_I64)
+    inv, u = torch.tensor(inv_temps, dtype=_F32), torch.tensor(uniforms, dtype=_F32)
+    out = torch.empty(n, dtype=_I64)
+    if n and _sample(logits.data_ptr(), logits.shape[1], logits.stride(0), n, idx.data_ptr(), inv.data_ptr(),
+                     u.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("sample_rows: no memory for its scratch buffers")
+    return out.tolist()
