@@ -49,10 +49,12 @@ class Rope:
     in place on the qkv projection's output (`native`, CPU fp32), else by torch ops on
     (T, 1, head_dim) cos/sin rows gathered once per step."""
 
-    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, native: bool):
-        self.native = native
-        if native:
-            self.positions, self.cos_table, self.sin_table = positions.to(torch.int64), rotary.cos, rotary.sin
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, use_native: bool):
+        self.native = use_native
+        if use_native:
+            # checked once here, not in each layer's call
+            self.positions = native.rope_positions(positions, rotary.cos.shape[0])
+            self.cos_table, self.sin_table = rotary.cos, rotary.sin
         else:
             self.cos, self.sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
 
@@ -61,7 +63,7 @@ class Rope:
         (T, heads, hd); `qkv` is overwritten on the native path."""
         T = qkv.shape[0]
         if self.native:
-            native.rope_(qkv, self.positions, self.cos_table, self.sin_table, n_heads + n_kv, hd)
+            native.rope_(qkv, self.positions, self.cos_table, self.sin_table, n_heads + n_kv, hd, checked=True)
             q, k, v = qkv.split((n_heads * hd, n_kv * hd, n_kv * hd), dim=-1)
             return q.view(T, n_heads, hd), k.view(T, n_kv, hd), v.view(T, n_kv, hd)
         q, k, v = qkv.split((n_heads * hd, n_kv * hd, n_kv * hd), dim=-1)
@@ -212,8 +214,9 @@ class LlamaForCausalLM(nn.Module):
                                                     layer.mlp.gate_up_linear, layer.mlp.down_linear)]
 
     def use_native_ops(self, on: bool = True) -> "LlamaForCausalLM":
-        """Run RoPE and SwiGLU on the fused C kernels (fp32 CPU weights, fused by `fuse`; the
-        kernels must load, see engine/native). Off: the same math in torch ops."""
+        """Run RoPE, SwiGLU and each residual add with its RMSNorm on the fused C kernels (fp32
+        CPU weights, fused by `fuse`; the kernels must load, see engine/native). Off: the same
+        math in torch ops."""
         if on and not (self.lm_head.weight.device.type == "cpu" and self.lm_head.weight.dtype == torch.float32
                        and self.model.layers[0].mlp.gate_up_weight is not None):
             raise ValueError("the native elementwise kernels need a fused fp32 model on the CPU")
@@ -232,11 +235,27 @@ class LlamaForCausalLM(nn.Module):
         Returns the final normed hidden states, (T, hidden)."""
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
+        if self.native_ops:
+            return self._forward_fused_norms(h, rope, kv_caches, meta, after_layer)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             h = layer(h, rope, kv, meta, self.backend)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(h)
+
+    def _forward_fused_norms(self, h, rope, kv_caches, meta, after_layer) -> torch.Tensor:
+        """The layers with each residual add fused into the RMSNorm that follows it (one C
+        pass, native.add_rms_norm): the MLP's output is added by the next layer's input norm,
+        the last one by the final norm. h, the residual stream, is updated in place."""
+        delta = None
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+            a = layer.self_attn(native.add_rms_norm(h, delta, norm_in.weight, norm_in.eps), rope, kv, meta,
+                                self.backend)
+            delta = layer.mlp(native.add_rms_norm(h, a, norm_post.weight, norm_post.eps))
+            if after_layer is not None:
+                after_layer(i)
+        return native.add_rms_norm(h, delta, self.model.norm.weight, self.model.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden) if self.lm_head_linear is None else self.lm_head_linear(hidden)

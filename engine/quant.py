@@ -135,16 +135,17 @@ class WeightOnlyLinear:
 
 
 class W4A8Linear:
-    """An exact Q4_1 grid, int8 activations per 32 (see the module docstring). Holds one byte
+    """An exact Q4_1 grid, int8 activations per 16 (see the module docstring). Holds one byte
     per weight in the kernel's layout, not an fp32 copy."""
 
     def __init__(self, packed: tuple):
         from .native import w4a8
         self.packed = w4a8.pack(*packed)
+        w4a8.check_packed(*self.packed)  # once: each call then checks x alone
         self.kernel = w4a8.matmul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x.contiguous(), *self.packed)
+        return self.kernel(x.contiguous(), *self.packed, checked=True)
 
 
 def w4a8_fits(w: torch.Tensor) -> bool:

@@ -237,6 +237,29 @@ def test_fused_rope_matches_the_torch_rotation_and_leaves_v_alone():
         native.rope_(qkv.clone(), torch.full((T,), 256), rot.cos, rot.sin, H + KV, 64)  # past the table
 
 
+@pytest.mark.parametrize("T,D", [(1, 576), (5, 13), (129, 576)])
+def test_fused_add_rms_norm_updates_the_stream_and_matches_torch(T, D):
+    """h += delta in place, and the returned norm equals torch's add + rms_norm; a row's
+    result is the same alone as in a batch (its sums run in one order); no delta: the norm."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(T * D)
+    h, delta, w = torch.randn(T, D, generator=g) * 4, torch.randn(T, D, generator=g), torch.randn(D, generator=g)
+    want_h = h + delta
+    want = F.rms_norm(want_h, (D,), w, 1e-5)
+    got_h = h.clone()
+    out = native.add_rms_norm(got_h, delta, w, 1e-5)
+    torch.testing.assert_close(got_h, want_h, rtol=0, atol=0)
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=2e-6)
+    alone = native.add_rms_norm(h[-1:].clone(), delta[-1:], w, 1e-5)
+    assert torch.equal(alone, out[-1:])
+    kept = want_h.clone()
+    torch.testing.assert_close(native.add_rms_norm(kept, None, w, 1e-5), want, rtol=2e-6, atol=2e-6)
+    assert torch.equal(kept, want_h)
+    with pytest.raises(ValueError):
+        native.add_rms_norm(h.clone(), delta[:, :1], w, 1e-5)  # shapes differ
+
+
 def test_the_engine_gives_the_same_tokens_with_and_without_the_fused_ops(smollm):
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.engine import LLMEngine

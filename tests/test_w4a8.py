@@ -71,10 +71,12 @@ def test_a_rows_result_depends_on_nothing_but_the_row():
 
 def test_bad_input_is_refused_with_the_shapes_named():
     packed = w4a8.pack(*_grid(16, 64))
-    with pytest.raises(ValueError, match="w4a8.pack"):
+    with pytest.raises(ValueError, match=r"x fp32 \(M, 64\); got torch.float32 \(2, 96\)"):
         w4a8.matmul(torch.randn(2, 96), *packed)  # K does not match
+    with pytest.raises(ValueError, match="x fp32"):
+        w4a8.matmul(torch.randn(2, 64, dtype=torch.float64), *packed, checked=True)
     with pytest.raises(ValueError, match="w4a8.pack"):
-        w4a8.matmul(torch.randn(2, 64, dtype=torch.float64), *packed)
+        w4a8.matmul(torch.randn(2, 64), packed[0][:, :1], *packed[1:])  # not the packed form
     with pytest.raises(ValueError, match="multiple of 8"):
         w4a8.pack(*_grid(12, 64))
 

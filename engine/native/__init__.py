@@ -31,8 +31,8 @@ SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = None  # the bound C functions, looked up once
-BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope", "_sample")  # what load() sets (tests reset them all)
+_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = None  # the bound C functions, looked up once
+BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope", "_sample", "_norm")  # what load() sets (tests reset them all)
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -122,7 +122,7 @@ def build(src=None) -> Path:
 
 def load() -> ctypes.CDLL:
     """Build if needed, load once per process and bind the argument types."""
-    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope, _sample
+    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope, _sample, _norm
     if _lib is not None:
         return _lib
     with _lock:
@@ -143,9 +143,12 @@ def load() -> ctypes.CDLL:
             lib.silu_mul_f32.restype = lib.rope_f32.restype = None
             lib.sample_rows_f32.argtypes = [p, i64, i64, i64, p, p, p, p, c_int]
             lib.sample_rows_f32.restype = c_int
+            lib.add_rms_norm_f32.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, c_int]
+            lib.add_rms_norm_f32.restype = None
             _i8, _q8, _q4 = lib.woq_int8_matmul, lib.woq_q8_0_matmul, lib.woq_q4_1_matmul
             _attn = lib.paged_decode_attention_f32
             _silu_mul, _rope, _sample = lib.silu_mul_f32, lib.rope_f32, lib.sample_rows_f32
+            _norm = lib.add_rms_norm_f32
             _lib = lib
     return _lib
 
@@ -296,11 +299,24 @@ _I64 = torch.int64
 _KV = (torch.float32, torch.bfloat16)
 
 
+def paged_attention_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's block tables (B, max_blocks) and lengths (B,) as the kernel reads them (int64,
+    contiguous), checked: every length >= 1 and covered by its row. Once per step: each
+    layer's `paged_decode_attention(..., checked=True)` then skips the check."""
+    tables, lens = block_tables.to(_I64).contiguous(), seq_lens.to(_I64).contiguous()
+    B = tables.shape[0] if tables.dim() == 2 else -1
+    if B < 0 or lens.shape != (B,) or B and (int(lens.min()) < 1 or tables.shape[1] * block_size < int(lens.max())):
+        raise _bad("every sequence needs a block table row covering its length", tables, lens)
+    return tables, lens
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, checked: bool = False) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V, read in place (attention.c).
     q (B, H, D) fp32; caches (num_blocks, block_size, KVH, D) fp32 or bf16, contiguous; block_tables
-    (B, max_blocks) and seq_lens (B,) int64. Returns (B, H, D)."""
+    (B, max_blocks) and seq_lens (B,) int64. `checked`: the tables come from
+    `paged_attention_tables` for this cache's block size. Returns (B, H, D)."""
     if _attn is None:
         load()
     q = q.contiguous()
@@ -314,10 +330,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if v_cache.shape != k_cache.shape or dk != D or H % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise _bad("query heads must be a multiple of the KV heads, with the caches' head dim and shape", q, k_cache,
                    v_cache)
-    tables, lens = block_tables.to(_I64).contiguous(), seq_lens.to(_I64).contiguous()
-    if tables.dim() != 2 or tables.shape[0] != B or lens.shape != (B,) or B and (
-            int(lens.min()) < 1 or tables.shape[1] * bs < int(lens.max())):
-        raise _bad("every sequence needs a block table row covering its length", tables, lens)
+    tables, lens = (block_tables, seq_lens) if checked else paged_attention_tables(block_tables, seq_lens, bs)
+    if tables.shape[0] != B:
+        raise _bad("one block table row per query", q, tables)
     out = torch.empty_like(q)
     if B and _attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                    out.data_ptr(), B, H, kvh, D, bs, tables.shape[1], D ** -0.5, torch.get_num_threads(),
@@ -339,11 +354,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual add and RMSNorm in one pass (fused.c): h += delta in place (unless delta
+    is None), and returns weight * h / sqrt(mean(h^2) + eps). h, delta (T, D) and weight (D,)
+    contiguous fp32 CPU."""
+    if _norm is None:
+        load()
+    ok = h.dtype is _F32 and h.dim() == 2 and h.is_contiguous() and h.is_cpu and weight.shape == (h.shape[1],) \
+        and weight.dtype is _F32 and weight.is_contiguous()
+    if not ok or delta is not None and (delta.shape != h.shape or delta.dtype is not _F32 or not delta.is_contiguous()):
+        raise _bad("expected contiguous fp32 CPU h and delta (T, D) and weight (D,)",
+                   *(t for t in (h, delta, weight) if t is not None))
+    out = torch.empty_like(h)
+    _norm(h.data_ptr(), delta.data_ptr() if delta is not None else None, weight.data_ptr(), out.data_ptr(),
+          h.shape[0], h.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def rope_positions(positions: torch.Tensor, table_len: int) -> torch.Tensor:
+    """A step's positions as `rope_` reads them (int64, contiguous), checked to lie inside
+    tables of `table_len` rows. Once per step: each layer's `rope_(..., checked=True)` then
+    skips the check."""
+    pos = positions.to(_I64).contiguous()
+    if pos.dim() != 1 or pos.shape[0] and (int(pos.min()) < 0 or int(pos.max()) >= table_len):
+        raise _bad("every row needs a position inside the tables", pos)
+    return pos
+
+
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-          head_dim: int) -> torch.Tensor:
+          head_dim: int, checked: bool = False) -> torch.Tensor:
     """RoPE in place (fused.c) on the first `heads` heads of each row of x (T, W) fp32 with
     unit stride along W (the q and k parts of a fused qkv row); cos/sin (max_positions,
-    head_dim) contiguous tables, positions (T,) int64 within them. Returns x."""
+    head_dim) contiguous tables, positions (T,) int64 within them (`checked`: from
+    `rope_positions` for these tables). Returns x."""
     if _rope is None:
         load()
     if x.dtype is not _F32 or x.dim() != 2 or x.stride(1) != 1 or heads * head_dim > x.shape[1] or head_dim % 2:
@@ -351,9 +394,9 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim or not (
             cos.is_contiguous() and sin.is_contiguous() and cos.dtype is _F32 and sin.dtype is _F32):
         raise _bad("expected contiguous fp32 (max_positions, head_dim) cos/sin tables", cos, sin)
-    pos = positions.to(_I64).contiguous()
-    if pos.shape != (x.shape[0],) or x.shape[0] and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
-        raise _bad("every row needs a position inside the tables", pos)
+    pos = positions if checked else rope_positions(positions, cos.shape[0])
+    if pos.shape != (x.shape[0],):
+        raise _bad("one position per row", x, pos)
     _rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
           torch.get_num_threads())
     return x

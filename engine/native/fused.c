@@ -2,6 +2,7 @@
  * replaces several torch ops that every read and write the whole activation (RoPE was five
  * per q and k, SwiGLU's silu-times-up two plus a chunk), a tenth of a prefill step's time. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #ifdef __AVX2__
 #include "vecmath.h"
@@ -56,5 +57,49 @@ void rope_f32(float *x, int64_t T, int64_t stride, int heads, int hd, const floa
                 p[h + j] = b * c[h + j] + a * s[h + j];
             }
         }
+    }
+}
+
+/* The residual stream's add and the next RMSNorm in one pass per row (T rows of D):
+ *   h += delta (in place; delta may be NULL: the norm alone), out = h / sqrt(mean(h^2) + eps) * w
+ * torch's rms_norm ran as five ops here (pow, mean, add, rsqrt, mul: ~0.4 ms a call on a
+ * 257-token prefill, 61 calls), and each residual add as one more pass. */
+void add_rms_norm_f32(float *h, const float *delta, const float *w, float *out, int64_t T, int64_t D, float eps,
+                      int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * D >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        float *x = h + t * D, *o = out + t * D;
+        const float *d = delta ? delta + t * D : NULL;
+        int64_t i = 0;
+        float ss = 0.f;
+#ifdef __AVX2__
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (; i + 16 <= D; i += 16) {
+            __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+            if (d) {
+                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(d + i));
+                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(d + i + 8));
+                _mm256_storeu_ps(x + i, v0);
+                _mm256_storeu_ps(x + i + 8, v1);
+            }
+            a0 = _mm256_fmadd_ps(v0, v0, a0);
+            a1 = _mm256_fmadd_ps(v1, v1, a1);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(a0, a1));
+        for (int j = 0; j < 8; j++) ss += lanes[j];
+#endif
+        for (; i < D; i++) {
+            if (d) x[i] += d[i];
+            ss += x[i] * x[i];
+        }
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        i = 0;
+#ifdef __AVX2__
+        const __m256 rv = _mm256_set1_ps(r);
+        for (; i + 8 <= D; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(w + i)));
+#endif
+        for (; i < D; i++) o[i] = x[i] * r * w[i];
     }
 }

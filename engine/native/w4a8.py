@@ -51,25 +51,34 @@ def pack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.
     return q.transpose(1, 2).contiguous(), inter(d.float()), inter(m.float())
 
 
-def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def check_packed(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+    """Raises ValueError unless q, d, m are `pack`'s form: contiguous CPU q uint8 (N/8, K/4, 8, 4)
+    with K % 32 == 0, d and m fp32 (N/8, K/32, 8)."""
+    try:
+        nb, quads, eight, four = q.shape
+    except ValueError:
+        raise _bad("q must be (N/8, K/4, 8, 4)", q) from None
+    k = quads * 4
+    if q.dtype is not _U8 or (eight, four) != (8, 4) or k & 31 or d.shape != (nb, k >> 5, 8) or m.shape != d.shape \
+            or d.dtype is not _F32 or m.dtype is not _F32 or not q.is_cpu \
+            or not (q.is_contiguous() and d.is_contiguous() and m.is_contiguous()):
+        raise _bad("expected w4a8.pack's contiguous CPU q, d, m", q, d, m)
+
+
+def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, checked: bool = False) -> torch.Tensor:
     """y (M, N) fp32 ~ x @ dequantize_q4_1(...).T with each 16 of x's row in int8; x fp32 (M, K)
-    contiguous, the rest from `pack`."""
+    contiguous, the rest from `pack` (`checked`: q, d, m passed `check_packed` already; x is
+    checked every call)."""
     fn = _bound()
     if not fn:
         raise RuntimeError("the w4a8 kernel needs AVX2")
-    try:
-        nb, quads, eight, four = q.shape
-        rows, k = x.shape
-    except ValueError:
-        raise _bad("x must be (M, K) and q (N/8, K/4, 8, 4)", x, q) from None
-    n = nb * 8
-    if x.dtype is not _F32 or q.dtype is not _U8 or (eight, four) != (8, 4) or k != quads * 4 or k & 31 \
-            or d.shape != (nb, k >> 5, 8) or m.shape != d.shape or d.dtype is not _F32 or m.dtype is not _F32 \
-            or not (x.is_contiguous() and q.is_contiguous() and d.is_contiguous() and m.is_contiguous()) \
-            or not (x.is_cpu and q.is_cpu):
-        raise _bad("expected contiguous CPU x fp32 (M, K) and w4a8.pack's q, d, m", x, q, d, m)
-    y = torch.empty(rows, n, dtype=_F32)
-    if fn(x.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), rows, n, k,
+    if not checked:
+        check_packed(q, d, m)
+    n, k = q.shape[0] * 8, q.shape[1] * 4
+    if x.dtype is not _F32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or not x.is_cpu:
+        raise _bad(f"expected contiguous CPU x fp32 (M, {k})", x)
+    y = torch.empty(x.shape[0], n, dtype=_F32)
+    if fn(x.data_ptr(), q.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), x.shape[0], n, k,
           torch.get_num_threads()):
         raise MemoryError("w4a8 matmul: no memory for the quantized activations")
     return y
