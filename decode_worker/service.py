@@ -60,16 +60,19 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         queued, finished = True, False
         try:
             remote = await w.admit(request, prompt, params, context)
+            kv_bytes = w.request_kv_bytes.pop(rid, 0)
             async for out in w.engine.stream(rid, q):
                 if queued:
                     w.queued, queued = w.queued - 1, False
                 finished = out.finished
-                yield output_to_proto(out, prefilled_remotely=remote)
+                yield output_to_proto(out, prefilled_remotely=remote, kv_bytes=kv_bytes)
+                kv_bytes = 0  # the first response carries it
         except InvalidRequestError as e:
             await refuse_invalid(context, e)
         except PrefillWorkerFull as e:
             await refuse_when_full(context, e.worker_id, "prefill worker")
         finally:
+            w.request_kv_bytes.pop(rid, None)
             if queued:
                 w.queued -= 1
             w.engine.close_stream(rid)
@@ -127,6 +130,7 @@ class DecodeWorker:
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
         self.tail_prefills = 0  # of local_prefills: at most the router's limit of their tokens not cached here
         self.kv_bytes_received = 0
+        self.request_kv_bytes: dict[str, int] = {}  # KV bytes of a request's hand-off, until its first response
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self.draining = False  # set when the pool shrinks: refuse new requests, finish the rest
         self.tls = tls
@@ -229,9 +233,11 @@ class DecodeWorker:
         except BaseException:
             await self._release(rid)
             raise
+        nbytes = arrival.kv.numel() * arrival.kv.element_size()
         self.remote_prefills += 1
         self.blocks_received += len(dest)
-        self.kv_bytes_received += arrival.kv.numel() * arrival.kv.element_size()
+        self.kv_bytes_received += nbytes
+        self.request_kv_bytes[rid] = nbytes  # for its first response (the router's histogram)
         return True
 
     async def _release(self, rid: str) -> None:

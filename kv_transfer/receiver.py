@@ -106,8 +106,9 @@ class KVReceiver:
         if h.model_fingerprint != self.fingerprint:
             raise KVTransferError(f"KV push for {h.request_id!r}: model fingerprint {h.model_fingerprint!r} "
                                   f"does not match this worker's {self.fingerprint!r}")
-        if h.dtype != self.dtype:
-            raise KVTransferError(f"KV push for {h.request_id!r}: dtype {h.dtype} but this cache holds {self.dtype}")
+        if h.dtype not in DTYPES:  # another dtype than this cache's is converted as it lands
+            raise KVTransferError(f"KV push for {h.request_id!r}: dtype {h.dtype!r} is not a KV dtype "
+                                  f"({', '.join(DTYPES)}); this cache holds {self.dtype}")
         L, two, _, heads, hd = self.layout
         src_bs = h.layout[2] if len(h.layout) == 5 else 0  # the sender's block size may differ from ours
         same_shape = tuple(h.layout[:2]) + tuple(h.layout[3:]) == (h.layer_end - h.layer_start, two, heads, hd)
@@ -122,7 +123,7 @@ class KVReceiver:
             raise KVTransferError(f"KV push for {h.request_id!r}: starts at token {h.token_offset}, but the blocks "
                                   f"await tokens from {lease.first_token_index} (sender block size {src_bs})")
         expected = (h.layer_end - h.layer_start) * two * self._src_blocks(h) * src_bs * heads * hd \
-            * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+            * torch.empty((), dtype=DTYPES[h.dtype]).element_size()
         if h.payload_bytes != expected:
             raise KVTransferError(f"KV push for {h.request_id!r}: payload of {h.payload_bytes} bytes, expected {expected}")
         return lease
@@ -154,6 +155,8 @@ class KVReceiver:
         L = self.layout[0]
         # into this cache's block size, from the first token its blocks await (no copy when equal)
         kv = reblock(kv, h.token_offset, lease.first_token_index, h.num_tokens, self.layout[2])
+        if kv.dtype != DTYPES[self.dtype]:  # pools with other KV dtypes: rounded as this cache stores
+            kv = kv.to(DTYPES[self.dtype])
         if kv.shape[2] != len(lease.dest_block_ids):
             raise KVTransferError(f"KV push for {h.request_id!r}: {kv.shape[2]} blocks of tokens for "
                                   f"{len(lease.dest_block_ids)} destination blocks")

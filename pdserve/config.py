@@ -15,9 +15,9 @@ A worker gets a `WorkerConfig`: its identity plus the branches that concern it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import KV_CACHE_DTYPES, EngineConfig
 from pdserve.protos.security import TLSConfig
 
 ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
@@ -132,8 +132,13 @@ class PoolConfig:
     """Ray restarts a dead worker process up to this many times (-1: always)."""
     resource: str = ""
     """A custom Ray resource each worker takes 1 of (e.g. a KubeRay worker group's)."""
+    kv_cache_dtype: str = ""
+    """The pool's KV cache dtype (engine/config.KV_CACHE_DTYPES); "": the cluster engine's.
+    Pools may differ: the decode side converts the KV it receives."""
 
     def __post_init__(self):
+        if self.kv_cache_dtype:
+            _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _at_least("replicas", self.replicas, 0)
         _at_least("max_queue", self.max_queue, 0)
         _at_least("max_restarts", self.max_restarts, -1)
@@ -218,7 +223,11 @@ class ClusterConfig:
 
     def worker(self, role: str, worker_id: str, **overrides) -> WorkerConfig:
         """The config of one worker of the pool `role`."""
+        pool = self.pools()[role]
+        engine = self.engine
+        if pool.kv_cache_dtype:
+            engine = replace(engine, cache=replace(engine.cache, kv_cache_dtype=pool.kv_cache_dtype))
         fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),
-                      max_queue=self.pools()[role].max_queue, engine=self.engine, transfer=self.transfer,
+                      max_queue=pool.max_queue, engine=engine, transfer=self.transfer,
                       registry=self.registry, security=self.security)
         return WorkerConfig(role=role, worker_id=worker_id, **(fields | overrides))

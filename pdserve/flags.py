@@ -25,7 +25,7 @@ from pdserve.config import (
     WorkerConfig,
 )
 from pdserve.engine.arg_utils import engine_config
-from pdserve.engine.config import CacheConfig, EngineConfig, parse_size
+from pdserve.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, parse_size
 from pdserve.protos.security import TLSConfig
 
 _R, _P, _T, _A = RouterConfig(), PoolConfig(), TransferConfig(), AutoscaleConfig()
@@ -106,6 +106,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                        help=f"GPUs per {pool} worker (with --device cuda)")
         p.add_argument(f"--{pool}-resource", default=_P.resource, help=f"custom Ray resource each {pool} worker "
                        "takes 1 of (e.g. the one a KubeRay worker group advertises): places the pool on those nodes")
+        p.add_argument(f"--{pool}-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                       help=f"KV cache dtype of the {pool} workers (default: --kv-cache-dtype); the KV is "
+                            "converted on the hand-off when the pools differ")
         p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
                        help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
                             "refused by every worker of a pool gets 429")
@@ -210,7 +213,8 @@ def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:
         cpus = max(1, (os.cpu_count() or 1) // max(replicas, 1)) if aggregated else _P.num_cpus
     return PoolConfig(replicas=replicas, num_cpus=cpus, num_gpus=getattr(args, f"{role}_gpus"),
                       max_queue=getattr(args, f"{role}_max_queue"), max_restarts=args.max_restarts,
-                      resource=getattr(args, f"{role}_resource"))
+                      resource=getattr(args, f"{role}_resource"),
+                      kv_cache_dtype=getattr(args, f"{role}_kv_cache_dtype", None) or "")
 
 
 def up_config(args: argparse.Namespace) -> ClusterConfig:

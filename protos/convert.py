@@ -57,8 +57,8 @@ def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, list(zip(msg.top_ids, msg.top_logprobs)))
 
 
-def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
+def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False, kv_bytes: int = 0) -> pb.GenerateResponse:
+    return pb.GenerateResponse(kv_bytes=kv_bytes,
         token_ids=out.new_token_ids, logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
         finished=out.finished, finish_reason=out.finish_reason or "",
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
@@ -75,7 +75,8 @@ def worker_stats(engine: LLMEngine, worker_id: str, role: str, **counters) -> pb
     return pb.WorkerStats(worker_id=worker_id, role=role, num_blocks=blocks.num_blocks,
                           free_blocks=blocks.num_free_blocks, running=len(sched.running), waiting=len(sched.waiting),
                           queued_prefill_tokens=queued, kv_usage=blocks.usage, prefix_queries=blocks.prefix_queries,
-                          prefix_hits=blocks.prefix_hits, max_model_len=engine.max_model_len, **counters)
+                          prefix_hits=blocks.prefix_hits, max_model_len=engine.max_model_len,
+                          kv_cache_dtype=str(engine.kv_cache.kv.dtype).removeprefix("torch."), **counters)
 
 
 def block_snapshot(engine: LLMEngine) -> pb.BlockSnapshot:

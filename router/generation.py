@@ -106,6 +106,8 @@ class Generation:
             try:
                 self._first = await self._next()
                 self.cluster.settle(self.route, self._first.prefilled_remotely)
+                if self._first.kv_bytes:
+                    self.metrics.kv_request_bytes.observe(self._first.kv_bytes)
                 break
             except StopAsyncIteration as e:
                 raise APIError(503, "the decode worker ended the request without output", "server_error") from e

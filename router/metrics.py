@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+_BYTES = tuple(float(1 << n) for n in range(16, 32, 2))  # 64 KiB .. 1 GiB, x4
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -41,6 +42,11 @@ class RouterMetrics:
         self.decode_prefills = Gauge("pdserve_decode_prefills", "Prompts a decode worker took since it started, by where "
                                      "they were prefilled (remote: a prefill worker; local: itself)",
                                      ["worker", "where"], registry=r)
+        self.kv_request_bytes = Histogram("pdserve_kv_transfer_request_bytes", "KV bytes a remotely prefilled "
+                                          "request's prompt arrived with (its blocks not cached on the decode worker)",
+                                          registry=r, buckets=_BYTES)
+        self.kv_cache_info = Gauge("pdserve_kv_cache_info", "1 per worker, labelled with the dtype its KV cache holds",
+                                   ["worker", "role", "kv_cache_dtype"], registry=r)
         self.kv_failures = Gauge("pdserve_kv_transfer_failures", "Failed KV hand-offs seen by a worker since it started",
                                  ["worker", "role"], registry=r)
 
@@ -55,6 +61,8 @@ class RouterMetrics:
             self.kv_bytes.labels(*labels).set(s.kv_bytes)
             self.kv_seconds.labels(*labels).set(s.kv_seconds)
             self.kv_failures.labels(*labels).set(s.transfer_failures)
+            if s.kv_cache_dtype:
+                self.kv_cache_info.labels(*labels, s.kv_cache_dtype).set(1)
             if s.role != "prefill":
                 self.decode_prefills.labels(wid, "remote").set(s.remote_prefills)
                 self.decode_prefills.labels(wid, "local").set(s.local_prefills)

@@ -60,9 +60,12 @@ def test_every_up_flag_reaches_its_field(monkeypatch):
         "--cluster-name", "prod", "--autoscale", "--autoscale-max", "6", "--ttft-slo", "3", "--itl-slo", "0.2",
         "--autoscale-interval", "2", "--autoscale-up-after", "10", "--autoscale-down-after", "20",
         "--autoscale-cooldown", "7", "--ray-address", "ray://head:10001", "--worker-host", "auto",
-        "--threads", "2", "--block-size", "32", "--kv-cache-memory", "256MiB", "--quantization", "int8"))
+        "--threads", "2", "--block-size", "32", "--kv-cache-memory", "256MiB", "--quantization", "int8",
+        "--decode-kv-cache-dtype", "bf16"))
     assert c.prefill == PoolConfig(replicas=2, num_cpus=0.5, max_queue=256, max_restarts=-1, resource="pf")
-    assert c.decode == PoolConfig(replicas=3, num_gpus=1.0, max_queue=5, max_restarts=-1)
+    assert c.decode == PoolConfig(replicas=3, num_gpus=1.0, max_queue=5, max_restarts=-1, kv_cache_dtype="bf16")
+    assert c.worker("decode", "d").engine.cache.kv_cache_dtype == "bf16"
+    assert c.worker("prefill", "p").engine.cache.kv_cache_dtype == "auto"  # the cluster's --kv-cache-dtype
     assert c.router == RouterConfig(host="0.0.0.0", port=9000, model_name="m", routing="round_robin",
                                     decode_local_prefill=0, max_inflight=9, request_timeout_s=30.0,
                                     max_body_bytes=1 << 20)
@@ -115,6 +118,7 @@ def test_router_and_worker_commands_build_their_configs():
     (lambda: TransferConfig(policy="retry"), "transfer policy must be one of"),
     (lambda: PoolConfig(replicas=-1), "replicas must be >= 0"),
     (lambda: PoolConfig(max_restarts=-2), "max_restarts must be >= -1"),
+    (lambda: PoolConfig(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of"),
     (lambda: ClusterConfig(mode="split"), "mode must be one of"),
     (lambda: WorkerConfig(role="router", worker_id="w"), "role must be one of"),
 ])

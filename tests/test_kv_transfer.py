@@ -119,12 +119,24 @@ def test_wrong_layout_dtype_and_token_are_refused(wire):
     rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
     with pytest.raises(KVTransferError, match="cluster token"):
         with_wire(wire, lambda s, a: push(s, a, random_kv(3)), rx, cluster_token="guess")
-    with pytest.raises(KVTransferError, match="dtype"):
-        with_wire(wire, lambda s, a: push(s, a, random_kv(3).half()), rx, cluster_token="s3cret")
     with pytest.raises(KVTransferError, match="layout"):
         with_wire(wire, lambda s, a: push(s, a, random_kv(3, layers=3)), rx, cluster_token="s3cret")
     with_wire(wire, lambda s, a: push(s, a, random_kv(3)), rx, cluster_token="s3cret")
     assert len(rx.take_ready()) == 1
+
+
+@pytest.mark.parametrize("sent,held", [(torch.bfloat16, "float32"), (torch.float32, "bfloat16")])
+def test_kv_of_another_dtype_is_converted_as_it_lands(wire, sent, held):
+    """Pools with different KV dtypes: the receiver takes the sender's dtype (the header names
+    it, the payload size follows it) and lands the blocks in its own, rounded as its cache
+    would store them."""
+    rx = KVReceiver(FP, LAYOUT, dtype=held)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    kv = random_kv(3).to(sent)
+    with_wire(wire, lambda s, a: push(s, a, kv), rx)
+    (arrival,) = rx.take_ready()
+    want = kv.to(torch.bfloat16 if held == "bfloat16" else torch.float32)
+    assert arrival.kv.dtype == want.dtype and torch.equal(arrival.kv, want)
 
 
 def test_unknown_sender_refused_when_senders_are_named(wire):

@@ -3,6 +3,7 @@ worker and the router on loopback, the real default model. Disaggregated greedy 
 equals the engine's own, token for token."""
 import concurrent.futures
 import json
+import re
 
 import httpx
 import pytest
@@ -349,6 +350,12 @@ def test_disaggregation_really_happened(cluster):
     text = httpx.get(cluster.url + "/metrics").text
     assert 'pdserve_kv_transfer_bytes{role="prefill",worker="prefill-0"}' in text
     assert 'pdserve_kv_transfer_failures{role="decode",worker="decode-0"} 0.0' in text
+    # every remote prefill's bytes in the per-request histogram (requests reach the workers
+    # only through this router): as many as the hand-offs, summing to what decode received
+    count = float(re.search(r"^pdserve_kv_transfer_request_bytes_count (\S+)$", text, re.M).group(1))
+    total = float(re.search(r"^pdserve_kv_transfer_request_bytes_sum (\S+)$", text, re.M).group(1))
+    assert count == s["decode-0"].remote_prefills and total == s["decode-0"].kv_bytes
+    assert 'pdserve_kv_cache_info{kv_cache_dtype="float32",role="decode",worker="decode-0"} 1.0' in text
 
 
 def test_aggregated_mode_equals_engine(smollm, reference):

@@ -5,6 +5,7 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 
 from pdserve.decode_worker.service import DecodeWorker
 from pdserve.engine.async_engine import AsyncEngine
@@ -24,10 +25,11 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 
 class Cluster:
     def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc",
-                 decode_block_size=16, layer_group=0, prefill_budget=512, kv_cache_dtype="auto"):
+                 decode_block_size=16, layer_group=0, prefill_budget=512, kv_cache_dtype="auto",
+                 decode_kv_cache_dtype=""):
         self.prefill_engine = make_engine(max_num_batched_tokens=prefill_budget, kv_cache_dtype=kv_cache_dtype)
         self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size,
-                                         kv_cache_dtype=kv_cache_dtype)
+                                         kv_cache_dtype=decode_kv_cache_dtype or kv_cache_dtype)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
                                      token, layer_group=layer_group)
         self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
@@ -96,6 +98,28 @@ def test_a_bf16_cache_hands_off_its_blocks_as_they_are(make_engine, layer_group)
     kv = eng.kv_cache.kv
     per_token = kv.shape[0] * 2 * kv.shape[4] * kv.shape[5] * 2  # layers x K/V x heads x dim x 2 bytes
     assert sent == sum(-(-len(p) // 16) * 16 for p in PROMPTS) * per_token
+
+
+def test_pools_with_different_kv_dtypes_convert_on_the_hand_off(make_engine):
+    """An fp32 prefill pool and a bf16 decode pool: the prefill side ships its fp32 blocks, the
+    decode side stores them rounded to bf16 and decodes on. Its greedy tokens then follow a
+    bf16 decode of the fp32 prompt: the first is the fp32 engine's; each request finishes with
+    every block back in both pools."""
+    fp32 = make_engine()
+    want_first = [fp32.generate([p], [sp])[0][0] for p, sp in zip(PROMPTS, PARAMS)]
+
+    async def main():
+        async with Cluster(make_engine, decode_kv_cache_dtype="bf16") as c:
+            assert c.decode_engine.kv_cache.kv.dtype == torch.bfloat16
+            assert c.prefill_engine.kv_cache.kv.dtype == torch.float32
+            outs = [await c.generate(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
+            return outs, c.prefill.kv_bytes
+    outs, sent = asyncio.run(main())
+    assert [t[0] for t, _ in outs] == want_first
+    assert all(last.prefilled_remotely and last.finished for _, last in outs)
+    assert all(len(t) == sp.max_tokens for (t, _), sp in zip(outs, PARAMS) if sp.ignore_eos)
+    kv = fp32.kv_cache.kv
+    assert sent == sum(-(-len(p) // 16) * 16 for p in PROMPTS) * kv.shape[0] * 2 * kv.shape[4] * kv.shape[5] * 4
 
 
 def test_under_kv_pressure_requests_wait_for_blocks_not_prefill_locally(make_engine):
