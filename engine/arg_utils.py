@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention kernels: auto = Triton on CUDA, C on CPU (default: auto)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
                    help="weight quantization at load, CPU: auto = the checkpoint's own Q4_1 layers with int8 "
-                        "activations per 16 where the CPU has AVX2 (perplexity +0.8%%); exact = the same layers "
+                        "activations per 16 where the CPU has AVX2 (perplexity +0.6%%); exact = the same layers "
                         "read in 4 bits with fp32 math (the model of none, all fp32); int8 / q4_1 / fp16 "
                         "weight-only (fp32 math), w8a8 (int8 activations per row, AVX-512 VNNI, ~5%% "
                         "worse perplexity) (default: auto)")

@@ -174,7 +174,7 @@ class EngineConfig:
     quantization: str = "auto"
     """Weight quantization applied at load (engine/quant.py), CPU only: "auto" (matrices that are
     exactly Q4_1, as a Q4_1 GGUF's layers are, run with int8 activations per 16 on CPUs with
-    AVX2, as GGUF runtimes do: perplexity +0.8% on SmolLM2; the Q8_0 head as "exact"), "exact"
+    AVX2, as GGUF runtimes do: perplexity +0.6% on SmolLM2; the Q8_0 head as "exact"), "exact"
     (those matrices read in 4 bits at small batches, fp32 math: the same model as "none"),
     "int8" or "q4_1" (weight-only: 3.5x faster matmuls at one row, fp32 math), "fp16"
     (weight-only), "w8a8" (int8 activations per row, AVX-512 VNNI only: ~5% worse
