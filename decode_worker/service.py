@@ -125,7 +125,7 @@ class DecodeWorker:
         self.local_prefill_threshold = local_prefill_threshold
         eng = engine.engine
         self.receiver = KVReceiver(eng.loaded.fingerprint, eng.kv_cache.layout,
-                                   str(eng.kv_cache.kv.dtype).removeprefix("torch."), cluster_token)
+                                   eng.kv_cache.format.name, cluster_token)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
         self.tail_prefills = 0  # of local_prefills: at most the router's limit of their tokens not cached here

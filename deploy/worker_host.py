@@ -42,7 +42,8 @@ class HostedWorker:
         if c.role == "prefill":
             sender = SchemeKVSender(c.worker_id, security.cluster_token, tls=security.tls)
             self.worker = PrefillWorker(engine, sender, worker_id=c.worker_id, cluster_token=security.cluster_token,
-                                        max_queue=c.max_queue, tls=security.tls, layer_group=transfer.layer_group)
+                                        max_queue=c.max_queue, tls=security.tls, layer_group=transfer.layer_group,
+                                        wire_dtype=transfer.wire_dtype)
         else:  # decode, or aggregated: a decode worker that always prefills itself
             self.worker = DecodeWorker(engine, worker_id=c.worker_id, cluster_token=security.cluster_token,
                                        transfer_policy=transfer.policy,

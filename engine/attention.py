@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import kv_format, native
 
 
 @dataclass
@@ -51,6 +51,20 @@ class AttentionBackend(Protocol):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: (T, n_heads, hd); k, v: (T, n_kv, hd); caches: (num_blocks, block_size, n_kv, hd).
         Stores k/v at `meta.slot_mapping` and returns the attention output (T, n_heads, hd)."""
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's paged K or V as (slots, n_kv, row_width)."""
+    return cache.view(-1, *cache.shape[2:])
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `index` of a paged K or V (blocks of (num_blocks, bs, n_kv, W), or slots of its
+    flat view) as `dtype` (..., head_dim). index_select copies whole rows; advanced indexing
+    is ~5x slower here."""
+    if not kv_format.format_of(cache.dtype).quantized:
+        return cache.index_select(0, index).to(dtype)
+    return kv_format.decode(cache.view(torch.uint8).index_select(0, index).view(cache.dtype), dtype)
 
 
 class TorchAttentionBackend:
@@ -96,27 +110,31 @@ class TorchAttentionBackend:
 
     def store(self, k, v, k_cache, v_cache, meta) -> None:
         """Write the step's new K/V into their cache slots (rounded to the cache's dtype)."""
-        n_kv, hd = k.shape[1], k.shape[2]
-        k_cache.view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        fmt = kv_format.format_of(k_cache.dtype)
+        for new, cache in ((k, k_cache), (v, v_cache)):
+            rows = kv_format.encode(new, fmt)  # (T, n_kv, row_width)
+            # as bytes: index_copy_ has no 8-bit float kernel
+            if fmt.quantized:
+                _flat(cache).view(torch.uint8).index_copy_(0, meta.slot_mapping, rows.view(torch.uint8))
+            else:
+                _flat(cache).index_copy_(0, meta.slot_mapping, rows)
 
     def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         """Attention of the decode rows (one query per sequence) over their cached keys."""
-        D, n_kv, hd = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+        D, n_kv, hd = q.shape[0], k_cache.shape[2], q.shape[2]
         st = meta.backend_state
         blocks = st["decode_blocks"]
-        # index_select copies whole rows; advanced indexing is ~5x slower here
-        kd = k_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2).to(q.dtype)  # (D, n_kv, L, hd)
-        vd = v_cache.index_select(0, blocks).view(D, -1, n_kv, hd).transpose(1, 2).to(q.dtype)
+        kd = _gather(k_cache, blocks, q.dtype).view(D, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
+        vd = _gather(v_cache, blocks, q.dtype).view(D, -1, n_kv, hd).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=st["decode_mask"], enable_gqa=True)
         return o.squeeze(2)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, out) -> None:
         """Attention of each prefill span (causal, over its cached prefix too) into `out`."""
-        n_kv, hd = k.shape[1], k.shape[2]
-        k_flat, v_flat = k_cache.view(-1, n_kv, hd), v_cache.view(-1, n_kv, hd)
+        k_flat, v_flat = _flat(k_cache), _flat(v_cache)
         if k_cache.dtype != q.dtype:  # attend to what the cache holds, rounded as stored
-            k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
+            fmt = kv_format.format_of(k_cache.dtype)
+            k, v = (kv_format.decode(kv_format.encode(x, fmt), q.dtype) for x in (k, v))
         for sp, slots, mask in meta.backend_state["prefill_spans"]:
             qs = q[sp.start:sp.end].transpose(0, 1).unsqueeze(0)  # (1, n_heads, n, hd)
             if slots is None:  # nothing cached before this chunk: attend within it, causally
@@ -124,8 +142,8 @@ class TorchAttentionBackend:
                 vs = v[sp.start:sp.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
-                ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, n_kv, ctx, hd)
-                vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+                ks = _gather(k_flat, slots, q.dtype).transpose(0, 1).unsqueeze(0)  # (1, n_kv, ctx, hd)
+                vs = _gather(v_flat, slots, q.dtype).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[sp.start:sp.end] = o.squeeze(0).transpose(0, 1)
 
@@ -143,6 +161,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
             meta.num_decode_tokens = decode_tokens
 
     def store(self, k, v, k_cache, v_cache, meta) -> None:
+        if kv_format.format_of(k_cache.dtype).quantized:  # quantized by torch ops: a step's new rows only
+            return super().store(k, v, k_cache, v_cache, meta)
         from .triton_kernels import store_kv
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 

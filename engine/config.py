@@ -97,7 +97,7 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-KV_CACHE_DTYPES = ("auto", "fp32", "bf16")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp8", "int8")
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,11 @@ class CacheConfig:
     cache_namespace: str = ""
     """Salt mixed into every block hash (model, LoRA, tenant): different namespaces never share."""
     kv_cache_dtype: str = "auto"
-    """What K/V are stored in: "auto" (the model's dtype), "fp32" or "bf16" (CPU: half the
-    bytes per token, so twice the blocks for the same memory and half the hand-off bytes;
-    attention reads it in place and computes in fp32)."""
+    """What K/V are stored in: "auto" (the model's dtype), "fp32", "bf16" (CPU: half the
+    bytes per token, so twice the blocks for the same memory and half the hand-off bytes),
+    "int8" or "fp8" (e4m3; one byte per element plus an fp32 scale per token and KV head:
+    3.76x the blocks of fp32 for SmolLM2). Attention reads every format in place and
+    computes in fp32."""
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -18,7 +18,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError, KVTransferError
 from .events import EventListener
-from .kv_cache import KVCache, kv_dtype
+from .kv_cache import KVCache, kv_format
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import TokenLogprobs, draw, sample
@@ -55,7 +55,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = tokenizer
         self.kv_cache = KVCache(loaded.config, config.cache,
-                                kv_dtype(config.cache.kv_cache_dtype, _DTYPES[config.dtype], config.device), config.device)
+                                kv_format(config.cache.kv_cache_dtype, _DTYPES[config.dtype], config.device), config.device)
         self.blocks = BlockManager(self.kv_cache.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching, config.cache.cache_namespace,
                                    event_listener)

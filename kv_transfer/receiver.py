@@ -16,11 +16,12 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine import kv_format
 from pdserve.engine.errors import KVTransferError
 from pdserve.protos import kv_transfer_pb2 as pb
 
 from .relayout import reblock
-from .wire import DTYPES, checksum, tensor_from_bytes
+from .wire import checksum, tensor_from_bytes
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Lease:
 @dataclass
 class Arrival:
     request_id: str
-    kv: torch.Tensor  # (layers, 2, n_blocks, block_size, n_kv_heads, head_dim)
+    kv: torch.Tensor  # (layers, 2, n_blocks, block_size, n_kv_heads, row_width), in this cache's format
     first_token: int
     num_tokens: int
 
@@ -46,10 +47,11 @@ class Arrival:
 class KVReceiver:
     def __init__(self, model_fingerprint: str, layout: tuple[int, ...], dtype: str = "float32",
                  cluster_token: str = "", clock: Callable[[], float] = time.monotonic):
-        """layout: this worker's (layers, 2, block_size, n_kv_heads, head_dim)."""
+        """layout: this worker's (layers, 2, block_size, n_kv_heads, head_dim); dtype: its
+        cache's KV format name (engine/kv_format.FORMATS)."""
         self.fingerprint = model_fingerprint
         self.layout = tuple(layout)
-        self.dtype = dtype
+        self.format = kv_format.FORMATS[dtype]
         self.cluster_token = cluster_token
         self.clock = clock
         self._leases: dict[str, Lease] = {}
@@ -106,9 +108,13 @@ class KVReceiver:
         if h.model_fingerprint != self.fingerprint:
             raise KVTransferError(f"KV push for {h.request_id!r}: model fingerprint {h.model_fingerprint!r} "
                                   f"does not match this worker's {self.fingerprint!r}")
-        if h.dtype not in DTYPES:  # another dtype than this cache's is converted as it lands
-            raise KVTransferError(f"KV push for {h.request_id!r}: dtype {h.dtype!r} is not a KV dtype "
-                                  f"({', '.join(DTYPES)}); this cache holds {self.dtype}")
+        src = kv_format.FORMATS.get(h.dtype)  # another format than this cache's is converted as it lands
+        if src is None:
+            raise KVTransferError(f"KV push for {h.request_id!r}: dtype {h.dtype!r} is not a KV format "
+                                  f"({', '.join(kv_format.FORMATS)}); this cache holds {self.format.name}")
+        if h.kv_scales != src.scale_layout:
+            raise KVTransferError(f"KV push for {h.request_id!r}: {h.dtype} KV with scale layout {h.kv_scales!r}; "
+                                  f"this worker reads {src.scale_layout or 'no scales'!r} for it")
         L, two, _, heads, hd = self.layout
         src_bs = h.layout[2] if len(h.layout) == 5 else 0  # the sender's block size may differ from ours
         same_shape = tuple(h.layout[:2]) + tuple(h.layout[3:]) == (h.layer_end - h.layer_start, two, heads, hd)
@@ -122,8 +128,7 @@ class KVReceiver:
         if h.token_offset % src_bs or not first - src_bs < h.token_offset <= first:
             raise KVTransferError(f"KV push for {h.request_id!r}: starts at token {h.token_offset}, but the blocks "
                                   f"await tokens from {lease.first_token_index} (sender block size {src_bs})")
-        expected = (h.layer_end - h.layer_start) * two * self._src_blocks(h) * src_bs * heads * hd \
-            * torch.empty((), dtype=DTYPES[h.dtype]).element_size()
+        expected = (h.layer_end - h.layer_start) * two * self._src_blocks(h) * src_bs * heads * src.bytes_per_row(hd)
         if h.payload_bytes != expected:
             raise KVTransferError(f"KV push for {h.request_id!r}: payload of {h.payload_bytes} bytes, expected {expected}")
         return lease
@@ -135,16 +140,22 @@ class KVReceiver:
             raise KVTransferError(f"KV push for {h.request_id!r} truncated: {len(payload)} of {h.payload_bytes} bytes")
         if checksum(payload) != h.checksum:
             raise KVTransferError(f"KV push for {h.request_id!r}: checksum mismatch (corrupted in transit)")
-        shape = (h.layer_end - h.layer_start, 2, self._src_blocks(h), *h.layout[2:])
-        self._land(h, tensor_from_bytes(payload, h.dtype, shape))
+        self._land(h, tensor_from_bytes(payload, h.dtype, self._shape(h)))
 
     def accept_tensor(self, h: pb.KVHeader, kv: torch.Tensor) -> None:
         """In-process arrival: the same checks except the checksum (nothing crossed a wire)."""
         self.check_header(h)
-        shape = (h.layer_end - h.layer_start, 2, self._src_blocks(h), *h.layout[2:])
-        if tuple(kv.shape) != shape:
-            raise KVTransferError(f"KV push for {h.request_id!r}: tensor shape {tuple(kv.shape)}, expected {shape}")
+        shape = self._shape(h)
+        if tuple(kv.shape) != shape or kv.dtype != kv_format.FORMATS[h.dtype].dtype:
+            raise KVTransferError(f"KV push for {h.request_id!r}: tensor {kv.dtype} {tuple(kv.shape)}, "
+                                  f"expected {h.dtype} {shape}")
         self._land(h, kv)
+
+    @classmethod
+    def _shape(cls, h: pb.KVHeader) -> tuple[int, ...]:
+        """The payload tensor's shape: (layers, 2, blocks, block_size, heads, row_width)."""
+        width = kv_format.FORMATS[h.dtype].row_width(h.layout[4])
+        return (h.layer_end - h.layer_start, 2, cls._src_blocks(h), h.layout[2], h.layout[3], width)
 
     @staticmethod
     def _src_blocks(h: pb.KVHeader) -> int:
@@ -155,8 +166,7 @@ class KVReceiver:
         L = self.layout[0]
         # into this cache's block size, from the first token its blocks await (no copy when equal)
         kv = reblock(kv, h.token_offset, lease.first_token_index, h.num_tokens, self.layout[2])
-        if kv.dtype != DTYPES[self.dtype]:  # pools with other KV dtypes: rounded as this cache stores
-            kv = kv.to(DTYPES[self.dtype])
+        kv = kv_format.convert(kv, self.format)  # pools with other KV formats: as this cache stores them
         if kv.shape[2] != len(lease.dest_block_ids):
             raise KVTransferError(f"KV push for {h.request_id!r}: {kv.shape[2]} blocks of tokens for "
                                   f"{len(lease.dest_block_ids)} destination blocks")

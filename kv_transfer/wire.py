@@ -1,5 +1,7 @@
 """Wire format of a KV push: a `KVHeader` then the payload (the blocks' KV as raw bytes of
-a contiguous `(layers, 2, n_blocks, block_size, n_kv_heads, head_dim)` tensor) in chunks."""
+a contiguous `(layers, 2, n_blocks, block_size, n_kv_heads, row_width)` tensor in one of the
+KV formats of engine/kv_format.py: row_width is head_dim, or head_dim + 4 for 8-bit codes
+with their scales) in chunks."""
 from __future__ import annotations
 
 import zlib
@@ -7,10 +9,10 @@ from typing import Iterator
 
 import torch
 
+from pdserve.engine.kv_format import FORMATS, format_of
 from pdserve.protos import kv_transfer_pb2 as pb
 
 CHUNK_BYTES = 1 << 20  # 1 MiB data chunks: far under gRPC's limits, small enough to pipeline
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def checksum(payload: bytes | bytearray | memoryview) -> bytes:
@@ -27,15 +29,9 @@ def tensor_bytes(kv: torch.Tensor) -> memoryview:
 
 
 def tensor_from_bytes(buf: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    t = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=DTYPES[dtype])
+    """The payload as a tensor of KV format `dtype`; shape's last dimension is the row width."""
+    t = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=FORMATS[dtype].dtype)
     return t.view(shape)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, d in DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}")
 
 
 def make_header(request_id: str, kv: torch.Tensor, *, sender_id: str, model_fingerprint: str,
@@ -45,10 +41,12 @@ def make_header(request_id: str, kv: torch.Tensor, *, sender_id: str, model_fing
     """Header for pushing `kv` (layers [layer_start, layer_start + kv.shape[0]), tokens from
     `token_offset`, in the sender's block size). Without a payload (in-process transfer)
     there is no checksum."""
-    L, two, n_blocks, bs, h, d = kv.shape
+    L, two, n_blocks, bs, h, width = kv.shape
+    fmt = format_of(kv.dtype)
     return pb.KVHeader(
         request_id=request_id, sender_id=sender_id, model_fingerprint=model_fingerprint,
-        dtype=dtype_name(kv.dtype), layout=[L, two, bs, h, d], layer_start=layer_start,
+        dtype=fmt.name, kv_scales=fmt.scale_layout, layout=[L, two, bs, h, fmt.head_dim(width)],
+        layer_start=layer_start,
         layer_end=layer_start + L, dest_block_ids=dest_block_ids, num_tokens=num_tokens,
         payload_bytes=kv.numel() * kv.element_size(),
         checksum=checksum(payload) if payload is not None else b"", first_token=first_token,

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from pdserve.config import (
     KV_TRANSPORTS,
+    KV_WIRE_DTYPES,
     MODES,
     ROLES,
     ROUTING_POLICIES,
@@ -150,6 +151,9 @@ def _add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layer-group", type=int, default=_T.layer_group,
                    help="prefill workers push a prompt's KV every N layers as they are computed, overlapping "
                         "transfer with compute (0: all layers at the end)")
+    p.add_argument("--kv-wire-dtype", choices=KV_WIRE_DTYPES, default=_T.wire_dtype,
+                   help="what prefill workers send KV as: auto (as their cache holds it), or bf16/fp8/int8 "
+                        "for the transfer only (fewer bytes on a slow link; the decode side converts)")
     p.add_argument("--transfer-policy", choices=TRANSFER_POLICIES, default=_T.policy,
                    help="when a KV hand-off fails: prefill on the decode worker, or fail the request")
 
@@ -228,7 +232,8 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
         mode=args.mode, engine=engine_config(args), router=_router_config(args),
         prefill=_pool(args, "prefill", args.prefill), decode=_pool(args, "decode", args.decode),
         transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
-                                policy=args.transfer_policy, local_prefill_threshold=args.local_prefill_threshold),
+                                policy=args.transfer_policy, local_prefill_threshold=args.local_prefill_threshold,
+                                wire_dtype=args.kv_wire_dtype),
         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name or uuid.uuid4().hex[:8]),
         security=security,
         autoscale=AutoscaleConfig(enabled=args.autoscale, max_replicas=args.autoscale_max, ttft_slo_s=args.ttft_slo,
@@ -258,6 +263,6 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(role=args.role, worker_id=args.worker_id, host=args.host, max_queue=args.max_queue,
                         engine=engine_config(args),
                         transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
-                                                policy=args.transfer_policy),
+                                                policy=args.transfer_policy, wire_dtype=args.kv_wire_dtype),
                         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name),
                         security=SecurityConfig(cluster_token=args.cluster_token))

@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from pdserve.engine import kv_format
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.errors import InvalidRequestError, KVTransferError
 from pdserve.kv_transfer.base import KVSender
@@ -54,6 +55,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
         async def push(kv, layer_start: int = 0, first_token: int = 0):
             t = time.perf_counter()
+            if w.wire_format is not None:  # off the event loop: torch releases the GIL
+                kv = await asyncio.to_thread(kv_format.convert, kv, w.wire_format)
             await w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
                                 num_tokens=len(prompt), first_token=first_token, token_offset=first_block * bs,
                                 layer_start=layer_start, model_fingerprint=w.fingerprint,
@@ -128,9 +131,11 @@ class PrefillWorker:
 
     def __init__(self, engine: AsyncEngine, sender: KVSender, worker_id: str | None = None,
                  cluster_token: str = "", max_queue: int = 0, tls: TLSConfig | None = None,
-                 layer_group: int = 0):
+                 layer_group: int = 0, wire_dtype: str = "auto"):
         """layer_group > 0: stream each prompt's KV to the decode worker every `layer_group`
         layers, as they are computed (transfer overlaps compute); 0: after the whole prompt.
+        wire_dtype (config.KV_WIRE_DTYPES): "auto" sends the blocks as the cache holds them,
+        another converts them for the transfer only.
         max_queue > 0: at most this many prompts queued or prefilling here; more are
         refused with RESOURCE_EXHAUSTED (the router tries another worker, then answers 429)."""
         self.engine = engine
@@ -139,6 +144,7 @@ class PrefillWorker:
         self.draining = False  # set when the pool shrinks: refuse new prompts, finish the rest
         self.tls = tls
         self.layer_group = layer_group
+        self.wire_format = None if wire_dtype == "auto" else kv_format.FORMATS[kv_format.CHOICES[wire_dtype]]
         self.stream_pushes = 0  # layer-range pushes sent (layer-wise streaming)
         self.kv_bytes, self.kv_seconds = 0, 0.0  # pushed, and time spent pushing
         self.sender = sender

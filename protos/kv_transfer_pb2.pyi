@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "sender_id", "model_fingerprint", "dtype", "layout", "layer_start", "layer_end", "dest_block_ids", "num_tokens", "payload_bytes", "checksum", "first_token", "cluster_token", "token_offset")
+    __slots__ = ("request_id", "sender_id", "model_fingerprint", "dtype", "layout", "layer_start", "layer_end", "dest_block_ids", "num_tokens", "payload_bytes", "checksum", "first_token", "cluster_token", "token_offset", "kv_scales")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class KVHeader(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     model_fingerprint: str
@@ -36,7 +37,8 @@ class KVHeader(_message.Message):
     first_token: int
     cluster_token: str
     token_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., first_token: _Optional[int] = ..., cluster_token: _Optional[str] = ..., token_offset: _Optional[int] = ...) -> None: ...
+    kv_scales: str
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., first_token: _Optional[int] = ..., cluster_token: _Optional[str] = ..., token_offset: _Optional[int] = ..., kv_scales: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -118,7 +118,8 @@ def test_router_and_worker_commands_build_their_configs():
     (lambda: TransferConfig(policy="retry"), "transfer policy must be one of"),
     (lambda: PoolConfig(replicas=-1), "replicas must be >= 0"),
     (lambda: PoolConfig(max_restarts=-2), "max_restarts must be >= -1"),
-    (lambda: PoolConfig(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of"),
+    (lambda: PoolConfig(kv_cache_dtype="fp4"), "kv_cache_dtype must be one of"),
+    (lambda: TransferConfig(wire_dtype="fp32"), "kv wire dtype must be one of"),
     (lambda: ClusterConfig(mode="split"), "mode must be one of"),
     (lambda: WorkerConfig(role="router", worker_id="w"), "role must be one of"),
 ])

@@ -29,27 +29,30 @@ def mixed_params(n):
     return out
 
 
-def test_batched_equals_alone(make_engine):
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_batched_equals_alone(make_engine, kv):
     ps, params = prompts(6), mixed_params(6)
-    together = make_engine().generate(ps, params)
-    alone = [make_engine().generate([p], [sp])[0] for p, sp in zip(ps, params)]
+    together = make_engine(kv_cache_dtype=kv).generate(ps, params)
+    alone = [make_engine(kv_cache_dtype=kv).generate([p], [sp])[0] for p, sp in zip(ps, params)]
     assert together == alone
     assert all(len(t) > 0 for t in together)
 
 
-def test_chunked_prefill_equals_whole(make_engine):
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_chunked_prefill_equals_whole(make_engine, kv):
     ps = prompts(4, seed=1, lo=40, hi=120)
-    whole = make_engine(max_num_batched_tokens=1024).generate(ps, GREEDY)
-    chunked = make_engine(max_num_batched_tokens=24).generate(ps, GREEDY)
-    capped = make_engine(long_prefill_token_threshold=7).generate(ps, GREEDY)
+    whole = make_engine(max_num_batched_tokens=1024, kv_cache_dtype=kv).generate(ps, GREEDY)
+    chunked = make_engine(max_num_batched_tokens=24, kv_cache_dtype=kv).generate(ps, GREEDY)
+    capped = make_engine(long_prefill_token_threshold=7, kv_cache_dtype=kv).generate(ps, GREEDY)
     assert whole == chunked == capped
 
 
-def test_prefix_cache_hit_equals_miss(make_engine):
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_prefix_cache_hit_equals_miss(make_engine, kv):
     shared = prompts(1, seed=2, lo=50, hi=50)[0]
     ps = [shared + tail for tail in ([7, 8, 9], [10, 11], [12])]
-    miss = make_engine(enable_prefix_caching=False).generate(ps, GREEDY)
-    eng = make_engine()
+    miss = make_engine(enable_prefix_caching=False, kv_cache_dtype=kv).generate(ps, GREEDY)
+    eng = make_engine(kv_cache_dtype=kv)
     first = eng.generate(ps[:1], GREEDY)
     hits_before = eng.blocks.prefix_hits
     rest = eng.generate(ps[1:], GREEDY)
@@ -100,19 +103,20 @@ def test_prefix_hit_skips_computed_tokens(make_engine):
     eng.abort("again")
 
 
-def test_preemption_gives_same_tokens(make_engine):
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_preemption_gives_same_tokens(make_engine, kv):
     ps = prompts(8, seed=4, lo=20, hi=40)
     params = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.7, seed=i, ignore_eos=True)
               for i in range(8)]
-    roomy = make_engine().generate(ps, params)
+    roomy = make_engine(kv_cache_dtype=kv)
+    want = roomy.generate(ps, params)
     # 24 blocks of 16 tokens cannot hold 8 sequences of ~70 tokens: preemption must happen
-    tiny_bytes = 24 * 2 * 2 * 16 * 2 * 16 * 4
-    tight = make_engine(kv_cache_memory=tiny_bytes)
+    tight = make_engine(kv_cache_memory=24 * roomy.kv_cache.bytes_per_block, kv_cache_dtype=kv)
     assert tight.blocks.num_blocks == 24
     preempted = []
     orig = tight.scheduler._preempt
     tight.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))
-    assert tight.generate(ps, params) == roomy
+    assert tight.generate(ps, params) == want
     assert preempted, "the scenario did not preempt"
 
 
@@ -169,12 +173,13 @@ def test_seed_reproducible_and_different_seeds_differ(make_engine):
     assert a == b and a != c
 
 
-def test_kv_export_import_matches_single_engine(make_engine):
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_kv_export_import_matches_single_engine(make_engine, kv):
     """The disaggregation hook: prefill on one engine, ship blocks, decode on another."""
     ps = prompts(3, seed=6, lo=20, hi=50)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    expected = make_engine().generate(ps, params)
-    prefill, decode = make_engine(), make_engine()
+    expected = make_engine(kv_cache_dtype=kv).generate(ps, params)
+    prefill, decode = make_engine(kv_cache_dtype=kv), make_engine(kv_cache_dtype=kv)
     for i, p in enumerate(ps):
         rid = f"pd{i}"
         prefill.add_request(rid, p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 import torch
 
+from pdserve.engine import kv_format
 from pdserve.engine.errors import KVTransferError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
@@ -125,18 +126,42 @@ def test_wrong_layout_dtype_and_token_are_refused(wire):
     assert len(rx.take_ready()) == 1
 
 
-@pytest.mark.parametrize("sent,held", [(torch.bfloat16, "float32"), (torch.float32, "bfloat16")])
+@pytest.mark.parametrize("sent,held", [("bfloat16", "float32"), ("float32", "bfloat16"), ("int8", "int8"),
+                                       ("float8_e4m3fn", "float8_e4m3fn"), ("float32", "int8"),
+                                       ("int8", "float32"), ("float8_e4m3fn", "int8"), ("int8", "bfloat16")])
 def test_kv_of_another_dtype_is_converted_as_it_lands(wire, sent, held):
-    """Pools with different KV dtypes: the receiver takes the sender's dtype (the header names
-    it, the payload size follows it) and lands the blocks in its own, rounded as its cache
-    would store them."""
+    """Pools with different KV formats: the receiver takes the sender's format (the header
+    names it and its scale layout, the payload size follows it) and lands the blocks in its
+    own, as its cache would store them; 8-bit blocks and their scales cross bit for bit."""
     rx = KVReceiver(FP, LAYOUT, dtype=held)
     rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
-    kv = random_kv(3).to(sent)
+    kv = kv_format.encode(random_kv(3), kv_format.FORMATS[sent])
+    assert kv.shape[-1] == (20 if kv_format.FORMATS[sent].quantized else 16)
     with_wire(wire, lambda s, a: push(s, a, kv), rx)
     (arrival,) = rx.take_ready()
-    want = kv.to(torch.bfloat16 if held == "bfloat16" else torch.float32)
-    assert arrival.kv.dtype == want.dtype and torch.equal(arrival.kv, want)
+    want = kv_format.convert(kv, kv_format.FORMATS[held])
+    assert arrival.kv.dtype == want.dtype
+    assert torch.equal(arrival.kv.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_quantized_kv_with_another_scale_layout_or_size_is_refused(wire):
+    """A header naming 8-bit codes must name the scale layout this worker reads, and the
+    payload must carry a scale per row."""
+    rx = KVReceiver(FP, LAYOUT, dtype="int8")
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    kv = kv_format.encode(random_kv(3), kv_format.FORMATS["int8"])
+    header = make_header("r1", kv, sender_id="prefill-0", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
+                         num_tokens=40, first_token=7, payload=tensor_bytes(kv))
+    assert header.dtype == "int8" and header.kv_scales == "token-head-f32" and list(header.layout)[-1] == 16
+    for change, message in ((dict(kv_scales="block-head-f16"), "scale layout"), (dict(kv_scales=""), "scale layout"),
+                            (dict(payload_bytes=header.payload_bytes - 3 * 16 * 2 * 2 * 2 * 4), "payload of")):
+        bad = type(header)()
+        bad.CopyFrom(header)
+        for k, v in change.items():
+            setattr(bad, k, v)
+        with pytest.raises(KVTransferError, match=message):
+            rx.check_header(bad)
+    rx.check_header(header)
 
 
 def test_unknown_sender_refused_when_senders_are_named(wire):

@@ -168,7 +168,7 @@ def test_kv_cache_dtype_sizes_the_cache_and_is_what_attention_reads(make_engine)
     """bf16 K/V: twice the blocks of fp32 for the same memory, the tiny model's greedy tokens
     as with an fp32 cache; "auto" keeps the model's dtype."""
     from pdserve.engine.config import CacheConfig
-    from pdserve.engine.kv_cache import kv_dtype
+    from pdserve.engine.kv_cache import kv_format
     fp32, bf16 = make_engine(), make_engine(kv_cache_dtype="bf16")
     assert bf16.kv_cache.kv.dtype == torch.bfloat16 and fp32.kv_cache.kv.dtype == torch.float32
     assert bf16.kv_cache.num_blocks == 2 * fp32.kv_cache.num_blocks
@@ -178,5 +178,6 @@ def test_kv_cache_dtype_sizes_the_cache_and_is_what_attention_reads(make_engine)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="CPU only"):
-        kv_dtype("bf16", torch.float16, "cuda")
-    assert kv_dtype("auto", torch.float16, "cuda") == torch.float16
+        kv_format("bf16", torch.float16, "cuda")
+    assert kv_format("auto", torch.float16, "cuda").dtype == torch.float16
+    assert kv_format("int8", torch.float16, "cuda").quantized  # the Triton kernel reads 8-bit codes

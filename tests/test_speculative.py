@@ -18,8 +18,10 @@ def test_propose_takes_the_latest_longest_match():
     assert accepted([5, 6, 7], [5, 6, 9, 1]) == 2 and accepted([1], [2, 2]) == 0
 
 
-def engine(loaded, spec: int, kv_bytes: int = 4 << 20, max_seqs: int = 64, tokenizer=None) -> LLMEngine:
-    return LLMEngine(loaded, EngineConfig(speculative_tokens=spec, cache=CacheConfig(kv_cache_memory=kv_bytes),
+def engine(loaded, spec: int, kv_bytes: int = 4 << 20, max_seqs: int = 64, tokenizer=None,
+           kv: str = "auto") -> LLMEngine:
+    cache = CacheConfig(kv_cache_memory=kv_bytes, kv_cache_dtype=kv)
+    return LLMEngine(loaded, EngineConfig(speculative_tokens=spec, cache=cache,
                                           scheduler=SchedulerConfig(max_num_seqs=max_seqs)), tokenizer)
 
 
@@ -27,16 +29,20 @@ def clean(e: LLMEngine) -> bool:
     return e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("kv_bytes", [4 << 20, 40 * 8192], ids=["roomy", "preempting"])
-def test_tiny_model_greedy_identical(kv_bytes):
+def test_tiny_model_greedy_identical(kv_bytes, kv):
     loaded = tiny_llama(0)
     pattern = [17, 42, 99, 7, 300, 12]
     prompts = [pattern * 4 + [i + 3] for i in range(4)] + [[5, 6, 7, 8, 9] * 3]
     params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True) for _ in prompts]
     params.append(SamplingParams(max_tokens=20, temperature=0.9, seed=3, ignore_eos=True))  # not speculated
     prompts.append(pattern * 2)
-    want = engine(loaded, 0).generate(prompts, params)
-    spec = engine(loaded, 4, kv_bytes)
+    want = engine(loaded, 0, kv=kv).generate(prompts, params)
+    # the same number of blocks in every format: the preempting case must preempt
+    blocks = engine(loaded, 0, kv_bytes).kv_cache.num_blocks
+    spec = engine(loaded, 4, blocks * engine(loaded, 0, kv=kv).kv_cache.bytes_per_block, kv=kv)
+    assert spec.kv_cache.num_blocks == blocks
     got = spec.generate(prompts, params)
     assert got == want
     assert spec.speculator.proposed > 0 and spec.speculator.accepted > 0

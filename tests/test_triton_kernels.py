@@ -65,13 +65,32 @@ def test_copy_blocks_gathers_and_scatters():
     assert torch.equal(dest[[9, 0, 5]], buf)
 
 
-def test_tiny_model_generates_the_same_with_the_triton_backend():
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("n_heads", [2, 4])
+def test_paged_decode_reads_8_bit_caches_as_the_torch_backend(fmt, n_heads):
+    """Codes and their per-row scales read in place (engine/kv_format.py), the same attention
+    as the torch backend's on the same cache."""
+    from pdserve.engine import kv_format
+    kc, vc = (kv_format.encode(c, kv_format.FORMATS[fmt]) for c in caches())
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [11, 0, 0, 0], [4, 6, 8, 9]], device=DEVICE)
+    lens = torch.tensor([40, 20, 1, 64], device=DEVICE)
+    q = torch.randn(4, n_heads, 16, device=DEVICE)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=4,
+                             decode_block_tables=tables, decode_seq_lens=lens, prefills=[], block_size=16)
+    ref_backend = TorchAttentionBackend()
+    ref_backend.prepare(meta)
+    ref = ref_backend.decode(q, kc, vc, meta)
+    got = paged_decode_attention(q, kc, vc, tables, lens)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_tiny_model_generates_the_same_with_the_triton_backend(kv):
     prompts = [[(7 * i + j) % 500 + 3 for j in range(9 + 11 * i)] for i in range(3)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    cfg = EngineConfig(cache=CacheConfig(kv_cache_memory=2 << 20))
-    want = LLMEngine(tiny_llama(0), cfg).generate(prompts, params)
-    loaded = tiny_llama(0)
-    loaded.model.backend = TritonAttentionBackend()
-    eng = LLMEngine(loaded, cfg)
+    cache = CacheConfig(kv_cache_memory=2 << 20, kv_cache_dtype=kv)
+    want = LLMEngine(tiny_llama(0), EngineConfig(cache=cache, attention="torch")).generate(prompts, params)
+    eng = LLMEngine(tiny_llama(0), EngineConfig(cache=cache, attention="triton"))
+    assert isinstance(eng.runner.model.backend, TritonAttentionBackend)
     assert eng.generate(prompts, params) == want
     assert eng.blocks.num_used_blocks == 0

@@ -26,12 +26,12 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 class Cluster:
     def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc",
                  decode_block_size=16, layer_group=0, prefill_budget=512, kv_cache_dtype="auto",
-                 decode_kv_cache_dtype=""):
+                 decode_kv_cache_dtype="", wire_dtype="auto"):
         self.prefill_engine = make_engine(max_num_batched_tokens=prefill_budget, kv_cache_dtype=kv_cache_dtype)
         self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size,
                                          kv_cache_dtype=decode_kv_cache_dtype or kv_cache_dtype)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
-                                     token, layer_group=layer_group)
+                                     token, layer_group=layer_group, wire_dtype=wire_dtype)
         self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
                                    local_prefill_threshold=threshold, kv_transport=kv_transport)
         self.token = token
@@ -82,22 +82,47 @@ def test_disaggregated_equals_single_engine(make_engine, kv_transport):
     assert stats.remote_prefills == 3 and stats.local_prefills == 0 and stats.free_blocks == stats.num_blocks
 
 
+@pytest.mark.parametrize("kv", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("layer_group", [0, 1])
-def test_a_bf16_cache_hands_off_its_blocks_as_they_are(make_engine, layer_group):
-    """Both pools with bf16 K/V: the hand-off ships the bf16 blocks (half the bytes of fp32,
-    whole or layer by layer) and the tokens are the single bf16 engine's."""
-    eng = make_engine(kv_cache_dtype="bf16")
+def test_a_low_precision_cache_hands_off_its_blocks_as_they_are(make_engine, layer_group, kv):
+    """Both pools with bf16 or 8-bit K/V: the hand-off ships the blocks as stored (8-bit codes
+    with their scales: 20 bytes per row of 16 for the tiny model, 64 in fp32; whole or layer
+    by layer) and the tokens are the single engine's with that cache."""
+    eng = make_engine(kv_cache_dtype=kv)
     want = [eng.generate([p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
 
     async def main():
-        async with Cluster(make_engine, kv_cache_dtype="bf16", layer_group=layer_group) as c:
+        async with Cluster(make_engine, kv_cache_dtype=kv, layer_group=layer_group) as c:
             outs = [await c.generate(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
             return outs, c.prefill.kv_bytes
     outs, sent = asyncio.run(main())
     assert [t for t, _ in outs] == want and all(last.prefilled_remotely for _, last in outs)
-    kv = eng.kv_cache.kv
-    per_token = kv.shape[0] * 2 * kv.shape[4] * kv.shape[5] * 2  # layers x K/V x heads x dim x 2 bytes
+    cache = eng.kv_cache.kv
+    per_token = cache.shape[0] * 2 * cache.shape[4] * cache.shape[5] * cache.element_size()  # layers x K/V x heads x row
+    assert cache.shape[5] * cache.element_size() == {"bf16": 32, "int8": 20, "fp8": 20}[kv]
     assert sent == sum(-(-len(p) // 16) * 16 for p in PROMPTS) * per_token
+
+
+@pytest.mark.parametrize("wire", ["int8", "fp8"])
+def test_wire_only_compression_ships_8_bit_blocks_between_fp32_caches(make_engine, wire):
+    """--kv-wire-dtype: fp32 caches on both sides, the KV quantized for the transfer only: a
+    third of the bytes of fp32 for the tiny model (20 per row of 16 values, not 64); the first
+    token is the fp32 prefill's, the decode side lands the blocks dequantized into its fp32
+    cache and every request finishes, every block back."""
+    fp32 = make_engine()
+    want = [fp32.generate([p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
+
+    async def main():
+        async with Cluster(make_engine, wire_dtype=wire) as c:
+            assert c.decode_engine.kv_cache.kv.dtype == torch.float32
+            outs = [await c.generate(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
+            return outs, c.prefill.kv_bytes
+    outs, sent = asyncio.run(main())
+    assert [t[0] for t, _ in outs] == [w[0] for w in want]
+    assert all(last.prefilled_remotely and last.finished for _, last in outs)
+    assert all(len(t) == len(w) for (t, _), w in zip(outs, want))
+    cache = fp32.kv_cache.kv
+    assert sent == sum(-(-len(p) // 16) * 16 for p in PROMPTS) * cache.shape[0] * 2 * cache.shape[4] * 20
 
 
 def test_pools_with_different_kv_dtypes_convert_on_the_hand_off(make_engine):

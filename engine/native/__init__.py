@@ -296,7 +296,7 @@ def q4_1_matmul(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch
 
 
 _I64 = torch.int64
-_KV = (torch.float32, torch.bfloat16)
+_KV = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}  # attention.c KV_*
 
 
 def paged_attention_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -314,7 +314,8 @@ def paged_attention_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, checked: bool = False) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V, read in place (attention.c).
-    q (B, H, D) fp32; caches (num_blocks, block_size, KVH, D) fp32 or bf16, contiguous; block_tables
+    q (B, H, D) fp32; caches (num_blocks, block_size, KVH, W) fp32 or bf16 (W = D), or int8 or
+    fp8 e4m3 codes with their scales (W = D + 4, engine/kv_format.py), contiguous; block_tables
     (B, max_blocks) and seq_lens (B,) int64. `checked`: the tables come from
     `paged_attention_tables` for this cache's block size. Returns (B, H, D)."""
     if _attn is None:
@@ -326,8 +327,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     except ValueError:
         raise _bad("q must be (B, H, D) and the caches (num_blocks, block_size, KVH, D)", q, k_cache) from None
     if q.dtype is not _F32 or k_cache.dtype not in _KV or v_cache.dtype is not k_cache.dtype:
-        raise _bad("expected fp32 q and fp32 or bf16 caches (dtype)", q, k_cache, v_cache)
-    if v_cache.shape != k_cache.shape or dk != D or H % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise _bad("expected fp32 q and fp32, bf16, int8 or fp8 caches (dtype)", q, k_cache, v_cache)
+    fmt = _KV[k_cache.dtype]
+    if v_cache.shape != k_cache.shape or dk != (D + 4 if fmt >= 2 else D) or H % kvh or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise _bad("query heads must be a multiple of the KV heads, with the caches' head dim and shape", q, k_cache,
                    v_cache)
     tables, lens = (block_tables, seq_lens) if checked else paged_attention_tables(block_tables, seq_lens, bs)
@@ -336,7 +338,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if B and _attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                    out.data_ptr(), B, H, kvh, D, bs, tables.shape[1], D ** -0.5, torch.get_num_threads(),
-                   int(k_cache.dtype is torch.bfloat16)):
+                   fmt):
         raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
     return out
 
