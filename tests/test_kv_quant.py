@@ -146,3 +146,32 @@ def test_block_count_grows_with_the_format(make_engine):
     assert i8.kv_cache.bytes_per_block * 64 == fp32.kv_cache.bytes_per_block * 20
     assert i8.kv_cache.format.name == "int8" and f8.kv_cache.format.name == "float8_e4m3fn"
     assert i8.kv_cache.layout == fp32.kv_cache.layout  # what a hand-off header describes
+
+
+@native
+@pytest.mark.parametrize("fmt", [INT8, FP8], ids=["int8", "fp8"])
+def test_the_c_store_writes_what_encode_writes_ties_and_subnormals_included(fmt):
+    """Rows whose scale is exactly 1 (absmax = qmax), holding every representable value and
+    every midpoint between neighbours (ties round to even), then random rows: the C store
+    and kv_format.encode write the same bytes, and only into the given slots."""
+    from pdserve.engine.native import kv_store_8bit
+    if fmt is INT8:
+        grid = torch.arange(-127, 128, dtype=torch.float32)
+    else:
+        pos = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        grid = torch.cat([-pos.flip(0), pos])
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    hd = 16
+    values = torch.cat([values, torch.zeros(-values.numel() % (hd - 1))]).view(-1, hd - 1)
+    crafted = torch.cat([torch.full((values.shape[0], 1), fmt.qmax), values], dim=1).view(-1, 1, hd)
+    x = torch.cat([crafted, rows(n=crafted.shape[0], heads=1, hd=hd, seed=4)])
+    cache = torch.zeros(x.shape[0] // 8 + 4, 8, 1, hd + 4, dtype=torch.uint8).view(fmt.dtype)
+    slots = torch.randperm(cache.shape[0] * 8, generator=torch.Generator().manual_seed(0))[:x.shape[0]]
+    kv_store_8bit(x, cache, slots)
+    flat = cache.view(torch.uint8).view(-1, 1, hd + 4)
+    assert torch.equal(flat[slots], kv_format.encode(x, fmt).view(torch.uint8))
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[untouched].any()
+    with pytest.raises(ValueError, match="slot"):
+        kv_store_8bit(x[:1], cache, torch.tensor([cache.shape[0] * 8]))

@@ -31,8 +31,8 @@ SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = None  # the bound C functions, looked up once
-BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope", "_sample", "_norm")  # what load() sets (tests reset them all)
+_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = _store8 = None  # the bound C functions, looked up once
+BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope", "_sample", "_norm", "_store8")  # what load() sets (tests reset them all)
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -122,7 +122,7 @@ def build(src=None) -> Path:
 
 def load() -> ctypes.CDLL:
     """Build if needed, load once per process and bind the argument types."""
-    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope, _sample, _norm
+    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope, _sample, _norm, _store8
     if _lib is not None:
         return _lib
     with _lock:
@@ -145,10 +145,12 @@ def load() -> ctypes.CDLL:
             lib.sample_rows_f32.restype = c_int
             lib.add_rms_norm_f32.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, c_int]
             lib.add_rms_norm_f32.restype = None
+            lib.kv_store_8bit.argtypes = [p, p, p] + [c_int] * 4
+            lib.kv_store_8bit.restype = None
             _i8, _q8, _q4 = lib.woq_int8_matmul, lib.woq_q8_0_matmul, lib.woq_q4_1_matmul
             _attn = lib.paged_decode_attention_f32
             _silu_mul, _rope, _sample = lib.silu_mul_f32, lib.rope_f32, lib.sample_rows_f32
-            _norm = lib.add_rms_norm_f32
+            _norm, _store8 = lib.add_rms_norm_f32, lib.kv_store_8bit
             _lib = lib
     return _lib
 
@@ -341,6 +343,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                    fmt):
         raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
     return out
+
+
+def kv_store_8bit(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Quantize new K or V rows x (T, KVH, D) fp32 into an int8 or fp8 cache (num_blocks,
+    block_size, KVH, D + 4) at flat slots (T,) int64, codes and scale as
+    engine/kv_format.encode writes them (attention.c kv_store_8bit). Slots are checked."""
+    if _store8 is None:
+        load()
+    x = x.contiguous()
+    fmt = _KV.get(cache.dtype, 0)
+    if (x.dtype is not _F32 or x.dim() != 3 or fmt < 2 or cache.dim() != 4 or not cache.is_contiguous()
+            or cache.shape[2:] != (x.shape[1], x.shape[2] + 4) or slots.dtype is not _I64 or slots.shape != x.shape[:1]):
+        raise _bad("expected fp32 rows (T, KVH, D), an 8-bit cache (blocks, bs, KVH, D + 4) and int64 slots (T,)",
+                   x, cache, slots)
+    slots = slots.contiguous()
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= cache.shape[0] * cache.shape[1]):
+        raise _bad("every slot must lie in the cache", slots)
+    _store8(x.data_ptr(), cache.data_ptr(), slots.data_ptr(), x.shape[0], x.shape[1], x.shape[2], fmt)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
