@@ -112,9 +112,11 @@ class DecodeWorker:
     def __init__(self, engine: AsyncEngine, worker_id: str | None = None, cluster_token: str = "",
                  transfer_policy: str = "recompute", transfer_timeout_s: float = 30.0,
                  local_prefill_threshold: int = 0, max_queue: int = 0, tls: TLSConfig | None = None,
-                 kv_transport: str = "grpc"):
+                 kv_transport: str = "grpc", convert_kv: bool = True):
         """max_queue > 0: at most this many requests here waiting for their first token
-        (for KV or for a place in the batch); more are refused with RESOURCE_EXHAUSTED."""
+        (for KV or for a place in the batch); more are refused with RESOURCE_EXHAUSTED.
+        convert_kv: KV pushed in another format than this cache's is converted as it lands
+        (else refused: the transfer policy then recomputes or fails the request)."""
         if transfer_policy not in TRANSFER_POLICIES:
             raise ValueError(f"transfer_policy must be one of {TRANSFER_POLICIES}, got {transfer_policy!r}")
         self.engine = engine
@@ -125,7 +127,7 @@ class DecodeWorker:
         self.local_prefill_threshold = local_prefill_threshold
         eng = engine.engine
         self.receiver = KVReceiver(eng.loaded.fingerprint, eng.kv_cache.layout,
-                                   eng.kv_cache.format.name, cluster_token)
+                                   eng.kv_cache.format.name, cluster_token, convert=convert_kv)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
         self.tail_prefills = 0  # of local_prefills: at most the router's limit of their tokens not cached here

@@ -67,6 +67,8 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
             return
         url = f"http://{rc.host}:{rc.port}"
         log(f"ready in {time.monotonic() - t0:.1f}s: {url}/v1 (model {router.model_name!r})")
+        log("KV caches: " + "; ".join(f"{wid} {s.kv_cache_dtype} {s.num_blocks} blocks ({s.num_blocks * cache.block_size} "
+                                      f"tokens)" for wid, s in sorted(client.stats.items())))
         auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if config.security.api_keys else ""
         print(f"curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
               f"'{{\"model\": \"{router.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",

@@ -48,7 +48,8 @@ class HostedWorker:
             self.worker = DecodeWorker(engine, worker_id=c.worker_id, cluster_token=security.cluster_token,
                                        transfer_policy=transfer.policy,
                                        local_prefill_threshold=transfer.local_prefill_threshold,
-                                       max_queue=c.max_queue, tls=security.tls, kv_transport=transfer.transport)
+                                       max_queue=c.max_queue, tls=security.tls, kv_transport=transfer.transport,
+                                       convert_kv=transfer.kv_dtype_mismatch == "convert")
         self.registration: WorkerRegistration | None = None
 
     @property

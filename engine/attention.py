@@ -211,7 +211,28 @@ class NativeAttentionBackend(TorchAttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta):
         self.store(k, v, k_cache, v_cache, meta)
         st = meta.backend_state
+        if meta.prefills and kv_format.format_of(k_cache.dtype).quantized:
+            return self._forward_8bit_prefill(q, k_cache, v_cache, meta)
         return native.paged_decode_attention(q, k_cache, v_cache, st["tables"], st["lens"], checked=True)
+
+    def _forward_8bit_prefill(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        """A step with prefill rows over an 8-bit cache: the prompts' blocks are decoded once
+        (not once per row: a 4k-token prompt's rows would decode ~8M key rows per layer), and
+        the prefill rows attend over that fp32 copy of them. The 8-bit kernel is bitwise the
+        fp32 kernel over the decoded rows, so a row's result is the same either way."""
+        st, D = meta.backend_state, meta.num_decode_tokens
+        if "prefill_blocks" not in st:  # once per step: the prompts' blocks, and the rows' tables into their copy
+            blocks, local = torch.unique(st["tables"][D:], return_inverse=True)
+            st["prefill_blocks"], st["prefill_tables"] = blocks, local.to(torch.int64).contiguous()
+        blocks = st["prefill_blocks"]
+        out = torch.empty_like(q)
+        if D:
+            out[:D] = native.paged_decode_attention(q[:D], k_cache, v_cache, st["tables"][:D], st["lens"][:D],
+                                                    checked=True)
+        kf, vf = (kv_format.decode(c.view(torch.uint8).index_select(0, blocks).view(c.dtype)).contiguous()
+                  for c in (k_cache, v_cache))
+        out[D:] = native.paged_decode_attention(q[D:], kf, vf, st["prefill_tables"], st["lens"][D:], checked=True)
+        return out
 
     def store(self, k, v, k_cache, v_cache, meta) -> None:
         """8-bit caches quantized by one C call per tensor (torch's ops took ~10 ms of a 30-layer

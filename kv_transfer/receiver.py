@@ -46,14 +46,16 @@ class Arrival:
 
 class KVReceiver:
     def __init__(self, model_fingerprint: str, layout: tuple[int, ...], dtype: str = "float32",
-                 cluster_token: str = "", clock: Callable[[], float] = time.monotonic):
+                 cluster_token: str = "", clock: Callable[[], float] = time.monotonic, convert: bool = True):
         """layout: this worker's (layers, 2, block_size, n_kv_heads, head_dim); dtype: its
-        cache's KV format name (engine/kv_format.FORMATS)."""
+        cache's KV format name (engine/kv_format.FORMATS). convert=False: KV in another
+        format is refused instead of converted."""
         self.fingerprint = model_fingerprint
         self.layout = tuple(layout)
         self.format = kv_format.FORMATS[dtype]
         self.cluster_token = cluster_token
         self.clock = clock
+        self.convert = convert
         self._leases: dict[str, Lease] = {}
         self._ready: list[Arrival] = []
 
@@ -112,6 +114,9 @@ class KVReceiver:
         if src is None:
             raise KVTransferError(f"KV push for {h.request_id!r}: dtype {h.dtype!r} is not a KV format "
                                   f"({', '.join(kv_format.FORMATS)}); this cache holds {self.format.name}")
+        if src is not self.format and not self.convert:
+            raise KVTransferError(f"KV push for {h.request_id!r}: {h.dtype} KV, but this worker's cache holds "
+                                  f"{self.format.name} and converts none (--kv-dtype-mismatch refuse)")
         if h.kv_scales != src.scale_layout:
             raise KVTransferError(f"KV push for {h.request_id!r}: {h.dtype} KV with scale layout {h.kv_scales!r}; "
                                   f"this worker reads {src.scale_layout or 'no scales'!r} for it")

@@ -23,6 +23,7 @@ from pdserve.protos.security import TLSConfig
 ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 KV_TRANSPORTS = ("grpc", "ucx")
 KV_WIRE_DTYPES = ("auto", "bf16", "fp8", "int8")
+KV_DTYPE_MISMATCH = ("convert", "refuse")
 TRANSFER_POLICIES = ("recompute", "fail")
 MODES = ("disaggregated", "aggregated")
 ROLES = ("prefill", "decode", "aggregated")
@@ -71,10 +72,14 @@ class TransferConfig:
     """What prefill workers send KV as: "auto" (as their cache holds it), or "bf16", "fp8",
     "int8" (converted for the transfer only, e.g. for a slow link; the decode worker
     converts into its own cache's format as it lands)."""
+    kv_dtype_mismatch: str = "convert"
+    """KV arriving in another format than the decode cache's: convert it as it lands, or
+    refuse the push (the transfer policy then recomputes or fails the request)."""
 
     def __post_init__(self):
         _one_of("kv transport", self.transport, KV_TRANSPORTS)
         _one_of("kv wire dtype", self.wire_dtype, KV_WIRE_DTYPES)
+        _one_of("kv dtype mismatch", self.kv_dtype_mismatch, KV_DTYPE_MISMATCH)
         _one_of("transfer policy", self.policy, TRANSFER_POLICIES)
         _at_least("kv layer group", self.layer_group, 0)
         _at_least("local prefill threshold", self.local_prefill_threshold, 0)

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import replace
 
 from pdserve.config import (
+    KV_DTYPE_MISMATCH,
     KV_TRANSPORTS,
     KV_WIRE_DTYPES,
     MODES,
@@ -154,6 +155,8 @@ def _add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-wire-dtype", choices=KV_WIRE_DTYPES, default=_T.wire_dtype,
                    help="what prefill workers send KV as: auto (as their cache holds it), or bf16/fp8/int8 "
                         "for the transfer only (fewer bytes on a slow link; the decode side converts)")
+    p.add_argument("--kv-dtype-mismatch", choices=KV_DTYPE_MISMATCH, default=_T.kv_dtype_mismatch,
+                   help="KV arriving in another format than the decode cache's: convert it, or refuse the push")
     p.add_argument("--transfer-policy", choices=TRANSFER_POLICIES, default=_T.policy,
                    help="when a KV hand-off fails: prefill on the decode worker, or fail the request")
 
@@ -233,7 +236,7 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
         prefill=_pool(args, "prefill", args.prefill), decode=_pool(args, "decode", args.decode),
         transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
                                 policy=args.transfer_policy, local_prefill_threshold=args.local_prefill_threshold,
-                                wire_dtype=args.kv_wire_dtype),
+                                wire_dtype=args.kv_wire_dtype, kv_dtype_mismatch=args.kv_dtype_mismatch),
         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name or uuid.uuid4().hex[:8]),
         security=security,
         autoscale=AutoscaleConfig(enabled=args.autoscale, max_replicas=args.autoscale_max, ttft_slo_s=args.ttft_slo,
@@ -263,6 +266,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(role=args.role, worker_id=args.worker_id, host=args.host, max_queue=args.max_queue,
                         engine=engine_config(args),
                         transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
-                                                policy=args.transfer_policy, wire_dtype=args.kv_wire_dtype),
+                                                policy=args.transfer_policy, wire_dtype=args.kv_wire_dtype,
+                                                kv_dtype_mismatch=args.kv_dtype_mismatch),
                         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name),
                         security=SecurityConfig(cluster_token=args.cluster_token))

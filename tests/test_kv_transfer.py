@@ -144,6 +144,21 @@ def test_kv_of_another_dtype_is_converted_as_it_lands(wire, sent, held):
     assert torch.equal(arrival.kv.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_a_receiver_that_converts_none_refuses_another_format_by_name():
+    rx = KVReceiver(FP, LAYOUT, dtype="int8", convert=False)
+    rx.expect("r1", [3, 4, 5], 40, timeout_s=30)
+    for fmt in ("float32", "float8_e4m3fn"):
+        kv = kv_format.encode(random_kv(3), kv_format.FORMATS[fmt])
+        header = make_header("r1", kv, sender_id="prefill-0", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
+                             num_tokens=40, first_token=7)
+        with pytest.raises(KVTransferError, match=f"{fmt} KV, but this worker's cache holds int8 and converts none"):
+            rx.accept_tensor(header, kv)
+    kv = kv_format.encode(random_kv(3), kv_format.FORMATS["int8"])
+    rx.accept_tensor(make_header("r1", kv, sender_id="prefill-0", model_fingerprint=FP, dest_block_ids=[3, 4, 5],
+                                 num_tokens=40, first_token=7), kv)
+    assert len(rx.take_ready()) == 1
+
+
 def test_quantized_kv_with_another_scale_layout_or_size_is_refused(wire):
     """A header naming 8-bit codes must name the scale layout this worker reads, and the
     payload must carry a scale per row."""

@@ -18,9 +18,10 @@ MODEL = "smollm2"
 PROMPT = "The history of the printing press begins"
 
 
-def start(smollm, num_decode):
+def start(smollm, num_decode, kv="auto"):
     loaded, tok = smollm
-    return LocalCluster(loaded, tok, local_config(32 << 20, decode=num_decode)).start()
+    engine = EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20, kv_cache_dtype=kv))
+    return LocalCluster(loaded, tok, local_config(decode=num_decode, engine=engine)).start()
 
 
 def stream_and_kill(c, body, kill_after=8):
@@ -41,13 +42,15 @@ def stream_and_kill(c, body, kill_after=8):
     return "".join(texts), events
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=17)], ids=["greedy", "seeded"])
-def test_migration_continues_the_stream_exactly(smollm, sampling):
+@pytest.mark.parametrize("sampling,kv", [(dict(temperature=0), "auto"), (dict(temperature=0.9, seed=17), "auto"),
+                                         (dict(temperature=0), "int8")], ids=["greedy", "seeded", "greedy-int8-kv"])
+def test_migration_continues_the_stream_exactly(smollm, sampling, kv):
+    """With an 8-bit cache too: the recomputed prompt and tokens land as the same codes."""
     loaded, tok = smollm
     params = SamplingParams(max_tokens=40, ignore_eos=True, **sampling)
-    ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok).generate(
+    ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20, kv_cache_dtype=kv)), tok).generate(
         [tok.encode(PROMPT)], params)[0]
-    c = start(smollm, num_decode=2)
+    c = start(smollm, num_decode=2, kv=kv)
     try:
         text, events = stream_and_kill(c, {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True,
                                            **sampling})

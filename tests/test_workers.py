@@ -26,14 +26,14 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 class Cluster:
     def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc",
                  decode_block_size=16, layer_group=0, prefill_budget=512, kv_cache_dtype="auto",
-                 decode_kv_cache_dtype="", wire_dtype="auto"):
+                 decode_kv_cache_dtype="", wire_dtype="auto", convert_kv=True):
         self.prefill_engine = make_engine(max_num_batched_tokens=prefill_budget, kv_cache_dtype=kv_cache_dtype)
         self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size,
                                          kv_cache_dtype=decode_kv_cache_dtype or kv_cache_dtype)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
                                      token, layer_group=layer_group, wire_dtype=wire_dtype)
         self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
-                                   local_prefill_threshold=threshold, kv_transport=kv_transport)
+                                   local_prefill_threshold=threshold, kv_transport=kv_transport, convert_kv=convert_kv)
         self.token = token
 
     async def __aenter__(self):
@@ -145,6 +145,22 @@ def test_pools_with_different_kv_dtypes_convert_on_the_hand_off(make_engine):
     assert all(len(t) == sp.max_tokens for (t, _), sp in zip(outs, PARAMS) if sp.ignore_eos)
     kv = fp32.kv_cache.kv
     assert sent == sum(-(-len(p) // 16) * 16 for p in PROMPTS) * kv.shape[0] * 2 * kv.shape[4] * kv.shape[5] * 4
+
+
+def test_a_decode_pool_that_refuses_other_kv_formats_recomputes_the_prompt(make_engine):
+    """--kv-dtype-mismatch refuse: an fp32 prefill pool's push into an int8 decode pool is
+    refused, the transfer policy (recompute) prefills on the decode worker: the tokens are the
+    single int8 engine's, no KV was imported, every block is back."""
+    i8 = make_engine(kv_cache_dtype="int8")
+    want = [i8.generate([p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
+
+    async def main():
+        async with Cluster(make_engine, decode_kv_cache_dtype="int8", convert_kv=False) as c:
+            outs = [await c.generate(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
+            return outs, c.decode.transfer_failures, c.decode.blocks_received
+    outs, failures, received = asyncio.run(main())
+    assert [t for t, _ in outs] == want
+    assert failures == 3 and received == 0 and not any(last.prefilled_remotely for _, last in outs)
 
 
 def test_under_kv_pressure_requests_wait_for_blocks_not_prefill_locally(make_engine):

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 # one library from every C file here: weight-only matmuls (woq.c), paged decode attention
-# (attention.c), fused elementwise ops (fused.c), Q4_1 x int8 matmuls (w4a8.c, bound in
-# w4a8.py); vecmath.h is shared by them
+# (attention.c), 8-bit KV stores (kv_store.c), fused elementwise ops (fused.c), Q4_1 x int8
+# matmuls (w4a8.c, bound in w4a8.py), sampling (sampling.c); vecmath.h and kvformat.h are
+# shared by them
 SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
-                                     for n in ("woq.c", "attention.c", "fused.c", "w4a8.c", "sampling.c"))
-HEADERS = (Path(__file__).with_name("vecmath.h"),)
+                                     for n in ("woq.c", "attention.c", "kv_store.c", "fused.c", "w4a8.c", "sampling.c"))
+HEADERS = (Path(__file__).with_name("vecmath.h"), Path(__file__).with_name("kvformat.h"))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = _store8 = None  # the bound C functions, looked up once
@@ -62,7 +63,7 @@ def _flags() -> list[str]:
     # the copy torch already loaded (same soname; torch is imported above): one thread pool.
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp"]
     if {"avx2", "fma"} <= cpu_flags():
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in cpu_flags() else [])
     return flags
 
 
