@@ -18,10 +18,11 @@ def rows(n=50, heads=3, hd=64, seed=0):
     return torch.randn(n, heads, hd, generator=g) * torch.rand(n, heads, 1, generator=g) * 8
 
 
-def test_int8_rows_round_to_their_scale_and_keep_their_bytes():
+@pytest.mark.parametrize("encode", [kv_format.encode, kv_format.encode_reference], ids=["encode", "reference"])
+def test_int8_rows_round_to_their_scale_and_keep_their_bytes(encode):
     x = rows()
     x[3, 1] = 0.0  # an all-zero row: scale 1, codes 0, decoded exactly
-    enc = kv_format.encode(x, INT8)
+    enc = encode(x, INT8)
     assert enc.dtype == torch.int8 and enc.shape == (50, 3, 68)
     scale = enc.view(torch.uint8)[..., 64:].contiguous().view(torch.float32)
     amax = x.abs().amax(-1, keepdim=True)
@@ -33,9 +34,10 @@ def test_int8_rows_round_to_their_scale_and_keep_their_bytes():
     assert enc[..., :64].abs().max() == 127  # each row's largest value uses the full range
 
 
-def test_fp8_rows_keep_three_mantissa_bits_relative_to_their_scale():
+@pytest.mark.parametrize("encode", [kv_format.encode, kv_format.encode_reference], ids=["encode", "reference"])
+def test_fp8_rows_keep_three_mantissa_bits_relative_to_their_scale(encode):
     x = rows(seed=1)
-    enc = kv_format.encode(x, FP8)
+    enc = encode(x, FP8)
     back = kv_format.decode(enc)
     scale = enc.view(torch.uint8)[..., 64:].contiguous().view(torch.float32)
     normal = x.abs() >= scale * 2 ** -6  # e4m3's normal range
@@ -176,7 +178,8 @@ def test_the_c_store_writes_what_encode_writes_ties_and_subnormals_included(fmt)
     slots = torch.randperm(cache.shape[0] * 8, generator=torch.Generator().manual_seed(0))[:x.shape[0]]
     kv_store_8bit(x, cache, slots)
     flat = cache.view(torch.uint8).view(-1, 1, hd + 4)
-    assert torch.equal(flat[slots], kv_format.encode(x, fmt).view(torch.uint8))
+    assert torch.equal(flat[slots], kv_format.encode_reference(x, fmt).view(torch.uint8))
+    assert torch.equal(kv_format.encode(x, fmt).view(torch.uint8), kv_format.encode_reference(x, fmt).view(torch.uint8))
     untouched = torch.ones(flat.shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert not flat[untouched].any()

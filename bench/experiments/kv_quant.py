@@ -147,14 +147,14 @@ def handoffs(loaded, sizes=(1024, 4096), repeats=2) -> dict:
             await d.start()
         out = {}
         try:
-            for n in sizes:
+            for j, n in enumerate(sizes):
                 times = {key: [] for key in pairs}
-                for r in range(repeats + 1):  # interleaved; the first round warms up
+                for r in range(repeats + (j == 0)):  # interleaved; a first round warms every pair up
                     for key, (p, d) in pairs.items():
                         prompt = [(r * 7919 + n * 31 + i * 104729) % 40000 + 100 for i in range(n)]
                         before = (p.kv_bytes, p.kv_seconds)
                         ttft = await _ttft(p, d, f"h{n}-{r}-{key}", prompt)
-                        if r:
+                        if r or j:
                             times[key].append((ttft, p.kv_bytes - before[0], p.kv_seconds - before[1]))
                 for (kv, wire), got in times.items():
                     name = f"{kv}" + (f" (wire {wire})" if wire != "auto" else "")

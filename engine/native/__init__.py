@@ -146,7 +146,7 @@ def load() -> ctypes.CDLL:
             lib.sample_rows_f32.restype = c_int
             lib.add_rms_norm_f32.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, c_int]
             lib.add_rms_norm_f32.restype = None
-            lib.kv_store_8bit.argtypes = [p, p, p] + [c_int] * 4
+            lib.kv_store_8bit.argtypes = [p, p, p] + [c_int] * 5
             lib.kv_store_8bit.restype = None
             _i8, _q8, _q4 = lib.woq_int8_matmul, lib.woq_q8_0_matmul, lib.woq_q4_1_matmul
             _attn = lib.paged_decode_attention_f32
@@ -361,7 +361,8 @@ def kv_store_8bit(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> 
     slots = slots.contiguous()
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= cache.shape[0] * cache.shape[1]):
         raise _bad("every slot must lie in the cache", slots)
-    _store8(x.data_ptr(), cache.data_ptr(), slots.data_ptr(), x.shape[0], x.shape[1], x.shape[2], fmt)
+    _store8(x.data_ptr(), cache.data_ptr(), slots.data_ptr(), x.shape[0], x.shape[1], x.shape[2], fmt,
+            torch.get_num_threads())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,11 @@ static inline uint8_t f32_to_fp8(float v) {
 
 /* Store T new K (or V) rows (T, KVH, D) fp32 into an 8-bit cache (KV_INT8 / KV_FP8) at flat
  * slots `slots` (T,); an all-zero row gets scale 1. */
-void kv_store_8bit(const float *x, void *cache, const int64_t *slots, int T, int KVH, int D, int fmt) {
+void kv_store_8bit(const float *x, void *cache, const int64_t *slots, int T, int KVH, int D, int fmt, int nthreads) {
     const float qmax = fmt == KV_INT8 ? 127.f : 448.f;
     const size_t hrow = head_row_bytes(fmt, D);
+    /* a step's few new rows in this thread; a whole prompt's KV (wire conversion) on all */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * KVH >= 8192)
     for (int r = 0; r < T * KVH; r++) {
         const float *src = x + (size_t)r * D;
         uint8_t *dst = (uint8_t *)cache + ((size_t)slots[r / KVH] * KVH + r % KVH) * hrow;
