@@ -66,12 +66,19 @@ def text_pass(engine, ids: list[int], window: int = 512) -> tuple[float, list[in
     return math.exp(nll / len(top1)), top1
 
 
-def fp32_weights_agreement(prompts, greedy) -> dict:
-    """Greedy generations with fp32 weights and activations, each format against auto's."""
+def fp32_weights_quality(text, prompts, greedy) -> dict:
+    """With fp32 weights and activations (the cache's own effect, no activation rounding):
+    each format's perplexity, top-1 agreement and greedy generations against auto's."""
     loaded = load_model(quantization="none")
-    outs = {k: LLMEngine(loaded, EngineConfig(quantization="none", cache=CacheConfig(
-        kv_cache_dtype=k, kv_cache_memory=256 << 20))).generate(prompts, greedy) for k in FORMATS}
-    return {k: agreement(outs["auto"], outs[k]) for k in FORMATS}
+    res, top1, outs = {}, {}, {}
+    for k in FORMATS:
+        e = LLMEngine(loaded, EngineConfig(quantization="none", cache=CacheConfig(kv_cache_dtype=k,
+                                                                                  kv_cache_memory=256 << 20)))
+        ppl, top1[k] = text_pass(e, text)
+        outs[k] = e.generate(prompts, greedy)
+        res[k] = {"perplexity": ppl, "top1_vs_auto": statistics.mean(a == b for a, b in zip(top1["auto"], top1[k])),
+                  "greedy_vs_auto": agreement(outs["auto"], outs[k])}
+    return res
 
 
 def quality_and_speed(loaded, tok) -> dict:
@@ -81,7 +88,7 @@ def quality_and_speed(loaded, tok) -> dict:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=48, temperature=0)
     res, outs, top1 = {}, {}, {}
-    fp32_weights = fp32_weights_agreement(prompts, greedy)
+    fp32_weights = fp32_weights_quality(text, prompts, greedy)
     for k, e in engines.items():
         ppl, top1[k] = text_pass(e, text)
         res[k] = {"blocks_per_GiB": e.kv_cache.num_blocks, "tokens_per_GiB": e.kv_cache.num_blocks * e.kv_cache.block_size,
@@ -89,12 +96,13 @@ def quality_and_speed(loaded, tok) -> dict:
                   "top1_vs_auto": statistics.mean(a == b for a, b in zip(top1["auto"], top1[k]))}
         outs[k] = e.generate(prompts, greedy)
         res[k]["greedy_vs_auto"] = agreement(outs["auto"], outs[k])
-        res[k]["greedy_vs_auto_fp32_weights"] = fp32_weights[k]
+        res[k]["fp32_weights"] = fp32_weights[k]
         print(f"{k:5s} {res[k]['bytes_per_token']:6d} B/token, {res[k]['tokens_per_GiB']:7d} tokens/GiB | perplexity "
               f"{ppl:.4f}, top-1 = auto's at {res[k]['top1_vs_auto']:.2%} of {len(top1[k])} positions | greedy vs auto: "
               f"{res[k]['greedy_vs_auto']['identical']:.0%} identical, {res[k]['greedy_vs_auto']['mean_prefix_share']:.0%} "
-              f"before divergence; fp32 weights: {fp32_weights[k]['identical']:.0%}, "
-              f"{fp32_weights[k]['mean_prefix_share']:.0%}", flush=True)
+              f"before divergence | fp32 weights: perplexity {fp32_weights[k]['perplexity']:.4f}, top-1 "
+              f"{fp32_weights[k]['top1_vs_auto']:.2%}, greedy {fp32_weights[k]['greedy_vs_auto']['identical']:.0%} "
+              f"identical, {fp32_weights[k]['greedy_vs_auto']['mean_prefix_share']:.0%}", flush=True)
     for B in (1, 8, 32):
         for k in FORMATS:
             bench_pdserve_decode(engines[k], B, 256, 4, seed=99)  # warm this shape
