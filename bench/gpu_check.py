@@ -1,6 +1,7 @@
 """One short script for a machine with a GPU: checks the Triton kernels against the torch path
 on CUDA and times paged-attention decode against the torch backend's gather + SDPA for
-SmolLM2-shaped caches. Prints a table and writes bench/gpu-results.json. A few minutes at most.
+SmolLM2-shaped caches, in fp16/bf16/fp32 and in the 8-bit KV formats (int8, fp8 e4m3 codes
+with a scale per token and head, engine/kv_format.py; fp16 queries). Prints a table and writes bench/gpu-results.json. A few minutes at most.
 
     python bench/gpu_check.py            # needs CUDA and triton
 """
@@ -45,16 +46,19 @@ def check_sampler_on_cuda() -> bool:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run this where a GPU is available")
+    from pdserve.engine import kv_format
     from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend
     from pdserve.engine.triton_kernels import paged_decode_attention
 
     results = {}
     n_heads, n_kv, hd, bs = 9, 3, 64, 16  # SmolLM2-135M
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    for kind in ("float16", "bfloat16", "float32", "int8", "float8_e4m3fn"):
+        fmt = kv_format.FORMATS[kind]
+        dtype = torch.float16 if fmt.quantized else fmt.dtype  # the queries' (the model's) dtype
         for batch, ctx in ((1, 512), (32, 512), (32, 2048), (128, 1024)):
             blocks_per = ctx // bs
-            kc = torch.randn(batch * blocks_per + 1, bs, n_kv, hd, device="cuda", dtype=dtype)
-            vc = torch.randn_like(kc)
+            kc, vc = (kv_format.encode(torch.randn(batch * blocks_per + 1, bs, n_kv, hd, device="cuda"), fmt)
+                      for _ in range(2))
             tables = torch.randperm(batch * blocks_per, device="cuda").view(batch, blocks_per)
             lens = torch.full((batch,), ctx, device="cuda")
             q = torch.randn(batch, n_heads, hd, device="cuda", dtype=dtype)
@@ -68,7 +72,7 @@ def main() -> None:
             err = float((got - ref).abs().max())
             t_triton = timed(lambda: paged_decode_attention(q, kc, vc, tables, lens))
             t_torch = timed(lambda: ref_backend.decode(q, kc, vc, meta))
-            key = f"{str(dtype).removeprefix('torch.')} b{batch} ctx{ctx}"
+            key = f"{kind} b{batch} ctx{ctx}"
             results[key] = {"max_abs_err": err, "triton_us": t_triton * 1e6, "torch_us": t_torch * 1e6,
                             "speedup": t_torch / t_triton}
             print(f"{key:24s} err {err:.1e}  triton {t_triton * 1e6:8.1f} us  torch {t_torch * 1e6:8.1f} us  "

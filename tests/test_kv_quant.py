@@ -48,6 +48,18 @@ def test_fp8_rows_keep_three_mantissa_bits_relative_to_their_scale(encode):
     assert torch.equal(codes.view(torch.uint8), (x / scale).to(torch.float8_e4m3fn).view(torch.uint8))
 
 
+@native
+@pytest.mark.parametrize("fmt", [INT8, FP8], ids=["int8", "fp8"])
+def test_whole_tensors_decode_in_c_as_in_torch(fmt):
+    from pdserve.engine.native import kv_load_8bit
+    enc = kv_format.encode(rows(n=2000, seed=5), fmt)  # above the size decode hands to C
+    raw = enc.view(torch.uint8)
+    want = raw[..., :64].contiguous().view(fmt.dtype).float() * raw[..., 64:].contiguous().view(torch.float32)
+    assert torch.equal(kv_load_8bit(enc), want) and torch.equal(kv_format.decode(enc), want)
+    with pytest.raises(ValueError, match="int8 or fp8 rows"):
+        kv_load_8bit(torch.zeros(3, 68))
+
+
 def test_convert_between_formats_and_refuse_unknown_dtypes():
     x = rows(seed=2)
     i8 = kv_format.encode(x, INT8)

@@ -32,8 +32,8 @@ SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
 HEADERS = (Path(__file__).with_name("vecmath.h"), Path(__file__).with_name("kvformat.h"))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = _store8 = None  # the bound C functions, looked up once
-BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope", "_sample", "_norm", "_store8")  # what load() sets (tests reset them all)
+_i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = _store8 = _load8 = None  # bound C functions, looked up once
+BOUND = ("_lib", "_i8", "_q8", "_q4", "_attn", "_silu_mul", "_rope", "_sample", "_norm", "_store8", "_load8")  # what load() sets (tests reset them all)
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -123,7 +123,7 @@ def build(src=None) -> Path:
 
 def load() -> ctypes.CDLL:
     """Build if needed, load once per process and bind the argument types."""
-    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope, _sample, _norm, _store8
+    global _lib, _i8, _q8, _q4, _attn, _silu_mul, _rope, _sample, _norm, _store8, _load8
     if _lib is not None:
         return _lib
     with _lock:
@@ -147,11 +147,12 @@ def load() -> ctypes.CDLL:
             lib.add_rms_norm_f32.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, c_int]
             lib.add_rms_norm_f32.restype = None
             lib.kv_store_8bit.argtypes = [p, p, p] + [c_int] * 5
-            lib.kv_store_8bit.restype = None
+            lib.kv_load_8bit.argtypes = [p, p, i64] + [c_int] * 3
+            lib.kv_store_8bit.restype = lib.kv_load_8bit.restype = None
             _i8, _q8, _q4 = lib.woq_int8_matmul, lib.woq_q8_0_matmul, lib.woq_q4_1_matmul
             _attn = lib.paged_decode_attention_f32
             _silu_mul, _rope, _sample = lib.silu_mul_f32, lib.rope_f32, lib.sample_rows_f32
-            _norm, _store8 = lib.add_rms_norm_f32, lib.kv_store_8bit
+            _norm, _store8, _load8 = lib.add_rms_norm_f32, lib.kv_store_8bit, lib.kv_load_8bit
             _lib = lib
     return _lib
 
@@ -363,6 +364,21 @@ def kv_store_8bit(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> 
         raise _bad("every slot must lie in the cache", slots)
     _store8(x.data_ptr(), cache.data_ptr(), slots.data_ptr(), x.shape[0], x.shape[1], x.shape[2], fmt,
             torch.get_num_threads())
+
+
+def kv_load_8bit(rows: torch.Tensor) -> torch.Tensor:
+    """8-bit KV rows (..., D + 4) int8 or fp8 (codes, then the scale) -> fp32 (..., D), code *
+    scale, as engine/kv_format.decode computes it (kv_store.c)."""
+    if _load8 is None:
+        load()
+    fmt = _KV.get(rows.dtype, 0)
+    if fmt < 2 or rows.dim() < 1 or rows.shape[-1] < 5 or rows.shape[-1] % 4 or rows.device.type != "cpu":
+        raise _bad("expected CPU int8 or fp8 rows (..., D + 4) with D % 4 == 0", rows)
+    rows = rows.contiguous()
+    D = rows.shape[-1] - 4
+    out = torch.empty(*rows.shape[:-1], D, dtype=_F32)
+    _load8(rows.data_ptr(), out.data_ptr(), out.numel() // D, D, fmt, torch.get_num_threads())
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 /* Writing new K/V rows into an 8-bit cache (engine/kv_format.py): per (token, head) row the
  * codes of x / scale, scale = absmax / qmax, then the scale -- bit for bit what
- * kv_format.encode writes with torch ops, in one call per tensor. */
+ * kv_format.encode_reference writes with torch ops, in one call per tensor; and decoding
+ * whole tensors back to fp32. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -42,5 +43,17 @@ void kv_store_8bit(const float *x, void *cache, const int64_t *slots, int T, int
         else
             for (int i = 0; i < D; i++) dst[i] = f32_to_fp8(src[i] / scale);
         memcpy(dst + D, &scale, 4);
+    }
+}
+
+/* The inverse, for whole tensors (a hand-off landing in another format): n rows of D codes
+ * and a scale -> n * D fp32, code * scale, as kv_format.decode computes it. */
+void kv_load_8bit(const void *rows, float *out, int64_t n, int D, int fmt, int nthreads) {
+    const size_t hrow = head_row_bytes(fmt, D);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 8192)
+    for (int64_t r = 0; r < n; r++) {
+        const char *src = (const char *)rows + (size_t)r * hrow;
+        const float scale = row_scale(src, fmt, D);
+        for (int i = 0; i < D; i++) out[(size_t)r * D + i] = kv_at(src, i, fmt) * scale;
     }
 }
