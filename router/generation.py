@@ -119,8 +119,7 @@ class Generation:
                 await stream.aclose()
         self._t_last = time.perf_counter()
         self.ttft = self._t_last - self.t_arrival
-        self.metrics.ttft.observe(self.ttft)
-        self.metrics.prompt_tokens.inc(len(self.prompt))
+        self.metrics.first_token(self.ttft, len(self.prompt))
 
     def _worker_params(self) -> SamplingParams:
         # stop strings are applied here, on text; workers only see token-level stops
@@ -142,7 +141,7 @@ class Generation:
                     self.finish_reason = self.finish_reason or "abort"
                     break
                 now = time.perf_counter()
-                self.metrics.itl.observe(now - self._t_last)
+                self.metrics.token_gap(now - self._t_last)
                 self._t_last = now
         except grpc.aio.AioRpcError as e:
             self.finish_reason = "error"
@@ -212,12 +211,8 @@ class Generation:
         return Delta(text, ids, [logprob_from_proto(lp) for lp in msg.logprobs])
 
     def _record(self) -> None:
-        e2e = time.perf_counter() - self.t_arrival
-        self.metrics.e2e.observe(e2e)
-        self.metrics.generation_tokens.inc(self.completion_tokens)
-        if self.completion_tokens > 1:
-            self.metrics.tpot.observe((e2e - self.ttft) / (self.completion_tokens - 1))
-        self.metrics.requests.labels(self.finish_reason or "error").inc()
+        self.metrics.finished(time.perf_counter() - self.t_arrival, self.ttft, self.completion_tokens,
+                              self.finish_reason or "error")
 
     async def close(self) -> None:
         # the bookkeeping first, in case closing the stream is cut short (a cancelled cleanup)

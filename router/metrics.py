@@ -1,15 +1,19 @@
-"""Prometheus metrics of one router (its own registry: no process-wide state)."""
+"""Prometheus metrics of one router (its own registry: no process-wide state): the
+`pdserve_*` series, and the same meanings under vLLM's names (vllm_metrics.py)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .vllm_metrics import VllmMetrics
 
 _BYTES = tuple(float(1 << n) for n in range(16, 32, 2))  # 64 KiB .. 1 GiB, x4
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "default"):
         r = self.registry = CollectorRegistry()
+        self.vllm = VllmMetrics(r, model_name)
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY)
         self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed tokens", registry=r, buckets=_LATENCY)
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the first",
@@ -50,7 +54,27 @@ class RouterMetrics:
         self.kv_failures = Gauge("pdserve_kv_transfer_failures", "Failed KV hand-offs seen by a worker since it started",
                                  ["worker", "role"], registry=r)
 
+    def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.vllm.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.vllm.prompt_tokens.inc(prompt_tokens)
+
+    def token_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.vllm.itl.observe(seconds)
+
+    def finished(self, e2e_s: float, ttft_s: float, completion_tokens: int, status: str) -> None:
+        self.e2e.observe(e2e_s)
+        self.vllm.e2e.observe(e2e_s)
+        self.generation_tokens.inc(completion_tokens)
+        self.vllm.generation_tokens.inc(completion_tokens)
+        if completion_tokens > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (completion_tokens - 1))
+        self.requests.labels(status).inc()
+
     def observe_workers(self, stats: dict) -> None:
+        self.vllm.observe_workers(stats)
         for wid, s in stats.items():
             labels = (wid, s.role)
             self.kv_usage.labels(*labels).set(s.kv_usage)

@@ -39,7 +39,7 @@ class Router:
         self.model_name = config.model_name or "default"
         self.discovery = discovery
         self.refresh_interval_s = config.refresh_interval_s
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.model_name)
         self.logprobs = responses.Logprobs(tokenizer)
         self.inflight = 0
         self.started = time.time()  # the model card's `created`

@@ -311,6 +311,35 @@ def test_health_models_metrics(cluster, client):
     assert "pdserve_time_to_first_token_seconds_count 0.0" not in text
 
 
+def test_vllm_metric_names_carry_the_same_values(cluster, client):
+    """The series under vLLM's names (what existing dashboards, KEDA rules and aiperf read):
+    the router's latencies and token counts equal the pdserve_* ones at the same scrape,
+    per-worker gauges and prefix-cache counters equal each worker's own stats."""
+    from prometheus_client.parser import text_string_to_metric_families
+    client.completions.create(model=MODEL, prompt="Metric names", max_tokens=4, temperature=0)
+    cluster.run(cluster.router.cluster.refresh())
+    stats = dict(cluster.router.cluster.stats)
+    samples = {}
+    for fam in text_string_to_metric_families(httpx.get(cluster.url + "/metrics").text):
+        for smp in fam.samples:
+            samples[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    model = (("model_name", MODEL),)
+    for vllm, ours in (("vllm:time_to_first_token_seconds_count", "pdserve_time_to_first_token_seconds_count"),
+                       ("vllm:inter_token_latency_seconds_count", "pdserve_inter_token_latency_seconds_count"),
+                       ("vllm:e2e_request_latency_seconds_sum", "pdserve_e2e_request_latency_seconds_sum"),
+                       ("vllm:prompt_tokens_total", "pdserve_prompt_tokens_total"),
+                       ("vllm:generation_tokens_total", "pdserve_generation_tokens_total")):
+        assert samples[(vllm, model)] == samples[(ours, ())] > 0, vllm
+    for wid, s in stats.items():
+        labels = tuple(sorted({"model_name": MODEL, "engine": wid, "role": s.role}.items()))
+        assert samples[("vllm:num_requests_running", labels)] == s.running
+        assert samples[("vllm:num_requests_waiting", labels)] == s.waiting
+        assert samples[("vllm:kv_cache_usage_perc", labels)] == pytest.approx(s.kv_usage)
+        assert samples[("vllm:prefix_cache_queries_total", labels)] == s.prefix_queries
+        assert samples[("vllm:prefix_cache_hits_total", labels)] == s.prefix_hits
+    assert stats["prefill-0"].prefix_queries > 0
+
+
 def test_tokenize_counts_what_a_request_is_billed_and_detokenize_inverts_it(cluster, client, smollm):
     tok = smollm[1]
     post = lambda path, **body: httpx.post(cluster.url + path, timeout=30, json={"model": MODEL, **body})  # noqa: E731
