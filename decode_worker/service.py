@@ -60,13 +60,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         queued, finished = True, False
         try:
             remote = await w.admit(request, prompt, params, context)
-            kv_bytes = w.request_kv_bytes.pop(rid, 0)
+            kv_bytes, timing = w.request_kv_bytes.pop(rid, 0), w.request_timing.pop(rid, None)
             async for out in w.engine.stream(rid, q):
                 if queued:
                     w.queued, queued = w.queued - 1, False
                 finished = out.finished
-                yield output_to_proto(out, prefilled_remotely=remote, kv_bytes=kv_bytes)
-                kv_bytes = 0  # the first response carries it
+                yield output_to_proto(out, prefilled_remotely=remote, kv_bytes=kv_bytes, timing=timing)
+                kv_bytes, timing = 0, None  # the first response carries them
         except InvalidRequestError as e:
             await refuse_invalid(context, e)
         except PrefillWorkerFull as e:
@@ -133,6 +133,7 @@ class DecodeWorker:
         self.tail_prefills = 0  # of local_prefills: at most the router's limit of their tokens not cached here
         self.kv_bytes_received = 0
         self.request_kv_bytes: dict[str, int] = {}  # KV bytes of a request's hand-off, until its first response
+        self.request_timing: dict[str, pb.HandoffTiming] = {}  # and where its time went
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self.draining = False  # set when the pool shrinks: refuse new requests, finish the rest
         self.tls = tls
@@ -204,7 +205,9 @@ class DecodeWorker:
         queued). Raises KVTransferError on failure after releasing the destination blocks.
         The prefill worker gets the request's parameters as the router sent them."""
         rid, prefill_address = request.request_id, request.prefill_address
+        t_wait = time.perf_counter()
         dest = await self._destination_blocks(rid, prompt, params, local_tail)
+        blocks_wait_s = time.perf_counter() - t_wait
         if dest is TAKEN_HERE:
             return False
         if dest is None:
@@ -239,7 +242,10 @@ class DecodeWorker:
         self.remote_prefills += 1
         self.blocks_received += len(dest)
         self.kv_bytes_received += nbytes
-        self.request_kv_bytes[rid] = nbytes  # for its first response (the router's histogram)
+        self.request_kv_bytes[rid] = nbytes  # for its first response (the router's histograms)
+        self.request_timing[rid] = pb.HandoffTiming(
+            blocks_wait_s=blocks_wait_s, prefill_queue_s=reply.timing.prefill_queue_s,
+            prefill_compute_s=reply.timing.prefill_compute_s, kv_push_s=reply.timing.kv_push_s)
         return True
 
     async def _release(self, rid: str) -> None:

@@ -43,6 +43,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output: prompt tokens 1..
+    queue_s: float = 0.0                # on the first output: from add_request to its first scheduling
 
 
 class LLMEngine:
@@ -219,8 +220,11 @@ class LLMEngine:
         out = RequestOutput(req.request_id, [token], logprobs=[lp] if lp else [],
                             num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=max(req.num_cached_tokens, 0))
-        if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
-            out.prompt_logprobs = list(req.prompt_logprobs or [])
+        if len(req.output_token_ids) == 1:
+            if req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = list(req.prompt_logprobs or [])
+            if req.first_scheduled_time is not None:
+                out.queue_s = req.first_scheduled_time - req.arrival_time
         status = None
         p = req.params
         if len(req.output_token_ids) <= p.min_tokens:

@@ -40,6 +40,7 @@ class Request:
     max_tokens: int  # resolved against the context length
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when its first chunk was scheduled (queue time = this - arrival)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # prompt + output; `num_computed_tokens` counts how many of these have KV in the cache

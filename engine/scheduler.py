@@ -12,6 +12,7 @@ its progress reset (recompute; its prefix blocks usually come straight back from
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -167,6 +168,8 @@ class Scheduler:
             if not self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix):
                 break  # arrival order is kept: nothing behind it jumps the queue
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = prefix.num_tokens
             self.running.append(req)
             self._commit(out, req, n)

@@ -43,6 +43,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         w = self.w
+        t_start = time.perf_counter()
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         asked = params_from_proto(request.params)
         # one token here; below min_tokens it must not be EOS or a stop token id (masked, so kept)
@@ -78,6 +79,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                         first = out
                 except InvalidRequestError as e:
                     await refuse_invalid(context, e)
+                t_computed = time.perf_counter()
                 if not w.layer_group:
                     _, kv = await w.engine.run(lambda e: e.export_kv(rid))
             finally:  # also when the client goes while the engine thread is in a step
@@ -99,7 +101,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 await w.engine.run_always(lambda e: e.stop_kv_stream(rid))
         w.stream_pushes += len(pushes)
         w.prefills += 1
-        reply = pb.PrefillReply(first_token=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens)
+        timing = pb.HandoffTiming(prefill_queue_s=first.queue_s, kv_push_s=time.perf_counter() - t_computed,
+                                  prefill_compute_s=max(t_computed - t_start - first.queue_s, 0.0))
+        reply = pb.PrefillReply(first_token=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens,
+                                timing=timing)
         if first.logprobs:
             reply.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
         return reply

@@ -57,8 +57,9 @@ def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, list(zip(msg.top_ids, msg.top_logprobs)))
 
 
-def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False, kv_bytes: int = 0) -> pb.GenerateResponse:
-    return pb.GenerateResponse(kv_bytes=kv_bytes,
+def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False, kv_bytes: int = 0,
+                    timing: pb.HandoffTiming | None = None) -> pb.GenerateResponse:
+    return pb.GenerateResponse(kv_bytes=kv_bytes, timing=timing,
         token_ids=out.new_token_ids, logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
         finished=out.finished, finish_reason=out.finish_reason or "",
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),

@@ -86,7 +86,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cluster_token: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., local_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "prefilled_remotely", "prompt_logprobs", "kv_bytes")
+    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "prefilled_remotely", "prompt_logprobs", "kv_bytes", "timing")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class GenerateResponse(_message.Message):
     PREFILLED_REMOTELY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finished: bool
@@ -107,7 +108,20 @@ class GenerateResponse(_message.Message):
     prefilled_remotely: bool
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     kv_bytes: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    timing: HandoffTiming
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefilled_remotely: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., kv_bytes: _Optional[int] = ..., timing: _Optional[_Union[HandoffTiming, _Mapping]] = ...) -> None: ...
+
+class HandoffTiming(_message.Message):
+    __slots__ = ("blocks_wait_s", "prefill_queue_s", "prefill_compute_s", "kv_push_s")
+    BLOCKS_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    blocks_wait_s: float
+    prefill_queue_s: float
+    prefill_compute_s: float
+    kv_push_s: float
+    def __init__(self, blocks_wait_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_push_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "cluster_token")
@@ -206,15 +220,17 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_address: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., cluster_token: _Optional[str] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "logprob", "num_cached_tokens", "finished", "finish_reason")
+    __slots__ = ("first_token", "logprob", "num_cached_tokens", "finished", "finish_reason", "timing")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logprob: TokenLogprob
     num_cached_tokens: int
     finished: bool
     finish_reason: str
-    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    timing: HandoffTiming
+    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., timing: _Optional[_Union[HandoffTiming, _Mapping]] = ...) -> None: ...

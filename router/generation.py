@@ -108,6 +108,8 @@ class Generation:
                 self.cluster.settle(self.route, self._first.prefilled_remotely)
                 if self._first.kv_bytes:
                     self.metrics.kv_request_bytes.observe(self._first.kv_bytes)
+                if self._first.HasField("timing"):
+                    self.metrics.handoff(self._first.timing)
                 break
             except StopAsyncIteration as e:
                 raise APIError(503, "the decode worker ended the request without output", "server_error") from e

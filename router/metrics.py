@@ -51,6 +51,13 @@ class RouterMetrics:
                                           registry=r, buckets=_BYTES)
         self.kv_cache_info = Gauge("pdserve_kv_cache_info", "1 per worker, labelled with the dtype its KV cache holds",
                                    ["worker", "role", "kv_cache_dtype"], registry=r)
+        # where a remotely prefilled request's time to first token went, as the workers measured it
+        self.handoff_seconds = {
+            field: Histogram(f"pdserve_{field.removesuffix('_s')}_seconds", doc, registry=r, buckets=_LATENCY)
+            for field, doc in (("blocks_wait_s", "Time a request waited on its decode worker for free KV blocks"),
+                               ("prefill_queue_s", "Time a prompt queued on its prefill worker"),
+                               ("prefill_compute_s", "Time a prefill worker computed a prompt"),
+                               ("kv_push_s", "Time a prefill worker pushed a prompt's KV after computing it"))}
         self.kv_failures = Gauge("pdserve_kv_transfer_failures", "Failed KV hand-offs seen by a worker since it started",
                                  ["worker", "role"], registry=r)
 
@@ -72,6 +79,11 @@ class RouterMetrics:
         if completion_tokens > 1:
             self.tpot.observe((e2e_s - ttft_s) / (completion_tokens - 1))
         self.requests.labels(status).inc()
+
+    def handoff(self, timing) -> None:
+        """A remotely prefilled request's HandoffTiming (from its first response)."""
+        for field, hist in self.handoff_seconds.items():
+            hist.observe(getattr(timing, field))
 
     def observe_workers(self, stats: dict) -> None:
         self.vllm.observe_workers(stats)

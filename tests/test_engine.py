@@ -120,6 +120,32 @@ def test_preemption_gives_same_tokens(make_engine, kv):
     assert preempted, "the scenario did not preempt"
 
 
+def test_the_first_output_says_how_long_the_request_queued(make_engine):
+    """queue_s: from add_request to the request's first scheduling. A prompt added while
+    another's chunks take every step's token budget waits for them; one added to an idle
+    engine hardly waits; later outputs carry none."""
+    import time
+    eng = make_engine(max_num_batched_tokens=16)
+    long_prompt, short = prompts(1, seed=8, lo=120, hi=120)[0], prompts(1, seed=9, lo=10, hi=10)[0]
+    eng.add_request("long", long_prompt, SamplingParams(max_tokens=2, temperature=0))
+    eng.step()
+    t_added = time.monotonic()
+    eng.add_request("short", short, SamplingParams(max_tokens=2, temperature=0))
+    firsts, long_prefilled = {}, None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            firsts.setdefault(o.request_id, o)
+            if o.request_id == "long" and long_prefilled is None:
+                long_prefilled = time.monotonic()
+    assert firsts["short"].queue_s >= long_prefilled - t_added - 0.05  # it waited out the long prefill
+    assert firsts["short"].queue_s > 5 * firsts["long"].queue_s
+    eng.add_request("idle", short + [1], SamplingParams(max_tokens=3, temperature=0))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert 0 < outs[0].queue_s < firsts["short"].queue_s and all(o.queue_s == 0 for o in outs[1:])
+
+
 def test_abort_frees_blocks_at_once(make_engine):
     eng = make_engine()
     for i, p in enumerate(prompts(3, seed=5)):

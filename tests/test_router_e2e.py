@@ -384,6 +384,13 @@ def test_disaggregation_really_happened(cluster):
     count = float(re.search(r"^pdserve_kv_transfer_request_bytes_count (\S+)$", text, re.M).group(1))
     total = float(re.search(r"^pdserve_kv_transfer_request_bytes_sum (\S+)$", text, re.M).group(1))
     assert count == s["decode-0"].remote_prefills and total == s["decode-0"].kv_bytes
+    # and where each one's time to first token went: one observation per hand-off in each part
+    for part in ("blocks_wait", "prefill_queue", "prefill_compute", "kv_push"):
+        n = float(re.search(rf"^pdserve_{part}_seconds_count (\S+)$", text, re.M).group(1))
+        assert n == s["decode-0"].remote_prefills, part
+    compute = float(re.search(r"^pdserve_prefill_compute_seconds_sum (\S+)$", text, re.M).group(1))
+    ttft = float(re.search(r"^pdserve_time_to_first_token_seconds_sum (\S+)$", text, re.M).group(1))
+    assert 0 < compute < ttft
     assert 'pdserve_kv_cache_info{kv_cache_dtype="float32",role="decode",worker="decode-0"} 1.0' in text
 
 

@@ -163,6 +163,36 @@ def test_a_decode_pool_that_refuses_other_kv_formats_recomputes_the_prompt(make_
     assert failures == 3 and received == 0 and not any(last.prefilled_remotely for _, last in outs)
 
 
+@pytest.mark.parametrize("layer_group", [0, 1])
+def test_the_first_response_says_where_the_time_to_first_token_went(make_engine, layer_group):
+    """A remotely prefilled request's first response carries the workers' own measurements
+    (decode blocks wait, prefill queue, prefill compute, KV push after the compute); they sum
+    to less than the time to first token the client saw, the compute is most of it, and
+    later responses carry none (the queue time itself: test_engine)."""
+    import time
+
+    async def main():
+        async with Cluster(make_engine, layer_group=layer_group, prefill_budget=16) as c:
+            async def timed(i, p):
+                t = time.perf_counter()
+                req = pb.GenerateRequest(request_id=f"t{i}", prompt_token_ids=p, prefill_address=c.prefill.address,
+                                         params=params_to_proto(PARAMS[0]), cluster_token=c.token)
+                msgs = [m async for m in c.stub.Generate(req)]
+                return msgs, msgs and time.perf_counter() - t
+            long_prompt = [(7 * j) % 500 + 3 for j in range(200)]  # 13 steps of 16 tokens
+            return await asyncio.gather(timed(0, long_prompt), timed(1, PROMPTS[1]))
+    runs = asyncio.run(main())
+    for msgs, elapsed in runs:
+        first = msgs[0]
+        assert first.prefilled_remotely and first.HasField("timing")
+        t = first.timing
+        parts = (t.blocks_wait_s, t.prefill_queue_s, t.prefill_compute_s, t.kv_push_s)
+        assert all(x >= 0 for x in parts) and t.prefill_compute_s > 0 and t.kv_push_s > 0
+        assert sum(parts) < elapsed
+        assert not any(m.HasField("timing") for m in msgs[1:])
+
+
+
 def test_under_kv_pressure_requests_wait_for_blocks_not_prefill_locally(make_engine):
     """The decode worker's KV (8 blocks) holds one 70+40-token request at a time: the second
     waits for blocks and still gets its prompt from the prefill worker (prefilling it on the
