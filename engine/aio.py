@@ -1,4 +1,4 @@
-"""Stopping background asyncio tasks in bounded time."""
+"""Stopping background asyncio tasks in bounded time, and cleanups that a cancellation cannot cut short."""
 from __future__ import annotations
 
 import asyncio
@@ -48,3 +48,19 @@ async def _until_done(tasks: list[asyncio.Task], timeout_s: float) -> bool:
         if not t.cancelled() and t.exception() is not None:
             log.warning("background task %s ended with %r", t.get_name(), t.exception())
     return True
+
+
+_detached: set[asyncio.Task] = set()  # held: the loop keeps only weak references to tasks
+
+
+def detached(cleanup: Awaitable) -> Awaitable:
+    """Run `cleanup` to its end in a task of its own; return what to await for it, shielded.
+
+    A cleanup awaited by a task that is being cancelled is cut short at its first await once
+    the cancel is repeated, and anyio repeats it at every await inside a cancelled scope
+    (Starlette cancels a streaming response that way when its client hangs up). Awaiting the
+    shield may still raise CancelledError; the cleanup runs on regardless."""
+    task = asyncio.ensure_future(cleanup)
+    _detached.add(task)
+    task.add_done_callback(_detached.discard)
+    return asyncio.shield(task)

@@ -8,7 +8,7 @@ from typing import Callable
 
 from fastapi.responses import StreamingResponse
 
-from pdserve.engine.aio import stop_tasks
+from pdserve.engine.aio import detached, stop_tasks
 from pdserve.engine.tokenizer import Tokenizer
 
 from .errors import APIError
@@ -105,8 +105,11 @@ async def stream(gens: list[Generation], chunk, final, base: dict, include_usage
 
         async def put(item) -> None:
             try:
-                await asyncio.wait_for(q.put(item), stall_timeout_s or None)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancel that lands as
+                # the put completes, and the pump would go on for a client that hung up
+                async with asyncio.timeout(stall_timeout_s or None):
+                    await q.put(item)
+            except TimeoutError:
                 if on_stall is not None:
                     on_stall()
                 await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
@@ -142,8 +145,7 @@ async def stream(gens: list[Generation], chunk, final, base: dict, include_usage
         except APIError as e:  # after the first byte the status is sent: report in-band
             yield sse(e.body())
         finally:
-            await stop_tasks(*tasks)
-            await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+            await detached(_end(tasks, gens))
         yield "data: [DONE]\n\n"
 
     # Start the generator now: a started async generator is closed (its `finally` runs,
@@ -153,9 +155,29 @@ async def stream(gens: list[Generation], chunk, final, base: dict, include_usage
     first = await anext(inner)
 
     async def body():
-        yield first
-        async for item in inner:
-            yield item
+        try:
+            yield first
+            async for item in inner:
+                yield item
+        finally:
+            await inner.aclose()
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return ClosingStreamingResponse(body(), media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _end(tasks: list[asyncio.Task], gens: list[Generation]) -> None:
+    await stop_tasks(*tasks)
+    await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body however it ends. Starlette leaves the body
+    suspended at a `yield` when the client hangs up while a chunk is being sent; closing it
+    here aborts its requests now rather than whenever the generator is garbage collected."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await detached(self.body_iterator.aclose())
