@@ -26,6 +26,7 @@ from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import block_snapshot, logprob_from_proto, output_to_proto, params_from_proto, worker_stats
 from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, check_stats_request, open_channel
 from pdserve.protos.status import refuse_invalid, refuse_when_full, refused_by
+from pdserve.tracing import NO_SPAN, OFF, Tracer
 
 TRANSFER_POLICIES = ("recompute", "fail")
 KV_TRANSPORTS = ("grpc", "ucx")
@@ -58,20 +59,39 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         q = w.engine.open_stream(rid)
         w.queued += 1  # until its first token: waiting for KV or for a place in the batch
         queued, finished = True, False
+        span = w.tracer.start("decode", w.tracer.extract(context.invocation_metadata()), kind="server",
+                              attributes={"pdserve.request_id": rid, "pdserve.worker_id": w.worker_id,
+                                          "pdserve.prompt_tokens": len(prompt)})
+        t_admit, t_first, tokens = time.perf_counter(), 0.0, 0
         try:
-            remote = await w.admit(request, prompt, params, context)
+            remote = await w.admit(request, prompt, params, context, span)
             kv_bytes, timing = w.request_kv_bytes.pop(rid, 0), w.request_timing.pop(rid, None)
             async for out in w.engine.stream(rid, q):
                 if queued:
                     w.queued, queued = w.queued - 1, False
+                    t_first = time.perf_counter()
+                    if not remote:
+                        w.trace_local_prefill(span, t_admit, t_first, out)
                 finished = out.finished
+                tokens += len(out.new_token_ids)
                 yield output_to_proto(out, prefilled_remotely=remote, kv_bytes=kv_bytes, timing=timing)
                 kv_bytes, timing = 0, None  # the first response carries them
+            span.set_attributes({"pdserve.prefilled_remotely": remote, "pdserve.completion_tokens": tokens,
+                                 "pdserve.finish_reason": out.finish_reason or ""} if tokens else {})
         except InvalidRequestError as e:
+            span.record_error(str(e))
             await refuse_invalid(context, e)
         except PrefillWorkerFull as e:
+            span.record_error(str(e))
             await refuse_when_full(context, e.worker_id, "prefill worker")
+        except BaseException as e:
+            span.record_error(repr(e))
+            raise
         finally:
+            if t_first:
+                w.tracer.record("decode.generation", span, t_first, time.perf_counter(),
+                                {"pdserve.completion_tokens": tokens})
+            span.end()
             w.request_kv_bytes.pop(rid, None)
             if queued:
                 w.queued -= 1
@@ -112,14 +132,16 @@ class DecodeWorker:
     def __init__(self, engine: AsyncEngine, worker_id: str | None = None, cluster_token: str = "",
                  transfer_policy: str = "recompute", transfer_timeout_s: float = 30.0,
                  local_prefill_threshold: int = 0, max_queue: int = 0, tls: TLSConfig | None = None,
-                 kv_transport: str = "grpc", convert_kv: bool = True):
+                 kv_transport: str = "grpc", convert_kv: bool = True, tracer: Tracer = OFF):
         """max_queue > 0: at most this many requests here waiting for their first token
         (for KV or for a place in the batch); more are refused with RESOURCE_EXHAUSTED.
         convert_kv: KV pushed in another format than this cache's is converted as it lands
-        (else refused: the transfer policy then recomputes or fails the request)."""
+        (else refused: the transfer policy then recomputes or fails the request).
+        tracer: where this worker's spans go (its owner shuts it down)."""
         if transfer_policy not in TRANSFER_POLICIES:
             raise ValueError(f"transfer_policy must be one of {TRANSFER_POLICIES}, got {transfer_policy!r}")
         self.engine = engine
+        self.tracer = tracer
         self.worker_id = worker_id or f"decode-{next(self._ids)}"
         self.cluster_token = cluster_token
         self.transfer_policy = transfer_policy
@@ -151,7 +173,8 @@ class DecodeWorker:
         await check_cluster_token(self.cluster_token, token, context)
 
     # ---- admission ------------------------------------------------------------------------
-    async def admit(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams, context) -> bool:
+    async def admit(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams, context,
+                    span=NO_SPAN) -> bool:
         """Start the request (`params`: its parameters as read here); returns True if its
         prompt was prefilled remotely. A migrated request (`resume_token_ids`: tokens it
         already produced) is recomputed here, and so is a prompt of which at most
@@ -162,7 +185,7 @@ class DecodeWorker:
         if (prefill_address and len(prompt) > self.local_prefill_threshold and not resume
                 and params.prompt_logprobs is None):
             try:
-                done = await self._remote_prefill(request, prompt, params, local_tail)
+                done = await self._remote_prefill(request, prompt, params, local_tail, span)
                 if done is True:
                     return True
                 if done is False:  # taken here: few of its tokens are not cached here
@@ -170,6 +193,7 @@ class DecodeWorker:
                     self.tail_prefills += 1
                     return False
             except KVTransferError as e:
+                span.record_error(f"KV hand-off failed: {e}")
                 self.transfer_failures += 1
                 if self.transfer_policy == "fail":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV hand-off failed: {e}")
@@ -199,7 +223,7 @@ class DecodeWorker:
             await asyncio.sleep(0.05)  # blocks come back as running requests finish
 
     async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams,
-                              local_tail: int = 0) -> bool | None:
+                              local_tail: int = 0, span=NO_SPAN) -> bool | None:
         """True: prefilled remotely; False: taken here, few tokens uncached (see
         `_destination_blocks`); None: no blocks free in time (the caller prefills it here,
         queued). Raises KVTransferError on failure after releasing the destination blocks.
@@ -207,7 +231,10 @@ class DecodeWorker:
         rid, prefill_address = request.request_id, request.prefill_address
         t_wait = time.perf_counter()
         dest = await self._destination_blocks(rid, prompt, params, local_tail)
-        blocks_wait_s = time.perf_counter() - t_wait
+        t_dest = time.perf_counter()
+        blocks_wait_s = t_dest - t_wait
+        self.tracer.record("decode.blocks_wait", span, t_wait, t_dest,
+                           {"pdserve.blocks": len(dest) if isinstance(dest, list) else 0})
         if dest is TAKEN_HERE:
             return False
         if dest is None:
@@ -215,11 +242,18 @@ class DecodeWorker:
         bs = self.engine.engine.blocks.block_size
         skip = (-(-len(prompt) // bs) - len(dest)) * bs  # tokens of the cached prefix, shared here
         self.receiver.expect(rid, dest, len(prompt), self.transfer_timeout_s, first_token_index=skip)
+        call = self.tracer.start("prefill.call", span, kind="client",
+                                 attributes={"pdserve.prefill_worker": request.prefill_worker_id,
+                                             "pdserve.cached_tokens": skip})
         try:
-            reply = await self._prefill_stub(prefill_address).Prefill(pb.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, params=request.params,
-                kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer_timeout_s, skip_tokens=skip,
-                cluster_token=self.cluster_token), timeout=self.transfer_timeout_s)
+            try:
+                reply = await self._prefill_stub(prefill_address).Prefill(pb.PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, params=request.params,
+                    kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer_timeout_s,
+                    skip_tokens=skip, cluster_token=self.cluster_token),
+                    timeout=self.transfer_timeout_s, metadata=self.tracer.metadata(call))
+            finally:
+                call.end()
             arrival = self.receiver.take(rid)
             if arrival is None:
                 raise KVTransferError(f"prefill worker at {prefill_address} answered but no KV arrived for {rid!r}")
@@ -229,7 +263,11 @@ class DecodeWorker:
                 # always reaches the stream ahead of the ones the batch produces next
                 out = e.import_kv(rid, arrival.kv, reply.first_token, lp)
                 self.engine.publish([out])
+            t_land = time.perf_counter()
             await self.engine.run(land)
+            self.tracer.record("kv.import", span, t_land, time.perf_counter(),
+                               {"pdserve.kv_bytes": arrival.kv.numel() * arrival.kv.element_size(),
+                                "pdserve.blocks": len(dest)})
         except grpc.aio.AioRpcError as e:
             await self._release(rid)
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -247,6 +285,13 @@ class DecodeWorker:
             blocks_wait_s=blocks_wait_s, prefill_queue_s=reply.timing.prefill_queue_s,
             prefill_compute_s=reply.timing.prefill_compute_s, kv_push_s=reply.timing.kv_push_s)
         return True
+
+    def trace_local_prefill(self, span, t_admit: float, t_first: float, first) -> None:
+        """The spans of a prompt prefilled here: its wait for a place in the batch, then its compute."""
+        t_scheduled = min(t_admit + first.queue_s, t_first)
+        self.tracer.record("decode.queue", span, t_admit, t_scheduled)
+        self.tracer.record("decode.local_prefill", span, t_scheduled, t_first,
+                           {"pdserve.cached_tokens": first.num_cached_tokens})
 
     async def _release(self, rid: str) -> None:
         self.receiver.cancel(rid)

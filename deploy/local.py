@@ -17,6 +17,7 @@ from pdserve.router.app import create_app
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint
 from pdserve.router.discovery import RegistryDiscovery
 from pdserve.router.router import Router
+from pdserve.tracing import Tracer
 
 from .worker_host import HostedWorker
 
@@ -51,7 +52,8 @@ class LocalCluster:
         else:
             cluster.set_workers([WorkerEndpoint(worker_id=w.record.worker_id, role=w.record.role,
                                                 address=w.record.address) for w in self.workers])
-        self.router = Router(cluster, self.tokenizer, rc, c.security, discovery=discovery)
+        self.router = Router(cluster, self.tokenizer, rc, c.security, discovery=discovery,
+                             tracer=Tracer(c.tracing.otlp_traces_endpoint, "pdserve-router"))
         server = uvicorn.Server(uvicorn.Config(create_app(self.router), host=rc.host, port=rc.port,
                                                log_level="warning", lifespan="on",
                                                timeout_graceful_shutdown=10))
@@ -69,6 +71,7 @@ class LocalCluster:
         if self._server is not None:
             self._server.should_exit = True
             await self._serve_task
+            await asyncio.to_thread(self.router.tracer.shutdown)
         for w in self.workers:
             await w.stop()
 

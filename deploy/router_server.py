@@ -39,13 +39,15 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
     from pdserve.router.cluster import ClusterClient
     from pdserve.router.discovery import RegistryDiscovery
     from pdserve.router.router import Router
+    from pdserve.tracing import Tracer
 
     rc, cache = config.router, config.engine.cache
     if not rc.model_name:
         rc = replace(rc, model_name=served_model_name(model_path))
     client = ClusterClient.from_config(rc, config.security, cache.block_size, cache.cache_namespace)
     router = Router(client, Tokenizer.from_model_path(model_path), rc, config.security,
-                    discovery=RegistryDiscovery(config.registry.redis_url, config.registry.cluster_name, client))
+                    discovery=RegistryDiscovery(config.registry.redis_url, config.registry.cluster_name, client),
+                    tracer=Tracer(config.tracing.otlp_traces_endpoint, "pdserve-router"))
     router.control = control
     app = create_app(router) if api else create_admin_app(control, config.security.api_keys)
     server = uvicorn.Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="warning",
@@ -87,6 +89,7 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
             await server.serve()
         finally:
             await stop_tasks(*tasks)  # before asyncio.run's own single cancel, which a Redis call can drop
+            await asyncio.to_thread(router.tracer.shutdown)
             if not api:
                 await client.close()
                 await router.discovery.close()

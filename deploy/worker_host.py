@@ -20,6 +20,7 @@ from pdserve.kv_transfer.senders import SchemeKVSender
 from pdserve.prefill_worker.service import PrefillWorker
 from pdserve.registry.events import EventPublisher
 from pdserve.registry.membership import WorkerRecord, WorkerRegistration
+from pdserve.tracing import Tracer
 
 log = logging.getLogger("pdserve.worker")
 
@@ -39,17 +40,20 @@ class HostedWorker:
         self.cores = (CoreShare(c.core_share_dir, c.worker_id, own_threads=c.engine.num_threads or 1)
                       if c.core_share_dir else None)
         engine = AsyncEngine(LLMEngine(loaded, c.engine, tokenizer, self.publisher), cores=self.cores)
+        # an aggregated worker is a decode worker that prefills itself: its spans are decode's
+        self.tracer = tracer = Tracer(c.tracing.otlp_traces_endpoint,
+                                      "pdserve-prefill" if c.role == "prefill" else "pdserve-decode", c.worker_id)
         if c.role == "prefill":
             sender = SchemeKVSender(c.worker_id, security.cluster_token, tls=security.tls)
             self.worker = PrefillWorker(engine, sender, worker_id=c.worker_id, cluster_token=security.cluster_token,
                                         max_queue=c.max_queue, tls=security.tls, layer_group=transfer.layer_group,
-                                        wire_dtype=transfer.wire_dtype)
+                                        wire_dtype=transfer.wire_dtype, tracer=tracer)
         else:  # decode, or aggregated: a decode worker that always prefills itself
             self.worker = DecodeWorker(engine, worker_id=c.worker_id, cluster_token=security.cluster_token,
                                        transfer_policy=transfer.policy,
                                        local_prefill_threshold=transfer.local_prefill_threshold,
                                        max_queue=c.max_queue, tls=security.tls, kv_transport=transfer.transport,
-                                       convert_kv=transfer.kv_dtype_mismatch == "convert")
+                                       convert_kv=transfer.kv_dtype_mismatch == "convert", tracer=tracer)
         self.registration: WorkerRegistration | None = None
 
     @property
@@ -123,3 +127,4 @@ class HostedWorker:
             self.cores.close()
         if self.publisher is not None:
             await self.publisher.stop()
+        await asyncio.to_thread(self.tracer.shutdown)  # exports what is buffered (an HTTP post)

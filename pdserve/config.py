@@ -9,6 +9,7 @@ environment.
     ├── transfer: TransferConfig    the KV hand-off between the pools
     ├── registry: RegistryConfig    Redis: membership and KV events
     ├── security: SecurityConfig    API keys, the cluster token, internal TLS
+    ├── tracing: TracingConfig      OpenTelemetry traces of every process
     └── autoscale: AutoscaleConfig  pool sizes from their own signals
 
 A worker gets a `WorkerConfig`: its identity plus the branches that concern it.
@@ -48,6 +49,13 @@ class SecurityConfig:
     """Shared secret every internal gRPC call carries ("": none)."""
     tls: TLSConfig = field(default_factory=TLSConfig)
     """Mutual TLS on every internal gRPC connection (disabled when empty)."""
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    otlp_traces_endpoint: str = ""
+    """The OTLP/HTTP collector every process sends its spans to (`http://host:4318`, or the
+    full `.../v1/traces` URL); "": no tracing, at no cost (pdserve.tracing)."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +195,7 @@ class WorkerConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     core_share_dir: str = ""
     """Workers given the same directory on one host lend each other their cores while idle
     (engine/cores.py); "": this worker keeps its own threads."""
@@ -210,6 +219,7 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     ray_address: str = ""
     """Join this Ray cluster instead of starting one."""
@@ -240,5 +250,5 @@ class ClusterConfig:
             engine = replace(engine, cache=replace(engine.cache, kv_cache_dtype=pool.kv_cache_dtype))
         fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),
                       max_queue=pool.max_queue, engine=engine, transfer=self.transfer,
-                      registry=self.registry, security=self.security)
+                      registry=self.registry, security=self.security, tracing=self.tracing)
         return WorkerConfig(role=role, worker_id=worker_id, **(fields | overrides))

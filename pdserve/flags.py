@@ -23,6 +23,7 @@ from pdserve.config import (
     RegistryConfig,
     RouterConfig,
     SecurityConfig,
+    TracingConfig,
     TransferConfig,
     WorkerConfig,
 )
@@ -84,6 +85,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="request bodies past this size get 413 before they are parsed (0: no limit; "
                         "default: %(default)s)")
     _add_registry_args(p)
+    _add_tracing_args(p)
+
+
+def _add_tracing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--otlp-traces-endpoint", default=_env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), metavar="URL",
+                   help="send OpenTelemetry traces of every request (router, prefill and decode spans, joined "
+                        "across the hops) to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (env "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; default: no tracing). Needs pdserve[tracing]")
+
+
+def tracing_config(args: argparse.Namespace) -> TracingConfig:
+    return TracingConfig(otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _add_registry_args(p: argparse.ArgumentParser, name_required: bool = False) -> None:
@@ -181,6 +194,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=_P.max_queue, help="requests queued here before it refuses more")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C/SIGTERM: seconds the requests in flight get to finish (then the router migrates them)")
+    _add_tracing_args(p)
 
 
 def add_scale_args(p: argparse.ArgumentParser) -> None:
@@ -238,7 +252,7 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
                                 policy=args.transfer_policy, local_prefill_threshold=args.local_prefill_threshold,
                                 wire_dtype=args.kv_wire_dtype, kv_dtype_mismatch=args.kv_dtype_mismatch),
         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name or uuid.uuid4().hex[:8]),
-        security=security,
+        security=security, tracing=tracing_config(args),
         autoscale=AutoscaleConfig(enabled=args.autoscale, max_replicas=args.autoscale_max, ttft_slo_s=args.ttft_slo,
                                   itl_slo_s=args.itl_slo, interval_s=args.autoscale_interval,
                                   up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after,
@@ -255,7 +269,7 @@ def router_config(args: argparse.Namespace) -> ClusterConfig:
     if not args.cluster_name:
         raise ValueError("pdserve router needs the cluster's name: --cluster-name (see `pdserve up`'s log)")
     return ClusterConfig(engine=EngineConfig(model=args.model, cache=CacheConfig(block_size=args.block_size)),
-                         router=_router_config(args), security=security_config(args),
+                         router=_router_config(args), security=security_config(args), tracing=tracing_config(args),
                          registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name))
 
 
@@ -269,4 +283,4 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                                                 policy=args.transfer_policy, wire_dtype=args.kv_wire_dtype,
                                                 kv_dtype_mismatch=args.kv_dtype_mismatch),
                         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name),
-                        security=SecurityConfig(cluster_token=args.cluster_token))
+                        security=SecurityConfig(cluster_token=args.cluster_token), tracing=tracing_config(args))

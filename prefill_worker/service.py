@@ -22,6 +22,7 @@ from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import block_snapshot, logprob_to_proto, params_from_proto, worker_stats
 from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, check_stats_request
 from pdserve.protos.status import refuse_invalid, refuse_when_full
+from pdserve.tracing import OFF, Tracer
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -35,13 +36,20 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             w.refused += 1
             await refuse_when_full(context, w.worker_id, "prefill worker", w.max_queue,
                                    "draining" if w.draining else "")
+        span = w.tracer.start("prefill", w.tracer.extract(context.invocation_metadata()), kind="server",
+                              attributes={"pdserve.request_id": request.request_id, "pdserve.worker_id": w.worker_id,
+                                          "pdserve.prompt_tokens": len(request.prompt_token_ids)})
         w.inflight += 1
         try:
-            return await self._prefill(request, context)
+            return await self._prefill(request, context, span)
+        except BaseException as e:
+            span.record_error(repr(e))
+            raise
         finally:
             w.inflight -= 1
+            span.end()
 
-    async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+    async def _prefill(self, request: pb.PrefillRequest, context, span) -> pb.PrefillReply:
         w = self.w
         t_start = time.perf_counter()
         rid, prompt = request.request_id, list(request.prompt_token_ids)
@@ -62,8 +70,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                 num_tokens=len(prompt), first_token=first_token, token_offset=first_block * bs,
                                 layer_start=layer_start, model_fingerprint=w.fingerprint,
                                 timeout_s=request.timeout_s or 30.0)
-            w.kv_seconds += time.perf_counter() - t
-            w.kv_bytes += kv.numel() * kv.element_size()
+            t_end, nbytes = time.perf_counter(), kv.numel() * kv.element_size()
+            w.kv_seconds += t_end - t
+            w.kv_bytes += nbytes
+            w.tracer.record("kv.push", span, t, t_end, {"pdserve.kv_bytes": nbytes, "pdserve.layer_start": layer_start,
+                                                        "pdserve.kv_address": request.kv_address})
         pushes: list[asyncio.Future] = []
         loop = asyncio.get_running_loop()
 
@@ -103,6 +114,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         w.prefills += 1
         timing = pb.HandoffTiming(prefill_queue_s=first.queue_s, kv_push_s=time.perf_counter() - t_computed,
                                   prefill_compute_s=max(t_computed - t_start - first.queue_s, 0.0))
+        w.tracer.record("prefill.queue", span, t_start, t_start + first.queue_s)
+        w.tracer.record("prefill.compute", span, t_start + first.queue_s, t_computed,
+                        {"pdserve.cached_tokens": first.num_cached_tokens,
+                         "pdserve.computed_tokens": len(prompt) - first.num_cached_tokens})
         reply = pb.PrefillReply(first_token=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens,
                                 timing=timing)
         if first.logprobs:
@@ -136,14 +151,16 @@ class PrefillWorker:
 
     def __init__(self, engine: AsyncEngine, sender: KVSender, worker_id: str | None = None,
                  cluster_token: str = "", max_queue: int = 0, tls: TLSConfig | None = None,
-                 layer_group: int = 0, wire_dtype: str = "auto"):
+                 layer_group: int = 0, wire_dtype: str = "auto", tracer: Tracer = OFF):
         """layer_group > 0: stream each prompt's KV to the decode worker every `layer_group`
         layers, as they are computed (transfer overlaps compute); 0: after the whole prompt.
         wire_dtype (config.KV_WIRE_DTYPES): "auto" sends the blocks as the cache holds them,
         another converts them for the transfer only.
         max_queue > 0: at most this many prompts queued or prefilling here; more are
-        refused with RESOURCE_EXHAUSTED (the router tries another worker, then answers 429)."""
+        refused with RESOURCE_EXHAUSTED (the router tries another worker, then answers 429).
+        tracer: where this worker's spans go (its owner shuts it down)."""
         self.engine = engine
+        self.tracer = tracer
         self.max_queue = max_queue
         self.inflight = self.refused = 0
         self.draining = False  # set when the pool shrinks: refuse new prompts, finish the rest

@@ -75,6 +75,14 @@ async def while_connected(request: Request, work):
     return task.result()
 
 
+TIMING_HEADER = "x-pdserve-timing"
+
+
+def wants_timing(request: Request) -> bool:
+    """`X-PDServe-Timing: 1` asks for each choice's time breakdown in the response."""
+    return request.headers.get(TIMING_HEADER, "").strip().lower() in ("1", "true", "yes")
+
+
 def api_key_auth(api_keys: tuple[str, ...]):
     """A FastAPI dependency: 401 unless `Authorization: Bearer <one of api_keys>` (none: open)."""
     keys = [k.encode() for k in api_keys]
@@ -194,11 +202,11 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(req: CompletionRequest, request: Request):
-        return await while_connected(request, router.completions(req))
+        return await while_connected(request, router.completions(req, wants_timing(request)))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(req: ChatCompletionRequest, request: Request):
-        return await while_connected(request, router.chat(req))
+        return await while_connected(request, router.chat(req, wants_timing(request)))
 
     def model_card() -> dict:
         return {"id": router.model_name, "object": "model", "created": int(router.started), "owned_by": "pdserve"}

@@ -267,16 +267,16 @@ class ClusterClient:
             self.decode_streams.pop(wid, None)
 
     async def generate(self, route: Route, request_id: str, prompt: list[int], params,
-                       resume: list[int] | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                       resume: list[int] | None = None, metadata: tuple = ()) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a request's outputs from its decode worker; closing the iterator early
         cancels the call, which aborts the request on the worker. `resume`: tokens already
-        streamed (a migration from a failed worker)."""
+        streamed (a migration from a failed worker); `metadata`: the call's (trace context)."""
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params),
                                  prefill_address=route.prefill.address if route.prefill else "",
                                  prefill_worker_id=route.prefill.worker_id if route.prefill else "",
                                  cluster_token=self.cluster_token, resume_token_ids=resume or [],
                                  local_prefill_tokens=self.local_prefill_tokens)
-        call = self._stub(route.decode).Generate(req)
+        call = self._stub(route.decode).Generate(req, metadata=metadata or None)
         try:
             async for msg in call:
                 yield msg

@@ -19,11 +19,14 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos.convert import logprob_from_proto
 from pdserve.protos.status import invalid_details, refused_by
+from pdserve.tracing import NO_SPAN, OFF, Tracer
 
 from .cluster import ClusterClient
 from .errors import APIError
 from .metrics import RouterMetrics
 from .policies import NoWorkerError
+
+ENDPOINTS = {"cmpl": "completions", "chatcmpl": "chat.completions"}  # a trace's root span, by id prefix
 
 # a decode worker that died or restarted, as opposed to a request it refused
 _WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
@@ -52,9 +55,10 @@ class Delta:
 class Generation:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, metrics: RouterMetrics,
                  prompt: list[int], params: SamplingParams, prefix: str = "cmpl", timeout_s: float = 0.0,
-                 on_done=None):
+                 on_done=None, tracer: Tracer = OFF):
         """timeout_s > 0: the request fails with 504 (and is aborted) if it is not done by then.
-        on_done: called once when the request ends, however it ends."""
+        on_done: called once when the request ends, however it ends. tracer: the request's
+        trace (a root span here, the workers' spans under it)."""
         self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -77,6 +81,15 @@ class Generation:
         self.migrations = 0
         self.max_migrations = 2
         self._failed: set[str] = set()
+        self.t_routed = 0.0  # when its first route was chosen
+        self.t_done = 0.0  # when it finished
+        self.handoff = None  # its HandoffTiming, when its prompt was prefilled remotely
+        self.tracer = tracer
+        self.span = tracer.start(ENDPOINTS.get(prefix, prefix), kind="server", start_s=self.t_arrival,
+                                 attributes={"pdserve.request_id": self.request_id,
+                                             "pdserve.prompt_tokens": len(prompt),
+                                             "pdserve.max_tokens": params.max_tokens})
+        self._call = NO_SPAN  # the span of the call to the decode worker
 
     async def start(self) -> None:
         try:
@@ -101,11 +114,15 @@ class Generation:
                                    headers={"Retry-After": "1"}) from e
                 raise APIError(503, str(e), "server_error", code="no_worker") from e
             if not refused:
-                self.metrics.queue.observe(time.perf_counter() - self.t_arrival)
-            self._stream = self.cluster.generate(self.route, self.request_id, self.prompt, self._worker_params())
+                self.t_routed = time.perf_counter()
+                self.metrics.queue.observe(self.t_routed - self.t_arrival)
+                self.tracer.record("router.admission", self.span, self.t_arrival, self.t_routed)
+            self._stream = self.cluster.generate(self.route, self.request_id, self.prompt, self._worker_params(),
+                                                 metadata=self._trace_call())
             try:
                 self._first = await self._next()
                 self.cluster.settle(self.route, self._first.prefilled_remotely)
+                self.handoff = self._first.timing if self._first.HasField("timing") else None
                 if self._first.kv_bytes:
                     self.metrics.kv_request_bytes.observe(self._first.kv_bytes)
                 if self._first.HasField("timing"):
@@ -181,7 +198,8 @@ class Generation:
         self.migrations += 1
         self.metrics.migrations.inc()
         self._stream = self.cluster.generate(self.route, f"{self.request_id}-m{self.migrations}", self.prompt,
-                                             self._worker_params(), resume=self.generated)
+                                             self._worker_params(), resume=self.generated,
+                                             metadata=self._trace_call(failed))
 
     async def _next_from_worker(self):
         """The next worker message, within the request's deadline."""
@@ -212,9 +230,49 @@ class Generation:
             self.finish_reason = msg.finish_reason or "stop"
         return Delta(text, ids, [logprob_from_proto(lp) for lp in msg.logprobs])
 
+    def timing(self) -> dict:
+        """Where its time went, in seconds: the router's admission, then (prefilled remotely)
+        the decode worker's wait for blocks, the prefill queue, compute and KV push, the
+        time to its first token, and to its end."""
+        first, h = self._first, self.handoff
+        out = {"queue_s": max(self.t_routed - self.t_arrival, 0.0) if self.t_routed else 0.0,
+               "prefilled_remotely": bool(first is not None and first.prefilled_remotely),
+               "decode_worker": self.route.decode.worker_id if self.route else "",
+               "prefill_worker": self.route.prefill.worker_id if self.route and self.route.prefill else ""}
+        if h is not None:
+            out |= {"blocks_wait_s": h.blocks_wait_s, "prefill_queue_s": h.prefill_queue_s,
+                    "prefill_compute_s": h.prefill_compute_s, "kv_push_s": h.kv_push_s,
+                    "kv_bytes": first.kv_bytes}
+        return out | {"ttft_s": self.ttft, "e2e_s": (self.t_done or time.perf_counter()) - self.t_arrival,
+                      "migrations": self.migrations}
+
     def _record(self) -> None:
+        self.t_done = time.perf_counter()
         self.metrics.finished(time.perf_counter() - self.t_arrival, self.ttft, self.completion_tokens,
                               self.finish_reason or "error")
+
+    def _trace_call(self, migrated_from: str = "") -> tuple:
+        """A span for the call to the route's decode worker (the last one ended); the
+        call's metadata, which makes it the parent of the workers' spans."""
+        self._call.end()
+        route = self.route
+        attributes = {"pdserve.decode_worker": route.decode.worker_id,
+                      "pdserve.prefill_worker": route.prefill.worker_id if route.prefill else ""}
+        if migrated_from:
+            attributes["pdserve.migrated_from"] = migrated_from
+        self._call = self.tracer.start("router.generate", self.span, kind="client", attributes=attributes)
+        return self.tracer.metadata(self._call)
+
+    def _trace_end(self) -> None:
+        self._call.end()
+        self.span.set_attributes({"pdserve.completion_tokens": self.completion_tokens,
+                                  "pdserve.cached_tokens": self.cached_tokens, "pdserve.ttft_s": self.ttft,
+                                  "pdserve.finish_reason": self.finish_reason or "error",
+                                  "pdserve.migrations": self.migrations})
+        if self.finish_reason in (None, "error", "timeout", "abort"):
+            self.span.record_error(self.finish_reason or "error")
+        self.span.end()
+        self._call = self.span = NO_SPAN
 
     async def close(self) -> None:
         # the bookkeeping first, in case closing the stream is cut short (a cancelled cleanup)
@@ -222,6 +280,8 @@ class Generation:
         if self._on_done is not None:
             done, self._on_done = self._on_done, None
             done()
+        if self.span is not NO_SPAN:
+            self._trace_end()
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.aclose()

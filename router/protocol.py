@@ -44,6 +44,7 @@ def _valid_unicode(value: Any) -> Any:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_timing: bool = False  # pdserve's: where each choice's time went, in the last chunk
 
 
 class _Common(BaseModel):
@@ -94,6 +95,9 @@ class _Common(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def include_timing(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_timing)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None,
                          structured: Structured | None, prompt_logprobs: int | None = None) -> SamplingParams:

@@ -93,10 +93,17 @@ class ReaderStalled(Exception):
     """The client stopped reading its stream for longer than the stall timeout."""
 
 
+def timing(gens: list[Generation]) -> list[dict]:
+    """Where each choice's time went (the `timing` of a response, when asked for)."""
+    return [{"index": i} | g.timing() for i, g in enumerate(gens)]
+
+
 async def stream(gens: list[Generation], chunk, final, base: dict, include_usage: bool,
-                 per_prompt: int | None = None, stall_timeout_s: float = 60.0, on_stall=None) -> StreamingResponse:
+                 per_prompt: int | None = None, stall_timeout_s: float = 60.0, on_stall=None,
+                 include_timing: bool = False) -> StreamingResponse:
     """SSE of every choice's deltas as they come; `chunk(i, delta, offset)` and `final(i)`
-    give the events (or None to send nothing). Deltas wait for a slow reader in a buffer of
+    give the events (or None to send nothing). The usage and the timing, when asked for,
+    come in one last chunk with no choices. Deltas wait for a slow reader in a buffer of
     STREAM_BUFFER per choice (then the worker's stream waits, by gRPC's flow control); a
     reader that takes none for `stall_timeout_s` (0: no limit) has its requests aborted on
     the workers, and `on_stall()` is called."""
@@ -140,8 +147,9 @@ async def stream(gens: list[Generation], chunk, final, base: dict, include_usage
                 offsets[i] += len(item.text)
                 if ev is not None:
                     yield sse(ev)
-            if include_usage:
-                yield sse(base | {"choices": [], "usage": usage(gens, per_prompt)})
+            if include_usage or include_timing:
+                yield sse(base | {"choices": []} | ({"usage": usage(gens, per_prompt)} if include_usage else {})
+                          | ({"timing": timing(gens)} if include_timing else {}))
         except APIError as e:  # after the first byte the status is sent: report in-band
             yield sse(e.body())
         finally:

@@ -18,6 +18,7 @@ from pdserve.engine.aio import stop_tasks
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.tracing import OFF, Tracer
 
 from . import responses
 from .cluster import ClusterClient
@@ -30,14 +31,15 @@ from .tools import parse_tool_call, render_messages
 
 class Router:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, config: RouterConfig | None = None,
-                 security: SecurityConfig | None = None, discovery=None):
+                 security: SecurityConfig | None = None, discovery=None, tracer: Tracer = OFF):
         """discovery: a RegistryDiscovery that keeps `cluster` in step with Redis (None:
-        the worker list is static)."""
+        the worker list is static). tracer: each request's trace (its owner shuts it down)."""
         self.config = config = config or RouterConfig()
         self.security = security or SecurityConfig()
         self.cluster, self.tokenizer = cluster, tokenizer
         self.model_name = config.model_name or "default"
         self.discovery = discovery
+        self.tracer = tracer
         self.refresh_interval_s = config.refresh_interval_s
         self.metrics = RouterMetrics(self.model_name)
         self.logprobs = responses.Logprobs(tokenizer)
@@ -64,7 +66,7 @@ class Router:
         def done():
             self.inflight -= 1
         return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
-                          timeout_s=self.config.request_timeout_s, on_done=done)
+                          timeout_s=self.config.request_timeout_s, on_done=done, tracer=self.tracer)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -177,7 +179,8 @@ class Router:
             raise APIError(400, f"tokens contains {bad}, outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    async def completions(self, req: CompletionRequest):
+    async def completions(self, req: CompletionRequest, timing: bool = False):
+        """timing: each choice's time breakdown in the response (also `stream_options.include_timing`)."""
         req.check_supported()
         self.check_model(req.model)
         prompts = self._encode_prompts(req)
@@ -201,7 +204,8 @@ class Router:
             def final(i: int) -> list[dict]:
                 return [base | {"choices": [{"index": i, "text": "", "logprobs": None,
                                              "finish_reason": gens[i].finish_reason}]}]
-            return await responses.stream(gens, chunk, final, base, req.include_usage(), req.n, **self._stall())
+            return await responses.stream(gens, chunk, final, base, req.include_usage(), req.n, **self._stall(),
+                                          include_timing=timing or req.include_timing())
         lps = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in gens]
 
         def on_delta(i: int, d: Delta, offset: int) -> None:
@@ -214,9 +218,10 @@ class Router:
                    for lp, g, ids in zip(lps, gens, ids_of)]
         return base | {"choices": [{"index": i, "text": echo_of[i] + t, "logprobs": lps[i] if want_lp else None,
                                     "finish_reason": g.finish_reason} for i, (t, g) in enumerate(zip(texts, gens))],
-                       "usage": responses.usage(gens, req.n)}
+                       "usage": responses.usage(gens, req.n)} | ({"timing": responses.timing(gens)} if timing else {})
 
-    async def chat(self, req: ChatCompletionRequest):
+    async def chat(self, req: ChatCompletionRequest, timing: bool = False):
+        """timing: as for `completions`."""
         req.check_supported()
         self.check_model(req.model)
         specs = req.tool_specs()
@@ -236,7 +241,7 @@ class Router:
             return {"role": "assistant", "content": text}, gens[i].finish_reason
         if req.stream:
             return await self._stream_chat(req, gens, base | {"object": "chat.completion.chunk"}, finish,
-                                           calls_possible)
+                                           calls_possible, timing or req.include_timing())
         content_lps: list[list] = [[] for _ in gens]
 
         def on_delta(i: int, d: Delta, offset: int) -> None:
@@ -248,10 +253,11 @@ class Router:
             message, reason = finish(i, text)
             choices.append({"index": i, "message": message, "finish_reason": reason,
                             "logprobs": {"content": content_lps[i]} if want_lp else None})
-        return base | {"choices": choices, "usage": responses.usage(gens)}
+        return base | {"choices": choices, "usage": responses.usage(gens)} | (
+            {"timing": responses.timing(gens)} if timing else {})
 
     async def _stream_chat(self, req: ChatCompletionRequest, gens: list[Generation], sbase: dict, finish,
-                           calls_possible: bool):
+                           calls_possible: bool, timing: bool):
         """Chat choices as SSE chunks; a reply that may be a tool call is held until it is
         complete (only then is it known to be one)."""
         started, held = [False] * len(gens), [""] * len(gens)
@@ -275,4 +281,5 @@ class Router:
                                                     "logprobs": None}]})
             return events + [sbase | {"choices": [{"index": i, "delta": {}, "logprobs": None,
                                                    "finish_reason": reason}]}]
-        return await responses.stream(gens, chunk, final, sbase, req.include_usage(), **self._stall())
+        return await responses.stream(gens, chunk, final, sbase, req.include_usage(), **self._stall(),
+                                      include_timing=timing)
