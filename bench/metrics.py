@@ -9,6 +9,10 @@ compare servers by (no network; the tests drive them with made-up records).
   counts only requests that met both SLOs (TTFT and TPOT). A failed request (a 429, a 5xx,
   a broken stream) is a miss, reported by status.
 - Prefix-cache hit rate: the change of pdserve's per-worker prefix-cache counters over the run.
+- TTFT breakdown: where the server says each request's first token went (pdserve's `timing`,
+  asked for with the X-PDServe-Timing header; other servers send none): the router's queue,
+  the decode worker's wait for blocks, the prefill queue, compute and KV push, and the rest
+  of the client's TTFT (network, a prefill on the decode worker, the first decode step).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ class RequestResult:
     output_tokens: int = 0      # the server's usage count, else the number of content chunks
     prompt_tokens: int | None = None  # the server's usage count, when it sends one
     error: str = ""
+    timing: dict | None = None  # the server's breakdown of this request's time (pdserve's `timing`)
 
     @property
     def ok(self) -> bool:
@@ -105,7 +110,44 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft: float | N
         "tpot_ms": distribution_ms([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": distribution_ms([g for r in ok for g in r.itl]),
         "e2e_ms": distribution_ms([r.e2e for r in ok if r.e2e is not None]),
+        "ttft_breakdown": ttft_breakdown(results),
     }
+
+
+# ---- the server's TTFT breakdown ------------------------------------------------------------
+BREAKDOWN = (("queue_s", "router queue"), ("blocks_wait_s", "blocks wait"), ("prefill_queue_s", "prefill queue"),
+             ("prefill_compute_s", "prefill compute"), ("kv_push_s", "KV push"), ("rest_s", "rest"))
+
+
+def ttft_parts(r: RequestResult) -> dict[str, float]:
+    """A request's TTFT in the server's parts (seconds); a part it had none of is 0 (a prompt
+    prefilled on its decode worker has no hand-off: its prefill is in `rest_s`)."""
+    parts = {k: float(r.timing.get(k, 0.0)) for k, _ in BREAKDOWN[:-1]}
+    return parts | {"rest_s": max(r.ttft - sum(parts.values()), 0.0)}
+
+
+def ttft_breakdown(results: list[RequestResult]) -> dict | None:
+    """The run's TTFT by part: each part's distribution, their means over the slowest tenth
+    of requests by TTFT (what the tail waited on), and the share prefilled remotely; None
+    when the server sent no breakdown."""
+    timed = [r for r in results if r.ok and r.ttft is not None and r.timing]
+    if not timed:
+        return None
+    parts = [ttft_parts(r) for r in timed]
+    p90 = percentile([r.ttft for r in timed], 90)
+    tail = [p for p, r in zip(parts, timed) if r.ttft >= p90]
+    return {"requests": len(timed),
+            "prefilled_remotely": sum(bool(r.timing.get("prefilled_remotely")) for r in timed) / len(timed),
+            "parts_ms": {k: distribution_ms([p[k] for p in parts]) for k, _ in BREAKDOWN},
+            "tail_mean_ms": {k: 1e3 * sum(p[k] for p in tail) / len(tail) for k, _ in BREAKDOWN}}
+
+
+def format_breakdown(endpoint: str, label: str, b: dict) -> str:
+    """One run's TTFT breakdown as a line: each part's p50/p99, then what the slowest tenth waited on."""
+    parts = ", ".join(f"{name} {b['parts_ms'][k]['p50']:.0f}/{b['parts_ms'][k]['p99']:.0f}" for k, name in BREAKDOWN)
+    tail = ", ".join(f"{name} {b['tail_mean_ms'][k]:.0f}" for k, name in BREAKDOWN)
+    return (f"{endpoint} {label}: TTFT parts p50/p99 ms: {parts}; slowest 10% (mean ms): {tail}; "
+            f"{b['prefilled_remotely']:.0%} prefilled remotely")
 
 
 # ---- the server's prefix-cache counters ----------------------------------------------------

@@ -1,6 +1,7 @@
 """PNG plots of `pdserve bench` results, when matplotlib is importable (it is not a
 dependency): latency percentiles vs load (where the knee shows), throughput and goodput vs
-load, and the TTFT CDF of every run. Several endpoints are overlaid, one colour each."""
+load, the TTFT CDF of every run, and (from a server that sends it: pdserve) the TTFT broken
+into its parts. Several endpoints are overlaid, one colour each."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,8 @@ LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_
 
 
 def write_plots(plot_dir: Path, results: dict, ttft_samples: dict) -> list[Path]:
-    """Write latency.png, throughput.png and ttft_cdf.png under `plot_dir`; returns the paths
+    """Write latency.png, throughput.png, ttft_cdf.png (and ttft_breakdown.png when some run
+    has a breakdown) under `plot_dir`; returns the paths
     written (none, after one notice, without matplotlib). `ttft_samples` maps
     (endpoint, load label) to that run's sorted TTFTs in seconds."""
     try:
@@ -69,7 +71,37 @@ def write_plots(plot_dir: Path, results: dict, ttft_samples: dict) -> list[Path]
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     written.append(_save(fig, plot_dir / "ttft_cdf.png"))
+    broken = {name: ep for name, ep in endpoints.items()
+              if any(run["metrics"].get("ttft_breakdown") for run in ep["runs"])}
+    if broken:
+        written.append(_breakdown_plot(plot_dir / "ttft_breakdown.png", broken, labels))
     return written
+
+
+def _breakdown_plot(path: Path, endpoints: dict, labels: list[str]) -> Path:
+    """Per endpoint, a stacked bar per load point: the mean of each TTFT part (ms), beside
+    the p99 of the whole TTFT and the parts of the slowest tenth."""
+    import matplotlib.pyplot as plt
+
+    from .metrics import BREAKDOWN
+    fig, axes = plt.subplots(len(endpoints), 2, figsize=(11, 3.8 * len(endpoints)), squeeze=False)
+    for row, (name, ep) in zip(axes, endpoints.items()):
+        for ax, key, title in ((row[0], "mean", "mean"), (row[1], "tail", "slowest 10% (mean)")):
+            bottom = [0.0] * len(ep["runs"])
+            for k, (part, pname) in enumerate(BREAKDOWN):
+                ys = []
+                for run in ep["runs"]:
+                    b = run["metrics"].get("ttft_breakdown")
+                    ys.append(0.0 if not b else b["parts_ms"][part]["mean"] if key == "mean" else b["tail_mean_ms"][part])
+                ax.bar(range(len(ys)), ys, bottom=bottom, color=f"C{k}", label=pname)
+                bottom = [a + b for a, b in zip(bottom, ys)]
+            if key == "tail":
+                ax.plot(range(len(ep["runs"])), [run["metrics"]["ttft_ms"]["p99"] or float("nan") for run in ep["runs"]],
+                        "k--o", label="TTFT p99")
+            _categorical(ax, labels, f"{name}: TTFT parts, {title}", "ms")
+        row[0].legend(fontsize=7)
+        row[1].legend(fontsize=7)
+    return _save(fig, path)
 
 
 def _categorical(ax, labels: list[str], title: str, unit: str) -> None:

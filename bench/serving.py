@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .metrics import (
     RequestResult,
+    format_breakdown,
     format_table,
     load_label,
     parse_prefix_cache,
@@ -44,6 +45,8 @@ from .workloads import (
     trace_workload,
     workload_summary,
 )
+
+TIMING_HEADER = "X-PDServe-Timing"  # router/app.py: asks pdserve for each choice's time breakdown
 
 METRICS_SETTLE_S = 1.0  # pdserve's router refreshes worker counters every 0.25-0.5 s: wait for the last ones
 
@@ -246,6 +249,7 @@ async def send_one(client, url: str, path: str, body: dict, turn: Turn, t0: floa
                             stamps.append(time.perf_counter())
                             text.append(piece)
                     usage = chunk.get("usage") or usage
+                    r.timing = (chunk.get("timing") or [r.timing])[0]
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         r.status, r.error = type(e).__name__, str(e)[:300]
     r.e2e = time.perf_counter() - start
@@ -325,7 +329,8 @@ async def bench(args, endpoints: list[tuple[str, str]], transport=None) -> tuple
     `transport`: an httpx transport to use instead of the network (tests)."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # pdserve sends each request's TTFT breakdown when asked (a header other servers ignore)
+    headers = {TIMING_HEADER: "1"} | ({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # the default caps at 100
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
@@ -384,6 +389,10 @@ def cmd_bench_serving(args) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(format_table(rows))
+    for name, ep in results["endpoints"].items():
+        for run in ep["runs"]:
+            if run["metrics"]["ttft_breakdown"]:
+                print(format_breakdown(name, run["label"], run["metrics"]["ttft_breakdown"]))
     print(f"latencies in ms; lengths in {results['length_unit']}; goodput: req/s with TTFT <= {args.slo_ttft}s "
           f"and TPOT <= {args.slo_tpot}s; wrote {path}", file=sys.stderr)
     if args.plot_dir:

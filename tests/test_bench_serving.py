@@ -13,12 +13,14 @@ import pytest
 from pdserve.bench import serving as bench_serving
 from pdserve.bench.metrics import (
     RequestResult,
+    format_breakdown,
     format_table,
     meets_slo,
     parse_prefix_cache,
     percentile,
     prefix_cache_delta,
     summarize,
+    ttft_breakdown,
 )
 from pdserve.bench.serving import add_bench_serving_args, bench, cap_requests, load_points, parse_endpoints
 from pdserve.bench.workloads import (
@@ -83,6 +85,27 @@ def test_goodput_counts_only_requests_meeting_both_slos_and_failures_are_misses(
     assert m["e2e_ms"]["p99"] == pytest.approx(1e3 * percentile([1.0, 0.1, 3.9, 3.1], 99))
     # no SLO: every completed request is good
     assert summarize(rs, 2.0)["goodput"] == m["request_throughput"]
+
+
+def test_ttft_breakdown_splits_the_servers_parts_and_says_what_the_tail_waited_on():
+    def timed(ttft, compute, wait=0.0, remote=True):
+        r = ok(ttft=ttft)
+        r.timing = {"queue_s": 0.001, "prefilled_remotely": remote, "ttft_s": ttft} | (
+            {"blocks_wait_s": wait, "prefill_queue_s": 0.002, "prefill_compute_s": compute, "kv_push_s": 0.003}
+            if remote else {})
+        return r
+    # nine quick requests, one slow because it waited for decode blocks; one prefilled locally
+    rs = [timed(0.1, 0.05) for _ in range(8)] + [timed(1.0, 0.05, wait=0.8), timed(0.2, 0, remote=False)]
+    b = ttft_breakdown(rs + [RequestResult("429", 0.0, 8, 10), ok()])  # failed and untimed: not counted
+    assert b["requests"] == 10 and b["prefilled_remotely"] == pytest.approx(0.9)
+    assert b["parts_ms"]["prefill_compute_s"]["p50"] == pytest.approx(50.0)
+    assert b["parts_ms"]["blocks_wait_s"]["p50"] == 0 and b["parts_ms"]["blocks_wait_s"]["mean"] == pytest.approx(80.0)
+    # the rest of a quick remote request's TTFT: 100 - 1 - 2 - 50 - 3 ms; a local prefill is all rest
+    assert b["parts_ms"]["rest_s"]["p50"] == pytest.approx(44.0)
+    assert b["tail_mean_ms"]["blocks_wait_s"] == pytest.approx(800.0)  # the slowest tenth: the one that waited
+    assert "blocks wait 0/" in format_breakdown("pd", "rate inf", b) and "90% prefilled remotely" in \
+        format_breakdown("pd", "rate inf", b)
+    assert ttft_breakdown([ok(), ok()]) is None and summarize([ok()], 1.0)["ttft_breakdown"] is None
 
 
 def test_itl_pools_every_gap_and_empty_runs_give_none():
@@ -377,5 +400,13 @@ def test_bench_against_live_cluster(smollm, tmp_path):
         for r in run["requests"]:
             assert r["output_tokens"] == r["output_len"] and r["prompt_tokens"] == r["input_len"] == 72
         assert m["output_len_mismatches"] == 0
+        # pdserve's own account of each TTFT (every prompt through the prefill pool here)
+        b = m["ttft_breakdown"]
+        assert b["requests"] == 8 and b["prefilled_remotely"] == 1.0
+        assert b["parts_ms"]["prefill_compute_s"]["p50"] > 0 and b["parts_ms"]["kv_push_s"]["p50"] > 0
+        for r in run["requests"]:
+            t = r["timing"]
+            assert t["prefill_compute_s"] > 0 and t["ttft_s"] <= r["ttft"]
+            assert t["queue_s"] + t["blocks_wait_s"] + t["prefill_queue_s"] + t["prefill_compute_s"] <= r["ttft"]
     # requests of a group that arrive after its first one find the system prompt cached
     assert runs[1]["prefix_cache"]["role"] == "prefill" and runs[1]["prefix_cache"]["hit_rate"] > 0
