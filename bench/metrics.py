@@ -151,7 +151,8 @@ def format_breakdown(endpoint: str, label: str, b: dict) -> str:
 
 
 # ---- the server's prefix-cache counters ----------------------------------------------------
-_PREFIX_LINE = re.compile(r'^pdserve_prefix_cache_(queries|hits)_tokens\{([^}]*)\}\s+(\S+)', re.MULTILINE)
+# counters (`_total`); a pdserve before 0.1 exported them as gauges without the suffix
+_PREFIX_LINE = re.compile(r'^pdserve_prefix_cache_(queries|hits)_tokens(?:_total)?\{([^}]*)\}\s+(\S+)', re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 ROLE_PREFERENCE = ("prefill", "aggregated", "decode")  # the order roles are named in
 

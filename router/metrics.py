@@ -2,9 +2,10 @@
 `pdserve_*` series, and the same meanings under vLLM's names (vllm_metrics.py)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from .vllm_metrics import VllmMetrics
+from .worker_metrics import PDSERVE_SERIES, WorkerSeries
 
 _BYTES = tuple(float(1 << n) for n in range(16, 32, 2))  # 64 KiB .. 1 GiB, x4
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -29,28 +30,16 @@ class RouterMetrics:
                                        "nothing for --stream-stall-timeout", registry=r)
         self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker after a failure",
                                   registry=r)
+        for status in ("stop", "length", "abort", "timeout", "error", "rejected"):  # 0, not "no data", until seen
+            self.requests.labels(status)
+        for reason in ("router_inflight", "pool_full"):
+            self.rejected.labels(reason)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
-        self.kv_usage = Gauge("pdserve_kv_usage_ratio", "KV blocks in use", ["worker", "role"], registry=r)
-        self.prefix_queries = Gauge("pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache "
-                                    "by the worker that computes the prompt",
-                                    ["worker", "role"], registry=r)
-        self.prefix_hits = Gauge("pdserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
-                                 ["worker", "role"], registry=r)
-        self.running = Gauge("pdserve_running_requests", "Requests running on a worker", ["worker", "role"], registry=r)
-        self.waiting = Gauge("pdserve_waiting_requests", "Requests queued on a worker", ["worker", "role"], registry=r)
-        self.kv_bytes = Gauge("pdserve_kv_transfer_bytes", "KV bytes pushed (prefill) or received (decode) by a "
-                              "worker since it started", ["worker", "role"], registry=r)
-        self.kv_seconds = Gauge("pdserve_kv_transfer_seconds", "Time a prefill worker spent pushing KV since it "
-                                "started (rate of bytes / rate of seconds: transfer GB/s)", ["worker", "role"], registry=r)
-        self.decode_prefills = Gauge("pdserve_decode_prefills", "Prompts a decode worker took since it started, by where "
-                                     "they were prefilled (remote: a prefill worker; local: itself)",
-                                     ["worker", "where"], registry=r)
+        self.workers = WorkerSeries(r, PDSERVE_SERIES, ("worker", "role"), lambda wid, s: [wid, s.role])
         self.kv_request_bytes = Histogram("pdserve_kv_transfer_request_bytes", "KV bytes a remotely prefilled "
                                           "request's prompt arrived with (its blocks not cached on the decode worker)",
                                           registry=r, buckets=_BYTES)
-        self.kv_cache_info = Gauge("pdserve_kv_cache_info", "1 per worker, labelled with the dtype its KV cache holds",
-                                   ["worker", "role", "kv_cache_dtype"], registry=r)
         # where a remotely prefilled request's time to first token went, as the workers measured it
         self.handoff_seconds = {
             field: Histogram(f"pdserve_{field.removesuffix('_s')}_seconds", doc, registry=r, buckets=_LATENCY)
@@ -58,8 +47,6 @@ class RouterMetrics:
                                ("prefill_queue_s", "Time a prompt queued on its prefill worker"),
                                ("prefill_compute_s", "Time a prefill worker computed a prompt"),
                                ("kv_push_s", "Time a prefill worker pushed a prompt's KV after computing it"))}
-        self.kv_failures = Gauge("pdserve_kv_transfer_failures", "Failed KV hand-offs seen by a worker since it started",
-                                 ["worker", "role"], registry=r)
 
     def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)
@@ -86,22 +73,9 @@ class RouterMetrics:
             hist.observe(getattr(timing, field))
 
     def observe_workers(self, stats: dict) -> None:
+        """The workers' last Stats, by worker id: the per-worker series of the next scrape."""
         self.vllm.observe_workers(stats)
-        for wid, s in stats.items():
-            labels = (wid, s.role)
-            self.kv_usage.labels(*labels).set(s.kv_usage)
-            self.prefix_queries.labels(*labels).set(s.prefix_queries)
-            self.prefix_hits.labels(*labels).set(s.prefix_hits)
-            self.running.labels(*labels).set(s.running)
-            self.waiting.labels(*labels).set(s.waiting)
-            self.kv_bytes.labels(*labels).set(s.kv_bytes)
-            self.kv_seconds.labels(*labels).set(s.kv_seconds)
-            self.kv_failures.labels(*labels).set(s.transfer_failures)
-            if s.kv_cache_dtype:
-                self.kv_cache_info.labels(*labels, s.kv_cache_dtype).set(1)
-            if s.role != "prefill":
-                self.decode_prefills.labels(wid, "remote").set(s.remote_prefills)
-                self.decode_prefills.labels(wid, "local").set(s.local_prefills)
+        self.workers.observe(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,7 +11,8 @@ restarted vLLM engine does.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .worker_metrics import Series, WorkerSeries, field
 
 # vLLM's default buckets for these histograms (vllm/v1/metrics/buckets.py, vLLM 0.32)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -19,13 +20,14 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
-# (vLLM name, help, WorkerStats field): gauges, then counters
-WORKER_GAUGES = (("vllm:num_requests_running", "Requests in the worker's running batch", "running"),
-                 ("vllm:num_requests_waiting", "Requests waiting on the worker", "waiting"),
-                 ("vllm:kv_cache_usage_perc", "KV cache usage of the worker (1 = full)", "kv_usage"))
-WORKER_COUNTERS = (("vllm:prefix_cache_queries", "Prompt tokens looked up in the worker's prefix cache",
-                    "prefix_queries"),
-                   ("vllm:prefix_cache_hits", "Prompt tokens found in the worker's prefix cache", "prefix_hits"))
+VLLM_WORKER_SERIES = (
+    Series("vllm:num_requests_running", "Requests in the worker's running batch", "gauge", field("running")),
+    Series("vllm:num_requests_waiting", "Requests waiting on the worker", "gauge", field("waiting")),
+    Series("vllm:kv_cache_usage_perc", "KV cache usage of the worker (1 = full)", "gauge", field("kv_usage")),
+    Series("vllm:prefix_cache_queries", "Prompt tokens looked up in the worker's prefix cache", "counter",
+           field("prefix_queries")),
+    Series("vllm:prefix_cache_hits", "Prompt tokens found in the worker's prefix cache", "counter",
+           field("prefix_hits")))
 
 
 class VllmMetrics:
@@ -43,25 +45,8 @@ class VllmMetrics:
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", labels, registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels,
                                          registry=r).labels(model_name)
-        self._stats: dict = {}
-        r.register(self)
+        self.workers = WorkerSeries(r, VLLM_WORKER_SERIES, ("model_name", "engine", "role"),
+                                    lambda wid, s: [model_name, wid, s.role])
 
     def observe_workers(self, stats: dict) -> None:
-        self._stats = dict(stats)
-
-    def collect(self):
-        """The per-worker series from the workers' last stats (a Prometheus custom collector)."""
-        names = ["model_name", "engine", "role"]
-        for name, doc, field in WORKER_GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            for wid, s in sorted(self._stats.items()):
-                g.add_metric([self.model_name, wid, s.role], float(getattr(s, field)))
-            yield g
-        for name, doc, field in WORKER_COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=names)
-            for wid, s in sorted(self._stats.items()):
-                c.add_metric([self.model_name, wid, s.role], float(getattr(s, field)))
-            yield c
-
-    def describe(self):
-        return []  # collected fresh each scrape; nothing to check against other collectors at register time
+        self.workers.observe(stats)

@@ -118,13 +118,13 @@ def test_itl_pools_every_gap_and_empty_runs_give_none():
 
 
 METRICS = """# HELP pdserve_prefix_cache_queries_tokens Prompt tokens looked up in the prefix cache
-# TYPE pdserve_prefix_cache_queries_tokens gauge
-pdserve_prefix_cache_queries_tokens{role="prefill",worker="prefill-0"} %s
-pdserve_prefix_cache_queries_tokens{role="prefill",worker="prefill-1"} 100.0
-pdserve_prefix_cache_queries_tokens{role="decode",worker="decode-0"} 500.0
-pdserve_prefix_cache_hits_tokens{role="prefill",worker="prefill-0"} %s
-pdserve_prefix_cache_hits_tokens{role="prefill",worker="prefill-1"} 0.0
-pdserve_prefix_cache_hits_tokens{role="decode",worker="decode-0"} 50.0
+# TYPE pdserve_prefix_cache_queries_tokens counter
+pdserve_prefix_cache_queries_tokens_total{role="prefill",worker="prefill-0"} %s
+pdserve_prefix_cache_queries_tokens_total{role="prefill",worker="prefill-1"} 100.0
+pdserve_prefix_cache_queries_tokens_total{role="decode",worker="decode-0"} 500.0
+pdserve_prefix_cache_hits_tokens_total{role="prefill",worker="prefill-0"} %s
+pdserve_prefix_cache_hits_tokens_total{role="prefill",worker="prefill-1"} 0.0
+pdserve_prefix_cache_hits_tokens_total{role="decode",worker="decode-0"} 50.0
 pdserve_kv_usage_ratio{role="decode",worker="decode-0"} 0.5
 """
 

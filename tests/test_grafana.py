@@ -65,10 +65,11 @@ def test_grafana_dashboard_uses_only_exported_metrics():
             assert names <= series, f"panel {p['title']!r}: not exported by the router: {names - series}"
             used |= names
     wanted = {"pdserve_rejected_requests_total", "pdserve_migrations_total", "pdserve_waiting_requests",
-              "pdserve_running_requests", "pdserve_prefix_cache_hits_tokens", "pdserve_prefix_cache_queries_tokens",
-              "pdserve_generation_tokens_total", "pdserve_prompt_tokens_total", "pdserve_decode_prefills"}
+              "pdserve_running_requests", "pdserve_prefix_cache_hits_tokens_total", "pdserve_prefix_cache_queries_tokens_total",
+              "pdserve_generation_tokens_total", "pdserve_prompt_tokens_total", "pdserve_decode_prefills_total"}
     assert wanted <= used
     assert {n[: -len("_bucket")] for n in used if n.endswith("_bucket")} == {
         "pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
         "pdserve_time_per_output_token_seconds", "pdserve_e2e_request_latency_seconds",
-        "pdserve_request_queue_seconds"}
+        "pdserve_request_queue_seconds", "pdserve_blocks_wait_seconds", "pdserve_prefill_queue_seconds",
+        "pdserve_prefill_compute_seconds", "pdserve_kv_push_seconds", "pdserve_kv_transfer_request_bytes"}

@@ -377,8 +377,8 @@ def test_disaggregation_really_happened(cluster):
     # transfer volume and time are exported: bytes pushed == bytes received, time > 0
     assert s["prefill-0"].kv_bytes == s["decode-0"].kv_bytes > 0 and s["prefill-0"].kv_seconds > 0
     text = httpx.get(cluster.url + "/metrics").text
-    assert 'pdserve_kv_transfer_bytes{role="prefill",worker="prefill-0"}' in text
-    assert 'pdserve_kv_transfer_failures{role="decode",worker="decode-0"} 0.0' in text
+    assert 'pdserve_kv_transfer_bytes_total{role="prefill",worker="prefill-0"}' in text
+    assert 'pdserve_kv_transfer_failures_total{role="decode",worker="decode-0"} 0.0' in text
     # every remote prefill's bytes in the per-request histogram (requests reach the workers
     # only through this router): as many as the hand-offs, summing to what decode received
     count = float(re.search(r"^pdserve_kv_transfer_request_bytes_count (\S+)$", text, re.M).group(1))

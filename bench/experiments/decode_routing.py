@@ -49,7 +49,7 @@ CASES = {
     "1P+1D (pdserve up's default), chat, default": (CHAT_UP, CHAT),
 }
 WANTED = re.compile(r'^pdserve_(kv_transfer_bytes|decode_prefills|prefix_cache_hits_tokens|'
-                    r'prefix_cache_queries_tokens)\{(.*)\} (\S+)$')
+                    r'prefix_cache_queries_tokens)(?:_total)?\{(.*)\} (\S+)$')
 
 
 def worker_metrics(url: str) -> dict:
