@@ -8,10 +8,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type values pdserve runs
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder; field names follow Hugging Face's LlamaConfig."""
+    """Shape of a decoder of the Llama family and its relatives; field names follow Hugging
+    Face's configs. `model_type` names the architecture; what sets the relatives apart is a
+    field each: biases on q/k/v (Qwen2, `qkv_bias`), a per-head RMSNorm of q and k before RoPE (Qwen3),
+    a sliding attention window (Mistral, Qwen2 with use_sliding_window)."""
 
     vocab_size: int
     hidden_size: int
@@ -26,10 +33,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    model_type: str = "llama"
+    qkv_bias: bool = False        # q/k/v projections with biases (o_proj without)
+    qk_norm: bool = False         # RMSNorm over each head of q and k, before RoPE
+    sliding_window: int = 0       # attend to at most this many latest tokens (0: all)
 
     def __post_init__(self):
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported architecture {self.model_type!r}: pdserve runs {', '.join(MODEL_TYPES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -39,20 +52,36 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
 
+    def check_runnable(self) -> None:
+        """Refuse what the engine would compute wrongly: a window shorter than the context
+        (windowed attention is not implemented; within --max-model-len <= the window, every
+        token stays in it and full attention is exact)."""
+        if 0 < self.sliding_window < self.max_position_embeddings:
+            raise ValueError(
+                f"this {self.model_type} model attends within a sliding window of {self.sliding_window} tokens, "
+                f"shorter than its context of {self.max_position_embeddings}; pdserve does not implement windowed "
+                f"attention yet: run it with --max-model-len {self.sliding_window} (exact: no token leaves the window)")
+
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict (Llama family only)."""
+        """Build from a Hugging Face `config.json` dict."""
         arch = d.get("model_type", "llama")
-        if arch not in ("llama", "mistral"):
-            raise ValueError(f"unsupported architecture {arch!r}: pdserve runs Llama-family models")
+        if arch not in MODEL_TYPES:
+            raise ValueError(f"unsupported architecture {arch!r}: pdserve runs {', '.join(MODEL_TYPES)}")
         # transformers >= 5 writes RoPE settings as `rope_parameters`; older ones as rope_theta/rope_scaling
         scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind != "default":
             raise ValueError(f"unsupported rope_scaling type {kind!r} (only default RoPE is implemented)")
+        if d.get("mlp_bias") or (arch != "qwen2" and d.get("attention_bias")):
+            raise ValueError("unsupported: biases on the attention output or MLP projections "
+                             "(attention_bias, mlp_bias)")
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        window = d.get("sliding_window") or 0
+        if arch == "qwen2" and not d.get("use_sliding_window", False):
+            window = 0  # Qwen2 configs carry a window they do not use
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -62,12 +91,14 @@ class ModelConfig:
             rope_theta=d.get("rope_theta") or scaling.get("rope_theta", 10000.0),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+            bos_token_id=d.get("bos_token_id"), eos_token_id=eos, model_type=arch,
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3", sliding_window=int(window))
 
     def to_hf_dict(self) -> dict:
         """The Hugging Face `config.json` equivalent (used to save and to build references)."""
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        d = {
+            "architectures": [_HF_CLASSES[self.model_type]], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -79,6 +110,11 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
         }
+        if self.model_type in ("mistral", "qwen2", "qwen3"):
+            d["sliding_window"] = self.sliding_window or None
+        if self.model_type == "qwen2":
+            d["use_sliding_window"] = bool(self.sliding_window)
+        return d
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

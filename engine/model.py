@@ -1,6 +1,9 @@
-"""Llama-family decoder in plain torch (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
+"""Llama-family decoder in plain torch (RMSNorm, RoPE, GQA attention, SwiGLU MLP), with
+the relatives' variations as config fields: q/k/v biases (Qwen2), a per-head RMSNorm of q
+and k before RoPE (Qwen3).
 
-Parameter names match Hugging Face `LlamaForCausalLM` checkpoints so weights load by name.
+Parameter names match Hugging Face's `LlamaForCausalLM` (`Qwen2ForCausalLM`,
+`Qwen3ForCausalLM`, `MistralForCausalLM`) checkpoints so weights load by name.
 The model works on a flat batch: every scheduled token of every request is one row of a
 `(T, hidden)` tensor, so the linear layers see one big matmul per step; attention over the
 paged KV cache is delegated to an `AttentionBackend` (engine/attention.py) that knows which
@@ -87,11 +90,16 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
+        self.qkv_bias: torch.Tensor | None = None
         self.qkv_linear = self.o_linear = None
 
     def fuse(self, packed: bool, quantization: str = "none") -> None:
@@ -101,6 +109,11 @@ class LlamaAttention(nn.Module):
         for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), w.split(sizes)):
             proj.weight.data = view
         self.qkv_weight = w
+        if self.q_proj.bias is not None:
+            b = torch.cat([self.q_proj.bias.data, self.k_proj.bias.data, self.v_proj.bias.data])
+            for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), b.split(sizes)):
+                proj.bias.data = view
+            self.qkv_bias = b
         self.qkv_linear = make_linear(w, quantization, packed)
         self.o_linear = make_linear(self.o_proj.weight.data, quantization, packed)
 
@@ -108,14 +121,30 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         if self.qkv_weight is not None:
-            q, k, v = rope.qkv(self.qkv_linear(x), self.n_heads, self.n_kv, self.hd)
+            qkv = self.qkv_linear(x)
+            if self.qkv_bias is not None:
+                qkv += self.qkv_bias
+            if self.qk_norm:
+                self._norm_qk(qkv)
+            q, k, v = rope.qkv(qkv, self.n_heads, self.n_kv, self.hd)
         else:
-            q = rope.rotate(self.q_proj(x).view(T, self.n_heads, self.hd))  # (T, n_heads, hd)
-            k = rope.rotate(self.k_proj(x).view(T, self.n_kv, self.hd))     # (T, n_kv, hd)
+            q, k = self.q_proj(x).view(T, self.n_heads, self.hd), self.k_proj(x).view(T, self.n_kv, self.hd)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope.rotate(q), rope.rotate(k)  # (T, n_heads, hd), (T, n_kv, hd)
             v = self.v_proj(x).view(T, self.n_kv, self.hd)
         out = backend.forward(q, k, v, kv[0], kv[1], meta)         # (T, n_heads, hd)
         out = out.reshape(T, self.n_heads * self.hd)
         return self.o_proj(out) if self.o_linear is None else self.o_linear(out)
+
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """Qwen3's RMSNorm over each head of q and of k, in place in the fused projection
+        (RoPE then rotates them there)."""
+        T, nq, nk = qkv.shape[0], self.n_heads * self.hd, self.n_kv * self.hd
+        q, k = qkv[:, :nq], qkv[:, nq:nq + nk]
+        q.copy_(self.q_norm(q.reshape(T, self.n_heads, self.hd)).view(T, nq))
+        k.copy_(self.k_norm(k.reshape(T, self.n_kv, self.hd)).view(T, nk))
 
 
 class LlamaMLP(nn.Module):

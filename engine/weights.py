@@ -1,4 +1,5 @@
-"""Weight loading: GGUF files and Hugging Face directories into `LlamaForCausalLM`.
+"""Weight loading: GGUF files and Hugging Face directories into `LlamaForCausalLM` (Llama,
+Mistral, Qwen2, Qwen3).
 
 GGUF tensors are renamed to Hugging Face names, dequantized (gguf's numpy dequantizer handles
 Q4_0, Q4_1, Q8_0, F16, F32 and the other ggml types), and the Q/K row permutation that
@@ -34,6 +35,7 @@ _GGUF_NAMES = {
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
@@ -85,31 +87,37 @@ def gguf_metadata(reader) -> dict:
     return out
 
 
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture values (Mistral ships as llama)
+
+
 def model_config_from_gguf(meta: dict) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}: pdserve runs Llama-family models")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}: pdserve runs {', '.join(GGUF_ARCHS)}")
 
     def get(key, default=None):
-        v = meta.get(f"llama.{key}", default)
+        v = meta.get(f"{arch}.{key}", default)
         if v is None:
-            raise ModelLoadError(f"GGUF metadata key llama.{key} is missing")
+            raise ModelLoadError(f"GGUF metadata key {arch}.{key} is missing")
         return v
 
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     return ModelConfig(
-        vocab_size=int(meta.get("llama.vocab_size") or meta.get("tokenizer.ggml.tokens.count") or 0),
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens.count") or 0),
         hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")), num_attention_heads=n_heads,
         num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
-        head_dim=int(meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or hidden // n_heads),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+                     or hidden // n_heads),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings=False,  # decided by the presence of output.weight
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        model_type=arch, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0))
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -121,10 +129,10 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _gguf_to_hf_name(name: str) -> str:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if not m or m.group(2) not in _GGUF_LAYER_NAMES:
-        raise ModelLoadError(f"unexpected GGUF tensor {name!r} for a Llama model")
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
+        raise ModelLoadError(f"unexpected GGUF tensor {name!r} for this architecture")
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
 def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
@@ -142,9 +150,11 @@ def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConf
         except NotImplementedError as e:
             raise ModelLoadError(f"tensor {t.name!r}: unsupported GGUF type {t.tensor_type.name}") from e
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
-        if name.endswith("q_proj.weight"):
+        # llama.cpp permutes Q/K for its interleaved RoPE only in Llama files; Qwen's use the
+        # rotate-half ("NEOX") layout, as Hugging Face does
+        if cfg.model_type == "llama" and name.endswith("q_proj.weight"):
             arr = unpermute_qk(arr, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif cfg.model_type == "llama" and name.endswith("k_proj.weight"):
             arr = unpermute_qk(arr, cfg.num_key_value_heads)
         state[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
     tied = "lm_head.weight" not in state
@@ -238,7 +248,7 @@ def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
         state.pop("lm_head.weight", None)  # some tied checkpoints still carry the copy
     for name in state:
         if name not in expected:
-            raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not part of a Llama model)")
+            raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not part of this {model.config.model_type} model)")
     for name, shape in expected.items():
         if tied and name == "lm_head.weight":
             continue
@@ -266,6 +276,7 @@ class LoadedModel:
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: str = "cpu", packed_weights: bool = True, quantization: str = "auto") -> LlamaForCausalLM:
     """Instantiate the model for `cfg` with `state`'s weights, fused for inference."""
+    cfg.check_runnable()
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     load_weights_into(model, state, dtype)
