@@ -48,9 +48,11 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
         """q: (T, n_heads, hd); k, v: (T, n_kv, hd); caches: (num_blocks, block_size, n_kv, hd).
-        Stores k/v at `meta.slot_mapping` and returns the attention output (T, n_heads, hd)."""
+        Stores k/v at `meta.slot_mapping` and returns the attention output (T, n_heads, hd).
+        window > 0: each query sees only the last `window` keys up to its own (sliding-window
+        attention); 0: all of them."""
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
@@ -73,39 +75,64 @@ class TorchAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         st = meta.backend_state
         bs = meta.block_size
-        D = meta.num_decode_tokens
-        if D:
-            # gather whole blocks (contiguous 16-token runs), not single slots: far fewer,
-            # larger copies. Padding entries point at block 0 and are masked out.
-            n_blocks = (int(meta.decode_seq_lens.max()) + bs - 1) // bs
-            st["decode_blocks"] = meta.decode_block_tables[:, :n_blocks].reshape(-1)
-            pos = torch.arange(n_blocks * bs, device=meta.decode_seq_lens.device)
-            valid = (pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1))[:, None, None, :]  # (D, 1, 1, L)
-            # an additive float mask, built once: SDPA would convert a bool mask in every layer
-            st["decode_mask"] = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
+        if meta.num_decode_tokens:
+            self._decode_plan(meta)
         spans = []
         for sp in meta.prefills:
             n = sp.end - sp.start
             if sp.num_cached == 0:
-                spans.append((sp, None, None))
+                spans.append((sp, None))
                 continue
             ctx = sp.num_cached + n
             dev = meta.slot_mapping.device  # everything on the cache's device (CPU or CUDA)
             table = torch.tensor(sp.block_table[: (ctx + bs - 1) // bs], dtype=torch.long, device=dev)
             slots = (table.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
-            # query i sits at absolute position num_cached + i and sees keys 0..num_cached+i
-            mask = (torch.arange(ctx, device=dev).unsqueeze(0)
-                    <= (sp.num_cached + torch.arange(n, device=dev)).unsqueeze(1))
-            spans.append((sp, slots, mask[None, None]))
+            spans.append((sp, slots))
         st["prefill_spans"] = spans
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def _decode_plan(self, meta: AttentionMetadata) -> None:
+        """The decode rows' gather: whole blocks (contiguous 16-token runs), not single slots
+        (far fewer, larger copies); padding entries point at block 0 and are masked out."""
+        st, bs = meta.backend_state, meta.block_size
+        n_blocks = (int(meta.decode_seq_lens.max()) + bs - 1) // bs
+        st["decode_blocks"] = meta.decode_block_tables[:, :n_blocks].reshape(-1)
+        st["decode_pos"] = torch.arange(n_blocks * bs, device=meta.decode_seq_lens.device)
+
+    def _decode_mask(self, meta: AttentionMetadata, window: int) -> torch.Tensor:
+        """The decode rows' additive float mask (D, 1, 1, L), built once a step per window:
+        SDPA would convert a bool mask in every layer."""
+        st = meta.backend_state
+        key = ("decode_mask", window)
+        if key not in st:
+            if "decode_blocks" not in st:
+                self._decode_plan(meta)
+            pos, lens = st["decode_pos"].unsqueeze(0), meta.decode_seq_lens.unsqueeze(1)
+            valid = (pos < lens) & ((pos >= lens - window) if window else True)
+            valid = valid[:, None, None, :]
+            st[key] = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
+        return st[key]
+
+    @staticmethod
+    def _span_mask(st: dict, i: int, sp: PrefillSpan, ctx: int, window: int, device) -> torch.Tensor:
+        """(1, 1, n, ctx), once a step per span and window: query j, at absolute position
+        num_cached + j, sees the keys up to its own (with a window, only the last `window`)."""
+        key = ("span_mask", i, window)
+        if key not in st:
+            qpos = (sp.num_cached + torch.arange(sp.end - sp.start, device=device)).unsqueeze(1)
+            kpos = torch.arange(ctx, device=device).unsqueeze(0)
+            mask = kpos <= qpos
+            if window:
+                mask &= kpos > qpos - window
+            st[key] = mask[None, None]
+        return st[key]
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, window: int = 0):
         self.store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         D = meta.num_decode_tokens
         if D:
-            out[:D] = self.decode(q[:D], k_cache, v_cache, meta)
-        self.prefill(q, k, v, k_cache, v_cache, meta, out)
+            out[:D] = self.decode(q[:D], k_cache, v_cache, meta, window)
+        self.prefill(q, k, v, k_cache, v_cache, meta, out, window)
         return out
 
     def store(self, k, v, k_cache, v_cache, meta) -> None:
@@ -119,31 +146,38 @@ class TorchAttentionBackend:
             else:
                 _flat(cache).index_copy_(0, meta.slot_mapping, rows)
 
-    def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta, window: int = 0) -> torch.Tensor:
         """Attention of the decode rows (one query per sequence) over their cached keys."""
         D, n_kv, hd = q.shape[0], k_cache.shape[2], q.shape[2]
-        st = meta.backend_state
-        blocks = st["decode_blocks"]
+        mask = self._decode_mask(meta, window)
+        blocks = meta.backend_state["decode_blocks"]
         kd = _gather(k_cache, blocks, q.dtype).view(D, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
         vd = _gather(v_cache, blocks, q.dtype).view(D, -1, n_kv, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=st["decode_mask"], enable_gqa=True)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True)
         return o.squeeze(2)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta, out) -> None:
+    def prefill(self, q, k, v, k_cache, v_cache, meta, out, window: int = 0) -> None:
         """Attention of each prefill span (causal, over its cached prefix too) into `out`."""
         k_flat, v_flat = _flat(k_cache), _flat(v_cache)
         if k_cache.dtype != q.dtype:  # attend to what the cache holds, rounded as stored
             fmt = kv_format.format_of(k_cache.dtype)
             k, v = (kv_format.decode(kv_format.encode(x, fmt), q.dtype) for x in (k, v))
-        for sp, slots, mask in meta.backend_state["prefill_spans"]:
+        st = meta.backend_state
+        for i, (sp, slots) in enumerate(st["prefill_spans"]):
+            n = sp.end - sp.start
             qs = q[sp.start:sp.end].transpose(0, 1).unsqueeze(0)  # (1, n_heads, n, hd)
             if slots is None:  # nothing cached before this chunk: attend within it, causally
                 ks = k[sp.start:sp.end].transpose(0, 1).unsqueeze(0)
                 vs = v[sp.start:sp.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                if window and window < n:
+                    mask = self._span_mask(st, i, sp, n, window, q.device)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+                else:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
                 ks = _gather(k_flat, slots, q.dtype).transpose(0, 1).unsqueeze(0)  # (1, n_kv, ctx, hd)
                 vs = _gather(v_flat, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+                mask = self._span_mask(st, i, sp, sp.num_cached + n, window, q.device)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[sp.start:sp.end] = o.squeeze(0).transpose(0, 1)
 
@@ -166,7 +200,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         from .triton_kernels import store_kv
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta, window: int = 0) -> torch.Tensor:
+        if window:  # sliding-window layers: the torch path (its gather plan made on first use)
+            return super().decode(q, k_cache, v_cache, meta, window)
         from .triton_kernels import paged_decode_attention
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens).to(q.dtype)
 
@@ -208,30 +244,44 @@ class NativeAttentionBackend(TorchAttentionBackend):
             lens.append(torch.arange(sp.num_cached + 1, sp.num_cached + n + 1, device=dev))
         st["tables"], st["lens"] = torch.cat(tables), torch.cat(lens)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def forward(self, q, k, v, k_cache, v_cache, meta, window: int = 0):
         self.store(k, v, k_cache, v_cache, meta)
-        st = meta.backend_state
+        tables, lens, skips = self._rows_for(meta, window)
         if meta.prefills and kv_format.format_of(k_cache.dtype).quantized:
-            return self._forward_8bit_prefill(q, k_cache, v_cache, meta)
-        return native.paged_decode_attention(q, k_cache, v_cache, st["tables"], st["lens"], checked=True)
+            return self._forward_8bit_prefill(q, k_cache, v_cache, meta, window)
+        return native.paged_decode_attention(q, k_cache, v_cache, tables, lens, checked=True, skips=skips)
 
-    def _forward_8bit_prefill(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+    def _rows_for(self, meta: AttentionMetadata, window: int):
+        """Every row's (tables, lens, skips): as prepared, or (once a step per window) cut to
+        the blocks of each row's window."""
+        st = meta.backend_state
+        if not window:
+            return st["tables"], st["lens"], None
+        key = ("window", window)
+        if key not in st:
+            st[key] = native.window_tables(st["tables"], st["lens"], window, meta.block_size)
+        return st[key]
+
+    def _forward_8bit_prefill(self, q, k_cache, v_cache, meta, window: int = 0) -> torch.Tensor:
         """A step with prefill rows over an 8-bit cache: the prompts' blocks are decoded once
         (not once per row: a 4k-token prompt's rows would decode ~8M key rows per layer), and
         the prefill rows attend over that fp32 copy of them. The 8-bit kernel is bitwise the
         fp32 kernel over the decoded rows, so a row's result is the same either way."""
         st, D = meta.backend_state, meta.num_decode_tokens
-        if "prefill_blocks" not in st:  # once per step: the prompts' blocks, and the rows' tables into their copy
-            blocks, local = torch.unique(st["tables"][D:], return_inverse=True)
-            st["prefill_blocks"], st["prefill_tables"] = blocks, local.to(torch.int64).contiguous()
-        blocks = st["prefill_blocks"]
+        tables, lens, skips = self._rows_for(meta, window)
+        key = ("prefill_blocks", window)
+        if key not in st:  # once per step: the prompts' blocks, and the rows' tables into their copy
+            blocks, local = torch.unique(tables[D:], return_inverse=True)
+            st[key] = blocks, local.to(torch.int64).contiguous()
+        blocks, local_tables = st[key]
         out = torch.empty_like(q)
         if D:
-            out[:D] = native.paged_decode_attention(q[:D], k_cache, v_cache, st["tables"][:D], st["lens"][:D],
-                                                    checked=True)
+            out[:D] = native.paged_decode_attention(q[:D], k_cache, v_cache, tables[:D], lens[:D], checked=True,
+                                                    skips=None if skips is None else skips[:D])
         kf, vf = (kv_format.decode(c.view(torch.uint8).index_select(0, blocks).view(c.dtype)).contiguous()
                   for c in (k_cache, v_cache))
-        out[D:] = native.paged_decode_attention(q[D:], kf, vf, st["prefill_tables"], st["lens"][D:], checked=True)
+        out[D:] = native.paged_decode_attention(q[D:], kf, vf, local_tables, lens[D:], checked=True,
+                                                skips=None if skips is None else skips[D:])
         return out
 
     def store(self, k, v, k_cache, v_cache, meta) -> None:
@@ -242,9 +292,13 @@ class NativeAttentionBackend(TorchAttentionBackend):
         native.kv_store_8bit(k, k_cache, meta.slot_mapping)
         native.kv_store_8bit(v, v_cache, meta.slot_mapping)
 
-    def decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta, window: int = 0) -> torch.Tensor:
         """The decode rows alone (one query per sequence)."""
-        return native.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens)
+        tables, lens, skips = meta.decode_block_tables, meta.decode_seq_lens, None
+        if window:
+            tables, lens, skips = native.window_tables(tables.to(torch.int64), lens.to(torch.int64), window,
+                                                       meta.block_size)
+        return native.paged_decode_attention(q, k_cache, v_cache, tables, lens, skips=skips)
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")

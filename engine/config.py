@@ -18,7 +18,7 @@ class ModelConfig:
     """Shape of a decoder of the Llama family and its relatives; field names follow Hugging
     Face's configs. `model_type` names the architecture; what sets the relatives apart is a
     field each: biases on q/k/v (Qwen2, `qkv_bias`), a per-head RMSNorm of q and k before RoPE (Qwen3),
-    a sliding attention window (Mistral, Qwen2 with use_sliding_window)."""
+    a sliding attention window on all layers or some (Mistral; Qwen2 with use_sliding_window)."""
 
     vocab_size: int
     hidden_size: int
@@ -37,6 +37,9 @@ class ModelConfig:
     qkv_bias: bool = False        # q/k/v projections with biases (o_proj without)
     qk_norm: bool = False         # RMSNorm over each head of q and k, before RoPE
     sliding_window: int = 0       # attend to at most this many latest tokens (0: all)
+    layer_types: tuple[str, ...] = ()
+    """Per layer, "sliding_attention" or "full_attention" (Hugging Face's `layer_types`);
+    empty: every layer slides when `sliding_window` is set."""
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -47,20 +50,24 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
+                "sliding_attention", "full_attention"}):
+            raise ValueError(f"layer_types must name each of the {self.num_hidden_layers} layers sliding_attention "
+                             f"or full_attention, got {self.layer_types}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
 
     def check_runnable(self) -> None:
-        """Refuse what the engine would compute wrongly: a window shorter than the context
-        (windowed attention is not implemented; within --max-model-len <= the window, every
-        token stays in it and full attention is exact)."""
-        if 0 < self.sliding_window < self.max_position_embeddings:
-            raise ValueError(
-                f"this {self.model_type} model attends within a sliding window of {self.sliding_window} tokens, "
-                f"shorter than its context of {self.max_position_embeddings}; pdserve does not implement windowed "
-                f"attention yet: run it with --max-model-len {self.sliding_window} (exact: no token leaves the window)")
+        """Refuse a configuration the engine would compute wrongly (none known today)."""
+
+    def window_of(self, layer: int) -> int:
+        """Layer `layer`'s attention window in tokens (0: it attends to the whole context)."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return 0
+        return self.sliding_window
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
@@ -79,9 +86,13 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        window = d.get("sliding_window") or 0
+        window, layer_types = d.get("sliding_window") or 0, tuple(d.get("layer_types") or ())
         if arch == "qwen2" and not d.get("use_sliding_window", False):
-            window = 0  # Qwen2 configs carry a window they do not use
+            window, layer_types = 0, ()  # Qwen2 configs carry a window they do not use
+        elif arch == "qwen2" and not layer_types:  # older configs: the layers from max_window_layers on slide
+            first = d.get("max_window_layers", d["num_hidden_layers"])
+            layer_types = tuple("sliding_attention" if i >= first else "full_attention"
+                                for i in range(d["num_hidden_layers"]))
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -93,7 +104,7 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos, model_type=arch,
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3", sliding_window=int(window))
+            qk_norm=arch == "qwen3", sliding_window=int(window), layer_types=layer_types)
 
     def to_hf_dict(self) -> dict:
         """The Hugging Face `config.json` equivalent (used to save and to build references)."""
@@ -114,6 +125,8 @@ class ModelConfig:
             d["sliding_window"] = self.sliding_window or None
         if self.model_type == "qwen2":
             d["use_sliding_window"] = bool(self.sliding_window)
+        if self.layer_types:
+            d["layer_types"] = list(self.layer_types)
         return d
 
 

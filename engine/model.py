@@ -1,6 +1,6 @@
 """Llama-family decoder in plain torch (RMSNorm, RoPE, GQA attention, SwiGLU MLP), with
 the relatives' variations as config fields: q/k/v biases (Qwen2), a per-head RMSNorm of q
-and k before RoPE (Qwen3).
+and k before RoPE (Qwen3), sliding-window attention on all layers or some (Mistral, Qwen2).
 
 Parameter names match Hugging Face's `LlamaForCausalLM` (`Qwen2ForCausalLM`,
 `Qwen3ForCausalLM`, `MistralForCausalLM`) checkpoints so weights load by name.
@@ -98,6 +98,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.window = cfg.window_of(layer_idx)  # sliding-window attention (0: the whole context)
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
         self.qkv_bias: torch.Tensor | None = None
         self.qkv_linear = self.o_linear = None
@@ -133,7 +134,7 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope.rotate(q), rope.rotate(k)  # (T, n_heads, hd), (T, n_kv, hd)
             v = self.v_proj(x).view(T, self.n_kv, self.hd)
-        out = backend.forward(q, k, v, kv[0], kv[1], meta)         # (T, n_heads, hd)
+        out = backend.forward(q, k, v, kv[0], kv[1], meta, self.window)  # (T, n_heads, hd)
         out = out.reshape(T, self.n_heads * self.hd)
         return self.o_proj(out) if self.o_linear is None else self.o_linear(out)
 

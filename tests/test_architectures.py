@@ -7,7 +7,7 @@ it loads in pdserve to the same logits."""
 import pytest
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.weights import load_model
@@ -20,12 +20,18 @@ transformers = pytest.importorskip("transformers")
 SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-ARCHS = {  # model_type: (config class, model class, config fields of its own)
+ARCHS = {  # name: (config class, model class, config fields of its own)
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # every layer attends to its last 8 tokens only: the prompts and outputs below are longer
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    # layers 1 and 2 slide (from max_window_layers on), layer 0 sees everything
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
+                                                           "max_window_layers": 1}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
 }
+WINDOWS = {"mistral-window": (8, 8, 8), "qwen2-window": (0, 8, 8)}  # each layer's window
 PROMPTS = [[5, 17, 99, 250, 3, 42, 42, 7], [300, 12, 8], list(range(20, 60))]
 
 
@@ -47,15 +53,21 @@ def hf_model(arch: str, seed: int = 0, **fields):
     return model
 
 
+def saved(arch: str, tmp_path_factory):
+    path = tmp_path_factory.mktemp(arch)
+    hf = hf_model(arch)
+    hf.save_pretrained(path)
+    return hf, path
+
+
 @pytest.fixture(scope="module", params=list(ARCHS))
 def pair(request, tmp_path_factory):
     """(transformers' model, a pdserve engine on the same weights loaded from its directory)."""
-    hf = hf_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
+    hf, path = saved(request.param, tmp_path_factory)
     loaded = load_model(path, quantization="none")
-    assert loaded.config.model_type == request.param
+    assert loaded.config.model_type == request.param.split("-")[0]
     eng = LLMEngine(loaded, EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=16 << 20)))
+    eng.arch = request.param
     yield hf, eng
     assert eng.blocks.num_used_blocks == 0
 
@@ -64,6 +76,9 @@ def test_config_carries_what_sets_each_architecture_apart(pair):
     hf, eng = pair
     cfg = eng.loaded.config
     assert cfg.qkv_bias == (cfg.model_type == "qwen2") and cfg.qk_norm == (cfg.model_type == "qwen3")
+    windows = tuple(cfg.window_of(i) for i in range(cfg.num_hidden_layers))
+    assert windows == WINDOWS.get(eng.arch, (0, 0, 0))
+    assert [layer.self_attn.window for layer in eng.runner.model.model.layers] == list(windows)
     head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings and cfg.head_dim == head_dim
 
@@ -99,25 +114,37 @@ def test_prefix_hit_equals_miss(pair):
     assert eng.generate([prompt], params)[0] == miss and eng.blocks.prefix_hits > hits
 
 
-def test_a_window_shorter_than_the_context_is_refused_not_run_wrongly(tmp_path):
-    cfg = ModelConfig.from_hf_dict(dict(SMALL, model_type="mistral", sliding_window=128))
-    assert cfg.sliding_window == 128
-    with pytest.raises(ValueError, match="--max-model-len 128"):
-        cfg.check_runnable()
-    ModelConfig(**{**cfg.__dict__, "max_position_embeddings": 128}).check_runnable()  # within it: exact
-    hf = hf_model("mistral")
-    hf.config.sliding_window = 128
-    hf.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="sliding window of 128"):
-        load_model(tmp_path, quantization="none")
-    assert load_model(tmp_path, quantization="none", max_model_len=128).config.max_position_embeddings == 128
+@pytest.mark.parametrize("arch", list(WINDOWS))
+@pytest.mark.parametrize("attention,kv", [("torch", "auto"), ("native", "int8")])
+def test_sliding_windows_on_the_other_attention_paths(arch, attention, kv, tmp_path_factory):
+    """The torch reference path against transformers; and over an int8 cache (its prefill
+    rows attend over a decoded copy of their blocks) a row's window is the same batched,
+    alone, chunked and after a prefix hit."""
+    hf, path = saved(arch, tmp_path_factory)
+    eng = LLMEngine(load_model(path, quantization="none"), EngineConfig(
+        quantization="none", attention=attention, scheduler=SchedulerConfig(max_num_batched_tokens=32),
+        cache=CacheConfig(kv_cache_memory=16 << 20, kv_cache_dtype=kv)))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    if kv == "auto":
+        with torch.no_grad():
+            want = hf(torch.tensor([PROMPTS[2]])).logits[0]
+        torch.testing.assert_close(engine_logits(eng, PROMPTS[2]), want, atol=2e-4 * want.abs().max().item(),
+                                   rtol=1e-4)
+    alone = [eng.generate([ids], params)[0] for ids in PROMPTS]  # the 40-token prompt: chunked by 32
+    assert eng.generate(PROMPTS, params) == alone
+    assert eng.generate([PROMPTS[2]], params)[0] == alone[2]  # its full blocks now cached
+    assert eng.blocks.num_used_blocks == 0
+
+
+def test_configs_without_what_pdserve_runs_are_refused():
     # Qwen2 configs carry a window they do not use unless use_sliding_window is set
     assert ModelConfig.from_hf_dict(dict(SMALL, model_type="qwen2", sliding_window=64)).sliding_window == 0
     for bad in ({"model_type": "gpt2"}, {"model_type": "llama", "attention_bias": True},
                 {"model_type": "qwen3", "mlp_bias": True}):
         with pytest.raises(ValueError, match="unsupported"):
             ModelConfig.from_hf_dict(dict(SMALL, **bad))
-
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf_dict(dict(SMALL, model_type="mistral", sliding_window=8, layer_types=["sliding_attention"]))
 
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",

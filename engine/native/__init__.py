@@ -137,7 +137,8 @@ def load() -> ctypes.CDLL:
             lib.woq_q4_1_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, c_int]
             lib.woq_q8_0_matmul.argtypes = [p, p, p, p, i64, i64, i64, c_int]
             lib.woq_int8_matmul.restype = lib.woq_q4_1_matmul.restype = lib.woq_q8_0_matmul.restype = None
-            lib.paged_decode_attention_f32.argtypes = [p, p, p, p, p, p] + [c_int] * 6 + [ctypes.c_float, c_int, c_int]
+            lib.paged_decode_attention_f32.argtypes = [p, p, p, p, p, p, p] + [c_int] * 6 + [ctypes.c_float, c_int,
+                                                                                             c_int]
             lib.paged_decode_attention_f32.restype = c_int
             lib.silu_mul_f32.argtypes = [p, p, i64, i64, c_int]
             lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, p, c_int]
@@ -315,13 +316,29 @@ def paged_attention_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     return tables, lens
 
 
+def window_tables(tables: torch.Tensor, lens: torch.Tensor, window: int,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (tables, lens, skips) with which each row attends only to its last `window` keys:
+    its table starts at the block holding its window's first key, its length counts from
+    there, and `skips` masks the keys of that block before the window. The kernel then
+    reads at most window + block_size - 1 keys a row, whatever the context."""
+    start = (lens - window).clamp(min=0)
+    first = start // block_size
+    width = tables.shape[1]
+    cols = (torch.arange(width, device=tables.device).unsqueeze(0) + first.unsqueeze(1)).clamp(max=width - 1)
+    return (tables.gather(1, cols).contiguous(), (lens - first * block_size).contiguous(),
+            (start - first * block_size).contiguous())
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, checked: bool = False) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, checked: bool = False,
+                           skips: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per sequence over its paged K/V, read in place (attention.c).
     q (B, H, D) fp32; caches (num_blocks, block_size, KVH, W) fp32 or bf16 (W = D), or int8 or
     fp8 e4m3 codes with their scales (W = D + 4, engine/kv_format.py), contiguous; block_tables
     (B, max_blocks) and seq_lens (B,) int64. `checked`: the tables come from
-    `paged_attention_tables` for this cache's block size. Returns (B, H, D)."""
+    `paged_attention_tables` for this cache's block size. `skips` (B,) int64: keys at the head
+    of each row's table it does not see (`window_tables`). Returns (B, H, D)."""
     if _attn is None:
         load()
     q = q.contiguous()
@@ -339,10 +356,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tables, lens = (block_tables, seq_lens) if checked else paged_attention_tables(block_tables, seq_lens, bs)
     if tables.shape[0] != B:
         raise _bad("one block table row per query", q, tables)
+    if skips is not None and (skips.dtype is not _I64 or skips.shape != (B,) or not skips.is_contiguous()):
+        raise _bad("skips must be (B,) contiguous int64", q, skips)
     out = torch.empty_like(q)
     if B and _attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                   out.data_ptr(), B, H, kvh, D, bs, tables.shape[1], D ** -0.5, torch.get_num_threads(),
-                   fmt):
+                   None if skips is None else skips.data_ptr(), out.data_ptr(), B, H, kvh, D, bs, tables.shape[1],
+                   D ** -0.5, torch.get_num_threads(), fmt):
         raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
     return out
 

@@ -11,6 +11,8 @@
  *                                         (engine/kv_format.py, kvformat.h)
  *   tables (B, max_blocks) int64          block ids of each sequence
  *   lens   (B,) int64                     tokens in context, including the new one
+ *   skips  (B,) int64 or NULL             keys at the head of each table that the row does not
+ *                                         see (a sliding window starting inside its first block)
  *   out    (B, H, D)
  * GQA: query head h reads KV head h / (H / KVH). Work items are (sequence, KV head) pairs,
  * so the G = H / KVH query heads sharing a KV head read each K/V row from memory once (the
@@ -77,6 +79,12 @@ static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+/* The first `skip` keys of a row's table are not its to see (they precede its attention
+ * window, in the window's first block): their scores become -FLT_MAX, exp() 0. */
+static inline void mask_head(float *s, int64_t skip) {
+    for (int64_t t = 0; t < skip; t++) s[t] = -FLT_MAX;
+}
+
 /* s[0..len) <- exp(s - max s); returns the sum. */
 static inline float softmax_numerators(float *s, int64_t len) {
     __m256 mv = _mm256_set1_ps(-FLT_MAX);
@@ -110,9 +118,9 @@ static inline float softmax_numerators(float *s, int64_t len) {
  * in 8 registers each; `inline` with a constant D and fmt lets the compiler unroll the chunk
  * loops and drop the other formats' branches. */
 static inline __attribute__((always_inline)) void attend_d64(const float *q, const char *kc, const char *vc,
-                                                            const int64_t *table, int64_t len, float *out, int G,
-                                                            int KVH, int kh, int bs, float scale, float *scores,
-                                                            const int fmt) {
+                                                            const int64_t *table, int64_t len, int64_t skip,
+                                                            float *out, int G, int KVH, int kh, int bs, float scale,
+                                                            float *scores, const int fmt) {
     enum { D = 64, C = D / 8 };
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow; /* bytes between tokens of a block */
     const size_t esz = fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1;
@@ -149,6 +157,7 @@ static inline __attribute__((always_inline)) void attend_d64(const float *q, con
                 s[b * bs + t] = _mm_cvtss_f32(_mm_hadd_ps(h, h)) * (row_scale(kb + t * row, fmt, D) * unit);
             }
         }
+        mask_head(s, skip);
         const float sum = softmax_numerators(s, len);
         __m256 acc[C];
         for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
@@ -180,9 +189,10 @@ static inline void decode_rows_d64(const char *rows, size_t row, int n, float *b
 /* D = 64 over an 8-bit cache: each block is decoded once for the G heads (not once per head),
  * then scores, softmax and the weighted sum of V run as in attend_d64 on fp32 rows. buf: bs * 64. */
 static inline __attribute__((always_inline)) void attend_d64_8bit(const float *q, const char *kc, const char *vc,
-                                                                 const int64_t *table, int64_t len, float *out,
-                                                                 int G, int KVH, int kh, int bs, float scale,
-                                                                 float *scores, float *buf, const int fmt) {
+                                                                 const int64_t *table, int64_t len, int64_t skip,
+                                                                 float *out, int G, int KVH, int kh, int bs,
+                                                                 float scale, float *scores, float *buf,
+                                                                 const int fmt) {
     enum { D = 64, C = D / 8 };
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow;
     const int64_t nblk = (len + bs - 1) / bs;
@@ -212,7 +222,10 @@ static inline __attribute__((always_inline)) void attend_d64_8bit(const float *q
         }
     }
     float inv[G];
-    for (int g = 0; g < G; g++) inv[g] = 1.f / softmax_numerators(scores + (size_t)g * len, len);
+    for (int g = 0; g < G; g++) {
+        mask_head(scores + (size_t)g * len, skip);
+        inv[g] = 1.f / softmax_numerators(scores + (size_t)g * len, len);
+    }
     memset(out, 0, sizeof(float) * G * D);
     for (int64_t b = 0; b < nblk; b++) {
         int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
@@ -252,8 +265,8 @@ static inline const char *generic_rows(const char *rows, size_t row, int n, int 
 }
 
 static void attend_generic(const float *q, const char *kc, const char *vc, const int64_t *table, int64_t len,
-                           float *out, int G, int KVH, int kh, int D, int bs, float scale, float *scores, float *acc,
-                           float *buf, int fmt) {
+                           int64_t skip, float *out, int G, int KVH, int kh, int D, int bs, float scale,
+                           float *scores, float *acc, float *buf, int fmt) {
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow; /* bytes between tokens of a block */
     int64_t nblk = (len + bs - 1) / bs;
     size_t stride;
@@ -267,6 +280,7 @@ static void attend_generic(const float *q, const char *kc, const char *vc, const
     }
     for (int g = 0; g < G; g++) {
         float *s = scores + (size_t)g * len, m = -FLT_MAX, sum = 0.f;
+        mask_head(s, skip);
         for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
         for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
         float inv = 1.f / sum;
@@ -293,8 +307,8 @@ static void attend_generic(const float *q, const char *kc, const char *vc, const
 
 /* Returns 0, or -1 when scratch memory could not be allocated. kv_fmt: the caches' format (KV_*). */
 int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, const int64_t *tables,
-                               const int64_t *lens, float *out, int B, int H, int KVH, int D, int bs,
-                               int max_blocks, float scale, int nthreads, int kv_fmt) {
+                               const int64_t *lens, const int64_t *skips, float *out, int B, int H, int KVH, int D,
+                               int bs, int max_blocks, float scale, int nthreads, int kv_fmt) {
     const int G = H / KVH;
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
@@ -308,21 +322,21 @@ int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, c
         }
         const float *qi = q + ((size_t)b * H + (size_t)kh * G) * D;
         float *oi = out + ((size_t)b * H + (size_t)kh * G) * D;
-        const int64_t *table = tables + (size_t)b * max_blocks;
+        const int64_t *table = tables + (size_t)b * max_blocks, skip = skips ? skips[b] : 0;
 #ifdef __AVX2__
         if (D == 64 && kv_fmt == KV_F32)
-            attend_d64(qi, kc, vc, table, lens[b], oi, G, KVH, kh, bs, scale, scratch, KV_F32);
+            attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, KV_F32);
         else if (D == 64 && kv_fmt == KV_BF16)
-            attend_d64(qi, kc, vc, table, lens[b], oi, G, KVH, kh, bs, scale, scratch, KV_BF16);
+            attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, KV_BF16);
         else if (D == 64 && kv_fmt == KV_INT8)
-            attend_d64_8bit(qi, kc, vc, table, lens[b], oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
+            attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
                             KV_INT8);
         else if (D == 64 && kv_fmt == KV_FP8)
-            attend_d64_8bit(qi, kc, vc, table, lens[b], oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
+            attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
                             KV_FP8);
         else
 #endif
-            attend_generic(qi, kc, vc, table, lens[b], oi, G, KVH, kh, D, bs, scale, scratch,
+            attend_generic(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, D, bs, scale, scratch,
                            scratch + (size_t)G * lens[b], scratch + (size_t)G * lens[b] + (size_t)G * D, kv_fmt);
         free(scratch);
     }
