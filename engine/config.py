@@ -8,9 +8,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type values pdserve runs
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")  # Hugging Face model_type values pdserve runs
+_HF_TYPES = {"gemma3_text": "gemma3"}  # Gemma 3's text-only checkpoints
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,8 @@ class ModelConfig:
     """Shape of a decoder of the Llama family and its relatives; field names follow Hugging
     Face's configs. `model_type` names the architecture; what sets the relatives apart is a
     field each: biases on q/k/v (Qwen2, `qkv_bias`), a per-head RMSNorm of q and k before RoPE (Qwen3),
-    a sliding attention window on all layers or some (Mistral; Qwen2 with use_sliding_window)."""
+    a sliding attention window on all layers or some (Mistral; Qwen2 with use_sliding_window);
+    Gemma 3 has all of these but biases, and more (engine/gemma3.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -40,6 +43,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     """Per layer, "sliding_attention" or "full_attention" (Hugging Face's `layer_types`);
     empty: every layer slides when `sliding_window` is set."""
+    hidden_activation: str = "silu"   # of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (Gemma)
+    query_pre_attn_scalar: float = 0.0  # attention scores scaled by its -1/2 power (0: head_dim's)
+    rope_local_theta: float = 0.0     # RoPE base of the sliding-window layers (0: rope_theta)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -51,6 +57,9 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.hidden_activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_activation {self.hidden_activation!r}: pdserve runs "
+                             f"{', '.join(ACTIVATIONS)}")
         if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
                 "sliding_attention", "full_attention"}):
             raise ValueError(f"layer_types must name each of the {self.num_hidden_layers} layers sliding_attention "
@@ -72,14 +81,22 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         """Build from a Hugging Face `config.json` dict."""
-        arch = d.get("model_type", "llama")
+        arch = _HF_TYPES.get(d.get("model_type", "llama"), d.get("model_type", "llama"))
         if arch not in MODEL_TYPES:
             raise ValueError(f"unsupported architecture {arch!r}: pdserve runs {', '.join(MODEL_TYPES)}")
-        # transformers >= 5 writes RoPE settings as `rope_parameters`; older ones as rope_theta/rope_scaling
+        # transformers >= 5 writes RoPE settings as `rope_parameters` (Gemma 3: one per layer
+        # type); older ones as rope_theta/rope_scaling (+ rope_local_base_freq)
         scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"unsupported rope_scaling type {kind!r} (only default RoPE is implemented)")
+        per_type = scaling if "full_attention" in scaling else {"full_attention": scaling}
+        for params in per_type.values():
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind != "default":
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (only default RoPE is implemented)")
+        for capped in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if d.get(capped):
+                raise ValueError(f"unsupported: {capped}")
+        theta = d.get("rope_theta") or per_type["full_attention"].get("rope_theta", 10000.0)
+        local_theta = d.get("rope_local_base_freq") or per_type.get("sliding_attention", {}).get("rope_theta", 0.0)
         if d.get("mlp_bias") or (arch != "qwen2" and d.get("attention_bias")):
             raise ValueError("unsupported: biases on the attention output or MLP projections "
                              "(attention_bias, mlp_bias)")
@@ -99,12 +116,14 @@ class ModelConfig:
             num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=d.get("rope_theta") or scaling.get("rope_theta", 10000.0),
+            rope_theta=theta, rope_local_theta=local_theta if arch == "gemma3" else 0.0,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos, model_type=arch,
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3", sliding_window=int(window), layer_types=layer_types)
+            qk_norm=arch in ("qwen3", "gemma3"), sliding_window=int(window), layer_types=layer_types,
+            hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 0.0) if arch == "gemma3" else 0.0)
 
     def to_hf_dict(self) -> dict:
         """The Hugging Face `config.json` equivalent (used to save and to build references)."""
@@ -127,6 +146,10 @@ class ModelConfig:
             d["use_sliding_window"] = bool(self.sliding_window)
         if self.layer_types:
             d["layer_types"] = list(self.layer_types)
+        if self.model_type == "gemma3":
+            d |= {"model_type": "gemma3_text", "hidden_activation": self.hidden_activation,
+                  "query_pre_attn_scalar": self.query_pre_attn_scalar or self.head_dim,
+                  "rope_local_base_freq": self.rope_local_theta or self.rope_theta}
         return d
 
 

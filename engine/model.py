@@ -99,6 +99,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.window = cfg.window_of(layer_idx)  # sliding-window attention (0: the whole context)
+        # the kernels scale scores by head_dim^-1/2; Gemma's by query_pre_attn_scalar^-1/2
+        pre = cfg.query_pre_attn_scalar
+        self.q_scale = (self.hd / pre) ** 0.5 if pre and pre != self.hd else 0.0
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
         self.qkv_bias: torch.Tensor | None = None
         self.qkv_linear = self.o_linear = None
@@ -134,6 +137,8 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope.rotate(q), rope.rotate(k)  # (T, n_heads, hd), (T, n_kv, hd)
             v = self.v_proj(x).view(T, self.n_kv, self.hd)
+        if self.q_scale:
+            q = q * self.q_scale
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.window)  # (T, n_heads, hd)
         out = out.reshape(T, self.n_heads * self.hd)
         return self.o_proj(out) if self.o_linear is None else self.o_linear(out)
@@ -157,6 +162,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None
         self.gate_up_linear = self.down_linear = None
         self.native = False  # silu(gate) * up by the fused C kernel (set by LlamaForCausalLM.fuse)
+        self.gelu = cfg.hidden_activation == "gelu_pytorch_tanh"  # Gemma's GeGLU, else SwiGLU
 
     def fuse(self, packed: bool, quantization: str = "none") -> None:
         w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
@@ -174,7 +180,7 @@ class LlamaMLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        act = F.silu(gate) * up
+        act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         return self.down_proj(act) if self.down_linear is None else self.down_linear(act)
 
 
@@ -211,10 +217,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.build_rotary()
         self.backend = backend or TorchAttentionBackend()
         self.lm_head_linear = None
         self.native_ops = False  # RoPE and SwiGLU by the fused C kernels (engine/native/fused.c)
+
+    def build_rotary(self) -> None:
+        """The RoPE tables (computed, not loaded: fp32 for accuracy)."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
     def fuse(self, packed: bool = False, quantization: str = "none") -> "LlamaForCausalLM":
         """Fuse q/k/v and gate/up into single matrices for inference (weights unchanged) and
@@ -254,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
             native.load()
         self.native_ops = on
         for layer in self.model.layers:
-            layer.mlp.native = on
+            layer.mlp.native = on and not layer.mlp.gelu
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

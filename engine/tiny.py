@@ -24,8 +24,8 @@ def tiny_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     choices are far from ties and comparisons across batch layouts are exact."""
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        from .model import LlamaForCausalLM
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+        from .weights import model_class
+        shapes = {k: v.shape for k, v in model_class(cfg)(cfg).state_dict().items()}
     state = {}
     for name, shape in shapes.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":

@@ -175,6 +175,8 @@ def read_hf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig
     state = {}
     for f in files:
         state.update(load_file(str(f)))
+    if cfg.model_type == "gemma3":  # Gemma's norms multiply by (1 + w): store 1 + w (as GGUF files do)
+        state = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in state.items()}
     return state, cfg
 
 
@@ -278,12 +280,18 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     """Instantiate the model for `cfg` with `state`'s weights, fused for inference."""
     cfg.check_runnable()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     load_weights_into(model, state, dtype)
-    # the RoPE tables are computed, not loaded: build them for real (fp32 for accuracy)
-    from .model import RotaryEmbedding
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+    model.build_rotary()  # on the meta device until now
     return model.to(device).eval().fuse(packed_weights, quantization)
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module for `cfg`'s architecture (parameter names as Hugging Face's)."""
+    if cfg.model_type == "gemma3":
+        from .gemma3 import Gemma3ForCausalLM
+        return Gemma3ForCausalLM
+    return LlamaForCausalLM
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,

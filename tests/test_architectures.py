@@ -30,8 +30,12 @@ ARCHS = {  # name: (config class, model class, config fields of its own)
     "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
                                                            "max_window_layers": 1}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+    # two sliding layers (RoPE base 10k) then a global one (1M); scores scaled by 24^-1/2, not 32^-1/2
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 32, "tie_word_embeddings": True, "sliding_window": 8, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
 }
-WINDOWS = {"mistral-window": (8, 8, 8), "qwen2-window": (0, 8, 8)}  # each layer's window
+WINDOWS = {"mistral-window": (8, 8, 8), "qwen2-window": (0, 8, 8), "gemma3": (8, 8, 0)}  # each layer's window
 PROMPTS = [[5, 17, 99, 250, 3, 42, 42, 7], [300, 12, 8], list(range(20, 60))]
 
 
@@ -75,7 +79,7 @@ def pair(request, tmp_path_factory):
 def test_config_carries_what_sets_each_architecture_apart(pair):
     hf, eng = pair
     cfg = eng.loaded.config
-    assert cfg.qkv_bias == (cfg.model_type == "qwen2") and cfg.qk_norm == (cfg.model_type == "qwen3")
+    assert cfg.qkv_bias == (cfg.model_type == "qwen2") and cfg.qk_norm == (cfg.model_type in ("qwen3", "gemma3"))
     windows = tuple(cfg.window_of(i) for i in range(cfg.num_hidden_layers))
     assert windows == WINDOWS.get(eng.arch, (0, 0, 0))
     assert [layer.self_attn.window for layer in eng.runner.model.model.layers] == list(windows)
