@@ -87,7 +87,9 @@ def gguf_metadata(reader) -> dict:
     return out
 
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture values (Mistral ships as llama)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")  # general.architecture values (Mistral ships as llama)
+GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: layers 5, 11, ... attend globally, the rest slide (llama.cpp's rule too)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' RoPE base (not in its GGUF metadata)
 
 
 def model_config_from_gguf(meta: dict) -> ModelConfig:
@@ -116,8 +118,18 @@ def model_config_from_gguf(meta: dict) -> ModelConfig:
         tie_word_embeddings=False,  # decided by the presence of output.weight
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        model_type=arch, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
-        sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0))
+        model_type=arch, qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3"),
+        sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0), **_gguf_gemma3(meta, arch))
+
+
+def _gguf_gemma3(meta: dict, arch: str) -> dict:
+    """What a Gemma 3 GGUF leaves to the reader: which layers slide, their RoPE base, GELU."""
+    if arch != "gemma3":
+        return {}
+    n = int(meta["gemma3.block_count"])
+    return {"hidden_activation": "gelu_pytorch_tanh", "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA,
+            "layer_types": tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                                 for i in range(n))}
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -126,13 +138,20 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_to_hf_name(name: str) -> str:
+# Gemma 3's four norms a layer: llama.cpp's ffn_norm is the one before the MLP there
+_GGUF_GEMMA3_NAMES = _GGUF_LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm",
+                                          "ffn_norm": "pre_feedforward_layernorm",
+                                          "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def _gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
+    names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if not m or m.group(2) not in _GGUF_LAYER_NAMES:
-        raise ModelLoadError(f"unexpected GGUF tensor {name!r} for this architecture")
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if not m or m.group(2) not in names:
+        raise ModelLoadError(f"unexpected GGUF tensor {name!r} for a {arch} model")
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
@@ -144,7 +163,7 @@ def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConf
     cfg = model_config_from_gguf(gguf_metadata(reader))
     state = {}
     for t in reader.tensors:
-        name = _gguf_to_hf_name(t.name)
+        name = _gguf_to_hf_name(t.name, cfg.model_type)
         try:
             arr = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
