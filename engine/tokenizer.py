@@ -1,8 +1,9 @@
 """Tokenizer and chat template, built from the model file itself (no hub access).
 
-From a GGUF: the byte-level BPE vocabulary and merges in `tokenizer.ggml.*`, special
-(control) tokens from the token types, BOS/EOS ids, and the Jinja chat template in
-`tokenizer.chat_template`. From a Hugging Face directory: `tokenizer.json` and
+From a GGUF: the byte-level BPE vocabulary and merges (or SentencePiece pieces and scores)
+in `tokenizer.ggml.*`, special (control) tokens from the token types, BOS/EOS ids, and the
+Jinja chat template in `tokenizer.chat_template` (for a Gemma 3 file without one, Gemma's
+turn format). From a Hugging Face directory: `tokenizer.json` and
 `tokenizer_config.json`.
 """
 from __future__ import annotations
@@ -29,6 +30,62 @@ _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 _DIGIT_SPLIT_PRE = {"smollm", "llama-bpe", "qwen2", "deepseek-llm", "starcoder"}
 
 
+_NORMAL = 1
+
+# Gemma 3 GGUFs may carry no template: the turn format its checkpoints are trained on
+# (system text joins the first user turn; the assistant's role is "model")
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+    "{% for m in (messages[1:] if system is not none else messages) %}"
+    "{% if m['role'] not in ('user', 'assistant') %}{{ raise_exception('roles must be system (first), user and "
+    "assistant') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{% if loop.first and system is not none %}{{ system | trim }}\n\n{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+BUILTIN_TEMPLATES = {"gemma3": GEMMA3_TEMPLATE}
+END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")  # as the chat formats name it
+
+
+def _byte_level_bpe(vocab: dict[str, int], merges: list[str], pre: str | None) -> HFTokenizer:
+    """GPT-2-style byte-level BPE from a GGUF's vocabulary and merges."""
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                                 fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], vocab: dict[str, int],
+                       space_prefix: bool) -> HFTokenizer:
+    """SentencePiece BPE (llama.cpp's "llama" vocabulary: pieces with scores, spaces as U+2581,
+    unknown bytes as <0xNN> pieces). SentencePiece joins, at each step, the adjacent pair whose
+    union is the highest-scoring piece; a BPE whose merges rank by that score does the same."""
+    merges = []
+    for i, piece in enumerate(tokens):
+        if types[i] != _NORMAL or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            a, b = piece[:k], piece[k:]
+            if a in vocab and b in vocab:
+                merges.append((-scores[i], i, a, b))
+    merges.sort()
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in merges], fuse_unk=True,
+                                 byte_fallback=True, unk_token=tokens[0] if types[0] == 2 else None))
+    from tokenizers import normalizers
+    steps = ([normalizers.Prepend("\u2581")] if space_prefix else []) + [normalizers.Replace(" ", "\u2581")]
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return tok
+
+
 class Tokenizer:
     """Text <-> token ids, plus the model's chat template."""
 
@@ -43,6 +100,9 @@ class Tokenizer:
         self._template = None
         self._text_only: HFTokenizer | None = None  # encodes special-token text as plain text
         self.special_texts = tuple(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
+        # control tokens that end a turn besides EOS (Gemma's <end_of_turn>...): generation stops there too
+        self.end_of_turn_ids = tuple(i for i in (tok.token_to_id(t) for t in END_OF_TURN) if i is not None
+                                     and i != eos_token_id and tok.id_to_token(i) in self.special_texts)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -82,27 +142,25 @@ class Tokenizer:
             return f[key].contents() if key in f else default
 
         kind = val("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (byte-level BPE 'gpt2' is supported)")
+        if kind not in ("gpt2", "llama"):
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (byte-level BPE 'gpt2' and "
+                                 "SentencePiece BPE 'llama' are supported)")
         tokens = val("tokenizer.ggml.tokens")
-        merges = val("tokenizer.ggml.merges") or []
         types = val("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                         fuse_unk=False, byte_fallback=False)
-        tok = HFTokenizer(bpe)
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if val("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if kind == "gpt2":
+            tok = _byte_level_bpe(vocab, val("tokenizer.ggml.merges") or [], val("tokenizer.ggml.pre"))
         else:
-            tok.pre_tokenizer = byte_level
-        tok.decoder = decoders.ByteLevel()
+            tok = _sentencepiece_bpe(tokens, val("tokenizer.ggml.scores"), types, vocab,
+                                     bool(val("tokenizer.ggml.add_space_prefix", True)))
         tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                 for i, t in enumerate(types) if t == _CONTROL])
         tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, t in enumerate(types) if t == _USER_DEFINED])
+        arch = val("general.architecture")
         return cls(tok, val("tokenizer.ggml.eos_token_id"), val("tokenizer.ggml.bos_token_id"),
-                   val("tokenizer.chat_template"), bool(val("tokenizer.ggml.add_bos_token", False)))
+                   val("tokenizer.chat_template") or BUILTIN_TEMPLATES.get(arch),
+                   bool(val("tokenizer.ggml.add_bos_token", False)))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
@@ -170,10 +228,12 @@ class Tokenizer:
         `special_tokens_in_content`, content is encoded as the rendered prompt is, special
         tokens included (what transformers and vLLM do)."""
         prompt = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        bos = self._token_text(self.bos_token_id)
+        add_bos = not (bos and prompt.startswith(bos))  # a template that writes BOS itself (Gemma's) gets one
         contents = [m.get("content") for m in messages]
         if special_tokens_in_content or not any(
                 isinstance(c, str) and any(t in c for t in self.special_texts) for c in contents):
-            return self.encode(prompt)
+            return self.encode(prompt, add_special_tokens=add_bos)
         marked = [dict(m, content=_MARK.format(i)) if isinstance(m.get("content"), str) else m
                   for i, m in enumerate(messages)]
         pieces = _MARK_RE.split(self.apply_chat_template(marked, add_generation_prompt, **extra))
@@ -181,7 +241,7 @@ class Tokenizer:
         if len(set(found)) != len(found) or any(i >= len(messages) or marked[i] is messages[i] for i in found):
             raise InvalidRequestError("messages contain the reserved characters U+E000/U+E001 around digits",
                                       param="messages")
-        ids = self.encode(pieces[0])
+        ids = self.encode(pieces[0], add_special_tokens=add_bos)
         for k in range(1, len(pieces), 2):  # odd pieces: a message index; even: template text
             ids += self._encode_text(contents[int(pieces[k])]) + self.encode(pieces[k + 1], add_special_tokens=False)
         return ids

@@ -125,6 +125,9 @@ class Router:
     # ---- choices ------------------------------------------------------------------------
     async def _start_choices(self, ids: list[int], params: SamplingParams, n: int, prefix: str) -> list[Generation]:
         self._check_structured(params)
+        turn_ends = [t for t in self.tokenizer.end_of_turn_ids if t not in params.stop_token_ids]
+        if turn_ends and not params.ignore_eos:  # as the model's EOS: a turn ends there, not shown
+            params = replace(params, stop_token_ids=list(params.stop_token_ids) + turn_ends)
         self._check_fits(n, "n")
         gens: list[Generation] = []
         try:

