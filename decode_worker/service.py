@@ -26,7 +26,7 @@ from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import block_snapshot, logprob_from_proto, output_to_proto, params_from_proto, worker_stats
 from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, check_stats_request, open_channel
 from pdserve.protos.status import refuse_invalid, refuse_when_full, refused_by
-from pdserve.tracing import NO_SPAN, OFF, Tracer
+from pdserve.protos.tracing import NO_SPAN, OFF, Tracer
 
 TRANSFER_POLICIES = ("recompute", "fail")
 KV_TRANSPORTS = ("grpc", "ucx")

@@ -13,11 +13,11 @@ from pdserve.config import ClusterConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import LoadedModel, served_model_name
+from pdserve.protos.tracing import Tracer
 from pdserve.router.app import create_app
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint
 from pdserve.router.discovery import RegistryDiscovery
 from pdserve.router.router import Router
-from pdserve.tracing import Tracer
 
 from .worker_host import HostedWorker
 

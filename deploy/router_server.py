@@ -35,11 +35,11 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
     stay empty: no traffic passes here, it sizes pools on queues, KV usage and refusals)."""
     from pdserve.engine.tokenizer import Tokenizer
     from pdserve.engine.weights import served_model_name
+    from pdserve.protos.tracing import Tracer
     from pdserve.router.app import create_admin_app, create_app
     from pdserve.router.cluster import ClusterClient
     from pdserve.router.discovery import RegistryDiscovery
     from pdserve.router.router import Router
-    from pdserve.tracing import Tracer
 
     rc, cache = config.router, config.engine.cache
     if not rc.model_name:

@@ -18,9 +18,9 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import LoadedModel
 from pdserve.kv_transfer.senders import SchemeKVSender
 from pdserve.prefill_worker.service import PrefillWorker
+from pdserve.protos.tracing import Tracer
 from pdserve.registry.events import EventPublisher
 from pdserve.registry.membership import WorkerRecord, WorkerRegistration
-from pdserve.tracing import Tracer
 
 log = logging.getLogger("pdserve.worker")
 

@@ -55,7 +55,7 @@ class SecurityConfig:
 class TracingConfig:
     otlp_traces_endpoint: str = ""
     """The OTLP/HTTP collector every process sends its spans to (`http://host:4318`, or the
-    full `.../v1/traces` URL); "": no tracing, at no cost (pdserve.tracing)."""
+    full `.../v1/traces` URL); "": no tracing, at no cost (pdserve.protos.tracing)."""
 
 
 @dataclass(frozen=True)

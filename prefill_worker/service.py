@@ -22,7 +22,7 @@ from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import block_snapshot, logprob_to_proto, params_from_proto, worker_stats
 from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, check_stats_request
 from pdserve.protos.status import refuse_invalid, refuse_when_full
-from pdserve.tracing import OFF, Tracer
+from pdserve.protos.tracing import OFF, Tracer
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):

@@ -19,7 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protos.convert import logprob_from_proto
 from pdserve.protos.status import invalid_details, refused_by
-from pdserve.tracing import NO_SPAN, OFF, Tracer
+from pdserve.protos.tracing import NO_SPAN, OFF, Tracer
 
 from .cluster import ClusterClient
 from .errors import APIError

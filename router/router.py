@@ -18,7 +18,7 @@ from pdserve.engine.aio import stop_tasks
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.tracing import OFF, Tracer
+from pdserve.protos.tracing import OFF, Tracer
 
 from . import responses
 from .cluster import ClusterClient

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.config import TracingConfig
 from pdserve.deploy.local import LocalCluster
-from pdserve.tracing import Tracer, traces_url
+from pdserve.protos.tracing import Tracer, traces_url
 from tests.clusters import MODEL, local_config
 
 pytest.importorskip("opentelemetry.sdk")
@@ -60,7 +60,7 @@ class Collector:
 def test_a_tracer_that_is_off_imports_nothing_and_hands_out_no_op_spans():
     # (FastAPI and redis-py import parts of OpenTelemetry themselves when it is installed; the
     # tracing SDK and the exporter are pdserve's)
-    code = ("import sys; import pdserve.router.app, pdserve.deploy.local; from pdserve.tracing import OFF, NO_SPAN; "
+    code = ("import sys; import pdserve.router.app, pdserve.deploy.local; from pdserve.protos.tracing import OFF, NO_SPAN; "
             "s = OFF.start('x', kind='server'); s.set_attribute('a', 1); s.end(); OFF.record('y', s, 0.0, 1.0); "
             "assert s is NO_SPAN and OFF.metadata(s) == () and OFF.extract([('traceparent', 'x')]) is None; "
             "assert not [m for m in sys.modules if m.startswith(('opentelemetry.sdk.trace', 'opentelemetry.exporter'))]")
