@@ -31,6 +31,13 @@
 #include "vecmath.h" /* exp8: softmax after subtracting the max (scalar expf was a third of the kernel at 32 x 192 tokens) */
 #endif
 
+/* The first `skip` keys of a row's table are not its to see (they precede its attention
+ * window, in the window's first block): their scores become -FLT_MAX, exp() 0. */
+static inline void mask_head(float *s, int64_t skip) {
+    for (int64_t t = 0; t < skip; t++) s[t] = -FLT_MAX;
+}
+
+
 static inline float dot_f32(const float *a, const float *b, int n) {
     int i = 0;
     float s = 0.f;
@@ -77,12 +84,6 @@ static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
     __m256 t45 = _mm256_hadd_ps(a4, a5), t67 = _mm256_hadd_ps(a6, a7);
     __m256 lo = _mm256_hadd_ps(t01, t23), hi = _mm256_hadd_ps(t45, t67);
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-}
-
-/* The first `skip` keys of a row's table are not its to see (they precede its attention
- * window, in the window's first block): their scores become -FLT_MAX, exp() 0. */
-static inline void mask_head(float *s, int64_t skip) {
-    for (int64_t t = 0; t < skip; t++) s[t] = -FLT_MAX;
 }
 
 /* s[0..len) <- exp(s - max s); returns the sum. */
