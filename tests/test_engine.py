@@ -60,6 +60,19 @@ def test_prefix_cache_hit_equals_miss(make_engine, kv):
     assert eng.blocks.prefix_hits - hits_before >= 2 * 48  # 3 full blocks of 16 each, twice
 
 
+
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_n_choices_share_the_prompt_blocks_and_each_equals_its_seed_alone(make_engine, kv):
+    """What the router does for n > 1: the same prompt n times, seeds s, s+1, ...; the later
+    choices read the first one's prompt blocks (8-bit codes and scales included)."""
+    prompt = prompts(1, seed=9, lo=70, hi=70)[0]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=40 + i, ignore_eos=True) for i in range(3)]
+    alone = [make_engine(kv_cache_dtype=kv).generate([prompt], [p])[0] for p in params]
+    eng = make_engine(kv_cache_dtype=kv)
+    together = eng.generate([prompt] * 3, params)
+    assert together == alone and len(set(map(tuple, together))) == 3
+    assert eng.blocks.prefix_hits >= 2 * 64  # 4 full blocks of 16, read by choices 1 and 2
+
 def test_cache_salt_isolates_prefixes_and_keeps_answers(make_engine):
     """Prompts share cached blocks only under the same salt (tenant isolation: no cache hit,
     so no TTFT difference, reveals another tenant's prompt); answers never depend on it."""
