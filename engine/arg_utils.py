@@ -28,7 +28,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     g.add_argument("--device", default="cpu", help="torch device of the model and KV cache, e.g. cuda (default: cpu)")
     g.add_argument("--speculative-tokens", type=int, default=0,
-                   help="prompt-lookup speculative decoding: guess up to N tokens per greedy request (0: off)")
+                   help="speculative decoding: propose up to N tokens per request and step, checked in one "
+                        "forward pass (0: off); without --speculative-model, by prompt lookup (greedy requests)")
+    g.add_argument("--speculative-model", default="",
+                   help="draft model that proposes: self (this model's weights, quantized by "
+                        "--speculative-quantization) or a GGUF file / HF directory with the same tokenizer")
+    g.add_argument("--speculative-quantization", choices=QUANTIZATIONS, default=None,
+                   help="the draft's weight quantization (default: int8 for self, else --quantization)")
     g.add_argument("--attention", choices=("auto", "torch", "native", "triton"), default="auto",
                    help="attention kernels: auto = Triton on CUDA, C on CPU (default: auto)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
@@ -43,7 +49,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` of flags added by `add_engine_args`."""
     return EngineConfig(
         model=args.model, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
-        speculative_tokens=args.speculative_tokens, quantization=args.quantization, attention=args.attention,
+        speculative_tokens=args.speculative_tokens, speculative_model=args.speculative_model,
+        speculative_quantization=args.speculative_quantization or "", quantization=args.quantization, attention=args.attention,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                           kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching),

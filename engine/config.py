@@ -236,8 +236,16 @@ class EngineConfig:
     seed: int = 0
     """Seed for requests that give none."""
     speculative_tokens: int = 0
-    """Prompt-lookup speculative decoding: guess up to this many next tokens per greedy
-    request from n-grams of its own prompt and output, checked in the same step (0: off)."""
+    """Speculative decoding: up to this many tokens proposed per request and step, checked
+    by the model in the same step (0: off). Without a `speculative_model`: prompt lookup
+    (greedy requests guess from n-grams of their own prompt and output)."""
+    speculative_model: str = ""
+    """The draft model that proposes (engine/draft.py): "self" (this model's own weights,
+    quantized as `speculative_quantization` says) or a GGUF file / Hugging Face directory
+    with this model's tokenizer; "" for prompt lookup."""
+    speculative_quantization: str = ""
+    """The draft's weight quantization (as `quantization`); "": int8 for "self", else this
+    model's."""
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
@@ -262,5 +270,12 @@ class EngineConfig:
         from .quant import QUANTIZATIONS
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.speculative_quantization and self.speculative_quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.speculative_quantization!r}")
+        if self.speculative_model and self.speculative_tokens <= 0:
+            raise ValueError("speculative_model needs speculative_tokens > 0 (how many tokens the draft proposes)")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")

@@ -16,6 +16,7 @@ from .attention import NativeAttentionBackend, default_backend
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .draft import DraftSpeculator, load_draft
 from .errors import InvalidRequestError, KVTransferError
 from .events import EventListener
 from .kv_cache import KVCache, kv_format
@@ -48,7 +49,10 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None, event_listener: EventListener | None = None):
+                 tokenizer: Tokenizer | None = None, event_listener: EventListener | None = None,
+                 draft: LoadedModel | None = None):
+        """`draft`: the speculative draft model, if loaded already (else the config's
+        `speculative_model` is loaded here)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -63,16 +67,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         # Triton kernels on CUDA, the C kernel on CPU (the model is shared between engines;
         # backends keep no state beyond the step's metadata)
-        loaded.model.backend = default_backend(config.device, _DTYPES[config.dtype], config.attention)
-        # with the C attention kernel come the fused C elementwise ops (RoPE, SwiGLU); "torch": none
-        fused = getattr(loaded.model.model.layers[0].mlp, "gate_up_weight", None) is not None
-        loaded.model.use_native_ops(isinstance(loaded.model.backend, NativeAttentionBackend) and fused)
+        self._attach_kernels(loaded)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks)
         # a request can never need more blocks than the cache holds (it would preempt itself forever)
         self.max_model_len = min(loaded.config.max_position_embeddings,
                                  self.kv_cache.num_blocks * config.cache.block_size)
-        self.speculator = NgramSpeculator(config.speculative_tokens, self.blocks, self.max_model_len,
-                                          config.scheduler.max_num_batched_tokens) if config.speculative_tokens else None
+        self.speculator = self._speculator(draft)
         self.eos_token_id = tokenizer.eos_token_id if tokenizer else loaded.config.eos_token_id
         self._rng = random.Random(config.seed)  # seeds for requests that give none
         self._ids = itertools.count()
@@ -81,6 +81,25 @@ class LLMEngine:
         self.last_step_progress = False
         self._hold: set[str] = set()
         self._layer_streams: dict[str, tuple] = {}  # request id -> (on_layers, group, first_block)
+
+    def _attach_kernels(self, loaded: LoadedModel) -> None:
+        config = self.config
+        loaded.model.backend = default_backend(config.device, _DTYPES[config.dtype], config.attention)
+        # with the C attention kernel come the fused C elementwise ops (RoPE, SwiGLU); "torch": none
+        fused = getattr(loaded.model.model.layers[0].mlp, "gate_up_weight", None) is not None
+        loaded.model.use_native_ops(isinstance(loaded.model.backend, NativeAttentionBackend) and fused)
+
+    def _speculator(self, draft: LoadedModel | None):
+        config = self.config
+        budget = config.scheduler.max_num_batched_tokens
+        if not config.speculative_tokens:
+            return None
+        if draft is None and not config.speculative_model:
+            return NgramSpeculator(config.speculative_tokens, self.blocks, self.max_model_len, budget)
+        draft = draft or load_draft(config, self.loaded, self.tokenizer)
+        self._attach_kernels(draft)
+        return DraftSpeculator(config.speculative_tokens, draft, self.blocks, self.kv_cache.num_blocks,
+                               self.kv_cache.format, config.cache, config.device, self.max_model_len, budget)
 
     @classmethod
     def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
@@ -258,6 +277,8 @@ class LLMEngine:
         self._hold.discard(req.request_id)
         self._detok.pop(req.request_id, None)
         self._layer_streams.pop(req.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(req.request_id)
         if hold:
             self._held[req.request_id] = req
 

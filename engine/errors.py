@@ -19,5 +19,10 @@ class InvalidRequestError(PdserveError, ValueError):
         self.code = code  # OpenAI's error code, where it has one (context_length_exceeded)
 
 
+class DraftModelError(PdserveError, ValueError):
+    """The speculative draft model cannot propose for the target: another tokenizer or
+    vocabulary, or no file to load it from. The message says which."""
+
+
 class KVTransferError(PdserveError):
     """Imported KV blocks do not match the request (count, layout, checksum)."""

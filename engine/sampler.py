@@ -50,7 +50,7 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits
 
 
-def _truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k, the top-p nucleus, or below min_p * max prob."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -74,7 +74,7 @@ def sample_row(logits: torch.Tensor, req: Request) -> int:
         logits = apply_penalties(logits.clone(), req)
     if p.greedy:
         return int(torch.argmax(logits))
-    logits = _truncate(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+    logits = truncate(logits / p.temperature, p.top_k, p.top_p, p.min_p)
     cdf = torch.softmax(logits, dim=-1).cumsum(-1)
     # inverse-CDF sampling: one uniform draw per token from the request's own stream (its
     # seed alone decides its tokens, whatever is batched with it). A race of exponentials
@@ -103,7 +103,7 @@ def _sample_native(logits: torch.Tensor, reqs: list[Request], pending: list[int]
         if p.greedy:
             tokens[i] = int(torch.argmax(row))
         elif p.has_penalties or _truncates(p):
-            prepared.append((i, _truncate(row / p.temperature, p.top_k, p.top_p, p.min_p)))
+            prepared.append((i, truncate(row / p.temperature, p.top_k, p.top_p, p.min_p)))
         else:
             direct.append(i)
     if direct:

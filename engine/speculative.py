@@ -47,6 +47,9 @@ class NgramSpeculator:
         return (p.greedy and not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None
                 and req.grammar is None)
 
+    def release(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
     def extend(self, sched: SchedulerOutput, held: set[str]) -> dict[str, list[int]]:
         """Append guesses to eligible requests (provisionally: `settle` takes back the rejected
         ones) and widen their chunks; returns request id -> guesses."""

@@ -184,6 +184,11 @@ class Tokenizer:
         return cls.from_hf_dir(path) if path.is_dir() else cls.from_gguf(path)
 
     # ---- text -------------------------------------------------------------------------
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        """Whether `other` maps every token to the same id (a draft model must)."""
+        return (self.vocab_size == other.vocab_size and self.eos_token_id == other.eos_token_id
+                and self._tok.get_vocab(with_added_tokens=True) == other._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special-token text such as `<|im_start|>` maps to its single id."""
         ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -248,6 +248,8 @@ class ClusterConfig:
         engine = self.engine
         if pool.kv_cache_dtype:
             engine = replace(engine, cache=replace(engine.cache, kv_cache_dtype=pool.kv_cache_dtype))
+        if role == "prefill":  # a prefill worker samples one token per prompt: nothing to speculate
+            engine = replace(engine, speculative_tokens=0, speculative_model="", speculative_quantization="")
         fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),
                       max_queue=pool.max_queue, engine=engine, transfer=self.transfer,
                       registry=self.registry, security=self.security, tracing=self.tracing)

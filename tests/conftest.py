@@ -51,6 +51,10 @@ def assert_engine_clean(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests(), "requests left in the engine"
     assert engine.blocks.num_used_blocks == 0, f"{engine.blocks.num_used_blocks} KV blocks leaked"
     engine.blocks.check_invariants()
+    draft_blocks = getattr(engine.speculator, "draft", None) and engine.speculator.blocks
+    if draft_blocks:
+        assert draft_blocks.num_used_blocks == 0, f"{draft_blocks.num_used_blocks} draft KV blocks leaked"
+        draft_blocks.check_invariants()
 
 
 @pytest.fixture

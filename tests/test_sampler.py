@@ -4,7 +4,7 @@ import math
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import _truncate, apply_penalties, sample
+from pdserve.engine.sampler import apply_penalties, sample, truncate
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -23,12 +23,12 @@ def kept(mask_logits):
 
 
 def test_top_k_top_p_min_p_masks():
-    assert kept(_truncate(LOGITS, 2, 1.0, 0.0)) == [0, 1]
-    assert kept(_truncate(LOGITS, 0, 0.7, 0.0)) == [0, 1]      # 0.4 + 0.3 reaches 0.7
-    assert kept(_truncate(LOGITS, 0, 0.71, 0.0)) == [0, 1, 2]
-    assert kept(_truncate(LOGITS, 0, 0.01, 0.0)) == [0]        # the top token always stays
-    assert kept(_truncate(LOGITS, 0, 1.0, 0.3)) == [0, 1, 2]   # >= 0.3 * 0.4
-    assert kept(_truncate(LOGITS, 3, 0.5, 0.0)) == [0, 1]
+    assert kept(truncate(LOGITS, 2, 1.0, 0.0)) == [0, 1]
+    assert kept(truncate(LOGITS, 0, 0.7, 0.0)) == [0, 1]      # 0.4 + 0.3 reaches 0.7
+    assert kept(truncate(LOGITS, 0, 0.71, 0.0)) == [0, 1, 2]
+    assert kept(truncate(LOGITS, 0, 0.01, 0.0)) == [0]        # the top token always stays
+    assert kept(truncate(LOGITS, 0, 1.0, 0.3)) == [0, 1, 2]   # >= 0.3 * 0.4
+    assert kept(truncate(LOGITS, 3, 0.5, 0.0)) == [0, 1]
 
 
 def test_penalties():
