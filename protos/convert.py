@@ -77,7 +77,15 @@ def worker_stats(engine: LLMEngine, worker_id: str, role: str, **counters) -> pb
                           free_blocks=blocks.num_free_blocks, running=len(sched.running), waiting=len(sched.waiting),
                           queued_prefill_tokens=queued, kv_usage=blocks.usage, prefix_queries=blocks.prefix_queries,
                           prefix_hits=blocks.prefix_hits, max_model_len=engine.max_model_len,
-                          kv_cache_dtype=engine.kv_cache.format.name, **counters)
+                          kv_cache_dtype=engine.kv_cache.format.name, **speculation_stats(engine), **counters)
+
+
+def speculation_stats(engine: LLMEngine) -> dict:
+    spec = engine.speculator
+    if spec is None:
+        return {}
+    return dict(speculation="draft" if hasattr(spec, "draft") else "prompt-lookup",
+                spec_proposed=spec.proposed, spec_accepted=spec.accepted)
 
 
 def block_snapshot(engine: LLMEngine) -> pb.BlockSnapshot:

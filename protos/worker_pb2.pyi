@@ -146,7 +146,7 @@ class StatsRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype")
+    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,9 @@ class WorkerStats(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -187,7 +190,10 @@ class WorkerStats(_message.Message):
     max_model_len: int
     proof: bytes
     kv_cache_dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    speculation: str
+    spec_proposed: int
+    spec_accepted: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ...) -> None: ...
 
 class BlockSnapshot(_message.Message):
     __slots__ = ("block_hashes", "seq", "proof")

@@ -27,7 +27,11 @@ VLLM_WORKER_SERIES = (
     Series("vllm:prefix_cache_queries", "Prompt tokens looked up in the worker's prefix cache", "counter",
            field("prefix_queries")),
     Series("vllm:prefix_cache_hits", "Prompt tokens found in the worker's prefix cache", "counter",
-           field("prefix_hits")))
+           field("prefix_hits")),
+    Series("vllm:spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding", "counter",
+           lambda s: [((), float(s.spec_proposed))] if s.speculation else []),
+    Series("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", "counter",
+           lambda s: [((), float(s.spec_accepted))] if s.speculation else []))
 
 
 class VllmMetrics:

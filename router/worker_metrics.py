@@ -69,6 +69,12 @@ PDSERVE_SERIES = (
            "seconds: transfer GB/s)", "counter", field("kv_seconds")),
     Series("pdserve_kv_transfer_failures", "Failed KV hand-offs seen by a worker", "counter",
            field("transfer_failures")),
+    Series("pdserve_spec_proposed_tokens", "Tokens proposed by speculative decoding (prompt lookup or the "
+           "draft model)", "counter", lambda s: [((s.speculation,), float(s.spec_proposed))] if s.speculation else [],
+           ("speculation",)),
+    Series("pdserve_spec_accepted_tokens", "Proposed tokens the model's check kept (acceptance rate: rate of "
+           "accepted / rate of proposed)", "counter",
+           lambda s: [((s.speculation,), float(s.spec_accepted))] if s.speculation else [], ("speculation",)),
     Series("pdserve_decode_prefills", "Prompts a decode worker took, by where they were prefilled (remote: a "
            "prefill worker; local: itself)", "counter",
            lambda s: [] if s.role == "prefill" else [(("remote",), float(s.remote_prefills)),

@@ -4,6 +4,7 @@ and a useless one (other random weights), batched, under preemption, after prefi
 a KV import (the draft prefills the prompt on the decode side) and a resume; seeded sampled
 requests are reproducible and batch invariant; every target and draft block comes back; a
 draft with another tokenizer is refused."""
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,52 @@ def test_the_real_model_with_its_own_int8_copy_as_draft(smollm):
     assert spec.generate([prompt], params) == want
     assert spec.speculator.accepted >= 0.5 * spec.speculator.proposed
     clean(spec)
+
+
+@pytest.mark.slow
+def test_served_disaggregated_with_the_models_own_int8_copy_as_draft(smollm):
+    """`pdserve up --speculative-model self --speculative-tokens 4`: the decode worker drafts
+    (its draft prefills each imported prompt), the prefill worker loads no draft; greedy
+    answers equal the plain engine's, the acceptance counters reach /metrics."""
+    import httpx
+
+    from pdserve.deploy.local import LocalCluster
+    from tests.clusters import MODEL, local_config
+
+    loaded, tok = smollm
+    cache = CacheConfig(kv_cache_memory=64 << 20)
+    plain = LLMEngine(loaded, EngineConfig(cache=cache), tok)
+    spec = EngineConfig(cache=cache, speculative_tokens=4, speculative_model="self")
+    c = LocalCluster(loaded, tok, local_config(engine=spec)).start()
+    questions = ["Write a haiku about the sea.", "Repeat exactly: the quick brown fox jumps over the lazy dog."]
+    try:
+        for q in questions:
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+            want = tok.decode(plain.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0],
+                              skip_special_tokens=True)
+            r = httpx.post(c.url + "/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == want
+        sampled = [httpx.post(c.url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.8,
+            "seed": 5}).json()["choices"][0]["text"] for _ in range(2)]
+        deadline = time.monotonic() + 30  # /metrics shows the workers' last Stats poll
+        while True:
+            metrics = httpx.get(c.url + "/metrics").text
+            line = next((x for x in metrics.splitlines() if x.startswith("pdserve_spec_accepted_tokens_total{")), "")
+            if (line and float(line.split()[-1]) > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        engines = c.engines()
+    finally:
+        c.stop()
+    assert sampled[0] == sampled[1]  # a seeded request is reproducible with a draft
+    decode = [e for e in engines if e.speculator is not None]
+    assert len(decode) == 1 and decode[0].speculator.accepted > 0  # the prefill worker has none
+    assert 'speculation="draft"' in line and float(line.split()[-1]) > 0
+    assert "vllm:spec_decode_num_draft_tokens_total" in metrics
+    for e in engines:
+        assert e.blocks.num_used_blocks == 0
+        if e.speculator is not None:
+            assert e.speculator.blocks.num_used_blocks == 0
