@@ -3,12 +3,14 @@ the same tokenizer proposes each eligible request's next k tokens, one cheap for
 token over all such requests together, and the target checks them in its own step (the
 request's chunk widens by k rows, all of which get logits).
 
-The draft keeps its own paged KV (its own cache and block manager, prefix caching included),
-one sequence per target request, that shares the request's token list. Before proposing, a
-sequence catches up on the tokens it has no KV for: the whole prompt the first time (on a
-decode worker that imported the prompt's KV, the draft prefills it there), then the one or
-two tokens the last step emitted. After the check, its KV stays valid up to the last accepted
-proposal; the rest is overwritten later.
+The draft keeps its own paged KV (its own cache and block manager), one sequence per target
+request, that shares the request's token list. Before proposing, a sequence catches up on the
+tokens it has no KV for, then on the one or two tokens each step emits; after the check its
+KV stays valid up to the last kept proposal, the rest is overwritten later. Where the prompt
+comes from differs by draft: a draft laid out as the target (its own quantized copy, "self")
+starts from a copy of the target's KV of the prompt (on a decode worker, the imported KV: no
+draft compute and nothing more on the wire); any other draft computes it (prefix caching
+included), in pieces within the step's token budget.
 
 Greedy requests keep a proposal while it equals the target's argmax (output identical to
 plain decoding). Sampled requests use rejection sampling (Leviathan et al., 2023): proposal x
@@ -28,7 +30,6 @@ import torch
 
 from .block_manager import BlockManager
 from .kv_cache import KVCache, bytes_per_block
-from .kv_format import KVFormat
 from .runner import ModelRunner
 from .sampler import draw, truncate
 from .scheduler import ScheduledChunk, SchedulerOutput
@@ -88,9 +89,10 @@ class _Seq:
 class DraftSpeculator:
     """Extends eligible decode chunks with up to `k` tokens proposed by the draft model."""
 
-    def __init__(self, k: int, draft: LoadedModel, target_blocks: BlockManager, num_blocks: int,
-                 fmt: KVFormat, cache_config, device, max_model_len: int, token_budget: int):
-        self.k, self.target_blocks, self.draft = k, target_blocks, draft
+    def __init__(self, k: int, draft: LoadedModel, target_blocks: BlockManager, target_kv: KVCache,
+                 cache_config, device, max_model_len: int, token_budget: int):
+        self.k, self.target_blocks, self.target_kv, self.draft = k, target_blocks, target_kv, draft
+        num_blocks, fmt = target_kv.num_blocks, target_kv.format
         self.token_budget = token_budget
         self.max_model_len = min(max_model_len, draft.config.max_position_embeddings, num_blocks * cache_config.block_size)
         memory = num_blocks * bytes_per_block(draft.config, cache_config.block_size, fmt)
@@ -98,6 +100,10 @@ class DraftSpeculator:
         self.blocks = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                    f"{cache_config.cache_namespace}/draft:{draft.fingerprint}")
         self.runner = ModelRunner(draft.model, self.kv_cache, self.blocks)
+        # a draft laid out as the target (its own quantized copy) starts from the target's KV of
+        # the prompt, copied, instead of computing its own
+        self.seed_from_target = self.kv_cache.layout == target_kv.layout
+        self.seeded_tokens = 0
         self._seqs: dict[str, _Seq] = {}
         self._q: dict[str, list[torch.Tensor]] = {}
         self._streams: dict[str, torch.Generator] = {}
@@ -119,10 +125,26 @@ class DraftSpeculator:
         seq = self._seqs.get(req.request_id)
         if seq is None:
             seq = self._seqs[req.request_id] = _Seq(req)
-            prefix = self.blocks.match_prefix(req.all_token_ids[:-1], root=req.cache_root)
-            if self.blocks.allocate(req.request_id, prefix.num_tokens, prefix) and prefix.num_tokens:
-                seq.num_computed_tokens = prefix.num_tokens
+            if self.seed_from_target:
+                self._seed(seq)
+            else:
+                prefix = self.blocks.match_prefix(req.all_token_ids[:-1], root=req.cache_root)
+                if self.blocks.allocate(req.request_id, prefix.num_tokens, prefix) and prefix.num_tokens:
+                    seq.num_computed_tokens = prefix.num_tokens
         return seq
+
+    def _seed(self, seq: _Seq) -> None:
+        """Copy the target's KV of the tokens it has computed. (No draft prefix cache then: a
+        cached draft block could hold the draft's own KV of those tokens, and a sampled
+        request's proposals would depend on what the cache held.)"""
+        have = seq.req.num_computed_tokens  # a decoding request: all but its newest token
+        if not self.blocks.allocate(seq.request_id, have) or have == 0:
+            return
+        src = self.target_blocks.block_table(seq.request_id)[:-(-have // self.blocks.block_size)]
+        dst = self.blocks.block_table(seq.request_id)[:len(src)]
+        self.kv_cache.kv[:, :, torch.tensor(dst)] = self.target_kv.kv[:, :, torch.tensor(src)]
+        seq.num_computed_tokens = have
+        self.seeded_tokens += have
 
     def extend(self, sched: SchedulerOutput, held: set[str]) -> dict[str, list[int]]:
         """Propose for eligible requests, append the proposals to their tokens (provisionally:
@@ -178,7 +200,7 @@ class DraftSpeculator:
             completed, logits = self.runner.execute(chunks)
             for c in chunks:
                 c.request.num_computed_tokens += c.num_new_tokens
-                if first:  # only verified tokens enter the prefix cache (proposals may be taken back)
+                if first and not self.seed_from_target:  # verified tokens only (proposals may be taken back)
                     seq = c.request
                     real = seq.req.num_tokens
                     self.blocks.cache_full_blocks(seq.request_id, seq.all_token_ids, real, seq.req.cache_root)

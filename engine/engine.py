@@ -98,8 +98,8 @@ class LLMEngine:
             return NgramSpeculator(config.speculative_tokens, self.blocks, self.max_model_len, budget)
         draft = draft or load_draft(config, self.loaded, self.tokenizer)
         self._attach_kernels(draft)
-        return DraftSpeculator(config.speculative_tokens, draft, self.blocks, self.kv_cache.num_blocks,
-                               self.kv_cache.format, config.cache, config.device, self.max_model_len, budget)
+        return DraftSpeculator(config.speculative_tokens, draft, self.blocks, self.kv_cache, config.cache,
+                               config.device, self.max_model_len, budget)
 
     @classmethod
     def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":

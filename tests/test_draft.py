@@ -29,11 +29,16 @@ def int8_copy(seed: int = 0) -> LoadedModel:
                        f"tiny-{seed}+int8")
 
 
-def engine(draft=None, k: int = 4, kv_bytes: int = 4 << 20, kv: str = "auto", loaded=None, **cfg) -> LLMEngine:
+def engine(draft=None, k: int = 4, kv_bytes: int = 4 << 20, kv: str = "auto", loaded=None, seeded: bool = True,
+           **cfg) -> LLMEngine:
+    """`seeded`: the draft starts from the target's KV of the prompt (else it computes its own)."""
     config = EngineConfig(speculative_tokens=k if draft is not None else 0,
                           cache=CacheConfig(kv_cache_memory=kv_bytes, kv_cache_dtype=kv),
                           scheduler=SchedulerConfig(**cfg))
-    return LLMEngine(loaded or tiny_llama(0), config, draft=draft)
+    e = LLMEngine(loaded or tiny_llama(0), config, draft=draft)
+    if draft is not None:
+        e.speculator.seed_from_target = seeded
+    return e
 
 
 def clean(e: LLMEngine) -> None:
@@ -65,17 +70,20 @@ def test_rejection_sampling_emits_the_targets_distribution():
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
-@pytest.mark.parametrize("draft", [int8_copy, lambda: tiny_llama(1)], ids=["own-int8", "other-weights"])
-def test_greedy_output_is_plain_decodings_batched_preempted_and_after_prefix_hits(draft, kv):
+@pytest.mark.parametrize("draft, seeded", [(int8_copy, True), (int8_copy, False), (lambda: tiny_llama(1), False)],
+                         ids=["own-int8-seeded", "own-int8-own-kv", "other-weights-own-kv"])
+def test_greedy_output_is_plain_decodings_batched_preempted_and_after_prefix_hits(draft, seeded, kv):
     ps = prompts(6, seed=3, lo=5, hi=60)
     want = engine(kv=kv).generate(ps, GREEDY)
-    spec = engine(draft(), kv=kv)
+    spec = engine(draft(), kv=kv, seeded=seeded)
     assert spec.generate(ps, GREEDY) == want
-    assert spec.generate(ps[:2], GREEDY) == want[:2]  # prefix hits, target and draft
+    hits = spec.speculator.blocks.prefix_hits
+    assert spec.generate(ps[:2], GREEDY) == want[:2]  # prefix hits, target and (own KV) draft
+    assert (spec.speculator.blocks.prefix_hits > hits) == (not seeded)
     assert spec.speculator.proposed > 0
     clean(spec)
     # 12 blocks of 16 tokens for six requests of up to 90: preemption must happen
-    tight = engine(draft(), kv_bytes=12 * engine(kv=kv).kv_cache.bytes_per_block, kv=kv)
+    tight = engine(draft(), kv_bytes=12 * engine(kv=kv).kv_cache.bytes_per_block, kv=kv, seeded=seeded)
     preempted = []
     orig = tight.scheduler._preempt
     tight.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))
@@ -104,10 +112,11 @@ def test_sampled_requests_are_reproducible_and_batch_invariant():
     clean(spec)
 
 
-def test_an_imported_prompt_is_prefilled_by_the_draft_on_the_decode_side_and_a_resume_continues():
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded-from-target", "prefilled-by-draft"])
+def test_an_imported_prompt_gets_draft_kv_on_the_decode_side_and_a_resume_continues(seeded):
     ps = prompts(3, seed=8, lo=20, hi=80)
     want = engine().generate(ps, GREEDY)
-    prefill, decode = engine(), engine(int8_copy(), max_num_batched_tokens=32)  # catch-up in pieces
+    prefill, decode = engine(), engine(int8_copy(), seeded=seeded, max_num_batched_tokens=32)  # catch-up in pieces
     for i, p in enumerate(ps):
         rid = f"pd{i}"
         prefill.add_request(rid, p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
@@ -125,6 +134,7 @@ def test_an_imported_prompt_is_prefilled_by_the_draft_on_the_decode_side_and_a_r
         for o in decode.step():
             got[o.request_id].extend(o.new_token_ids)
     assert [got[f"pd{i}"] for i in range(3)] == want and decode.speculator.accepted > 0
+    assert (decode.speculator.seeded_tokens >= sum(map(len, ps))) == seeded
     resumed = engine(int8_copy())
     resumed.add_request("r", ps[0], GREEDY, resume=want[0][:7])
     rest = []
