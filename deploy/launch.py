@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from pdserve.config import ClusterConfig, PoolConfig, WorkerConfig
 
-from .worker_host import HostedWorker
+from .worker_host import HostedWorker, load_worker_model
 
 
 @ray.remote
@@ -30,8 +30,6 @@ class WorkerActor:
         import torch
 
         from pdserve.engine.threads import in_fresh_thread
-        from pdserve.engine.tokenizer import Tokenizer
-        from pdserve.engine.weights import load_for_config
 
         if config.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
             config = replace(config, host=ray.util.get_node_ip_address())
@@ -40,8 +38,7 @@ class WorkerActor:
             torch.set_num_threads(config.engine.num_threads)
 
         def build() -> HostedWorker:
-            loaded = load_for_config(config.engine)
-            return HostedWorker(config, loaded, Tokenizer.from_model_path(loaded.path), exit_on_engine_death=True)
+            return HostedWorker(config, *load_worker_model(config.engine), exit_on_engine_death=True)
 
         # off this thread: the engine thread's OpenMP team must be the process's only one (engine/threads.py)
         self.host = in_fresh_thread(build)

@@ -37,19 +37,16 @@ def run_worker(config: WorkerConfig, drain_timeout_s: float = 30.0) -> int:
     import torch
 
     from pdserve.engine.threads import in_fresh_thread, single_threaded_here
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import load_for_config
 
     from .router_server import make_logger
-    from .worker_host import HostedWorker
+    from .worker_host import HostedWorker, load_worker_model
 
     log = make_logger(time.monotonic())
     if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
 
     def build() -> HostedWorker:
-        loaded = load_for_config(config.engine)
-        return HostedWorker(config, loaded, Tokenizer.from_model_path(loaded.path), exit_on_engine_death=True)
+        return HostedWorker(config, *load_worker_model(config.engine), exit_on_engine_death=True)
 
     host = in_fresh_thread(build)  # the engine thread's OpenMP team is then the only one (engine/threads.py)
 

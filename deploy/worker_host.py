@@ -12,10 +12,12 @@ import uuid
 from pdserve.config import WorkerConfig
 from pdserve.decode_worker.service import DecodeWorker
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.cores import CoreShare
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import LoadedModel
+from pdserve.engine.tp import ModelSource
+from pdserve.engine.weights import LoadedModel, load_for_config, resolve_model_path
 from pdserve.kv_transfer.senders import SchemeKVSender
 from pdserve.prefill_worker.service import PrefillWorker
 from pdserve.protos.tracing import Tracer
@@ -25,12 +27,23 @@ from pdserve.registry.membership import WorkerRecord, WorkerRegistration
 log = logging.getLogger("pdserve.worker")
 
 
+def load_worker_model(engine: EngineConfig) -> tuple[LoadedModel | None, Tokenizer]:
+    """The model a worker serves and its tokenizer; no model for a tensor-parallel worker (its
+    ranks load their own slices, see HostedWorker)."""
+    if engine.tensor_parallel_size > 1:
+        return None, Tokenizer.from_model_path(resolve_model_path(engine.model or None))
+    loaded = load_for_config(engine)
+    return loaded, Tokenizer.from_model_path(loaded.path)
+
+
 class HostedWorker:
-    def __init__(self, config: WorkerConfig, loaded: LoadedModel, tokenizer: Tokenizer,
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel | None, tokenizer: Tokenizer,
                  exit_on_engine_death: bool = False):
-        """exit_on_engine_death: when the engine thread dies (a bug), leave the registry and
-        end the process, so that Ray (or the process supervisor) starts a fresh worker; off,
-        the worker only leaves the registry (a worker hosted inside another program)."""
+        """exit_on_engine_death: when the engine thread dies (a bug, or a rank of its
+        tensor-parallel group), leave the registry and end the process, so that Ray (or the
+        process supervisor) starts a fresh worker; off, the worker only leaves the registry (a
+        worker hosted inside another program). `loaded` None: a tensor-parallel group of
+        `engine.tensor_parallel_size` ranks reading the configured model."""
         self.config = c = config
         self.exit_on_engine_death = exit_on_engine_death
         self._watchdog: asyncio.Task | None = None
@@ -39,7 +52,12 @@ class HostedWorker:
                           if registry.redis_url else None)
         self.cores = (CoreShare(c.core_share_dir, c.worker_id, own_threads=c.engine.num_threads or 1)
                       if c.core_share_dir else None)
-        engine = AsyncEngine(LLMEngine(loaded, c.engine, tokenizer, self.publisher), cores=self.cores)
+        if loaded is None:
+            core = LLMEngine.tensor_parallel(ModelSource(c.engine.model), c.engine, c.engine.tensor_parallel_size,
+                                             tokenizer, event_listener=self.publisher)
+        else:
+            core = LLMEngine(loaded, c.engine, tokenizer, self.publisher)
+        engine = AsyncEngine(core, cores=self.cores)
         # an aggregated worker is a decode worker that prefills itself: its spans are decode's
         self.tracer = tracer = Tracer(c.tracing.otlp_traces_endpoint,
                                       "pdserve-prefill" if c.role == "prefill" else "pdserve-decode", c.worker_id)
@@ -123,6 +141,7 @@ class HostedWorker:
         if self.registration is not None:
             await self.registration.stop()
         await self.worker.stop()
+        self.engine.shutdown()
         if self.cores is not None:  # the engine thread has stopped with the worker
             self.cores.close()
         if self.publisher is not None:

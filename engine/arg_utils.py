@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--speculative-quantization) or a GGUF file / HF directory with the same tokenizer")
     g.add_argument("--speculative-quantization", choices=QUANTIZATIONS, default=None,
                    help="the draft's weight quantization (default: int8 for self, else --quantization)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: the model split over N processes of this host (gloo); it must "
+                        "divide the attention heads (SmolLM2: 1, 3 or 9) (default: 1)")
     g.add_argument("--attention", choices=("auto", "torch", "native", "triton"), default="auto",
                    help="attention kernels: auto = Triton on CUDA, C on CPU (default: auto)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
@@ -50,7 +53,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
         speculative_tokens=args.speculative_tokens, speculative_model=args.speculative_model,
-        speculative_quantization=args.speculative_quantization or "", quantization=args.quantization, attention=args.attention,
+        speculative_quantization=args.speculative_quantization or "", tensor_parallel_size=args.tp,
+        quantization=args.quantization, attention=args.attention,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                           kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching),

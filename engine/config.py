@@ -246,6 +246,9 @@ class EngineConfig:
     speculative_quantization: str = ""
     """The draft's weight quantization (as `quantization`); "": int8 for "self", else this
     model's."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (engine/tp.py: processes on this host, gloo); it must
+    divide the attention heads."""
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
@@ -275,6 +278,8 @@ class EngineConfig:
                              f"got {self.speculative_quantization!r}")
         if self.speculative_model and self.speculative_tokens <= 0:
             raise ValueError("speculative_model needs speculative_tokens > 0 (how many tokens the draft proposes)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
         if self.max_model_len < 0:

@@ -50,17 +50,20 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, event_listener: EventListener | None = None,
-                 draft: LoadedModel | None = None):
+                 draft: LoadedModel | None = None, tp=None):
         """`draft`: the speculative draft model, if loaded already (else the config's
-        `speculative_model` is loaded here)."""
+        `speculative_model` is loaded here). `tp`: the tensor-parallel group
+        (engine/tp.TensorParallel) whose rank 0 this engine is; `loaded` is its slice."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = tokenizer
-        self.kv_cache = KVCache(loaded.config, config.cache,
-                                kv_format(config.cache.kv_cache_dtype, _DTYPES[config.dtype], config.device), config.device)
+        self.tp = tp
+        self.kv_cache = tp.kv_cache() if tp is not None else KVCache(
+            loaded.config, config.cache, kv_format(config.cache.kv_cache_dtype, _DTYPES[config.dtype], config.device),
+            config.device)
         self.blocks = BlockManager(self.kv_cache.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching, config.cache.cache_namespace,
                                    event_listener)
@@ -68,7 +71,7 @@ class LLMEngine:
         # Triton kernels on CUDA, the C kernel on CPU (the model is shared between engines;
         # backends keep no state beyond the step's metadata)
         self._attach_kernels(loaded)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks, tp)
         # a request can never need more blocks than the cache holds (it would preempt itself forever)
         self.max_model_len = min(loaded.config.max_position_embeddings,
                                  self.kv_cache.num_blocks * config.cache.block_size)
@@ -96,10 +99,31 @@ class LLMEngine:
             return None
         if draft is None and not config.speculative_model:
             return NgramSpeculator(config.speculative_tokens, self.blocks, self.max_model_len, budget)
+        if self.tp is not None:
+            raise ValueError("a draft model with tensor parallelism is not supported yet: use prompt lookup "
+                             "(--speculative-tokens without --speculative-model) or --tp 1")
         draft = draft or load_draft(config, self.loaded, self.tokenizer)
         self._attach_kernels(draft)
         return DraftSpeculator(config.speculative_tokens, draft, self.blocks, self.kv_cache, config.cache,
                                config.device, self.max_model_len, budget)
+
+    @classmethod
+    def tensor_parallel(cls, source, config: EngineConfig, tp: int, tokenizer: Tokenizer | None = None,
+                        event_listener: EventListener | None = None, **kw) -> "LLMEngine":
+        """An engine over `tp` ranks (engine/tp.py) reading the model from `source` (a
+        tp.ModelSource); `shutdown()` stops the other ranks."""
+        from .tp import TensorParallel
+        group = TensorParallel(source, config, tp, **kw)
+        try:
+            return cls(group.loaded, config, tokenizer, event_listener, tp=group)
+        except BaseException:
+            group.stop()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel group's other ranks (nothing to do without one)."""
+        if self.tp is not None:
+            self.tp.stop()
 
     @classmethod
     def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
@@ -295,7 +319,11 @@ class LLMEngine:
         self._layer_streams.pop(request_id, None)
 
     def _layer_hook(self, chunks):
-        """The per-layer callback of a step, if a streamed request's prompt completes in it."""
+        """The per-layer callback of a step, if a streamed request's prompt completes in it
+        (not in a tensor-parallel group: its ranks are inside the forward pass then, so the KV
+        goes whole after the step)."""
+        if self.tp is not None:
+            return None
         streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
                    if c.completes and c.request.request_id in self._layer_streams]
         if not streams:

@@ -105,6 +105,7 @@ class LlamaAttention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
         self.qkv_bias: torch.Tensor | None = None
         self.qkv_linear = self.o_linear = None
+        self.tp = None  # a tensor-parallel group (engine/tp.py): o_proj's partial sums are all-reduced
 
     def fuse(self, packed: bool, quantization: str = "none") -> None:
         """Store q/k/v as one matrix (one matmul per step); the named weights become views of it."""
@@ -141,7 +142,8 @@ class LlamaAttention(nn.Module):
             q = q * self.q_scale
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.window)  # (T, n_heads, hd)
         out = out.reshape(T, self.n_heads * self.hd)
-        return self.o_proj(out) if self.o_linear is None else self.o_linear(out)
+        out = self.o_proj(out) if self.o_linear is None else self.o_linear(out)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
@@ -163,6 +165,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_linear = self.down_linear = None
         self.native = False  # silu(gate) * up by the fused C kernel (set by LlamaForCausalLM.fuse)
         self.gelu = cfg.hidden_activation == "gelu_pytorch_tanh"  # Gemma's GeGLU, else SwiGLU
+        self.tp = None  # a tensor-parallel group: down_proj's partial sums are all-reduced
 
     def fuse(self, packed: bool, quantization: str = "none") -> None:
         w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
@@ -172,6 +175,10 @@ class LlamaMLP(nn.Module):
         self.down_linear = make_linear(self.down_proj.weight.data, quantization, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._partial(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _partial(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate_up = self.gate_up_linear(x)
             if self.native:

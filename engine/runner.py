@@ -16,8 +16,9 @@ from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, blocks: BlockManager):
-        self.model = model
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, blocks: BlockManager, tp=None):
+        """`tp`: the tensor-parallel group (engine/tp.py) this runner is rank 0 of."""
+        self.model, self.tp = model, tp
         self.kv_cache = kv_cache
         self.blocks = blocks
         self.block_size = kv_cache.block_size
@@ -74,6 +75,8 @@ class ModelRunner:
         ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
         self._prompt_spans, self._all_rows = [], all_rows
         input_ids, positions, meta, sample_rows = self._build(ordered)
+        if self.tp is not None:  # the other ranks run the same step on their slices
+            self.tp.step(input_ids, positions, meta)
         self.model.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)
         for req, row, start, n in self._prompt_spans:

@@ -154,8 +154,12 @@ class PoolConfig:
     kv_cache_dtype: str = ""
     """The pool's KV cache dtype (engine/config.KV_CACHE_DTYPES); "": the cluster engine's.
     Pools may differ: the decode side converts the KV it receives."""
+    tp: int = 0
+    """Tensor-parallel degree of each worker of the pool; 0: the cluster engine's. Pools may
+    differ: the KV crosses in the whole model's layout and each group splits it its way."""
 
     def __post_init__(self):
+        _at_least("tp", self.tp, 0)
         if self.kv_cache_dtype:
             _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _at_least("replicas", self.replicas, 0)
@@ -248,6 +252,8 @@ class ClusterConfig:
         engine = self.engine
         if pool.kv_cache_dtype:
             engine = replace(engine, cache=replace(engine.cache, kv_cache_dtype=pool.kv_cache_dtype))
+        if pool.tp:
+            engine = replace(engine, tensor_parallel_size=pool.tp)
         if role == "prefill":  # a prefill worker samples one token per prompt: nothing to speculate
             engine = replace(engine, speculative_tokens=0, speculative_model="", speculative_quantization="")
         fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),

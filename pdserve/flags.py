@@ -124,6 +124,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{pool}-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                        help=f"KV cache dtype of the {pool} workers (default: --kv-cache-dtype); the KV is "
                             "converted on the hand-off when the pools differ")
+        p.add_argument(f"--{pool}-tp", type=int, default=0,
+                       help=f"tensor-parallel degree of each {pool} worker (default: --tp); pools may differ")
         p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
                        help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
                             "refused by every worker of a pool gets 429")
@@ -235,7 +237,8 @@ def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:
     return PoolConfig(replicas=replicas, num_cpus=cpus, num_gpus=getattr(args, f"{role}_gpus"),
                       max_queue=getattr(args, f"{role}_max_queue"), max_restarts=args.max_restarts,
                       resource=getattr(args, f"{role}_resource"),
-                      kv_cache_dtype=getattr(args, f"{role}_kv_cache_dtype", None) or "")
+                      kv_cache_dtype=getattr(args, f"{role}_kv_cache_dtype", None) or "",
+                      tp=getattr(args, f"{role}_tp", 0) or 0)
 
 
 def up_config(args: argparse.Namespace) -> ClusterConfig:

@@ -1,0 +1,347 @@
+"""Tensor parallelism on one host: an engine whose model is split over N ranks (processes)
+that talk through `torch.distributed` (gloo on the CPU).
+
+Each rank holds a slice of every layer, Megatron-style: q/k/v and gate/up are split by output
+(attention heads with their KV heads; the MLP's intermediate units), o_proj and down_proj by
+input, and their partial outputs are summed by an all-reduce, so each layer costs two. KV
+heads are split with their query heads; a degree above the KV head count replicates each KV
+head on the ranks of its query group. Norms, embeddings and the LM head are replicated, and
+only rank 0 computes logits. Each rank's paged cache holds its KV heads of every block.
+
+Rank 0 is the engine: its scheduler and block manager decide everything, and before each
+forward pass it broadcasts the step (token ids, positions, the attention metadata) to the
+other ranks, which run their slice on their own cache. KV leaves and enters the group in the
+whole model's layout (`TPKVCache`): an export gathers every rank's heads, an import scatters
+them, so groups of different degrees exchange KV as any two engines do. A rank that dies
+makes the next collective fail: rank 0 raises `RankFailed` and the ranks left exit.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import EngineConfig, ModelConfig
+from .errors import PdserveError
+from .kv_cache import KVCache
+
+ATTN = ("q_proj", "k_proj", "v_proj")
+
+
+class RankFailed(PdserveError, RuntimeError):
+    """A rank of a tensor-parallel group died or stopped answering: the group is down."""
+
+
+def check_degree(cfg: ModelConfig, tp: int) -> None:
+    """Refuse a degree the model's heads cannot be split into, naming the degrees that work."""
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    ok = h % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+    if tp < 1 or not ok:
+        good = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
+        raise ValueError(f"tensor-parallel degree {tp} does not divide this model's {h} attention heads "
+                         f"({kv} KV heads): use one of {', '.join(map(str, good))}")
+
+
+def _span(n: int, tp: int, rank: int) -> slice:
+    """Rank `rank`'s part of n units split as evenly as possible (the first n % tp get one more)."""
+    base, extra = divmod(n, tp)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def kv_heads_of(cfg: ModelConfig, tp: int, rank: int) -> slice:
+    kv = cfg.num_key_value_heads
+    if tp <= kv:
+        return _span(kv, tp, rank)
+    per = tp // kv  # ranks sharing one KV head
+    return slice(rank // per, rank // per + 1)
+
+
+def shard(state: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int
+          ) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Rank `rank`'s weights (Hugging Face names) and the config of its slice."""
+    check_degree(cfg, tp)
+    hd, heads = cfg.head_dim, _span(cfg.num_attention_heads, tp, rank)
+    kvh = kv_heads_of(cfg, tp, rank)
+    mlp = _span(cfg.intermediate_size, tp, rank)
+    rows = {"q_proj": slice(heads.start * hd, heads.stop * hd), "k_proj": slice(kvh.start * hd, kvh.stop * hd)}
+    rows["v_proj"] = rows["k_proj"]
+    out = {}
+    for name, w in state.items():
+        part = name.rsplit(".", 2)
+        module = part[-2] if len(part) >= 2 else ""
+        if module in ATTN:
+            w = w[rows[module]]
+        elif module == "o_proj":
+            w = w[:, rows["q_proj"]]
+        elif module in ("gate_proj", "up_proj"):
+            w = w[mlp]
+        elif module == "down_proj":
+            w = w[:, mlp]
+        out[name] = w.contiguous()
+    local = replace(cfg, num_attention_heads=heads.stop - heads.start, num_key_value_heads=kvh.stop - kvh.start,
+                    intermediate_size=mlp.stop - mlp.start, head_dim=hd)
+    return out, local
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where every rank reads the whole model's weights from: a model path (as EngineConfig.model)
+    or, for tests, the tiny random Llama of `tiny_seed`."""
+
+    model: str = ""
+    tiny_seed: int | None = None
+
+    def read(self):
+        """(state dict, config, fingerprint, path)."""
+        from pathlib import Path
+
+        from .weights import load_state_dict, resolve_model_path
+        if self.tiny_seed is not None:
+            from .tiny import tiny_config, tiny_state_dict
+            cfg = tiny_config()
+            return tiny_state_dict(cfg, self.tiny_seed), cfg, f"tiny-{self.tiny_seed}", Path("<tiny>")
+        path = resolve_model_path(self.model or None)
+        state, cfg, fp = load_state_dict(path)
+        return state, cfg, fp, path
+
+
+def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int):
+    """The LoadedModel of one rank's slice, and the whole model's config."""
+    from .weights import LoadedModel, build_model
+
+    state, cfg, fp, path = source.read()
+    if config.max_model_len:
+        cfg = replace(cfg, max_position_embeddings=config.max_model_len)
+    local_state, local = shard(state, cfg, tp, rank)
+    model = build_model(local, local_state, getattr(torch, config.dtype), config.device, config.packed_weights,
+                        config.quantization)
+    return LoadedModel(model, local, path, f"{fp}+tp{tp}" if config.quantization in ("none", "auto", "exact")
+                       else f"{fp}+{config.quantization}+tp{tp}"), cfg
+
+
+class Group:
+    """This process's membership of a group: gloo collectives on a process group of its own
+    (not torch's default group, so that one process can hold several, as tests do)."""
+
+    def __init__(self, rank: int, world: int, store, timeout_s: float):
+        self.rank, self.world = rank, world
+        try:
+            self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise RankFailed(f"the tensor-parallel group of {world} ranks did not form: {e}") from e
+        self.allreduce_s = 0.0
+        self.allreduces = 0
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RankFailed(f"{what} over the tensor-parallel group failed (a rank died or stopped "
+                             f"answering): {e}") from e
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        self._wait(self.pg.allreduce([x]), "an all-reduce")
+        self.allreduce_s += time.perf_counter() - t
+        self.allreduces += 1
+        return x
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.broadcast([t], opts), "a broadcast")
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` (pickled) on every rank."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            self._bcast(torch.tensor([data.numel()]))
+            self._bcast(data)
+            return obj
+        n = torch.zeros(1, dtype=torch.long)
+        self._bcast(n)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        self._bcast(data)
+        return pickle.loads(data.numpy().tobytes())
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` on rank 0 (None elsewhere)."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        out = [[torch.empty_like(t) for _ in range(self.world)]] if self.rank == 0 else []
+        self._wait(self.pg.gather(out, [t], opts), "gathering KV")
+        return out[0] if self.rank == 0 else None
+
+    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
+        """Rank 0's parts[r] into rank r's `out`."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.scatter([out], [parts] if self.rank == 0 else [], opts), "scattering KV")
+
+    def close(self) -> None:
+        self.pg = None
+
+
+def attach(model, group: Group) -> None:
+    """Sum every layer's partial attention and MLP outputs over the group."""
+    for layer in model.model.layers:
+        layer.self_attn.tp = layer.mlp.tp = group
+
+
+def _die_with_parent() -> None:
+    """Exit when rank 0's process goes, however it goes (checked every second: a parent-death
+    signal would fire when the thread that started this rank exits, which loaders do)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="pdserve-tp-parent-watch").start()
+
+
+def follower_entry() -> None:
+    """A rank's process: its arguments come pickled on stdin."""
+    follower_main(*pickle.loads(sys.stdin.buffer.read()))
+
+
+def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int, port: int, timeout_s: float,
+                  threads: int) -> None:
+    """A rank other than 0: build its slice and cache, then run the steps rank 0 sends."""
+    _die_with_parent()
+    torch.set_num_threads(max(1, threads))
+    from .attention import default_backend
+    loaded, full = load_rank(source, config, tp, rank)
+    store = dist.TCPStore("127.0.0.1", port, tp, False, timeout=timedelta(seconds=timeout_s))
+    group = Group(rank, tp, store, timeout_s)
+    attach(loaded.model, group)
+    kv = TPKVCache(full, loaded.config, config, group)
+    model = loaded.model
+    model.backend = default_backend(config.device, getattr(torch, config.dtype), config.attention)
+    model.use_native_ops(_native_ok(model))
+    layers = kv.layers()
+    try:
+        with torch.inference_mode():
+            while True:
+                cmd = group.broadcast(None)
+                if cmd[0] == "step":
+                    _, ids, pos, meta = cmd
+                    model.backend.prepare(meta)
+                    model(ids, pos, layers, meta)
+                elif cmd[0] == "export":
+                    kv.export_blocks(*cmd[1:])
+                elif cmd[0] == "import":
+                    kv.import_blocks(cmd[1], None)
+                elif cmd[0] == "stop":
+                    return
+    except RankFailed:
+        os._exit(1)  # rank 0 is gone: nothing left to serve
+    finally:
+        group.close()
+
+
+def _native_ok(model) -> bool:
+    from .attention import NativeAttentionBackend
+    fused = getattr(model.model.layers[0].mlp, "gate_up_weight", None) is not None
+    return isinstance(model.backend, NativeAttentionBackend) and fused
+
+
+class TPKVCache(KVCache):
+    """One rank's paged cache (its KV heads), exporting and importing in the whole model's
+    layout: rank 0 gathers the other ranks' heads on export and scatters them on import
+    (the other ranks take part in the same calls, told by rank 0's broadcast)."""
+
+    def __init__(self, full: ModelConfig, local: ModelConfig, config: EngineConfig, group: Group):
+        from .kv_cache import kv_format
+        super().__init__(local, config.cache, kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype),
+                                                        config.device), config.device)
+        self.full, self.group = full, group
+        tp, kv = group.world, full.num_key_value_heads
+        # the ranks whose heads make up the whole model's (one per KV head group when replicated)
+        self.owners = list(range(tp)) if tp <= kv else list(range(0, tp, tp // kv))
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        L, two, bs, _, hd = super().layout
+        return (L, two, bs, self.full.num_key_value_heads, hd)
+
+    def export_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
+        g = self.group
+        if g.rank == 0 and g.world > 1:
+            g.broadcast(("export", block_ids, layers))
+        mine = super().export_blocks(block_ids, layers)
+        parts = g.gather(mine)
+        if g.rank != 0:
+            return mine
+        return torch.cat([parts[r] for r in self.owners], dim=4)
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor | None) -> None:
+        g = self.group
+        if g.rank == 0:
+            expected = (self.kv.shape[0], 2, len(block_ids), self.block_size, self.full.num_key_value_heads,
+                        self.kv.shape[-1])
+            if tuple(data.shape) != expected:
+                from .errors import KVTransferError
+                raise KVTransferError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
+            g.broadcast(("import", block_ids))
+            parts = [data[:, :, :, :, kv_heads_of(self.full, g.world, r)].contiguous() for r in range(g.world)]
+        mine = torch.empty(self.kv.shape[0], 2, len(block_ids), *self.kv.shape[3:], dtype=self.kv.dtype)
+        g.scatter(parts if g.rank == 0 else None, mine)
+        super().import_blocks(block_ids, mine)
+
+
+class TensorParallel:
+    """Rank 0's side of a group: starts the other ranks, owns the collectives; `loaded` is its
+    own slice, `kv_cache(config)` its cache. `stop()` ends the group."""
+
+    def __init__(self, source: ModelSource, config: EngineConfig, tp: int, timeout_s: float = 60.0,
+                 threads_per_rank: int = 0):
+        self.tp, self.config = tp, config
+        self.loaded, self.full = load_rank(source, config, tp, 0)
+        check_degree(self.full, tp)
+        store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        port = store.port
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tp)
+        # fresh interpreters (not multiprocessing): nothing depends on how the parent's main module
+        # was started (a console script, a Ray worker, a test runner)
+        self.procs = []
+        for r in range(1, tp):
+            p = subprocess.Popen([sys.executable, "-c", "from pdserve.engine.tp import follower_entry; follower_entry()"],
+                                 stdin=subprocess.PIPE)
+            p.stdin.write(pickle.dumps((source, config, tp, r, port, timeout_s, threads)))
+            p.stdin.close()
+            self.procs.append(p)
+        self.group = Group(0, tp, store, timeout_s)
+        attach(self.loaded.model, self.group)
+
+    def kv_cache(self) -> TPKVCache:
+        return TPKVCache(self.full, self.loaded.config, self.config, self.group)
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """Before rank 0's forward pass: the other ranks run the same step."""
+        if self.tp > 1:
+            self.group.broadcast(("step", input_ids, positions, meta))
+
+    def stop(self) -> None:
+        try:
+            if self.tp > 1 and all(p.poll() is None for p in self.procs):
+                self.group.broadcast(("stop",))
+        except RankFailed:
+            pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.group.close()

@@ -1,0 +1,202 @@
+"""Tensor parallelism (engine/tp.py): degrees are checked against the heads; each rank's slice
+has the right shapes; an engine over 2 and 4 ranks (4: the KV heads replicated) gives the
+single engine's logits within float tolerance and its greedy tokens, batched and chunked, with
+every block back; KV moves between groups of different degrees token-exactly; a rank killed
+mid-stream makes the next step raise RankFailed and the blocks still come back; the real
+SmolLM2 over 3 ranks answers as over 1."""
+import os
+import signal
+
+import pytest
+import torch
+
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiny import tiny_config, tiny_llama, tiny_state_dict
+from pdserve.engine.tp import ModelSource, RankFailed, check_degree, kv_heads_of, shard
+from tests.test_engine import prompts
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+CONFIG = EngineConfig(cache=CacheConfig(kv_cache_memory=4 << 20), scheduler=SchedulerConfig(max_num_batched_tokens=64))
+
+
+def test_a_degree_that_does_not_split_the_heads_is_refused_with_the_ones_that_do():
+    smollm = tiny_config(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    for tp in (1, 3, 9):
+        check_degree(smollm, tp)
+    with pytest.raises(ValueError, match=r"degree 2 does not divide this model's 9 attention heads \(3 KV heads\): "
+                                         r"use one of 1, 3, 9"):
+        check_degree(smollm, 2)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_holds_its_heads_and_mlp_units(tp):
+    cfg = tiny_config()  # 4 heads of 16, 2 KV heads, 128 MLP units
+    state = tiny_state_dict(cfg, 0)
+    q = state["model.layers.0.self_attn.q_proj.weight"]
+    for rank in range(tp):
+        part, local = shard(state, cfg, tp, rank)
+        assert local.num_attention_heads == 4 // tp and local.intermediate_size == 128 // tp
+        assert local.num_key_value_heads == (2 // tp if tp <= 2 else 1)
+        assert torch.equal(part["model.layers.0.self_attn.q_proj.weight"], q.split(q.shape[0] // tp)[rank])
+        kv = kv_heads_of(cfg, tp, rank)
+        assert torch.equal(part["model.layers.0.self_attn.k_proj.weight"],
+                           state["model.layers.0.self_attn.k_proj.weight"][kv.start * 16:kv.stop * 16])
+        assert part["model.layers.0.mlp.down_proj.weight"].shape == (64, 128 // tp)
+        assert torch.equal(part["model.norm.weight"], state["model.norm.weight"])  # replicated
+
+
+def clean(e: LLMEngine) -> None:
+    assert not e.has_unfinished_requests() and e.blocks.num_used_blocks == 0
+    e.blocks.check_invariants()
+
+
+def run(e: LLMEngine, ps, params=GREEDY):
+    ids = [f"r{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps):
+        e.add_request(rid, p, params)
+    toks, lps = {r: [] for r in ids}, {r: [] for r in ids}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            toks[o.request_id] += o.new_token_ids
+            lps[o.request_id] += [lp.logprob for lp in o.logprobs]
+    return [toks[r] for r in ids], [lps[r] for r in ids]
+
+
+@pytest.fixture
+def tp_engine():
+    made = []
+
+    def factory(tp: int, config: EngineConfig = CONFIG) -> LLMEngine:
+        e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), config, tp)
+        made.append(e)
+        return e
+    yield factory
+    for e in made:
+        e.shutdown()
+        assert all(p.poll() is not None for p in e.tp.procs)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_tokens_and_logprobs_equal_one_rank_batched_and_chunked(tp_engine, tp):
+    ps = prompts(5, seed=11, lo=5, hi=100)  # 100 tokens over a 64-token budget: chunked prefill
+    want, want_lp = run(LLMEngine(tiny_llama(0), CONFIG), ps)
+    e = tp_engine(tp)
+    got, got_lp = run(e, ps)
+    assert got == want
+    assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-4
+    assert e.tp.group.allreduces == 0 or e.tp.group.allreduces % (2 * 2) == 0  # two per layer, two layers
+    clean(e)
+
+
+def handoff(src: LLMEngine, dst: LLMEngine, ps):
+    out = []
+    for i, p in enumerate(ps):
+        rid = f"h{i}"
+        src.add_request(rid, p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
+        first = None
+        while src.has_unfinished_requests():
+            for o in src.step():
+                first = o.new_token_ids[0]
+        _, kv = src.export_kv(rid)
+        src.release_kv(rid)
+        dst.add_remote_request(rid, p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        dst.import_kv(rid, kv, first)
+        toks = [first]
+        while dst.has_unfinished_requests():
+            for o in dst.step():
+                toks += o.new_token_ids
+        out.append(toks)
+    return out
+
+
+def test_kv_moves_between_groups_of_different_degrees(tp_engine):
+    ps = prompts(3, seed=12, lo=20, hi=70)
+    want = LLMEngine(tiny_llama(0), CONFIG).generate(ps, SamplingParams(max_tokens=12, temperature=0,
+                                                                        ignore_eos=True))
+    two, one, four = tp_engine(2), LLMEngine(tiny_llama(0), CONFIG), tp_engine(4)
+    assert two.kv_cache.layout == one.kv_cache.layout == four.kv_cache.layout  # the whole model's heads
+    assert handoff(two, one, ps) == want   # prefill over 2 ranks -> decode on 1
+    assert handoff(one, four, ps) == want  # 1 -> 4 (KV heads replicated there)
+    assert handoff(four, two, ps) == want
+    for e in (two, one, four):
+        clean(e)
+
+
+def test_a_rank_killed_mid_stream_raises_rank_failed_and_frees_the_blocks(tp_engine):
+    e = tp_engine(2, EngineConfig(cache=CONFIG.cache, scheduler=CONFIG.scheduler))
+    e.add_request("a", prompts(1, seed=13, lo=30, hi=30)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    os.kill(e.tp.procs[0].pid, signal.SIGKILL)
+    e.tp.procs[0].wait(10)
+    with pytest.raises(RankFailed):
+        for _ in range(50):
+            e.step()
+    e.abort_all()
+    clean(e)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_the_real_model_over_three_ranks_answers_as_over_one(smollm, quantization):
+    """fp32 weights: logprobs within float tolerance. The default weights round activations
+    to int8, which turns the all-reduce's other summation order into differences of up to
+    ~0.1 in a logprob (as any change of sum order does there): the same greedy text."""
+    from pdserve.engine.weights import load_model
+
+    tok = smollm[1]
+    loaded = load_model(quantization=quantization)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    cfg = EngineConfig(quantization=quantization, cache=CacheConfig(kv_cache_memory=16 << 20))
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=1)
+    want, want_lp = run(LLMEngine(loaded, cfg, tok), [prompt], params)
+    e = LLMEngine.tensor_parallel(ModelSource(), cfg, 3, tok)
+    try:
+        got, got_lp = run(e, [prompt], params)
+        assert e.kv_cache.layout == (30, 2, 16, 3, 64) and e.loaded.config.num_attention_heads == 3
+        assert e.loaded.model.quantized_matrices() == loaded.model.quantized_matrices()
+        clean(e)
+    finally:
+        e.shutdown()
+    assert got == want
+    if quantization == "none":
+        assert max(abs(a - b) for a, b in zip(got_lp[0], want_lp[0])) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(3, 1), (1, 3)])
+def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp, decode_tp):
+    """`pdserve up --prefill-tp P --decode-tp D`: the KV crosses between groups of different
+    degrees (gathered to the whole model's layout, split again) and the answer is the single
+    engine's; every block of every group comes back."""
+    import httpx
+
+    from pdserve.config import PoolConfig, TransferConfig
+    from pdserve.deploy.local import LocalCluster
+    from pdserve.engine.weights import load_model
+    from tests.clusters import MODEL, local_config
+
+    tok = smollm[1]
+    loaded = load_model(quantization="none")
+    engine = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=32 << 20))
+    q = "Name three colours."
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+    want = tok.decode(LLMEngine(loaded, engine, tok).generate([ids], SamplingParams(max_tokens=16, temperature=0))[0],
+                      skip_special_tokens=True)
+    config = local_config(engine=engine, transfer=TransferConfig(layer_group=5))  # asked for; TP sends KV whole
+    config = type(config)(**{**config.__dict__, "prefill": PoolConfig(replicas=1, tp=prefill_tp, max_queue=0),
+                             "decode": PoolConfig(replicas=1, tp=decode_tp, max_queue=0)})
+    c = LocalCluster(loaded, tok, config).start()
+    try:
+        r = httpx.post(c.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 16, "temperature": 0})
+        engines = c.engines()
+        assert [e.tp.tp if e.tp else 1 for e in engines] == [prefill_tp, decode_tp]
+    finally:
+        c.stop()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    assert all(e.blocks.num_used_blocks == 0 for e in engines)
+    assert all(p.poll() is not None for e in engines if e.tp for p in e.tp.procs)  # the ranks stopped with it
