@@ -132,8 +132,9 @@ class Group:
     """This process's membership of a group: gloo collectives on a process group of its own
     (not torch's default group, so that one process can hold several, as tests do)."""
 
-    def __init__(self, rank: int, world: int, store, timeout_s: float):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, store, timeout_s: float, on_failure=None):
+        """on_failure(): called once when a collective fails (rank 0 takes the group down)."""
+        self.rank, self.world, self.on_failure = rank, world, on_failure
         try:
             self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
         except RuntimeError as e:
@@ -145,6 +146,9 @@ class Group:
         try:
             work.wait()
         except RuntimeError as e:
+            if self.on_failure is not None:
+                self.on_failure()
+                self.on_failure = None
             raise RankFailed(f"{what} over the tensor-parallel group failed (a rank died or stopped "
                              f"answering): {e}") from e
 
@@ -321,7 +325,7 @@ class TensorParallel:
             p.stdin.write(pickle.dumps((source, config, tp, r, port, timeout_s, threads)))
             p.stdin.close()
             self.procs.append(p)
-        self.group = Group(0, tp, store, timeout_s)
+        self.group = Group(0, tp, store, timeout_s, on_failure=self._kill_ranks)
         attach(self.loaded.model, self.group)
 
     def kv_cache(self) -> TPKVCache:
@@ -331,6 +335,12 @@ class TensorParallel:
         """Before rank 0's forward pass: the other ranks run the same step."""
         if self.tp > 1:
             self.group.broadcast(("step", input_ids, positions, meta))
+
+    def _kill_ranks(self) -> None:
+        """A rank failed: the others stop at once (not at their collective's timeout)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
 
     def stop(self) -> None:
         try:

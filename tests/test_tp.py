@@ -125,7 +125,7 @@ def test_kv_moves_between_groups_of_different_degrees(tp_engine):
 
 
 def test_a_rank_killed_mid_stream_raises_rank_failed_and_frees_the_blocks(tp_engine):
-    e = tp_engine(2, EngineConfig(cache=CONFIG.cache, scheduler=CONFIG.scheduler))
+    e = tp_engine(4)
     e.add_request("a", prompts(1, seed=13, lo=30, hi=30)[0], SamplingParams(max_tokens=200, ignore_eos=True))
     for _ in range(3):
         e.step()
@@ -136,6 +136,7 @@ def test_a_rank_killed_mid_stream_raises_rank_failed_and_frees_the_blocks(tp_eng
             e.step()
     e.abort_all()
     clean(e)
+    assert all(p.wait(10) is not None for p in e.tp.procs)  # the ranks left were taken down at once
 
 
 @pytest.mark.slow
@@ -200,3 +201,42 @@ def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp,
     assert r.json()["choices"][0]["message"]["content"] == want
     assert all(e.blocks.num_used_blocks == 0 for e in engines)
     assert all(p.poll() is not None for e in engines if e.tp for p in e.tp.procs)  # the ranks stopped with it
+
+
+@pytest.mark.slow
+def test_a_decode_rank_killed_mid_stream_ends_the_stream_with_an_error_and_takes_the_group_down(smollm):
+    import json
+    import time
+
+    import httpx
+
+    from pdserve.config import PoolConfig
+    from pdserve.deploy.local import LocalCluster
+    from tests.clusters import MODEL, local_config
+
+    loaded, tok = smollm
+    config = local_config()
+    config = type(config)(**{**config.__dict__, "decode": PoolConfig(replicas=1, tp=3, max_queue=0)})
+    c = LocalCluster(loaded, tok, config).start()
+    try:
+        decode = next(e for e in c.engines() if e.tp)
+        events, killed_at = [], None
+        with httpx.stream("POST", c.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if len(events) == 5:
+                    os.kill(decode.tp.procs[1].pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        ended = time.monotonic()
+        engines = c.engines()
+    finally:
+        c.stop()
+    assert killed_at is not None and ended - killed_at < 30
+    assert "error" in events[-1] or events[-1]["choices"][0].get("finish_reason") == "error", events[-1]
+    assert len(events) < 400
+    assert all(e.blocks.num_used_blocks == 0 for e in engines)
+    assert all(p.poll() is not None for p in decode.tp.procs)
