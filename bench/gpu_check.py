@@ -1,7 +1,8 @@
 """One short script for a machine with a GPU: checks the Triton kernels against the torch path
 on CUDA and times paged-attention decode against the torch backend's gather + SDPA for
 SmolLM2-shaped caches, in fp16/bf16/fp32 and in the 8-bit KV formats (int8, fp8 e4m3 codes
-with a scale per token and head, engine/kv_format.py; fp16 queries). Prints a table and writes bench/gpu-results.json. A few minutes at most.
+with a scale per token and head, engine/kv_format.py; fp16 queries); then tensor parallelism
+over 3 ranks on the device (check_tp). Prints a table and writes bench/gpu-results.json. A few minutes at most.
 
     python bench/gpu_check.py            # needs CUDA and triton
 """
@@ -43,6 +44,55 @@ def check_sampler_on_cuda() -> bool:
     return ok
 
 
+def check_tp() -> dict:
+    """Tensor parallelism on the GPU (engine/tp.py): SmolLM2 over 3 ranks sharing the device
+    (gloo moves CUDA tensors through the host; NCCL needs one GPU per rank) against 1 rank:
+    greedy tokens, decode step time, all-reduce time per step, a KV export (gather) and import
+    (scatter) of the whole model's layout. Failures are reported, not raised: this runs where
+    no one can watch it."""
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.tp import ModelSource
+    from pdserve.engine.weights import load_model
+
+    cfg = EngineConfig(device="cuda", quantization="none", attention="auto", cache=CacheConfig(kv_cache_memory=64 << 20))
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompt = list(range(100, 400))
+    out: dict = {}
+    try:
+        one = LLMEngine(load_model(device="cuda", quantization="none"), cfg)
+        t = time.perf_counter()
+        want = one.generate([prompt], params)
+        out["tp1_s"] = time.perf_counter() - t
+        e = LLMEngine.tensor_parallel(ModelSource(), cfg, 3)
+        try:
+            t = time.perf_counter()
+            got = e.generate([prompt], params)
+            out["tp3_s"] = time.perf_counter() - t
+            g = e.tp.group
+            out["allreduce_ms_each"] = 1e3 * g.allreduce_s / max(g.allreduces, 1)
+            out["greedy_equal"] = got == want
+            e.add_request("x", prompt, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+            while e.has_unfinished_requests():
+                e.step()
+            t = time.perf_counter()
+            _, kv = e.export_kv("x")
+            out["kv_export_ms"] = 1e3 * (time.perf_counter() - t)
+            e.release_kv("x")
+            e.add_remote_request("y", prompt, SamplingParams(max_tokens=2, temperature=0))
+            t = time.perf_counter()
+            e.import_kv("y", kv, 5)
+            out["kv_import_ms"] = 1e3 * (time.perf_counter() - t)
+            e.abort_all()
+        finally:
+            e.shutdown()
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        out["error"] = repr(exc)
+    print("tensor parallelism on CUDA:", out)
+    return out
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run this where a GPU is available")
@@ -78,6 +128,7 @@ def main() -> None:
             print(f"{key:24s} err {err:.1e}  triton {t_triton * 1e6:8.1f} us  torch {t_torch * 1e6:8.1f} us  "
                   f"x{t_torch / t_triton:.2f}")
     results["sampler_on_cuda"] = check_sampler_on_cuda()
+    results["tensor_parallel"] = check_tp()
     out = Path(__file__).with_name("gpu-results.json")
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
     print(f"wrote {out}")
