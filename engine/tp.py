@@ -315,7 +315,8 @@ class TensorParallel:
         store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timedelta(seconds=timeout_s),
                               wait_for_workers=False)
         port = store.port
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tp)
+        # the CPUs the worker was given (its engine's threads), else the host's, shared by the ranks
+        threads = threads_per_rank or max(1, (config.num_threads or os.cpu_count() or 1) // tp)
         # fresh interpreters (not multiprocessing): nothing depends on how the parent's main module
         # was started (a console script, a Ray worker, a test runner)
         self.procs = []
