@@ -221,17 +221,19 @@ def test_quantized_engine_batched_equals_alone(smollm, quantized):
 
 @pytest.mark.slow
 def test_workers_load_what_the_config_says(smollm):
-    """Engines, Ray workers and `pdserve worker` all load through load_for_config (a Ray
-    worker once dropped the quantization and served fp32 weights under --quantization int8)."""
+    """Engines, Ray workers and `pdserve worker` all load through load_for_config, by way of
+    worker_host.load_worker_model (a Ray worker once dropped the quantization and served fp32
+    weights under --quantization int8)."""
     import inspect
 
-    from pdserve.deploy import launch, worker_cmd
-    from pdserve.engine.weights import load_for_config
-    loaded = load_for_config(EngineConfig(quantization="int8"))
-    assert loaded.fingerprint.endswith("+int8")
+    from pdserve.deploy import launch, worker_cmd, worker_host
+    loaded, tok = worker_host.load_worker_model(EngineConfig(quantization="int8"))
+    assert loaded.fingerprint.endswith("+int8") and tok.vocab_size == smollm[1].vocab_size
     assert type(loaded.model.lm_head_linear).__name__ == "WeightOnlyLinear"
     for module in (launch, worker_cmd):
-        assert "load_for_config(" in inspect.getsource(module) and "load_model(" not in inspect.getsource(module)
+        assert "load_worker_model(" in inspect.getsource(module) and "load_model(" not in inspect.getsource(module)
+    source = inspect.getsource(worker_host)
+    assert "load_for_config(" in source and "load_model(" not in source
 
 
 @pytest.mark.slow
