@@ -56,7 +56,7 @@ class WorkerActor:
                 single_threaded_here()  # this loop's tensor ops (KV landing) must not open a 2nd OpenMP team
                 record = await self.host.start()
                 self._record = record.__dict__ | {"pid": os.getpid()}
-        return self._record
+        return self._record | {"registry_error": self.host.registry_error}
 
     async def stats(self) -> dict:
         e = self.host.engine

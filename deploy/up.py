@@ -4,6 +4,7 @@ this process. Ctrl-C stops everything it started, by PID or actor handle."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -31,13 +32,24 @@ def _start_ray(ray_address: str, needed_cpus: float, ray_cpus: float = 0.0):
     return temp
 
 
+def _embedded_redis(ray_address: str):
+    """The cluster's registry when none is given: a redis-server on loopback, or, when joining
+    a Ray cluster whose other nodes must reach it, on this node's address with a random
+    password (the URL the workers get carries it)."""
+    from pdserve.registry.embedded import EmbeddedRedis
+
+    if not ray_address:
+        return EmbeddedRedis().start()
+    import ray
+    return EmbeddedRedis(host=ray.util.get_node_ip_address(), password=secrets.token_urlsafe(24)).start()
+
+
 def run_up(config: ClusterConfig, api: bool = True) -> int:
     """Run the cluster until Ctrl-C or SIGTERM. api=False (`--no-router`): the pools and their
     admin endpoints only; routers run elsewhere."""
     import ray
 
     from pdserve.engine.weights import resolve_model_path
-    from pdserve.registry.embedded import EmbeddedRedis
     from pdserve.registry.urls import redact_url
 
     from .launch import Pool, PoolControl, stop_pools
@@ -46,26 +58,30 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     t0 = time.monotonic()
     log = make_logger(t0)
     model_path = resolve_model_path(config.engine.model or None)
-    redis = None if config.registry.redis_url else EmbeddedRedis().start()
-    if redis is not None:
-        config = replace(config, registry=replace(config.registry, redis_url=redis.url))
-    registry = config.registry
-    log(f"registry: {redact_url(registry.redis_url)}" + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
-    log(f"cluster name: {registry.cluster_name} (`pdserve router --redis-url URL --cluster-name "
-        f"{registry.cluster_name} --cluster-token TOKEN` adds a router; without --cluster-token this cluster's "
-        "token is random)")
     started: list[Pool] = []
-    supervisor = None
+    supervisor, redis = None, None
     ray_temp, clean = None, False
     try:
         ray_temp = _start_ray(config.ray_address, sum(p.replicas * p.num_cpus for p in config.pools().values()),
                               config.ray_cpus)
+        redis = None if config.registry.redis_url else _embedded_redis(config.ray_address)
+        if redis is not None:
+            config = replace(config, registry=replace(config.registry, redis_url=redis.url))
+        registry = config.registry
+        log(f"registry: {redact_url(registry.redis_url)}"
+            + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
+        log(f"cluster name: {registry.cluster_name} (`pdserve router --redis-url URL --cluster-name "
+            f"{registry.cluster_name} --cluster-token TOKEN` adds a router; without --cluster-token this cluster's "
+            "token is random)")
         log(f"ray: {ray.get_runtime_context().gcs_address}" + (f" (session files in {ray_temp})" if ray_temp else ""))
         started = [Pool(role, config) for role in config.pools()]
         pending = [pool.launch() for pool in started]  # all pools load their model at once
         for pool, refs in zip(started, pending):
             for r in pool.wait(refs):
                 log(f"{r['role']} worker {r['worker_id']} (pid {r['pid']}) on {r['address']}")
+                if r.get("registry_error"):
+                    log(f"{r['worker_id']} cannot reach the registry yet ({r['registry_error']}); it joins the "
+                        "cluster once it can")
         stopping = threading.Event()
 
         def supervise():  # brings restarted actors back into service

@@ -75,6 +75,11 @@ class HostedWorker:
         self.registration: WorkerRegistration | None = None
 
     @property
+    def registry_error(self) -> str:
+        """Why this worker is not in the registry ("": it is, or it has none)."""
+        return self.registration.last_error if self.registration is not None else ""
+
+    @property
     def engine(self) -> LLMEngine:
         return self.worker.engine.engine
 
@@ -87,7 +92,7 @@ class HostedWorker:
             await self.publisher.reset_stream()
             self.publisher.start()
             self.registration = WorkerRegistration(c.registry.redis_url, c.registry.cluster_name, record)
-            await self.registration.beat()
+            await self.registration.beat()  # a failure is retried every interval, and reported
             self.registration.start()
         self.record = record
         self._watchdog = asyncio.create_task(self._watch_engine())

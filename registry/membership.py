@@ -39,13 +39,17 @@ class WorkerRegistration:
         self.key, self.record = worker_key(cluster, record.worker_id), record
         self.ttl_ms, self.interval_s = int(ttl_s * 1000), interval_s
         self._task: asyncio.Task | None = None
+        self.last_error = ""
+        """Why the latest heartbeat failed ("": it succeeded), secrets removed."""
 
     async def beat(self) -> bool:
         try:
             await self.redis.set(self.key, json.dumps(asdict(self.record)), px=self.ttl_ms)
+            self.last_error = ""
             return True
         except (RedisError, OSError) as e:
-            log.warning("heartbeat of %s failed: %s", self.record.worker_id, describe_error(e, self._url))
+            self.last_error = describe_error(e, self._url)
+            log.warning("heartbeat of %s failed: %s", self.record.worker_id, self.last_error)
             return False
 
     async def _loop(self) -> None:
