@@ -33,6 +33,8 @@ class WorkerActor:
 
         if config.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
             config = replace(config, host=ray.util.get_node_ip_address())
+        if config.core_share_dir:  # the workers of one node share cores: nodes may share a filesystem
+            config = replace(config, core_share_dir=f"{config.core_share_dir}-{ray.get_runtime_context().get_node_id()}")
         self.config = config
         if config.engine.num_threads:
             torch.set_num_threads(config.engine.num_threads)
@@ -145,6 +147,7 @@ class Pool:
                 self.records += records
                 self._down_since += [None] * len(added)
                 notes += [f"{r['role']} worker {r['worker_id']} added (pid {r['pid']}) on {r['address']}"
+                          + (f" (cannot reach the registry yet: {r['registry_error']})" if r["registry_error"] else "")
                           for r in records]
             elif n < len(self.actors):
                 gone, records = self.actors[n:], self.records[n:]

@@ -57,12 +57,17 @@ class Hosts:
             ip("netns", "del", ns)
         ip("link", "del", self.bridge)
 
-    def run(self, logs: Path, name: str, *argv: str, env: dict | None = None) -> subprocess.Popen:
-        """`argv` on host `name`: stdout a pipe, stderr a file of `logs` (a pipe nobody reads
-        would block the program once it filled)."""
+    def run(self, logs: Path, name: str, *argv: str, env: dict | None = None, stdout_pipe: bool = True
+            ) -> subprocess.Popen:
+        """`argv` on host `name`: stderr to a file of `logs` (a pipe nobody reads would block the
+        program once it filled), stdout a pipe (for a ready line) or, `stdout_pipe` False, that
+        file too."""
         err = open(logs / f"{len(list(logs.iterdir()))}-{name}-{Path(argv[0]).name}.log", "w+")
-        return subprocess.Popen(["ip", "netns", "exec", self.ns[name], *argv], stdout=subprocess.PIPE, stderr=err,
-                                text=True, env=env or dict(os.environ, PYTHONWARNINGS="ignore"))
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns[name], *argv], stderr=err, text=True,
+                             stdout=subprocess.PIPE if stdout_pipe else err,
+                             env=env or dict(os.environ, PYTHONWARNINGS="ignore"))
+        p.log = err
+        return p
 
     def rx_bytes(self, name: str) -> int:
         """Bytes host `name` has received over its link."""
@@ -70,9 +75,11 @@ class Hosts:
         return json.loads(shown.stdout)[0]["stats64"]["rx"]["bytes"]
 
 
-def stderr_of(p: subprocess.Popen) -> str:
-    p.stderr.seek(0)
-    return p.stderr.read()[-4000:]
+def stderr_of(p: subprocess.Popen, last: int = 4000) -> str:
+    """The end of what a program started by `Hosts.run` has logged so far."""
+    p.log.flush()
+    with open(p.log.name) as f:
+        return f.read()[-last:]
 
 
 def stop_all(procs: list[subprocess.Popen], timeout_s: float = 90.0, sig: int = signal.SIGINT) -> list[int]:

@@ -15,21 +15,11 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.security import TLSConfig, TLSConfigError, open_channel, stats_request
-from tests.clusters import local_config
+from tests.clusters import local_config, write_identity
 
 trustme = pytest.importorskip("trustme")
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
-NAME = "pdserve-cluster"  # the certificate names the cluster, not an address: pods get arbitrary IPs
-
-
-def write_identity(ca, tmp_path, tag: str) -> TLSConfig:
-    cert = ca.issue_cert(NAME)
-    paths = {k: tmp_path / f"{tag}-{k}.pem" for k in ("cert", "key", "ca")}
-    paths["cert"].write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    return TLSConfig(str(paths["cert"]), str(paths["key"]), str(paths["ca"]), server_name=NAME)
 
 
 @pytest.fixture(scope="module")
