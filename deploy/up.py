@@ -17,19 +17,20 @@ from .router_server import check_exposure, make_logger, serve_router
 
 
 def _start_ray(ray_address: str, needed_cpus: float, ray_cpus: float = 0.0):
-    """Join `ray_address`, or start a private local Ray (returns its session directory)."""
+    """Join `ray_address`, or start a private local Ray. Returns the GCS address and the
+    session directory of the local Ray (None when joining)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray_address:
         ray.init(address=ray_address, log_to_driver=False)
-        return None
+        return ray.get_runtime_context().gcs_address, None
     temp = tempfile.mkdtemp(prefix="pdserve-ray-")
     cpus = max(ray_cpus or os.cpu_count() or 1, needed_cpus)
     ray.init(num_cpus=int(cpus + 0.999), include_dashboard=False,
              object_store_memory=128 << 20, _temp_dir=temp, log_to_driver=False)
-    return temp
+    return ray.get_runtime_context().gcs_address, temp
 
 
 def _embedded_redis(ray_address: str):
@@ -62,7 +63,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     supervisor, redis = None, None
     ray_temp, clean = None, False
     try:
-        ray_temp = _start_ray(config.ray_address, sum(p.replicas * p.num_cpus for p in config.pools().values()),
+        gcs, ray_temp = _start_ray(config.ray_address, sum(p.replicas * p.num_cpus for p in config.pools().values()),
                               config.ray_cpus)
         redis = None if config.registry.redis_url else _embedded_redis(config.ray_address)
         if redis is not None:
@@ -73,7 +74,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
         log(f"cluster name: {registry.cluster_name} (`pdserve router --redis-url URL --cluster-name "
             f"{registry.cluster_name} --cluster-token TOKEN` adds a router; without --cluster-token this cluster's "
             "token is random)")
-        log(f"ray: {ray.get_runtime_context().gcs_address}" + (f" (session files in {ray_temp})" if ray_temp else ""))
+        log(f"ray: {gcs}" + (f" (session files in {ray_temp})" if ray_temp else ""))
         started = [Pool(role, config) for role in config.pools()]
         pending = [pool.launch() for pool in started]  # all pools load their model at once
         for pool, refs in zip(started, pending):

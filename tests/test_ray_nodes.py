@@ -160,6 +160,8 @@ def reference(smollm):
 
 
 def test_pools_on_their_nodes_and_the_kv_crosses_the_link(cluster, reference):
+    # no --redis-url: the Redis `pdserve up` embeds listens on the head's address, with a password
+    assert f"registry: redis://:***@{IP['head']}:" in cluster.log()
     workers = cluster.workers()
     assert {k: w["address"].split(":")[0] for k, w in workers.items()} == {"prefill-0": IP["head"],
                                                                           "decode-0": IP["worker"]}

@@ -352,6 +352,8 @@ def test_passwords_never_reach_the_logs_when_redis_is_unreachable(caplog):
     async def main():
         reg = WorkerRegistration(url, "down", WorkerRecord("w1", "decode", "127.0.0.1:1"))
         beat = await reg.beat()
+        # what `pdserve up` shows of a worker that cannot register: why, without the password
+        assert "Connect call failed" in reg.last_error and secret not in reg.last_error, reg.last_error
         await reg.stop()
         pub = EventPublisher(url, "down", "w1")
         pub(BlockStored(1, 42, 0, (), -1))
@@ -370,13 +372,15 @@ def test_passwords_never_reach_the_logs_when_redis_is_unreachable(caplog):
 
 
 def test_up_logs_the_registry_url_without_its_password(tmp_path, monkeypatch, capsys):
+    import pdserve.deploy.launch
     import pdserve.deploy.up
     from pdserve.cli import main
 
-    def stop_here(*_):  # just after the registry line; nothing is started
+    def stop_here(*_):  # just after the registry line; no worker is started
         raise ValueError("stopped by the test")
 
-    monkeypatch.setattr(pdserve.deploy.up, "_start_ray", stop_here)
+    monkeypatch.setattr(pdserve.deploy.up, "_start_ray", lambda *_: ("no-ray", None))
+    monkeypatch.setattr(pdserve.deploy.launch, "Pool", stop_here)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     assert main(["up", "--model", str(model), "--redis-url", "redis://alice:Zq9-up-secret@127.0.0.1:1/0"]) == 2
