@@ -319,23 +319,21 @@ class LLMEngine:
         self._layer_streams.pop(request_id, None)
 
     def _layer_hook(self, chunks):
-        """The per-layer callback of a step, if a streamed request's prompt completes in it
-        (not in a tensor-parallel group: its ranks are inside the forward pass then, so the KV
-        goes whole after the step)."""
-        if self.tp is not None:
-            return None
+        """The per-layer callback of a step, if a streamed request's prompt completes in it. In
+        a tensor-parallel group every rank runs it (the step carries `tp_plan`): each export
+        gathers the ranks' heads."""
         streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
                    if c.completes and c.request.request_id in self._layer_streams]
         if not streams:
             return None
-        n_layers = self.model_config.num_hidden_layers
+        from .tp import layer_streams
+        plan = [(self.blocks.block_table(req.request_id)[first_block:], group) for req, _, group, first_block in streams]
+        kw = {"announce": False} if self.tp is not None else {}  # the other ranks export in their own pass
 
-        def after_layer(i: int) -> None:
-            for req, on_layers, group, first_block in streams:
-                if (i + 1) % group == 0 or i + 1 == n_layers:
-                    start = i - i % group
-                    blocks = self.blocks.block_table(req.request_id)[first_block:]
-                    on_layers(start, i + 1, self.kv_cache.export_blocks(blocks, layers=(start, i + 1)))
+        def export(k, blocks, layers):
+            streams[k][1](*layers, self.kv_cache.export_blocks(blocks, layers=layers, **kw))
+        after_layer = layer_streams(plan, self.model_config.num_hidden_layers, export)
+        after_layer.tp_plan = plan
         return after_layer
 
     def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:

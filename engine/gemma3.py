@@ -70,7 +70,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 after_layer=None) -> torch.Tensor:
         """As LlamaForCausalLM.forward (the residual adds are not fused into the norms here:
         Gemma's norms sit on the branches)."""
-        h = self.model.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)  # rounded to the dtype, as HF does
         rope_global = self.rotary(positions, self.native_ops)
         rope_local = self.rotary_local(positions, self.native_ops)

@@ -217,6 +217,11 @@ class LlamaForCausalLM(nn.Module):
     vocabulary logits of the rows that need sampling (the LM head is the largest matmul, so it
     only runs on those)."""
 
+    # a rank of a tensor-parallel group (engine/tp.py) holds the vocabulary rows
+    # [vocab_start, vocab_start + its embedding's rows) of the embedding and the LM head
+    tp = None
+    vocab_start = 0
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
         super().__init__()
         self.config = cfg
@@ -281,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,). kv_caches: per layer (K, V) paged tensors.
         after_layer(i): called once layer i has written its K/V (layer-wise KV streaming).
         Returns the final normed hidden states, (T, hidden)."""
-        h = self.model.embed_tokens(input_ids)  # (T, hidden)
+        h = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:
             return self._forward_fused_norms(h, rope, kv_caches, meta, after_layer)
@@ -305,5 +310,19 @@ class LlamaForCausalLM(nn.Module):
                 after_layer(i)
         return native.add_rms_norm(h, delta, self.model.norm.weight, self.model.norm.eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden) if self.lm_head_linear is None else self.lm_head_linear(hidden)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `input_ids`. Vocabulary-parallel: each rank looks up the ids in
+        its rows (zeros for the others) and the group sums them, exactly (one term is nonzero)."""
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        rows = self.model.embed_tokens.weight.shape[0]
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < rows)
+        h = self.model.embed_tokens(local.clamp(0, rows - 1)) * mine.unsqueeze(-1).to(self.model.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the vocabulary, (rows, vocab). Vocabulary-parallel: each rank computes
+        its rows' logits and rank 0 gets them all (the other ranks get None)."""
+        out = self.lm_head(hidden) if self.lm_head_linear is None else self.lm_head_linear(hidden)
+        return out if self.tp is None else self.tp.gather_columns(out.contiguous())

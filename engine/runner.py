@@ -75,34 +75,43 @@ class ModelRunner:
         ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
         self._prompt_spans, self._all_rows = [], all_rows
         input_ids, positions, meta, sample_rows = self._build(ordered)
-        if self.tp is not None:  # the other ranks run the same step on their slices
-            self.tp.step(input_ids, positions, meta)
+        passes = self._prompt_passes()
+        sampled = None if len(sample_rows) == input_ids.shape[0] else sample_rows  # None: every row
+        if self.tp is not None:  # the other ranks run the same step, and the same logits passes
+            self.tp.step(input_ids, positions, meta, [(lo, hi) for _, _, lo, hi in passes], sampled,
+                         getattr(after_layer, "tp_plan", None))
         self.model.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)
-        for req, row, start, n in self._prompt_spans:
-            self._prompt_logprobs(req, hidden[row:row + n], start)
-        if len(sample_rows) != hidden.shape[0]:  # all rows sample in a pure decode step
-            hidden = hidden[sample_rows]
-        logits = self.model.compute_logits(hidden)
+        for req, first, lo, hi in passes:
+            self._prompt_logprobs(req, hidden[lo:hi], first)
+        logits = self.model.compute_logits(hidden if sampled is None else hidden[sampled])
         return [c for c in ordered if c.completes], logits
 
-    def _prompt_logprobs(self, req, hidden: torch.Tensor, start: int, rows_per_pass: int = 64) -> None:
-        """Append the logprobs of prompt tokens start+1.. (predicted by rows start..) to
-        `req.prompt_logprobs`, a few rows at a time (full-vocabulary logits of a long prompt
-        would not fit). Recomputed positions (after a preemption) are not appended twice."""
+    def _prompt_passes(self, rows_per_pass: int = 64) -> list[tuple]:
+        """The prompt-logprob passes of this step, (request, position of its first row, first
+        row, end row): a few rows at a time, as full-vocabulary logits of a long prompt would
+        not fit."""
+        passes = []
+        for req, row, start, n in self._prompt_spans:
+            end = min(n, req.num_prompt_tokens - 1 - start)  # rows that predict a prompt token
+            passes += [(req, start + a, row + a, row + min(end, a + rows_per_pass)) for a in range(0, end, rows_per_pass)]
+        return passes
+
+    def _prompt_logprobs(self, req, hidden: torch.Tensor, first: int) -> None:
+        """Append the logprobs of the prompt tokens that `hidden`'s rows (positions first..)
+        predict to `req.prompt_logprobs`. Recomputed positions (after a preemption) are not
+        appended twice."""
         from .sampler import TokenLogprobs
 
         if req.prompt_logprobs is None:
             req.prompt_logprobs = []
         k = req.params.prompt_logprobs
-        end = min(hidden.shape[0], req.num_prompt_tokens - 1 - start)
-        for a in range(0, end, rows_per_pass):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[a:min(end, a + rows_per_pass)]).float(), dim=-1)
-            top = torch.topk(lp, k, dim=-1) if k else None
-            for j in range(lp.shape[0]):
-                target = start + a + j + 1
-                if target != len(req.prompt_logprobs) + 1:
-                    continue
-                tok = req.all_token_ids[target]
-                req.prompt_logprobs.append(TokenLogprobs(tok, float(lp[j, tok]), list(zip(
-                    top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []))
+        lp = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
+        top = torch.topk(lp, k, dim=-1) if k else None
+        for j in range(lp.shape[0]):
+            target = first + j + 1
+            if target != len(req.prompt_logprobs) + 1:
+                continue
+            tok = req.all_token_ids[target]
+            req.prompt_logprobs.append(TokenLogprobs(tok, float(lp[j, tok]), list(zip(
+                top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []))

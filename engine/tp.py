@@ -5,8 +5,10 @@ Each rank holds a slice of every layer, Megatron-style: q/k/v and gate/up are sp
 (attention heads with their KV heads; the MLP's intermediate units), o_proj and down_proj by
 input, and their partial outputs are summed by an all-reduce, so each layer costs two. KV
 heads are split with their query heads; a degree above the KV head count replicates each KV
-head on the ranks of its query group. Norms, embeddings and the LM head are replicated, and
-only rank 0 computes logits. Each rank's paged cache holds its KV heads of every block.
+head on the ranks of its query group. The embedding and the LM head are split by vocabulary
+rows: a lookup is summed over the group (each id lives on one rank), and each rank's logits
+are gathered on rank 0, the only rank that samples. Norms are replicated. Each rank's paged
+cache holds its KV heads of every block.
 
 Rank 0 is the engine: its scheduler and block manager decide everything, and before each
 forward pass it broadcasts the step (token ids, positions, the attention metadata) to the
@@ -34,6 +36,7 @@ from .errors import PdserveError
 from .kv_cache import KVCache
 
 ATTN = ("q_proj", "k_proj", "v_proj")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 class RankFailed(PdserveError, RuntimeError):
@@ -65,13 +68,20 @@ def kv_heads_of(cfg: ModelConfig, tp: int, rank: int) -> slice:
     return slice(rank // per, rank // per + 1)
 
 
+def vocab_of(cfg: ModelConfig, tp: int, rank: int) -> slice:
+    """Rank `rank`'s rows of the embedding and the LM head."""
+    return _span(cfg.vocab_size, tp, rank)
+
+
 def shard(state: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int
           ) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Rank `rank`'s weights (Hugging Face names) and the config of its slice."""
+    """Rank `rank`'s weights (Hugging Face names) and the config of its slice (its vocabulary
+    size: its rows of the embedding)."""
     check_degree(cfg, tp)
     hd, heads = cfg.head_dim, _span(cfg.num_attention_heads, tp, rank)
     kvh = kv_heads_of(cfg, tp, rank)
     mlp = _span(cfg.intermediate_size, tp, rank)
+    vocab = vocab_of(cfg, tp, rank)
     rows = {"q_proj": slice(heads.start * hd, heads.stop * hd), "k_proj": slice(kvh.start * hd, kvh.stop * hd)}
     rows["v_proj"] = rows["k_proj"]
     out = {}
@@ -86,9 +96,11 @@ def shard(state: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int
             w = w[mlp]
         elif module == "down_proj":
             w = w[:, mlp]
+        elif name in VOCAB:
+            w = w[vocab]
         out[name] = w.contiguous()
     local = replace(cfg, num_attention_heads=heads.stop - heads.start, num_key_value_heads=kvh.stop - kvh.start,
-                    intermediate_size=mlp.stop - mlp.start, head_dim=hd)
+                    intermediate_size=mlp.stop - mlp.start, head_dim=hd, vocab_size=vocab.stop - vocab.start)
     return out, local
 
 
@@ -99,6 +111,8 @@ class ModelSource:
 
     model: str = ""
     tiny_seed: int | None = None
+    tiny_overrides: tuple[tuple[str, object], ...] = ()
+    """(field, value) pairs of the tiny model's config (engine/tiny.tiny_config)."""
 
     def read(self):
         """(state dict, config, fingerprint, path)."""
@@ -107,7 +121,7 @@ class ModelSource:
         from .weights import load_state_dict, resolve_model_path
         if self.tiny_seed is not None:
             from .tiny import tiny_config, tiny_state_dict
-            cfg = tiny_config()
+            cfg = tiny_config(**dict(self.tiny_overrides))
             return tiny_state_dict(cfg, self.tiny_seed), cfg, f"tiny-{self.tiny_seed}", Path("<tiny>")
         path = resolve_model_path(self.model or None)
         state, cfg, fp = load_state_dict(path)
@@ -115,8 +129,9 @@ class ModelSource:
 
 
 def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int):
-    """The LoadedModel of one rank's slice, and the whole model's config."""
-    from .weights import LoadedModel, build_model
+    """The LoadedModel of one rank's slice (its config: the slice's heads and units, the
+    whole vocabulary), and the whole model's config."""
+    from .weights import LoadedModel, build_model, quantized_fingerprint
 
     state, cfg, fp, path = source.read()
     if config.max_model_len:
@@ -124,8 +139,8 @@ def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int):
     local_state, local = shard(state, cfg, tp, rank)
     model = build_model(local, local_state, getattr(torch, config.dtype), config.device, config.packed_weights,
                         config.quantization)
-    return LoadedModel(model, local, path, f"{fp}+tp{tp}" if config.quantization in ("none", "auto", "exact")
-                       else f"{fp}+{config.quantization}+tp{tp}"), cfg
+    return LoadedModel(model, replace(local, vocab_size=cfg.vocab_size), path,
+                       quantized_fingerprint(fp, config.quantization, model)), cfg
 
 
 class Group:
@@ -141,6 +156,7 @@ class Group:
             raise RankFailed(f"the tensor-parallel group of {world} ranks did not form: {e}") from e
         self.allreduce_s = 0.0
         self.allreduces = 0
+        self.widths: list[int] = []  # every rank's columns in gather_columns (set by attach)
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -185,6 +201,17 @@ class Group:
         self._wait(self.pg.gather(out, [t], opts), "gathering KV")
         return out[0] if self.rank == 0 else None
 
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's (rows, widths[rank]) `t` side by side on rank 0 (None elsewhere). Gloo
+        gathers equal shapes: each part travels padded to the widest."""
+        wide = max(self.widths)
+        if t.shape[-1] < wide:
+            t = torch.nn.functional.pad(t, (0, wide - t.shape[-1]))
+        parts = self.gather(t)
+        if parts is None:
+            return None
+        return torch.cat([p[..., :w] for p, w in zip(parts, self.widths)], dim=-1)
+
     def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
         """Rank 0's parts[r] into rank r's `out`."""
         opts = dist.ScatterOptions()
@@ -195,10 +222,14 @@ class Group:
         self.pg = None
 
 
-def attach(model, group: Group) -> None:
-    """Sum every layer's partial attention and MLP outputs over the group."""
+def attach(model, group: Group, full: ModelConfig) -> None:
+    """Sum every layer's partial attention and MLP outputs, and the embedding lookups, over
+    the group; gather the logits of every rank's vocabulary rows."""
     for layer in model.model.layers:
         layer.self_attn.tp = layer.mlp.tp = group
+    spans = [vocab_of(full, group.world, r) for r in range(group.world)]
+    group.widths = [v.stop - v.start for v in spans]
+    model.tp, model.vocab_start = group, spans[group.rank].start
 
 
 def _die_with_parent() -> None:
@@ -227,7 +258,7 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
     loaded, full = load_rank(source, config, tp, rank)
     store = dist.TCPStore("127.0.0.1", port, tp, False, timeout=timedelta(seconds=timeout_s))
     group = Group(rank, tp, store, timeout_s)
-    attach(loaded.model, group)
+    attach(loaded.model, group, full)
     kv = TPKVCache(full, loaded.config, config, group)
     model = loaded.model
     model.backend = default_backend(config.device, getattr(torch, config.dtype), config.attention)
@@ -238,9 +269,7 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
             while True:
                 cmd = group.broadcast(None)
                 if cmd[0] == "step":
-                    _, ids, pos, meta = cmd
-                    model.backend.prepare(meta)
-                    model(ids, pos, layers, meta)
+                    _follow_step(model, kv, layers, *cmd[1:])
                 elif cmd[0] == "export":
                     kv.export_blocks(*cmd[1:])
                 elif cmd[0] == "import":
@@ -251,6 +280,30 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
         os._exit(1)  # rank 0 is gone: nothing left to serve
     finally:
         group.close()
+
+
+def layer_streams(streams: list[tuple[list[int], int]], n_layers: int, export):
+    """The per-layer callback of a step that streams KV: for the k-th (blocks, group) of
+    `streams`, `export(k, blocks, (start, end))` once layers [start, end) are written, every
+    `group` layers and at the last one. The same on every rank: each export is a gather."""
+    def after_layer(i: int) -> None:
+        for k, (blocks, group) in enumerate(streams):
+            if (i + 1) % group == 0 or i + 1 == n_layers:
+                export(k, blocks, (i - i % group, i + 1))
+    return after_layer
+
+
+def _follow_step(model, kv: "TPKVCache", layers, ids, pos, meta, passes, sampled, streams) -> None:
+    """Rank 0's step on this rank's slice: the forward pass with its KV exports, then the same
+    logits passes (their results live on rank 0)."""
+    model.backend.prepare(meta)
+    after = None
+    if streams:
+        after = layer_streams(streams, len(layers), lambda _, b, r: kv.export_blocks(b, r, announce=False))
+    hidden = model(ids, pos, layers, meta, after)
+    for lo, hi in passes:
+        model.compute_logits(hidden[lo:hi])
+    model.compute_logits(hidden if sampled is None else hidden[sampled])
 
 
 def _native_ok(model) -> bool:
@@ -278,9 +331,12 @@ class TPKVCache(KVCache):
         L, two, bs, _, hd = super().layout
         return (L, two, bs, self.full.num_key_value_heads, hd)
 
-    def export_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
+    def export_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None,
+                      announce: bool = True) -> torch.Tensor:
+        """`announce` False: the other ranks export the same blocks without being told (inside
+        a forward pass, from the step's layer streams)."""
         g = self.group
-        if g.rank == 0 and g.world > 1:
+        if g.rank == 0 and g.world > 1 and announce:
             g.broadcast(("export", block_ids, layers))
         mine = super().export_blocks(block_ids, layers)
         parts = g.gather(mine)
@@ -327,15 +383,18 @@ class TensorParallel:
             p.stdin.close()
             self.procs.append(p)
         self.group = Group(0, tp, store, timeout_s, on_failure=self._kill_ranks)
-        attach(self.loaded.model, self.group)
+        attach(self.loaded.model, self.group, self.full)
 
     def kv_cache(self) -> TPKVCache:
         return TPKVCache(self.full, self.loaded.config, self.config, self.group)
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """Before rank 0's forward pass: the other ranks run the same step."""
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, passes: list[tuple[int, int]],
+             sampled: list[int] | None, streams: list | None = None) -> None:
+        """Before rank 0's forward pass: the other ranks run the same step, with the same
+        prompt-logprob row ranges `passes`, then the sampled rows (`sampled`; None: all), and
+        the KV exports of `streams` ((blocks, every n layers)) inside it."""
         if self.tp > 1:
-            self.group.broadcast(("step", input_ids, positions, meta))
+            self.group.broadcast(("step", input_ids, positions, meta, passes, sampled, streams or []))
 
     def _kill_ranks(self) -> None:
         """A rank failed: the others stop at once (not at their collective's timeout)."""

@@ -325,13 +325,20 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
     state, cfg, fingerprint = load_state_dict(path)
     if max_model_len:
         cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
-    if quantization not in ("none", "auto", "exact"):
-        fingerprint = f"{fingerprint}+{quantization}"
     built = build_model(cfg, state, dtype, device, packed_weights, quantization)
+    return LoadedModel(built, cfg, path, quantized_fingerprint(fingerprint, quantization, built))
+
+
+def quantized_fingerprint(fingerprint: str, quantization: str, built: LlamaForCausalLM) -> str:
+    """The fingerprint of the weights' KV as `built` computes it: a quantized model's differs
+    from the full-precision one's. A tensor-parallel slice gets its whole model's (its KV
+    leaves the group in the whole model's layout, equal within float tolerance)."""
+    if quantization not in ("none", "auto", "exact"):
+        return f"{fingerprint}+{quantization}"
     if quantization in ("auto", "exact") and built.quantized_matrices():
         # what "auto" resolved to on this CPU: KV computed with int8 activations differs
-        fingerprint = f"{fingerprint}+{'w4a8' if built.int8_activation_matrices() else 'exact'}"
-    return LoadedModel(built, cfg, path, fingerprint)
+        return f"{fingerprint}+{'w4a8' if built.int8_activation_matrices() else 'exact'}"
+    return fingerprint
 
 
 def load_for_config(config) -> LoadedModel:

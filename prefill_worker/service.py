@@ -153,8 +153,8 @@ class PrefillWorker:
                  cluster_token: str = "", max_queue: int = 0, tls: TLSConfig | None = None,
                  layer_group: int = 0, wire_dtype: str = "auto", tracer: Tracer = OFF):
         """layer_group > 0: stream each prompt's KV to the decode worker every `layer_group`
-        layers, as they are computed (transfer overlaps compute); 0, or a tensor-parallel
-        engine: after the whole prompt.
+        layers, as they are computed (transfer overlaps compute; in a tensor-parallel group
+        each push gathers the ranks' heads); 0: after the whole prompt.
         wire_dtype (config.KV_WIRE_DTYPES): "auto" sends the blocks as the cache holds them,
         another converts them for the transfer only.
         max_queue > 0: at most this many prompts queued or prefilling here; more are
@@ -166,9 +166,7 @@ class PrefillWorker:
         self.inflight = self.refused = 0
         self.draining = False  # set when the pool shrinks: refuse new prompts, finish the rest
         self.tls = tls
-        # a tensor-parallel engine's ranks are inside the forward pass when a layer finishes:
-        # its KV leaves whole, after the prompt (LLMEngine._layer_hook)
-        self.layer_group = layer_group if getattr(engine.engine, "tp", None) is None else 0
+        self.layer_group = layer_group
         self.wire_format = None if wire_dtype == "auto" else kv_format.FORMATS[kv_format.CHOICES[wire_dtype]]
         self.stream_pushes = 0  # layer-range pushes sent (layer-wise streaming)
         self.kv_bytes, self.kv_seconds = 0, 0.0  # pushed, and time spent pushing

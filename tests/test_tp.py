@@ -45,6 +45,8 @@ def test_each_rank_holds_its_heads_and_mlp_units(tp):
                            state["model.layers.0.self_attn.k_proj.weight"][kv.start * 16:kv.stop * 16])
         assert part["model.layers.0.mlp.down_proj.weight"].shape == (64, 128 // tp)
         assert torch.equal(part["model.norm.weight"], state["model.norm.weight"])  # replicated
+        rows = state["model.embed_tokens.weight"].tensor_split(tp)[rank]  # vocabulary-parallel
+        assert torch.equal(part["model.embed_tokens.weight"], rows) and local.vocab_size == rows.shape[0]
 
 
 def clean(e: LLMEngine) -> None:
@@ -86,8 +88,40 @@ def test_greedy_tokens_and_logprobs_equal_one_rank_batched_and_chunked(tp_engine
     got, got_lp = run(e, ps)
     assert got == want
     assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-4
-    assert e.tp.group.allreduces == 0 or e.tp.group.allreduces % (2 * 2) == 0  # two per layer, two layers
+    # per step: two per layer (two layers) and the embedding lookup
+    assert e.tp.group.allreduces > 0 and e.tp.group.allreduces % (2 * 2 + 1) == 0
+    vocab = tiny_config().vocab_size  # rank 0 holds its share of the vocabulary, not all of it
+    assert e.runner.model.model.embed_tokens.weight.shape[0] == -(-vocab // tp) == e.runner.model.lm_head.weight.shape[0]
     clean(e)
+
+
+def test_an_uneven_tied_vocabulary_and_prompt_logprobs_over_two_ranks(tp_engine):
+    """509 rows split 255 + 254 (the gather pads the narrower part); the LM head is the
+    embedding; prompt logprobs take several passes of a 100-token prompt in 64-token chunks."""
+    over = (("vocab_size", 509), ("tie_word_embeddings", True))
+    ps = [[t % 509 for t in p] for p in prompts(3, seed=5, lo=70, hi=100)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    ref = LLMEngine(tiny_llama(0, **dict(over)), CONFIG)
+    e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=over), CONFIG, 2)
+    try:
+        outs = {}
+        for engine in (ref, e):
+            for i, p in enumerate(ps):
+                engine.add_request(f"u{i}", p, params)
+            got = {f"u{i}": ([], None) for i in range(len(ps))}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    toks, plp = got[o.request_id]
+                    got[o.request_id] = (toks + o.new_token_ids, o.prompt_logprobs or plp)
+            outs[engine is e] = got
+            clean(engine)
+        for rid, (toks, plp) in outs[False].items():
+            tp_toks, tp_plp = outs[True][rid]
+            assert tp_toks == toks and len(tp_plp) == len(plp) == len(ps[int(rid[1:])]) - 1
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(tp_plp, plp)) < 1e-4
+            assert [t for t, _ in tp_plp[-1].top] == [t for t, _ in plp[-1].top]
+    finally:
+        e.shutdown()
 
 
 def handoff(src: LLMEngine, dst: LLMEngine, ps):
@@ -170,8 +204,9 @@ def test_the_real_model_over_three_ranks_answers_as_over_one(smollm, quantizatio
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(3, 1), (1, 3)])
 def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp, decode_tp):
     """`pdserve up --prefill-tp P --decode-tp D`: the KV crosses between groups of different
-    degrees (gathered to the whole model's layout, split again) and the answer is the single
-    engine's; every block of every group comes back."""
+    degrees (gathered to the whole model's layout, split again), streamed every 5 layers as
+    they are computed, and for a prompt whose prefix the decode worker holds only the tail
+    travels; the answers are the single engine's; every block of every group comes back."""
     import httpx
 
     from pdserve.config import PoolConfig, TransferConfig
@@ -182,23 +217,32 @@ def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp,
     tok = smollm[1]
     loaded = load_model(quantization="none")
     engine = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=32 << 20))
-    q = "Name three colours."
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
-    want = tok.decode(LLMEngine(loaded, engine, tok).generate([ids], SamplingParams(max_tokens=16, temperature=0))[0],
-                      skip_special_tokens=True)
-    config = local_config(engine=engine, transfer=TransferConfig(layer_group=5))  # asked for; TP sends KV whole
+    system = "You are a helpful assistant who answers in one short sentence, plainly and kindly. " * 3
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in ("Name three colours.", "Name three fruits.")]
+    ref = LLMEngine(loaded, engine, tok)
+    want = [tok.decode(ref.generate([tok.encode(tok.apply_chat_template(m))], SamplingParams(
+        max_tokens=16, temperature=0))[0], skip_special_tokens=True) for m in chats]
+    config = local_config(engine=engine, transfer=TransferConfig(layer_group=5))
     config = type(config)(**{**config.__dict__, "prefill": PoolConfig(replicas=1, tp=prefill_tp, max_queue=0),
                              "decode": PoolConfig(replicas=1, tp=decode_tp, max_queue=0)})
     c = LocalCluster(loaded, tok, config).start()
     try:
-        r = httpx.post(c.url + "/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 16, "temperature": 0})
+        rs = [httpx.post(c.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": m, "max_tokens": 16, "temperature": 0}) for m in chats]
         engines = c.engines()
         assert [e.tp.tp if e.tp else 1 for e in engines] == [prefill_tp, decode_tp]
+        pushes = c.worker("prefill-0").worker.stream_pushes
+        dw = c.worker("decode-0").worker
+        handoffs = (dw.remote_prefills, dw.local_prefills, dw.transfer_failures)
     finally:
         c.stop()
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"] == want
+    assert [r.status_code for r in rs] == [200, 200], rs[0].text
+    assert [r.json()["choices"][0]["message"]["content"] for r in rs] == want
+    assert handoffs == (2, 0, 0)  # both prompts' KV crossed between the groups (none recomputed)
+    assert pushes == 2 * 6  # 30 layers in groups of 5, for each prompt
+    cached = rs[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 32  # the shared system prompt's blocks stayed on the decode side: only the tail came
     assert all(e.blocks.num_used_blocks == 0 for e in engines)
     assert all(p.poll() is not None for e in engines if e.tp for p in e.tp.procs)  # the ranks stopped with it
 
