@@ -87,30 +87,69 @@ class Pool:
         self.records: list[dict] = []
         self._down_since: list[float | None] = []
         self._next_index = 0
+        self.groups: list = []  # each actor's placement group (None: one rank)
         # scale() and supervise_once() run on different threads; both change the lists
         self._lock = threading.Lock()
 
-    def _new_actors(self, n: int) -> list:
-        p = self.config
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree of this pool's workers."""
+        return self.config.tp or self.cluster.engine.tensor_parallel_size
+
+    def _new_actors(self, n: int) -> tuple[list, list]:
+        """`n` new actors, and their placement groups (None for a worker of one rank)."""
+        p, tp = self.config, self.tp
         opts = dict(num_cpus=p.num_cpus, num_gpus=p.num_gpus, max_restarts=p.max_restarts)
         if p.resource:
             opts["resources"] = {p.resource: 1}
-        engine = self.cluster.engine
-        engine = replace(engine, num_threads=engine.num_threads or max(1, int(p.num_cpus)))  # threads follow CPUs
-        share = ""
-        if self.cluster.share_cores and engine.device == "cpu":  # one directory per cluster and host
-            share = os.path.join(tempfile.gettempdir(), f"pdserve-cores-{self.cluster.registry.cluster_name}")
-        actors = []
+        actors, groups = [], []
         for _ in range(n):  # ids are never reused: a removed worker's id stays retired
-            worker = self.cluster.worker(self.role, f"{self.name_prefix}{self.role}-{self._next_index}", engine=engine,
-                                         core_share_dir=share)
+            worker_id = f"{self.name_prefix}{self.role}-{self._next_index}"
+            worker = self.worker_config(worker_id)
             self._next_index += 1
-            actors.append(WorkerActor.options(**opts).remote(worker))
-        return actors
+            groups.append(self._placement_group(worker_id) if tp > 1 else None)
+            placed = opts
+            if groups[-1] is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+                placed = opts | {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    groups[-1], placement_group_bundle_index=0)}
+            actors.append(WorkerActor.options(**placed).remote(worker))
+        return actors, groups
+
+    def worker_config(self, worker_id: str) -> WorkerConfig:
+        """A new worker's config: its pool's (KV dtype, degree, no speculation on prefill),
+        torch threads following the pool's CPUs (each rank of a tensor-parallel worker gets
+        them), and the cores shared with the other workers of its host."""
+        c = self.cluster
+        share = ""
+        if c.share_cores and c.engine.device == "cpu" and self.tp == 1:  # a directory per cluster and host
+            share = os.path.join(tempfile.gettempdir(), f"pdserve-cores-{c.registry.cluster_name}")
+        worker = c.worker(self.role, worker_id, core_share_dir=share)
+        threads = worker.engine.num_threads or max(1, int(self.config.num_cpus)) * self.tp
+        return replace(worker, engine=replace(worker.engine, num_threads=threads))
+
+    def _placement_group(self, worker_id: str):
+        """A tensor-parallel worker's ranks are processes of its actor: a placement group of one
+        bundle per rank, packed on one node, reserves their CPUs (and GPUs) there. The actor
+        runs in the first bundle, which also holds the pool's resource; the group is removed
+        with the actor (`remove_groups`)."""
+        from ray.util.placement_group import placement_group
+
+        p = self.config
+        rank = {"CPU": p.num_cpus} | ({"GPU": p.num_gpus} if p.num_gpus else {})
+        first = rank | ({p.resource: 1} if p.resource else {})
+        return placement_group([first] + [rank] * (self.tp - 1), strategy="STRICT_PACK", name=f"pdserve-{worker_id}")
+
+    @staticmethod
+    def remove_groups(groups: list) -> None:
+        from ray.util.placement_group import remove_placement_group
+        for g in groups:
+            if g is not None:
+                remove_placement_group(g)
 
     def launch(self) -> list:
         """Create the actors and ask them to start; returns the pending start results."""
-        self.actors = self._new_actors(self.config.replicas)
+        self.actors, self.groups = self._new_actors(self.config.replicas)
         return [a.start.remote() for a in self.actors]
 
     def wait(self, refs: list) -> list[dict]:
@@ -135,15 +174,17 @@ class Pool:
             notes = []
             if n > len(self.actors):
                 self._check_room(n - len(self.actors))
-                added = self._new_actors(n - len(self.actors))
+                added, groups = self._new_actors(n - len(self.actors))
                 try:
                     records = ray.get([a.start.remote() for a in added], timeout=start_timeout_s)
                 except (GetTimeoutError, RayError) as e:
                     for a in added:
                         ray.kill(a)
+                    self.remove_groups(groups)
                     raise PoolScaleError(f"{len(added)} new {self.role} worker(s) did not start within "
                                          f"{start_timeout_s:g}s (no node with the resources they need?): {e}") from e
                 self.actors += added
+                self.groups += groups
                 self.records += records
                 self._down_since += [None] * len(added)
                 notes += [f"{r['role']} worker {r['worker_id']} added (pid {r['pid']}) on {r['address']}"
@@ -153,7 +194,9 @@ class Pool:
                 gone, records = self.actors[n:], self.records[n:]
                 drained = ray.get([a.drain.remote(drain_timeout_s) for a in gone], timeout=drain_timeout_s + 60)
                 self._stop_actors(gone)
+                self.remove_groups(self.groups[n:])
                 self.actors, self.records, self._down_since = self.actors[:n], self.records[:n], self._down_since[:n]
+                self.groups = self.groups[:n]
                 notes += [f"{r['role']} worker {r['worker_id']} removed after draining"
                           + ("" if ok else f" (requests still running after {drain_timeout_s:g}s were cut off)")
                           for r, ok in zip(records, drained)]
@@ -165,8 +208,8 @@ class Pool:
         autoscaler that adds nodes, and is left to it)."""
         if self.cluster.ray_address:
             return
-        p, free = self.config, ray.available_resources()
-        needs = {"CPU": p.num_cpus * more, "GPU": p.num_gpus * more} | ({p.resource: more} if p.resource else {})
+        p, free, ranks = self.config, ray.available_resources(), more * self.tp
+        needs = {"CPU": p.num_cpus * ranks, "GPU": p.num_gpus * ranks} | ({p.resource: more} if p.resource else {})
         short = {k: (v, free.get(k, 0.0)) for k, v in needs.items() if v > 0 and v > free.get(k, 0.0) + 1e-9}
         if short:
             what = ", ".join(f"{need:g} {k} (free: {have:g})" for k, (need, have) in short.items())
@@ -221,7 +264,8 @@ class Pool:
         with self._lock:
             if self.actors:
                 self._stop_actors(self.actors, timeout_s)
-            self.actors, self.records = [], []
+            self.remove_groups(self.groups)
+            self.actors, self.records, self.groups = [], [], []
 
 
 def stop_pools(pools: list[Pool], timeout_s: float) -> None:
@@ -233,7 +277,8 @@ def stop_pools(pools: list[Pool], timeout_s: float) -> None:
         if actors:
             Pool._stop_actors(actors, timeout_s)
         for pool in pools:
-            pool.actors, pool.records = [], []
+            pool.remove_groups(pool.groups)
+            pool.actors, pool.records, pool.groups = [], [], []
 
 
 class PoolControl:

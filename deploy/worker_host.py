@@ -99,12 +99,14 @@ class HostedWorker:
         return record
 
     async def _watch_engine(self, interval_s: float = 0.5) -> None:
-        """A dead engine thread must not keep a live registration: its heartbeat would draw
-        requests that can only fail."""
-        engine = self.worker.engine
-        while engine.error is None:
+        """A dead engine thread, or a tensor-parallel group with a rank gone (noticed even while
+        idle, before a request steps into it), must not keep a live registration: its heartbeat
+        would draw requests that can only fail."""
+        engine, group = self.worker.engine, self.engine.tp
+        while engine.error is None and not (group is not None and group.dead_ranks()):
             await asyncio.sleep(interval_s)
-        log.error("worker %s: its engine stopped (%r); leaving the registry", self.config.worker_id, engine.error)
+        why = repr(engine.error) if engine.error is not None else f"tensor-parallel ranks {group.dead_ranks()} exited"
+        log.error("worker %s: its engine stopped (%s); leaving the registry", self.config.worker_id, why)
         if self.registration is not None:
             await self.registration.stop()
             self.registration = None

@@ -55,7 +55,9 @@ class LLMEngine:
         `speculative_model` is loaded here). `tp`: the tensor-parallel group
         (engine/tp.TensorParallel) whose rank 0 this engine is; `loaded` is its slice."""
         self.config = config = config or EngineConfig()
-        if config.num_threads:
+        if tp is not None:  # rank 0 runs as many threads as each of the other ranks
+            torch.set_num_threads(tp.threads)
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded
         self.model_config = loaded.config

@@ -372,7 +372,7 @@ class TensorParallel:
                               wait_for_workers=False)
         port = store.port
         # the CPUs the worker was given (its engine's threads), else the host's, shared by the ranks
-        threads = threads_per_rank or max(1, (config.num_threads or os.cpu_count() or 1) // tp)
+        self.threads = threads = threads_per_rank or max(1, (config.num_threads or os.cpu_count() or 1) // tp)
         # fresh interpreters (not multiprocessing): nothing depends on how the parent's main module
         # was started (a console script, a Ray worker, a test runner)
         self.procs = []
@@ -395,6 +395,10 @@ class TensorParallel:
         the KV exports of `streams` ((blocks, every n layers)) inside it."""
         if self.tp > 1:
             self.group.broadcast(("step", input_ids, positions, meta, passes, sampled, streams or []))
+
+    def dead_ranks(self) -> list[int]:
+        """The ranks whose processes have exited (the group cannot step any more)."""
+        return [r for r, p in enumerate(self.procs, 1) if p.poll() is not None]
 
     def _kill_ranks(self) -> None:
         """A rank failed: the others stop at once (not at their collective's timeout)."""

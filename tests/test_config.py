@@ -94,6 +94,23 @@ def test_each_worker_gets_its_pools_branch():
     assert replace(c, mode="aggregated").pools() == {"aggregated": c.decode}
 
 
+def test_a_ray_pools_workers_keep_their_pools_engine_settings():
+    """What `pdserve up` gives each worker actor: the pool's KV dtype and degree (they were once
+    dropped when the threads were set), no speculation on prefill, and threads that follow the
+    CPUs, for every rank of a tensor-parallel worker."""
+    from pdserve.deploy.launch import Pool
+
+    c = ClusterConfig(engine=EngineConfig(speculative_tokens=4),
+                      prefill=PoolConfig(num_cpus=2, kv_cache_dtype="int8", tp=3),
+                      decode=PoolConfig(num_cpus=1.5, kv_cache_dtype="fp8"))
+    prefill, decode = (Pool(role, c).worker_config(f"{role}-0").engine for role in ("prefill", "decode"))
+    assert (prefill.cache.kv_cache_dtype, prefill.tensor_parallel_size, prefill.num_threads) == ("int8", 3, 6)
+    assert (decode.cache.kv_cache_dtype, decode.tensor_parallel_size, decode.num_threads) == ("fp8", 1, 1)
+    assert (prefill.speculative_tokens, decode.speculative_tokens) == (0, 4)
+    assert Pool("decode", c).worker_config("decode-0").core_share_dir  # one rank: lends its cores
+    assert not Pool("prefill", c).worker_config("prefill-0").core_share_dir
+
+
 def test_router_and_worker_commands_build_their_configs():
     r = flags.router_config(parse("router", "--redis-url", "redis://h:1/0", "--cluster-name", "prod",
                                   "--block-size", "32", "--model", "/m.gguf"))

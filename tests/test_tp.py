@@ -248,7 +248,12 @@ def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp,
 
 
 @pytest.mark.slow
-def test_a_decode_rank_killed_mid_stream_ends_the_stream_with_an_error_and_takes_the_group_down(smollm):
+@pytest.mark.parametrize("decode_workers", [1, 2])
+def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_moves_or_ends(smollm, decode_workers):
+    """A rank of the decode group serving a stream is killed: the group goes down (every rank
+    gone, every block back). With another decode worker the router moves the stream there and
+    it continues with exactly the tokens of an uninterrupted run; with none it ends with an
+    error event."""
     import json
     import time
 
@@ -260,27 +265,100 @@ def test_a_decode_rank_killed_mid_stream_ends_the_stream_with_an_error_and_takes
 
     loaded, tok = smollm
     config = local_config()
-    config = type(config)(**{**config.__dict__, "decode": PoolConfig(replicas=1, tp=3, max_queue=0)})
+    config = type(config)(**{**config.__dict__, "decode": PoolConfig(replicas=decode_workers, tp=3, max_queue=0)})
+    body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 60, "temperature": 0,
+            "ignore_eos": True}
     c = LocalCluster(loaded, tok, config).start()
     try:
-        decode = next(e for e in c.engines() if e.tp)
-        events, killed_at = [], None
-        with httpx.stream("POST", c.url + "/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 400,
-                "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        whole = httpx.post(c.url + "/v1/completions", timeout=120, json=body).json()["choices"][0]["text"]
+        events, texts, killed_at, victim = [], [], None, None
+        with httpx.stream("POST", c.url + "/v1/completions", timeout=120, json=body | {"stream": True}) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 events.append(json.loads(line[6:]))
+                texts += [ch["text"] for ch in events[-1].get("choices", [])]
                 if len(events) == 5:
-                    os.kill(decode.tp.procs[1].pid, signal.SIGKILL)
+                    victim = next(e for e in c.engines() if e.tp and e.has_unfinished_requests())
+                    os.kill(victim.tp.procs[1].pid, signal.SIGKILL)
                     killed_at = time.monotonic()
         ended = time.monotonic()
         engines = c.engines()
+        metrics = httpx.get(c.url + "/metrics", timeout=10).text
     finally:
         c.stop()
-    assert killed_at is not None and ended - killed_at < 30
-    assert "error" in events[-1] or events[-1]["choices"][0].get("finish_reason") == "error", events[-1]
-    assert len(events) < 400
+    assert killed_at is not None and ended - killed_at < 60
+    if decode_workers == 1:
+        assert "error" in events[-1] or events[-1]["choices"][0].get("finish_reason") == "error", events[-1]
+        assert len(texts) < 60
+    else:
+        assert "error" not in events[-1] and "".join(texts) == whole, (texts, whole)
+        assert "pdserve_migrations_total 1.0" in metrics
     assert all(e.blocks.num_used_blocks == 0 for e in engines)
-    assert all(p.poll() is not None for p in decode.tp.procs)
+    assert all(p.poll() is not None for p in victim.tp.procs)  # the whole group is down
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_ray_pool_of_tensor_parallel_workers_reserves_a_placement_group(smollm):
+    """`pdserve up --decode-tp 3`: each decode worker holds a placement group of one bundle
+    per rank, packed on one node (the actor in the first), so its ranks' CPUs are reserved;
+    the answer is the single engine's; a rank killed takes its worker down and Ray restarts
+    the whole group in its placement group; growing the pool past the free CPUs is refused at
+    once, counting every rank; nothing is left after Ctrl-C."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    from pdserve.engine.weights import load_model
+    from pdserve.registry.embedded import free_port
+    from tests.chaos.test_ray_faults import Proc, wait_until
+    from tests.procs import ENV, alive, descendants
+    from tests.test_scale import scale
+
+    tok = smollm[1]
+    port = free_port()
+    up = Proc("up", "--port", str(port), "--decode-tp", "3", "--prefill-cpus", "0.5", "--decode-cpus", "0.5",
+              "--ray-cpus", "2", "--kv-cache-memory", "64MiB", "--cluster-token", "tp-token", "--quantization", "none")
+    url, procs = f"http://127.0.0.1:{port}", set()
+    try:
+        up.wait_ready()
+        procs = descendants(up.p.pid)
+        prompt = "The three primary colours are"
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        # a rank dies: its worker exits, Ray restarts the actor in the same placement group and
+        # the new group serves
+        actor = int(up.find("decode worker decode-0 (pid ").split("(pid ")[1].split(")")[0])
+        ranks = sorted(descendants(actor))
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[0], signal.SIGKILL)
+        wait_until(lambda: up.find("decode worker decode-0 restarted"), 180, "decode-0 to restart")
+        wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 60, "the cluster to serve")
+        again = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        procs |= descendants(up.p.pid)
+        gcs = up.find("ray: ").split("ray: ")[1].split()[0]
+        probe = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
+                 "print(json.dumps([list(ray.util.placement_group_table().values()), ray.available_resources()]))")
+        out = subprocess.run([sys.executable, "-c", probe % gcs], capture_output=True, text=True, timeout=120, env=ENV)
+        full = scale(url, decode=2)
+    finally:
+        up.p.send_signal(signal.SIGINT)
+        rc = up.p.wait(90)
+    assert rc == 0, up.text()
+    assert r.status_code == again.status_code == 200, (r.text, again.text)
+    ref = LLMEngine(load_model(quantization="none"), EngineConfig(quantization="none"), tok)
+    want = tok.decode(ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=12, temperature=0))[0],
+                      skip_special_tokens=True)
+    assert r.json()["choices"][0]["text"] == again.json()["choices"][0]["text"] == want
+    assert out.returncode == 0, out.stderr
+    groups, free = json.loads(out.stdout.strip().splitlines()[-1])
+    (group,) = [g for g in groups if g["state"] == "CREATED"]
+    assert group["name"] == "pdserve-decode-0" and group["strategy"] == "STRICT_PACK"
+    assert list(group["bundles"].values()) == [{"CPU": 0.5}] * 3
+    assert free.get("CPU", 0.0) == 0.0  # 2 CPUs: the prefill worker's 0.5 and the three ranks' 1.5
+    assert full.returncode == 1 and "no room for 1 more decode worker(s): they need 1.5 CPU" in full.stderr, full.stderr
+    wait_until(lambda: not [p for p in procs if alive(p)], 30, "every process of the cluster to exit")
