@@ -157,6 +157,7 @@ class Group:
         self.allreduce_s = 0.0
         self.allreduces = 0
         self.widths: list[int] = []  # every rank's columns in gather_columns (set by attach)
+        self.gather_s = 0.0  # time in gather_columns (the logits)
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -204,10 +205,11 @@ class Group:
     def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
         """Every rank's (rows, widths[rank]) `t` side by side on rank 0 (None elsewhere). Gloo
         gathers equal shapes: each part travels padded to the widest."""
-        wide = max(self.widths)
+        t0, wide = time.perf_counter(), max(self.widths)
         if t.shape[-1] < wide:
             t = torch.nn.functional.pad(t, (0, wide - t.shape[-1]))
         parts = self.gather(t)
+        self.gather_s += time.perf_counter() - t0
         if parts is None:
             return None
         return torch.cat([p[..., :w] for p, w in zip(parts, self.widths)], dim=-1)

@@ -1,6 +1,7 @@
 """Tensor parallelism on this machine, in one run: SmolLM2 (9 heads, 3 KV heads) at TP=1 and
 TP=3 (three processes on this host, gloo): prefill time of a 512-token prompt, decode step time
-at 1 and 8 rows, the all-reduce time per step (two per layer, 60 per step), and the KV re-shard
+at 1 and 8 rows, the all-reduce time per step (two per layer and the vocabulary-parallel
+embedding lookup, 61 per step), the gather of each rank's logits per step, and the KV re-shard
 of a hand-off (export of a 1k-token prompt's KV: gathered from the ranks into the whole
 model's layout; import: split over them), each against TP=1 (2 threads); at TP=3 every rank
 has one thread. The machine has 2 cores, so TP=3 shows the overhead, not a speed-up. 3 interleaved repeats, medians. Writes
@@ -42,12 +43,13 @@ def measure(e: LLMEngine) -> dict:
                                                                                         temperature=0, ignore_eos=True))
         while any(r_.num_computed_tokens < r_.num_prompt_tokens for r_ in e.scheduler.running) or e.scheduler.waiting:
             e.step()
-        before = (g.allreduce_s, g.allreduces) if g else (0.0, 0)
+        before = (g.allreduce_s, g.allreduces, g.gather_s) if g else (0.0, 0, 0.0)
         steps = [timed(e.step) for _ in range(20)]
         r[f"decode_step_{rows}_s"] = statistics.median(steps)
         if g:
             r[f"allreduce_per_step_{rows}_s"] = (g.allreduce_s - before[0]) / 20
             r["allreduces_per_step"] = (g.allreduces - before[1]) / 20
+            r[f"logits_gather_per_step_{rows}_s"] = (g.gather_s - before[2]) / 20
         e.abort_all()
     prompt = list(range(300, 1324))
     e.add_request("x", prompt, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
@@ -59,6 +61,7 @@ def measure(e: LLMEngine) -> dict:
     e.add_remote_request("y", prompt, SamplingParams(max_tokens=2, temperature=0))
     r["kv_import_1k_s"] = timed(lambda: e.import_kv("y", kv, 5))
     r["kv_bytes_1k"] = kv.numel() * kv.element_size()
+    r["embedding_rows_rank0"] = e.runner.model.model.embed_tokens.weight.shape[0]
     e.abort_all()
     return r
 
