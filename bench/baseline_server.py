@@ -111,7 +111,7 @@ class BatchLoop(threading.Thread):
 
 
 def build_app(loop_thread: BatchLoop, tokenizer, model_id: str):
-    from pdserve.engine.detokenizer import IncrementalDetokenizer
+    from pdserve.common.detokenizer import IncrementalDetokenizer
 
     app = FastAPI(title="transformers baseline")
 
@@ -216,9 +216,9 @@ def add_baseline_args(p) -> None:
 def cmd_baseline_server(args) -> int:
     import uvicorn
 
-    from pdserve.engine.threads import in_fresh_thread, single_threaded_here
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import load_model, served_model_name
+    from pdserve.common.threads import in_fresh_thread, single_threaded_here
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.engine.model.weights import load_model, served_model_name
 
     from .engine import hf_baseline
 
@@ -230,7 +230,7 @@ def cmd_baseline_server(args) -> int:
         loaded.model = None  # the transformers copy is the only one served
         return loaded, model
 
-    # the same care as pdserve's workers (engine/threads.py): the batch loop's OpenMP team is the
+    # the same care as pdserve's workers (common/threads.py): the batch loop's OpenMP team is the
     # process's only one, or both run at half speed on a small machine
     loaded, model = in_fresh_thread(build)
     single_threaded_here()

@@ -97,7 +97,7 @@ def run_mode(mode_args: list[str], args, vocab_words) -> dict:
 
 
 def transfer_bench(n_tokens: int = 1024, repeats: int = 5) -> dict:
-    from pdserve.engine.tiny import tiny_config  # noqa: F401 (keeps import cost out of the timings below)
+    from pdserve.engine.model.tiny import tiny_config  # noqa: F401 (keeps import cost out of the timings below)
     from pdserve.kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
     from pdserve.kv_transfer.local import LocalKVSender
     from pdserve.kv_transfer.receiver import KVReceiver
@@ -142,9 +142,9 @@ def _timed(fn) -> float:
 def handoff_bench(n_tokens: int = 1024, repeats: int = 3) -> dict:
     """Prefill compute vs the hand-off (export, gRPC push, import) for one prompt."""
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.core.engine import LLMEngine
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.engine.model.weights import load_model
     from pdserve.kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
     from pdserve.kv_transfer.receiver import KVReceiver
 
@@ -187,8 +187,8 @@ def handoff_bench(n_tokens: int = 1024, repeats: int = 3) -> dict:
 
 
 def cmd_bench_cluster(args) -> int:
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import default_model_path
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.engine.model.weights import default_model_path
 
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     tok = Tokenizer.from_model_path(default_model_path())

@@ -87,7 +87,7 @@ def _prompts(n, length, vocab, seed):
 
 
 def bench_pdserve_decode(engine, B, prompt_len, n_tokens, seed) -> float:
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(_prompts(B, prompt_len, engine.model_config.vocab_size, seed)):
@@ -105,7 +105,7 @@ def bench_pdserve_decode(engine, B, prompt_len, n_tokens, seed) -> float:
 
 
 def bench_pdserve_prefill(engine, length, seed) -> float:
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
 
     engine.add_request(f"pf-{seed}", _prompts(1, length, engine.model_config.vocab_size, seed)[0],
                        SamplingParams(max_tokens=1, temperature=0))
@@ -150,9 +150,9 @@ def bench_hf_prefill(model, vocab, length, seed) -> float:
 
 
 def cmd_bench_engine(args) -> int:
-    from pdserve.engine.arg_utils import engine_config
+    from pdserve.engine.core.arg_utils import engine_config
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.core.engine import LLMEngine
 
     cfg = engine_config(args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -1,7 +1,7 @@
 """One short script for a machine with a GPU: checks the Triton kernels against the torch path
 on CUDA and times paged-attention decode against the torch backend's gather + SDPA for
 SmolLM2-shaped caches, in fp16/bf16/fp32 and in the 8-bit KV formats (int8, fp8 e4m3 codes
-with a scale per token and head, engine/kv_format.py; fp16 queries); then tensor parallelism
+with a scale per token and head, engine/kv/formats.py; fp16 queries); then tensor parallelism
 over 3 ranks on the device (check_tp). Prints a table and writes bench/gpu-results.json. A few minutes at most.
 
     python bench/gpu_check.py            # needs CUDA and triton
@@ -29,9 +29,9 @@ def timed(fn, repeats: int = 20) -> float:
 def check_sampler_on_cuda() -> bool:
     """Every per-request logit adjustment (penalties, logit bias, min_tokens) on CUDA logits
     equals the CPU result: a device mix-up there would kill a GPU worker's engine."""
-    from pdserve.engine.request import Request
-    from pdserve.engine.sampler import apply_penalties
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.core.request import Request
+    from pdserve.engine.sampling.sampler import apply_penalties
+    from pdserve.common.sampling_params import SamplingParams
 
     params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
                             logit_bias={5: 3.0, 7: -100.0}, min_tokens=4, stop_token_ids=[9])
@@ -45,16 +45,16 @@ def check_sampler_on_cuda() -> bool:
 
 
 def check_tp() -> dict:
-    """Tensor parallelism on the GPU (engine/tp.py): SmolLM2 over 3 ranks sharing the device
+    """Tensor parallelism on the GPU (engine/parallel/tp.py): SmolLM2 over 3 ranks sharing the device
     (gloo moves CUDA tensors through the host; NCCL needs one GPU per rank) against 1 rank:
     greedy tokens, decode step time, all-reduce time per step, a KV export (gather) and import
     (scatter) of the whole model's layout. Failures are reported, not raised: this runs where
     no one can watch it."""
     from pdserve.engine.config import CacheConfig, EngineConfig
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.tp import ModelSource
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.core.engine import LLMEngine
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.engine.parallel.tp import ModelSource
+    from pdserve.engine.model.weights import load_model
 
     cfg = EngineConfig(device="cuda", quantization="none", attention="auto", cache=CacheConfig(kv_cache_memory=64 << 20))
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -96,9 +96,9 @@ def check_tp() -> dict:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run this where a GPU is available")
-    from pdserve.engine import kv_format
-    from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend
-    from pdserve.engine.triton_kernels import paged_decode_attention
+    from pdserve.engine.kv import formats as kv_format
+    from pdserve.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend
+    from pdserve.engine.kernels.triton_kernels import paged_decode_attention
 
     results = {}
     n_heads, n_kv, hd, bs = 9, 3, 64, 16  # SmolLM2-135M

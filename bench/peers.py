@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.engine.quant import QUANTIZATIONS
+from pdserve.engine.config import QUANTIZATIONS
 
 from . import vllm_peer
 from .metrics import format_table
@@ -77,7 +77,7 @@ def systems(args, port: int) -> dict[str, tuple[list[str], dict] | None]:
         "transformers": (py + ["baseline-server", "--port", str(port), "--max-batch", "32"], {}),
         "llama.cpp": None, "vllm": None, "vllm-bf16": None, "vllm-fp32": None,
     }
-    from pdserve.engine.weights import default_model_path
+    from pdserve.engine.model.weights import default_model_path
     if importlib.util.find_spec("llama_cpp") is not None:
         out["llama.cpp"] = ([sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()),
                              "--port", str(port), "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096",
@@ -259,8 +259,8 @@ def compute_roof() -> dict:
     roof each load point reaches."""
     import torch
 
-    from pdserve.engine.native import cpu_flags
-    from pdserve.engine.weights import default_model_path, load_state_dict
+    from pdserve.engine.kernels.native import cpu_flags
+    from pdserve.engine.model.weights import default_model_path, load_state_dict
 
     def rate(dtype) -> float:
         m = torch.randn(1024, 1024).to(dtype)
@@ -296,7 +296,7 @@ def roof_fraction(metrics: dict, roof: dict) -> float:
 
 def cpu_description() -> dict:
     """Which CPU the figures came from (`lscpu`'s model name and this process's cores)."""
-    from pdserve.engine.native import cpu_flags
+    from pdserve.engine.kernels.native import cpu_flags
 
     model = ""
     try:

@@ -176,10 +176,10 @@ def resolve_tokenizer(spec: str, model_id: str):
     id names SmolLM2 (the whole family shares it) and it is installed; otherwise words."""
     if spec == "words" or (spec == "auto" and "smollm2" not in model_id.lower()):
         return None, "words"
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.common.tokenizer import Tokenizer
     if spec == "auto":
-        from pdserve.engine.errors import PdserveError
-        from pdserve.engine.weights import default_model_path
+        from pdserve.common.errors import PdserveError
+        from pdserve.engine.model.weights import default_model_path
         try:
             path = default_model_path()
         except PdserveError:

@@ -121,11 +121,11 @@ def _bench_layerwise(prompt_len: int, group: int, repeats: int) -> dict:
     import grpc
 
     from pdserve.decode_worker.service import DecodeWorker
-    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.core.async_engine import AsyncEngine
     from pdserve.engine.config import CacheConfig, EngineConfig
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.core.engine import LLMEngine
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.engine.model.weights import load_model
     from pdserve.kv_transfer.senders import SchemeKVSender
     from pdserve.prefill_worker.service import PrefillWorker
     from pdserve.protos import worker_pb2 as pb

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pdserve.engine.native import cpu_flags
+from pdserve.engine.kernels.native import cpu_flags
 
 VENV = Path(".venv-vllm")
 MODEL_DIR = Path(".cache/smollm2-hf")

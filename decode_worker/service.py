@@ -14,11 +14,11 @@ import time
 
 import grpc
 
-from pdserve.engine.aio import stop_tasks
-from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.block_hash import root_hash
-from pdserve.engine.errors import InvalidRequestError, KVTransferError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.aio import stop_tasks
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.common.block_hash import root_hash
+from pdserve.common.errors import InvalidRequestError, KVTransferError
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.grpc_transport import GrpcKVServer
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.protos import worker_pb2 as pb

@@ -29,7 +29,7 @@ class WorkerActor:
     def __init__(self, config: WorkerConfig):
         import torch
 
-        from pdserve.engine.threads import in_fresh_thread
+        from pdserve.common.threads import in_fresh_thread
 
         if config.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
             config = replace(config, host=ray.util.get_node_ip_address())
@@ -42,7 +42,7 @@ class WorkerActor:
         def build() -> HostedWorker:
             return HostedWorker(config, *load_worker_model(config.engine), exit_on_engine_death=True)
 
-        # off this thread: the engine thread's OpenMP team must be the process's only one (engine/threads.py)
+        # off this thread: the engine thread's OpenMP team must be the process's only one (common/threads.py)
         self.host = in_fresh_thread(build)
         self._record: dict | None = None
         self._starting: asyncio.Lock | None = None
@@ -54,7 +54,7 @@ class WorkerActor:
             self._starting = asyncio.Lock()
         async with self._starting:
             if self._record is None:
-                from pdserve.engine.threads import single_threaded_here
+                from pdserve.common.threads import single_threaded_here
                 single_threaded_here()  # this loop's tensor ops (KV landing) must not open a 2nd OpenMP team
                 record = await self.host.start()
                 self._record = record.__dict__ | {"pid": os.getpid()}

@@ -10,9 +10,9 @@ from dataclasses import replace
 import uvicorn
 
 from pdserve.config import ClusterConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import LoadedModel, served_model_name
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.model.weights import LoadedModel, served_model_name
 from pdserve.protos.tracing import Tracer
 from pdserve.router.app import create_app
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint

@@ -14,7 +14,7 @@ import uvicorn
 
 from pdserve.config import LOOPBACK_HOSTS as LOOPBACK
 from pdserve.config import ClusterConfig, RouterConfig, SecurityConfig
-from pdserve.engine.aio import stop_tasks
+from pdserve.common.aio import stop_tasks
 
 
 def check_exposure(router: RouterConfig, security: SecurityConfig) -> None:
@@ -33,8 +33,8 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
     autoscaler). api=False (`pdserve up --no-router`): only /health and the admin endpoints;
     the router's view of the workers is still kept for the autoscaler (its latency signals
     stay empty: no traffic passes here, it sizes pools on queues, KV usage and refusals)."""
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import served_model_name
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.engine.model.weights import served_model_name
     from pdserve.protos.tracing import Tracer
     from pdserve.router.app import create_admin_app, create_app
     from pdserve.router.cluster import ClusterClient
@@ -102,7 +102,7 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
 
 def run_router(config: ClusterConfig) -> int:
     """`pdserve router`: serve against the cluster of `config.registry` until Ctrl-C."""
-    from pdserve.engine.weights import resolve_model_path
+    from pdserve.engine.model.weights import resolve_model_path
     from pdserve.registry.urls import redact_url
 
     check_exposure(config.router, config.security)

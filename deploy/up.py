@@ -50,7 +50,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     admin endpoints only; routers run elsewhere."""
     import ray
 
-    from pdserve.engine.weights import resolve_model_path
+    from pdserve.engine.model.weights import resolve_model_path
     from pdserve.registry.urls import redact_url
 
     from .launch import Pool, PoolControl, stop_pools

@@ -36,7 +36,7 @@ def run_worker(config: WorkerConfig, drain_timeout_s: float = 30.0) -> int:
     """Serve until Ctrl-C or SIGTERM, then drain for up to `drain_timeout_s` and exit."""
     import torch
 
-    from pdserve.engine.threads import in_fresh_thread, single_threaded_here
+    from pdserve.common.threads import in_fresh_thread, single_threaded_here
 
     from .router_server import make_logger
     from .worker_host import HostedWorker, load_worker_model
@@ -48,7 +48,7 @@ def run_worker(config: WorkerConfig, drain_timeout_s: float = 30.0) -> int:
     def build() -> HostedWorker:
         return HostedWorker(config, *load_worker_model(config.engine), exit_on_engine_death=True)
 
-    host = in_fresh_thread(build)  # the engine thread's OpenMP team is then the only one (engine/threads.py)
+    host = in_fresh_thread(build)  # the engine thread's OpenMP team is then the only one (common/threads.py)
 
     async def main():
         single_threaded_here()  # this loop's tensor ops (KV landing) must not open a 2nd OpenMP team

@@ -11,13 +11,13 @@ import uuid
 
 from pdserve.config import WorkerConfig
 from pdserve.decode_worker.service import DecodeWorker
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cores import CoreShare
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.tp import ModelSource
-from pdserve.engine.weights import LoadedModel, load_for_config, resolve_model_path
+from pdserve.engine.parallel.cores import CoreShare
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.parallel.tp import ModelSource
+from pdserve.engine.model.weights import LoadedModel, load_for_config, resolve_model_path
 from pdserve.kv_transfer.senders import SchemeKVSender
 from pdserve.prefill_worker.service import PrefillWorker
 from pdserve.protos.tracing import Tracer

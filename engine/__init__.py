@@ -1,10 +1,13 @@
-"""The shared LLM engine that prefill and decode workers both run.
+"""The LLM engine that prefill and decode workers both run, in rooms:
 
-In: token ids (or text via `Tokenizer`) and `SamplingParams`. Out: generated token ids with
-finish reasons, step by step. Inside: a Llama-family model (`model.py`, loaded by `weights.py`),
-a paged KV cache (`kv_cache.py`) managed block by block with prefix hashing
-(`block_manager.py`), a continuous-batching scheduler (`scheduler.py`), attention kernels
-behind one interface (`attention.py`), the sampler (`sampler.py`) and text handling
-(`tokenizer.py`, `detokenizer.py`). `LLMEngine` (`engine.py`) ties them together; no
-networking, Ray or HTTP here.
+- `core/`: `LLMEngine` (`engine.py`) and its async wrapper, the scheduler, the block manager,
+  requests, the model runner, the engine's config and flags;
+- `kv/`: the paged KV cache (`cache.py`) and its formats (fp32, bf16, int8/fp8 codes: `formats.py`);
+- `model/`: architectures (`llama.py`, `gemma3.py`), weight loading, weight quantization, export;
+- `kernels/`: attention backends, Triton kernels, the native C kernels;
+- `sampling/`: the sampler, grammar masks, n-gram and draft-model speculation;
+- `parallel/`: tensor parallelism and core sharing.
+
+In: token ids and `SamplingParams` (`pdserve.common`). Out: tokens with finish reasons, step
+by step. No networking, Ray or HTTP here.
 """

@@ -15,13 +15,16 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
+# the weight quantizations a model loads with (engine/model/quant.py implements them)
+QUANTIZATIONS = ("auto", "exact", "none", "int8", "q4_1", "fp16", "w8a8")
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder of the Llama family and its relatives; field names follow Hugging
     Face's configs. `model_type` names the architecture; what sets the relatives apart is a
     field each: biases on q/k/v (Qwen2, `qkv_bias`), a per-head RMSNorm of q and k before RoPE (Qwen3),
     a sliding attention window on all layers or some (Mistral; Qwen2 with use_sliding_window);
-    Gemma 3 has all of these but biases, and more (engine/gemma3.py)."""
+    Gemma 3 has all of these but biases, and more (engine/model/gemma3.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -240,14 +243,14 @@ class EngineConfig:
     by the model in the same step (0: off). Without a `speculative_model`: prompt lookup
     (greedy requests guess from n-grams of their own prompt and output)."""
     speculative_model: str = ""
-    """The draft model that proposes (engine/draft.py): "self" (this model's own weights,
+    """The draft model that proposes (engine/sampling/draft.py): "self" (this model's own weights,
     quantized as `speculative_quantization` says) or a GGUF file / Hugging Face directory
     with this model's tokenizer; "" for prompt lookup."""
     speculative_quantization: str = ""
     """The draft's weight quantization (as `quantization`); "": int8 for "self", else this
     model's."""
     tensor_parallel_size: int = 1
-    """Ranks the model is split over (engine/tp.py: processes on this host, gloo); it must
+    """Ranks the model is split over (engine/parallel/tp.py: processes on this host, gloo); it must
     divide the attention heads."""
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
@@ -257,7 +260,7 @@ class EngineConfig:
     the C kernel, RoPE and SwiGLU run on fused C kernels too),
     "torch", "native" or "triton"."""
     quantization: str = "auto"
-    """Weight quantization applied at load (engine/quant.py), CPU only: "auto" (matrices that are
+    """Weight quantization applied at load (engine/model/quant.py), CPU only: "auto" (matrices that are
     exactly Q4_1, as a Q4_1 GGUF's layers are, run with int8 activations per 16 on CPUs with
     AVX2, as GGUF runtimes do: perplexity +0.6% on SmolLM2; the Q8_0 head as "exact"), "exact"
     (those matrices read in 4 bits at small batches, fp32 math: the same model as "none"),
@@ -270,7 +273,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention not in ("auto", "torch", "native", "triton"):
             raise ValueError(f"attention must be auto, torch, native or triton, got {self.attention!r}")
-        from .quant import QUANTIZATIONS
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.speculative_quantization and self.speculative_quantization not in QUANTIZATIONS:

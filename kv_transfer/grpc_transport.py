@@ -12,7 +12,7 @@ import time
 import grpc
 import torch
 
-from pdserve.engine.errors import KVTransferError
+from pdserve.common.errors import KVTransferError
 from pdserve.protos import kv_transfer_pb2 as pb
 from pdserve.protos import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.protos.security import TLSConfig, add_port, open_channel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.errors import KVTransferError
+from pdserve.common.errors import KVTransferError
 
 from .receiver import KVReceiver
 from .wire import make_header

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from pdserve.engine import kv_format
-from pdserve.engine.errors import KVTransferError
+from pdserve.engine.kv import formats as kv_format
+from pdserve.common.errors import KVTransferError
 from pdserve.protos import kv_transfer_pb2 as pb
 
 from .relayout import reblock

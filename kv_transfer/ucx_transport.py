@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from pdserve.engine.aio import stop_tasks
-from pdserve.engine.errors import KVTransferError
+from pdserve.common.aio import stop_tasks
+from pdserve.common.errors import KVTransferError
 from pdserve.protos import kv_transfer_pb2 as pb
 
 from .receiver import KVReceiver, PushAssembler

@@ -1,6 +1,6 @@
 """Wire format of a KV push: a `KVHeader` then the payload (the blocks' KV as raw bytes of
 a contiguous `(layers, 2, n_blocks, block_size, n_kv_heads, row_width)` tensor in one of the
-KV formats of engine/kv_format.py: row_width is head_dim, or head_dim + 4 for 8-bit codes
+KV formats of engine/kv/formats.py: row_width is head_dim, or head_dim + 4 for 8-bit codes
 with their scales) in chunks."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from pdserve.engine.kv_format import FORMATS, format_of
+from pdserve.engine.kv.formats import FORMATS, format_of
 from pdserve.protos import kv_transfer_pb2 as pb
 
 CHUNK_BYTES = 1 << 20  # 1 MiB data chunks: far under gRPC's limits, small enough to pipeline

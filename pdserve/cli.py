@@ -12,21 +12,21 @@ import signal
 import sys
 
 from pdserve import flags
-from pdserve.engine.arg_utils import add_engine_args, add_sampling_args, engine_config, sampling_params
-from pdserve.engine.errors import PdserveError
+from pdserve.engine.core.arg_utils import add_engine_args, add_sampling_args, engine_config, sampling_params
+from pdserve.common.errors import PdserveError
 
 
 def _generate(args) -> int:
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.interactive import generate
+    from pdserve.engine.core.engine import LLMEngine
+    from pdserve.engine.core.interactive import generate
 
     generate(LLMEngine.from_config(engine_config(args)), args.prompt, sampling_params(args), chat=args.chat)
     return 0
 
 
 def _chat(args) -> int:
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.interactive import chat
+    from pdserve.engine.core.engine import LLMEngine
+    from pdserve.engine.core.interactive import chat
 
     chat(LLMEngine.from_config(engine_config(args)), sampling_params(args))
     return 0
@@ -65,7 +65,7 @@ def _scale(args) -> int:
 
 
 def _export_hf(args) -> int:
-    from pdserve.engine.export import export_hf
+    from pdserve.engine.model.export import export_hf
 
     print(export_hf(args.model, args.out, args.dtype))
     return 0

@@ -202,7 +202,7 @@ class WorkerConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     core_share_dir: str = ""
     """Workers given the same directory on one host lend each other their cores while idle
-    (engine/cores.py); "": this worker keeps its own threads."""
+    (engine/parallel/cores.py); "": this worker keeps its own threads."""
 
     def __post_init__(self):
         _one_of("role", self.role, ROLES)
@@ -234,7 +234,7 @@ class ClusterConfig:
     """CPUs of the local Ray cluster `pdserve up` starts (room to grow the pools into);
     0: this machine's cores, or what the pools need if more."""
     share_cores: bool = True
-    """CPU workers on one host lend their cores to each other while idle (engine/cores.py): a
+    """CPU workers on one host lend their cores to each other while idle (engine/parallel/cores.py): a
     lone request's prefill and decode each run on every core."""
 
     def __post_init__(self):

@@ -27,7 +27,7 @@ from pdserve.config import (
     TransferConfig,
     WorkerConfig,
 )
-from pdserve.engine.arg_utils import engine_config
+from pdserve.engine.core.arg_utils import engine_config
 from pdserve.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, parse_size
 from pdserve.protos.security import TLSConfig
 

@@ -13,9 +13,9 @@ import time
 
 import grpc
 
-from pdserve.engine import kv_format
-from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.errors import InvalidRequestError, KVTransferError
+from pdserve.engine.kv import formats as kv_format
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.kv_transfer.base import KVSender
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc

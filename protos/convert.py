@@ -3,16 +3,13 @@ direction, so that every process agrees on one mapping: sampling parameters, tok
 logprobs, request outputs, and a worker's stats and cached blocks."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
-from pdserve.engine.sampler import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import Structured
+from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured import Structured
 
 from . import worker_pb2 as pb
-
-if TYPE_CHECKING:  # only their attributes are read here
-    from pdserve.engine.engine import LLMEngine, RequestOutput
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -68,27 +65,13 @@ def output_to_proto(out: RequestOutput, prefilled_remotely: bool = False, kv_byt
         prompt_logprobs=[logprob_to_proto(lp) for lp in out.prompt_logprobs or ()])
 
 
-def worker_stats(engine: LLMEngine, worker_id: str, role: str, **counters) -> pb.WorkerStats:
-    """Run on the engine thread: a consistent snapshot of blocks, queues and counters."""
-    sched, blocks = engine.scheduler, engine.blocks
-    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting) + \
-        sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_computed_tokens < r.num_tokens - 1)
-    return pb.WorkerStats(worker_id=worker_id, role=role, num_blocks=blocks.num_blocks,
-                          free_blocks=blocks.num_free_blocks, running=len(sched.running), waiting=len(sched.waiting),
-                          queued_prefill_tokens=queued, kv_usage=blocks.usage, prefix_queries=blocks.prefix_queries,
-                          prefix_hits=blocks.prefix_hits, max_model_len=engine.max_model_len,
-                          kv_cache_dtype=engine.kv_cache.format.name, **speculation_stats(engine), **counters)
+def worker_stats(stats: EngineStats, worker_id: str, role: str, **counters) -> pb.WorkerStats:
+    """The wire's stats: the engine's snapshot (less what the wire does not carry) and the worker's counters."""
+    fields = dataclasses.asdict(stats)
+    del fields["cached_blocks"]
+    return pb.WorkerStats(worker_id=worker_id, role=role, **fields, **counters)
 
 
-def speculation_stats(engine: LLMEngine) -> dict:
-    spec = engine.speculator
-    if spec is None:
-        return {}
-    return dict(speculation="draft" if hasattr(spec, "draft") else "prompt-lookup",
-                spec_proposed=spec.proposed, spec_accepted=spec.accepted)
-
-
-def block_snapshot(engine: LLMEngine) -> pb.BlockSnapshot:
-    """Run on the engine thread, so the hashes and the event number agree."""
-    hashes, seq = engine.blocks.snapshot()
+def block_snapshot(hashes: list[int], seq: int) -> pb.BlockSnapshot:
+    """The cached blocks' hashes and the KV-event number they agree with."""
     return pb.BlockSnapshot(block_hashes=hashes, seq=seq)

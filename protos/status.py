@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 
 REFUSED_BY = "pdserve-refused-by"
 """Trailing-metadata key naming the worker that refused a request because its queue is full."""

@@ -12,8 +12,8 @@ import threading
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pdserve.engine.aio import stop_tasks
-from pdserve.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.common.aio import stop_tasks
+from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 from .urls import connect, describe_error
 

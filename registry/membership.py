@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pdserve.engine.aio import stop_tasks
+from pdserve.common.aio import stop_tasks
 
 from .urls import connect, describe_error
 

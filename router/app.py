@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from pdserve.engine.aio import stop_tasks
+from pdserve.common.aio import stop_tasks
 
 from .errors import APIError, http_error, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -186,7 +186,7 @@ def _lifespan(router: Router):
         try:
             yield
         finally:
-            await stop_tasks(task)  # its Redis calls can drop a single cancel (engine/aio.py)
+            await stop_tasks(task)  # its Redis calls can drop a single cancel (common/aio.py)
             await router.cluster.close()
             if router.discovery is not None:
                 await router.discovery.close()

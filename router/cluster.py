@@ -14,7 +14,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.config import RouterConfig, SecurityConfig
-from pdserve.engine.block_hash import hash_blocks, root_hash
+from pdserve.common.block_hash import hash_blocks, root_hash
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import params_to_proto

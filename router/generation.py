@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.sampler import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.outputs import TokenLogprobs
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
 from pdserve.protos.convert import logprob_from_proto
 from pdserve.protos.status import invalid_details, refused_by
 from pdserve.protos.tracing import NO_SPAN, OFF, Tracer
@@ -207,7 +207,7 @@ class Generation:
             return await anext(self._stream)
         remaining = self.t_arrival + self.timeout_s - time.perf_counter()
         try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can drop a client's cancel (engine/aio.py)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can drop a client's cancel (common/aio.py)
             async with asyncio.timeout(max(remaining, 0.001)):
                 return await anext(self._stream)
         except asyncio.TimeoutError as e:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 
-from pdserve.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class PrefixIndex:

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import Structured
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured import Structured
 
 from .errors import APIError
 from .tools import check_tools, forced_tool, structured_from_response_format

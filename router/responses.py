@@ -8,8 +8,8 @@ from typing import Callable
 
 from fastapi.responses import StreamingResponse
 
-from pdserve.engine.aio import detached, stop_tasks
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.common.aio import detached, stop_tasks
+from pdserve.common.tokenizer import Tokenizer
 
 from .errors import APIError
 from .generation import Delta, Generation

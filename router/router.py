@@ -14,10 +14,10 @@ import time
 from dataclasses import replace
 
 from pdserve.config import RouterConfig, SecurityConfig
-from pdserve.engine.aio import stop_tasks
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.common.aio import stop_tasks
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
 from pdserve.protos.tracing import OFF, Tracer
 
 from . import responses

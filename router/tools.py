@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import Any
 
-from pdserve.engine.structured import Structured
+from pdserve.common.structured import Structured
 
 from .errors import APIError
 

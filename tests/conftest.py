@@ -16,8 +16,8 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on th
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.tiny import tiny_llama  # noqa: E402
+from pdserve.engine.core.engine import LLMEngine  # noqa: E402
+from pdserve.engine.model.tiny import tiny_llama  # noqa: E402
 
 
 def pytest_generate_tests(metafunc):
@@ -84,8 +84,8 @@ def make_engine():
 @pytest.fixture(scope="session")
 def smollm():
     """The real default model (loaded once per session) and its tokenizer."""
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import load_model
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.engine.model.weights import load_model
 
     loaded = load_model()
     return loaded, Tokenizer.from_model_path(loaded.path)
@@ -104,7 +104,7 @@ def hf_smollm(smollm):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer alone (no weights)."""
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import default_model_path
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.engine.model.weights import default_model_path
 
     return Tokenizer.from_model_path(default_model_path())

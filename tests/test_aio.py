@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pdserve.engine.aio import stop_tasks
+from pdserve.common.aio import stop_tasks
 
 
 def loop_around_wait_for(pending: list) -> asyncio.Task:

@@ -10,9 +10,9 @@ import pytest
 
 from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import Structured
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured import Structured
 from tests.clusters import local_config
 from tests.test_migration import stream_and_kill
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.weights import load_model
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.model.weights import load_model
 from tests.test_reference import engine_logits
 
 gguf = pytest.importorskip("gguf")

@@ -3,8 +3,8 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.async_engine import AsyncEngine, EngineDeadError
+from pdserve.common.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPTS = [[3 + i, 40 + i, 77, 5 * i + 9] * (i + 1) for i in range(4)]

@@ -1,7 +1,7 @@
 """Block manager: exact block ids, reference counts, LRU eviction order and events."""
-from pdserve.engine.block_hash import ROOT_HASH, hash_block, hash_blocks
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.common.block_hash import ROOT_HASH, hash_block, hash_blocks
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def make(num_blocks=8, bs=4, **kw):

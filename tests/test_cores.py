@@ -1,4 +1,4 @@
-"""Cores lent between workers of one host (engine/cores.py): a worker steps on its peers'
+"""Cores lent between workers of one host (engine/parallel/cores.py): a worker steps on its peers'
 threads only while every peer is idle, gives them back as soon as one is busy, and a dead
 peer's cores count as free."""
 import subprocess
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pdserve.engine import cores
-from pdserve.engine.cores import CoreShare
+from pdserve.engine.parallel import cores
+from pdserve.engine.parallel.cores import CoreShare
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def test_never_more_than_the_machine_and_one_busy_peer_stops_lending(tmp_path):
 def test_a_dead_peers_cores_are_free(tmp_path):
     me, _ = share(tmp_path, "me")
     peer = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pdserve.engine.cores import CoreShare; "
+        "import sys, time; from pdserve.engine.parallel.cores import CoreShare; "
         f"s = CoreShare({str(tmp_path)!r}, 'peer', own_threads=2, max_threads=4, set_threads=lambda n: None); "
         "s.step_threads(); print('busy', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
     try:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.draft import pick, verify_sampled
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.errors import DraftModelError
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tiny import tiny_config, tiny_llama, tiny_state_dict
-from pdserve.engine.weights import LoadedModel, build_model
+from pdserve.engine.sampling.draft import pick, verify_sampled
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.errors import DraftModelError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.model.tiny import tiny_config, tiny_llama, tiny_state_dict
+from pdserve.engine.model.weights import LoadedModel, build_model
 from tests.test_engine import prompts
 
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -177,7 +177,7 @@ def test_a_draft_with_another_tokenizer_is_refused(smollm):
 @pytest.mark.slow
 def test_the_real_model_with_its_own_int8_copy_as_draft(smollm):
     """SmolLM2 in fp32 (quantization none) checked against its int8 copy: same greedy text."""
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.model.weights import load_model
 
     _, tok = smollm
     target = load_model(quantization="none")

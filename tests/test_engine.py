@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.errors import InvalidRequestError, KVTransferError
-from pdserve.engine.events import BlockRemoved, BlockStored
-from pdserve.engine.request import RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.errors import InvalidRequestError, KVTransferError
+from pdserve.common.kv_events import BlockRemoved, BlockStored
+from pdserve.engine.core.request import RequestStatus
+from pdserve.common.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 

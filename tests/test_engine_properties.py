@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tiny import tiny_llama
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.model.tiny import tiny_llama
 
 BLOCK = 4
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pdserve.cli import main
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import load_model
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.model.weights import load_model
 
 MESSAGES = [{"role": "user", "content": "Name a planet of the solar system."}]
 

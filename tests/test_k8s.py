@@ -369,6 +369,6 @@ def test_dockerfiles_install_like_the_makefile():
         assert "wget" in text, f"{name}: KubeRay's probes of Ray pods run wget"
     assert "python3.11" in (ROOT / "deploy/docker/Dockerfile.cuda").read_text()
     ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip()[:1] not in ("", "#")}
-    needed = {"pyproject.toml", "README.md", "engine", "router", "prefill_worker", "decode_worker", "kv_transfer",
+    needed = {"pyproject.toml", "README.md", "common", "engine", "router", "prefill_worker", "decode_worker", "kv_transfer",
               "protos", "deploy"}
     assert not ignored & needed

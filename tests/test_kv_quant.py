@@ -1,13 +1,13 @@
-"""8-bit KV formats (engine/kv_format.py): the codes and scales written when K/V are stored,
+"""8-bit KV formats (engine/kv/formats.py): the codes and scales written when K/V are stored,
 and every attention path reading them in place (the C kernel, the torch reference; the
 Triton kernel in test_triton_kernels) to the same result."""
 import pytest
 import torch
 
-from pdserve.engine import kv_format
-from pdserve.engine.attention import AttentionMetadata, NativeAttentionBackend, TorchAttentionBackend
-from pdserve.engine.errors import KVTransferError
-from pdserve.engine.native import available, paged_decode_attention
+from pdserve.engine.kv import formats as kv_format
+from pdserve.engine.kernels.attention import AttentionMetadata, NativeAttentionBackend, TorchAttentionBackend
+from pdserve.common.errors import KVTransferError
+from pdserve.engine.kernels.native import available, paged_decode_attention
 
 INT8, FP8 = kv_format.FORMATS["int8"], kv_format.FORMATS["float8_e4m3fn"]
 native = pytest.mark.skipif(not available(), reason="no C compiler for the native kernels")
@@ -51,7 +51,7 @@ def test_fp8_rows_keep_three_mantissa_bits_relative_to_their_scale(encode):
 @native
 @pytest.mark.parametrize("fmt", [INT8, FP8], ids=["int8", "fp8"])
 def test_whole_tensors_decode_in_c_as_in_torch(fmt):
-    from pdserve.engine.native import kv_load_8bit
+    from pdserve.engine.kernels.native import kv_load_8bit
     enc = kv_format.encode(rows(n=2000, seed=5), fmt)  # above the size decode hands to C
     raw = enc.view(torch.uint8)
     want = raw[..., :64].contiguous().view(fmt.dtype).float() * raw[..., 64:].contiguous().view(torch.float32)
@@ -128,7 +128,7 @@ def test_native_and_torch_backends_store_the_same_bytes_and_attend_alike():
     write identical codes and scales, and give the same attention."""
     g = torch.Generator().manual_seed(3)
     bs, n_heads, n_kv, hd = 8, 9, 3, 64
-    from pdserve.engine.attention import PrefillSpan
+    from pdserve.engine.kernels.attention import PrefillSpan
     spans = [PrefillSpan(start=2, end=13, num_cached=0, block_table=[10, 11]),
              PrefillSpan(start=13, end=20, num_cached=17, block_table=[20, 21, 22, 23])]
     slots = [sp.block_table[(sp.num_cached + i) // bs] * bs + (sp.num_cached + i) % bs
@@ -175,7 +175,7 @@ def test_the_c_store_writes_what_encode_writes_ties_and_subnormals_included(fmt)
     """Rows whose scale is exactly 1 (absmax = qmax), holding every representable value and
     every midpoint between neighbours (ties round to even), then random rows: the C store
     and kv_format.encode write the same bytes, and only into the given slots."""
-    from pdserve.engine.native import kv_store_8bit
+    from pdserve.engine.kernels.native import kv_store_8bit
     if fmt is INT8:
         grid = torch.arange(-127, 128, dtype=torch.float32)
     else:

@@ -6,9 +6,9 @@ import asyncio
 import pytest
 import torch
 
-from pdserve.engine import kv_format
-from pdserve.engine.errors import KVTransferError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kv import formats as kv_format
+from pdserve.common.errors import KVTransferError
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.grpc_transport import GrpcKVSender, GrpcKVServer
 from pdserve.kv_transfer.local import LocalKVSender
 from pdserve.kv_transfer.receiver import KVReceiver

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # installed name -> folder in the checkout (pyproject.toml's package-dir)
-FOLDERS = {"pdserve": "pdserve", "pdserve.engine": "engine", "pdserve.protos": "protos",
+FOLDERS = {"pdserve": "pdserve", "pdserve.common": "common", "pdserve.engine": "engine", "pdserve.protos": "protos",
            "pdserve.kv_transfer": "kv_transfer", "pdserve.registry": "registry", "pdserve.router": "router",
            "pdserve.prefill_worker": "prefill_worker", "pdserve.decode_worker": "decode_worker",
            "pdserve.deploy": "deploy", "pdserve.bench": "bench"}
@@ -24,25 +24,45 @@ FOLDERS = {"pdserve": "pdserve", "pdserve.engine": "engine", "pdserve.protos": "
 # layers of their own: `pdserve.config` (the cluster's typed config), `pdserve.flags` (the
 # command line's flags and the config they build) and `pdserve.cli`
 ALLOWED = {
-    "pdserve.engine": set(),
-    "pdserve.protos": {"pdserve.engine"},
-    "pdserve.config": {"pdserve.engine", "pdserve.protos"},
-    "pdserve.kv_transfer": {"pdserve.engine", "pdserve.protos"},
-    "pdserve.registry": {"pdserve.engine"},
-    "pdserve.prefill_worker": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer"},
-    "pdserve.decode_worker": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer"},
-    "pdserve.router": {"pdserve.engine", "pdserve.protos", "pdserve.registry", "pdserve.config"},
-    "pdserve.deploy": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer", "pdserve.registry",
-                       "pdserve.config", "pdserve.router", "pdserve.prefill_worker", "pdserve.decode_worker"},
-    "pdserve.bench": {"pdserve.engine", "pdserve.protos", "pdserve.kv_transfer", "pdserve.registry",
-                      "pdserve.config", "pdserve.router", "pdserve.prefill_worker", "pdserve.decode_worker",
-                      "pdserve.deploy"},
-    "pdserve.flags": {"pdserve.engine", "pdserve.protos", "pdserve.config"},
-    "pdserve.cli": {"pdserve.engine", "pdserve.config", "pdserve.flags", "pdserve.deploy", "pdserve.bench"},
+    "pdserve.common": set(),
+    "pdserve.engine": {"pdserve.common"},
+    "pdserve.protos": {"pdserve.common"},
+    "pdserve.config": {"pdserve.common", "pdserve.engine", "pdserve.protos"},
+    "pdserve.kv_transfer": {"pdserve.common", "pdserve.engine", "pdserve.protos"},
+    "pdserve.registry": {"pdserve.common"},
+    "pdserve.prefill_worker": {"pdserve.common", "pdserve.engine", "pdserve.protos", "pdserve.kv_transfer"},
+    "pdserve.decode_worker": {"pdserve.common", "pdserve.engine", "pdserve.protos", "pdserve.kv_transfer"},
+    "pdserve.router": {"pdserve.common", "pdserve.protos", "pdserve.registry", "pdserve.config"},
+    "pdserve.deploy": {"pdserve.common", "pdserve.engine", "pdserve.protos", "pdserve.kv_transfer",
+                       "pdserve.registry", "pdserve.config", "pdserve.router", "pdserve.prefill_worker",
+                       "pdserve.decode_worker"},
+    "pdserve.bench": {"pdserve.common", "pdserve.engine", "pdserve.protos", "pdserve.kv_transfer",
+                      "pdserve.registry", "pdserve.config", "pdserve.router", "pdserve.prefill_worker",
+                      "pdserve.decode_worker", "pdserve.deploy"},
+    "pdserve.flags": {"pdserve.common", "pdserve.engine", "pdserve.protos", "pdserve.config"},
+    "pdserve.cli": {"pdserve.common", "pdserve.engine", "pdserve.config", "pdserve.flags", "pdserve.deploy",
+                    "pdserve.bench"},
     "pdserve.__main__": {"pdserve.cli"},
     "pdserve": set(),
 }
-OLD_NAMES = {"engine", "router", "deploy", "protos", "kv_transfer", "prefill_worker", "decode_worker",
+
+# the engine's rooms, bottom up, and what each may import of the engine (the most specific
+# name that matches a module is its room); the engine's front (LLMEngine, its async wrapper,
+# the interactive session, its flags) drives every room
+_E = "pdserve.engine"
+ENGINE_ROOMS = {
+    f"{_E}.config": set(),
+    f"{_E}.kernels.native": set(),
+    f"{_E}.kv": {f"{_E}.config", f"{_E}.kernels.native"},
+    f"{_E}.kernels": {f"{_E}.config", f"{_E}.kv", f"{_E}.kernels.native"},
+    f"{_E}.model": {f"{_E}.config", f"{_E}.kernels", f"{_E}.kernels.native"},
+    f"{_E}.core": {f"{_E}.config", f"{_E}.kv", f"{_E}.kernels", f"{_E}.model"},
+    f"{_E}.sampling": {f"{_E}.config", f"{_E}.core", f"{_E}.kv", f"{_E}.kernels", f"{_E}.kernels.native",
+                       f"{_E}.model"},
+    f"{_E}.parallel": {f"{_E}.config", f"{_E}.core", f"{_E}.kv", f"{_E}.kernels", f"{_E}.model"},
+    **{f"{_E}.core.{front}": {"*"} for front in ("engine", "async_engine", "interactive", "arg_utils")},
+}
+OLD_NAMES = {"common", "engine", "router", "deploy", "protos", "kv_transfer", "prefill_worker", "decode_worker",
              "registry", "bench"}
 
 
@@ -134,6 +154,51 @@ def test_no_import_circles():
             visit(m)
 
 
+def engine_room(module: str) -> str | None:
+    """The engine room a module belongs to (the longest ENGINE_ROOMS name it starts with)."""
+    rooms = [r for r in ENGINE_ROOMS if module == r or module.startswith(r + ".")]
+    return max(rooms, key=len) if rooms else None
+
+
+def test_engine_rooms_import_only_the_rooms_below():
+    bad = []
+    for m, path in MODULES.items():
+        mine = engine_room(m)
+        if mine is None:
+            continue
+        for line, imp in imports_of(m, path):
+            theirs = engine_room(imp)
+            if theirs is None or theirs == mine or "*" in ENGINE_ROOMS[mine]:
+                continue
+            if theirs not in ENGINE_ROOMS[mine]:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {mine} imports {imp}")
+    assert not bad, "imports against the engine's rooms (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_every_engine_module_is_in_a_room():
+    loose = [m for m in MODULES if m.startswith(_E + ".") and engine_room(m) is None]
+    assert not loose, f"engine modules outside the rooms: {loose}"
+
+
+def test_no_file_over_the_size_limit():
+    """Files stay small enough to read in one sitting (STYLE.md: about 400 lines)."""
+    big = [f"{p.relative_to(ROOT)}: {n}" for p in ROOT.glob("[!.]*/**/*.py")
+           if "_pb2" not in p.name and not {".venv", "tests"} & set(p.parts) and (n := len(p.read_text().splitlines())) > 420]
+    assert not big, f"files over 420 lines: {big}"
+
+
+def test_router_runs_without_torch():
+    """The router is an HTTP process: importing it and building its app pulls in no torch or
+    numpy (value types come from pdserve.common, never from the engine)."""
+    code = ("import sys; import pdserve.router.app, pdserve.router.router, pdserve.protos.convert; "
+            "from pdserve.config import ClusterConfig; ClusterConfig(); "
+            "bad = [m for m in ('torch', 'numpy') if m in sys.modules]; assert not bad, bad; "
+            "assert not [m for m in sys.modules if m.startswith('pdserve.engine.') and m != 'pdserve.engine.config'], "
+            "sorted(m for m in sys.modules if m.startswith('pdserve.engine'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.slow
 def test_wheel_installs_one_package(tmp_path):
     """A non-editable build holds `pdserve/` and nothing else at the top level, with the
@@ -147,7 +212,7 @@ def test_wheel_installs_one_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"pdserve"}, tops
-    for needed in ("pdserve/engine/native/attention.c", "pdserve/protos/worker.proto", "pdserve/__main__.py",
+    for needed in ("pdserve/engine/kernels/native/attention.c", "pdserve/protos/worker.proto", "pdserve/__main__.py",
                    "pdserve/protos/worker_pb2.py", "pdserve/router/app.py"):
         assert needed in names, needed
     entry = next(n for n in names if n.endswith("entry_points.txt"))

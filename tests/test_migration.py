@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
 from tests.clusters import local_config
 
 pytestmark = pytest.mark.slow

@@ -1,9 +1,9 @@
-"""The CPU paged decode-attention kernel (engine/native/attention.c) against the torch
+"""The CPU paged decode-attention kernel (engine/kernels/native/attention.c) against the torch
 reference backend, and the engine on it."""
 import pytest
 import torch
 
-from pdserve.engine.attention import (
+from pdserve.engine.kernels.attention import (
     AttentionMetadata,
     NativeAttentionBackend,
     PrefillSpan,
@@ -11,8 +11,8 @@ from pdserve.engine.attention import (
     default_backend,
 )
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.native import NativeKernelUnavailable, available
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kernels.native import NativeKernelUnavailable, available
+from pdserve.common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler for the native kernels")
 
@@ -61,7 +61,7 @@ def test_matches_torch_backend(seq_lens, n_heads, n_kv, hd, bs):
 def test_sliding_window_matches_torch_backend(hd, kv, window):
     """Each row sees only its last `window` keys: a window starting mid-block, on a block
     boundary, wider than some rows, of one token; over fp32 and int8 caches."""
-    from pdserve.engine import kv_format
+    from pdserve.engine.kv import formats as kv_format
     q, kc, vc, meta = _decode_case([1, 5, 16, 17, 40, 129], 6, 2, hd, 16)
     if kv == "int8":
         fmt = kv_format.FORMATS[kv_format.CHOICES["int8"]]
@@ -94,7 +94,7 @@ def test_peaked_softmax_and_nan_match_torch():
 
 
 def test_bad_input_is_a_named_error():
-    from pdserve.engine.native import paged_decode_attention
+    from pdserve.engine.kernels.native import paged_decode_attention
 
     q, kc, vc, meta = _decode_case([4], 9, 3, 64, 16)
     with pytest.raises(ValueError, match="dtype"):
@@ -153,7 +153,7 @@ def test_prefill_rows_match_the_torch_backend_and_each_row_is_its_own_computatio
     torch backend's attention; and a prefill row's result is bitwise what the same query gets
     as a lone decode row over the same keys (what makes a cached prefix, a chunk boundary or
     a batch change nothing)."""
-    from pdserve.engine.native import paged_decode_attention
+    from pdserve.engine.kernels.native import paged_decode_attention
     q, k, v, kc, vc, meta = _prefill_case()
     ref_meta = AttentionMetadata(**{**meta.__dict__, "backend_state": {}})
     ref_backend, native = TorchAttentionBackend(), NativeAttentionBackend()
@@ -173,7 +173,7 @@ def test_prefill_rows_match_the_torch_backend_and_each_row_is_its_own_computatio
 def test_a_bf16_cache_is_read_as_the_fp32_it_rounds_to():
     """The kernel on a bf16 cache gives what it gives on the same values widened to fp32
     (the conversion is exact), for every head size path; the torch backend agrees."""
-    from pdserve.engine.native import paged_decode_attention
+    from pdserve.engine.kernels.native import paged_decode_attention
     for n_heads, n_kv, hd in ((9, 3, 64), (4, 4, 16)):
         q, kc, vc, meta = _decode_case([1, 17, 40], n_heads, n_kv, hd, 16)
         kb, vb = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
@@ -190,7 +190,7 @@ def test_kv_cache_dtype_sizes_the_cache_and_is_what_attention_reads(make_engine)
     """bf16 K/V: twice the blocks of fp32 for the same memory, the tiny model's greedy tokens
     as with an fp32 cache; "auto" keeps the model's dtype."""
     from pdserve.engine.config import CacheConfig
-    from pdserve.engine.kv_cache import kv_format
+    from pdserve.engine.kv.cache import kv_format
     fp32, bf16 = make_engine(), make_engine(kv_cache_dtype="bf16")
     assert bf16.kv_cache.kv.dtype == torch.bfloat16 and fp32.kv_cache.kv.dtype == torch.float32
     assert bf16.kv_cache.num_blocks == 2 * fp32.kv_cache.num_blocks

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine import native
-from pdserve.engine.native import w4a8
+from pdserve.engine.kernels import native
+from pdserve.engine.kernels.native import w4a8
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels cannot be built here (no gcc?)")
 
@@ -206,7 +206,7 @@ def test_scalar_fallback(tmp_path, monkeypatch):
 def test_fused_silu_mul_matches_torch(T, I):
     import torch.nn.functional as F
 
-    from pdserve.engine import native
+    from pdserve.engine.kernels import native
 
     g = torch.Generator().manual_seed(T * I)
     gate_up = torch.randn(T, 2 * I, generator=g) * 6
@@ -218,8 +218,8 @@ def test_fused_silu_mul_matches_torch(T, I):
 
 
 def test_fused_rope_matches_the_torch_rotation_and_leaves_v_alone():
-    from pdserve.engine import native
-    from pdserve.engine.model import RotaryEmbedding, apply_rope
+    from pdserve.engine.kernels import native
+    from pdserve.engine.model.llama import RotaryEmbedding, apply_rope
 
     rot = RotaryEmbedding(64, 256, 10000.0)
     T, H, KV = 37, 9, 3
@@ -262,9 +262,9 @@ def test_fused_add_rms_norm_updates_the_stream_and_matches_torch(T, D):
 
 def test_the_engine_gives_the_same_tokens_with_and_without_the_fused_ops(smollm):
     from pdserve.engine.config import CacheConfig, EngineConfig
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.core.engine import LLMEngine
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.engine.model.weights import load_model
     # fp32 math: the default's int8 activations would turn the two paths' float rounding
     # differences into different tokens (what this compares is the ops, not the numerics)
     loaded, tok = load_model(quantization="exact"), smollm[1]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.registry.embedded import redis_server_binary
 from tests.netns import Hosts, stderr_of, stop_all
 

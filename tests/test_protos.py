@@ -28,7 +28,7 @@ def test_stubs_import_the_installed_package():
 
 def _non_default(f):
     """A value of SamplingParams field `f` that differs from its default (and survives float32)."""
-    from pdserve.engine.structured import Structured
+    from pdserve.common.structured import Structured
 
     return {"max_tokens": 77, "temperature": 0.5, "top_p": 0.25, "top_k": 7, "min_p": 0.125, "seed": 2**62 + 5,
             "repetition_penalty": 1.5, "presence_penalty": -0.75, "frequency_penalty": 0.5, "min_tokens": 3,
@@ -43,7 +43,7 @@ def test_sampling_params_round_trip_every_field():
     SamplingParams without a wire form fails here."""
     from dataclasses import fields
 
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
     from pdserve.protos import worker_pb2 as pb
     from pdserve.protos.convert import params_from_proto, params_to_proto
 

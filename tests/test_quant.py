@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from conftest import assert_engine_clean
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.native import w4a8
-from pdserve.engine.quant import (
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.kernels.native import w4a8
+from pdserve.engine.model.quant import (
     Fp16Linear,
     QuantizationUnavailable,
     W8A8Linear,
@@ -23,8 +23,8 @@ from pdserve.engine.quant import (
     fbgemm_cpu_problem,
     make_linear,
 )
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.weights import load_model
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.model.weights import load_model
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="torch built without fbgemm")
 CPU_BOUND = ("fp16", "w8a8")  # fbgemm kernels that need AVX-512 to be accurate and batch invariant
@@ -108,7 +108,7 @@ def quantized(smollm):
 def test_exact_runs_exact_grids_quantized_and_the_rest_in_fp32(fmt):
     """"exact": a matrix that is exactly a Q4_1 or Q8_0 grid gets that C kernel at small batches
     and its own fp32 values on oneDNN above; any other matrix stays fp32."""
-    from pdserve.engine import native
+    from pdserve.engine.kernels import native
     g = torch.Generator().manual_seed(2)
     quantize, dequantize = getattr(native, f"quantize_{fmt}"), getattr(native, f"dequantize_{fmt}")
     w = dequantize(*quantize(torch.randn(64, 96, generator=g)))  # a grid of fmt

@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.security import proves, stats_request
 from tests.clusters import write_identity

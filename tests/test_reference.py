@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.scheduler import ScheduledChunk
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 def engine(smollm):
     """fp32 math on the checkpoint's grids ("exact"): the Q4_1 layer matrices on the C kernel
     at small batches, oneDNN-packed fp32 weights otherwise."""
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.model.weights import load_model
 
     eng = LLMEngine(load_model(quantization="exact"), EngineConfig(quantization="exact",
                                                                   cache=CacheConfig(kv_cache_memory=64 << 20)),
@@ -58,7 +58,7 @@ def default_engine(smollm):
 @pytest.fixture(scope="module")
 def plain_engine(smollm):
     """Linear layers through torch's default matmul on the weights as loaded (fp32 throughout)."""
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.model.weights import load_model
 
     eng = LLMEngine(load_model(packed_weights=False, quantization="none"),
                     EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=16 << 20)), smollm[1])
@@ -172,8 +172,8 @@ def test_chat_template_matches_transformers(smollm):
 def test_hf_directory_loader(smollm, hf_smollm, tmp_path, default_engine):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import load_model
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.engine.model.weights import load_model
 
     # transformers writes the directory (config.json + model.safetensors) from its own model
     plain = LlamaForCausalLM(LlamaConfig(**smollm[0].config.to_hf_dict()))
@@ -196,7 +196,7 @@ def test_prompt_logprobs_match_transformers(smollm, hf_smollm):
     is cached; with the default's int8 activations the same in all four ways, bit for bit, and
     near transformers' (the default's closeness is measured on more text above)."""
     from pdserve.engine.config import SchedulerConfig
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.model.weights import load_model
 
     tok = smollm[1]
     ids = tok.encode(PROMPTS[2])

@@ -13,8 +13,8 @@ from redis.retry import Retry
 
 from pdserve.config import RegistryConfig
 from pdserve.deploy.local import LocalCluster
-from pdserve.engine.block_hash import hash_blocks
-from pdserve.engine.block_manager import BlockManager
+from pdserve.common.block_hash import hash_blocks
+from pdserve.engine.core.block_manager import BlockManager
 from pdserve.registry.embedded import EmbeddedRedis
 from pdserve.registry.events import EventFollower, EventPublisher
 from pdserve.registry.membership import WorkerRecord, WorkerRegistration, list_workers, worker_key
@@ -341,7 +341,7 @@ def test_a_malformed_url_error_does_not_quote_the_password():
 
 
 def test_passwords_never_reach_the_logs_when_redis_is_unreachable(caplog):
-    from pdserve.engine.events import BlockStored
+    from pdserve.common.kv_events import BlockStored
     from pdserve.registry.embedded import free_port
     from pdserve.router.cluster import ClusterClient
     from pdserve.router.discovery import RegistryDiscovery

@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
 from tests.clusters import local_config
 
 pytestmark = pytest.mark.slow
@@ -502,7 +502,7 @@ def test_a_batch_that_fails_or_is_cancelled_while_starting_leaves_nothing(cluste
     handler is cancelled while its prompts start (a server shutting down) closes them too."""
     import asyncio
 
-    from pdserve.engine.sampling_params import SamplingParams as SP
+    from pdserve.common.sampling_params import SamplingParams as SP
     tok = smollm[1]
     r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": ["Hello there", "hi " * 9000], "n": 2, "max_tokens": 50, "temperature": 0})

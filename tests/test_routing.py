@@ -1,9 +1,9 @@
 """Prefix index and routing policies, without a network."""
 import pytest
 
-from pdserve.engine.block_hash import hash_blocks
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.common.block_hash import hash_blocks
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint
 from pdserve.router.policies import NoWorkerError, WorkerLoad, make_policy, prefill_on_decode
 from pdserve.router.prefix_index import PrefixIndex

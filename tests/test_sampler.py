@@ -3,9 +3,9 @@ import math
 
 import torch
 
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import apply_penalties, sample, truncate
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.request import Request
+from pdserve.engine.sampling.sampler import apply_penalties, sample, truncate
+from pdserve.common.sampling_params import SamplingParams
 
 
 def req(params, prompt=(1, 2), output=(), seed=0):
@@ -111,7 +111,7 @@ def test_the_c_sampler_draws_the_inverse_cdf_token_of_each_uniform():
     """native.sample_rows returns, for each uniform, the token whose CDF interval holds it
     (uniforms at interval midpoints, so rounding cannot move them), over long rows that span
     many of its 64-token blocks, with -inf entries, at a temperature."""
-    from pdserve.engine import native
+    from pdserve.engine.kernels import native
 
     g = torch.Generator().manual_seed(3)
     V, T = 1000, 0.7
@@ -133,7 +133,7 @@ def test_the_c_sampler_draws_the_inverse_cdf_token_of_each_uniform():
 
 
 def test_the_c_sampler_never_draws_a_masked_token_and_is_batch_invariant():
-    from pdserve.engine import native
+    from pdserve.engine.kernels import native
 
     logits = torch.full((3, 300), float("-inf"))
     logits[0, 299] = 0.0  # the only drawable token sits at the very end
@@ -154,7 +154,7 @@ def test_the_c_sampler_never_draws_a_masked_token_and_is_batch_invariant():
 def test_sampled_rows_draw_the_same_tokens_in_c_and_in_torch(monkeypatch):
     """The step's C sampler and the per-row torch path (CUDA logits, no native build) take
     the same token for the same seeded draws, plain, truncated and penalized rows alike."""
-    from pdserve.engine import sampler
+    from pdserve.engine.sampling import sampler
 
     logits = torch.randn(4, 2000, generator=torch.Generator().manual_seed(1)) * 3
     mk = lambda: [req(SamplingParams(temperature=0.8, seed=1), seed=1),  # noqa: E731

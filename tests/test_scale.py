@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.registry.embedded import free_port
 from tests.chaos.test_ray_faults import Proc, engine_stats, get_workers, wait_until
 from tests.procs import ENV, alive, descendants

@@ -3,11 +3,11 @@ property test over random add/abort/step interleavings (no leak, exact accountin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.scheduler import Scheduler
 
 
 def make(num_blocks=16, bs=4, max_seqs=4, budget=16, threshold=0):

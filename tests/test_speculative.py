@@ -4,10 +4,10 @@ most guesses are accepted), other requests are untouched, every block comes back
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.speculative import accepted, propose
-from pdserve.engine.tiny import tiny_llama
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.sampling.speculative import accepted, propose
+from pdserve.engine.model.tiny import tiny_llama
 
 
 def test_propose_takes_the_latest_longest_match():

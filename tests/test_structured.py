@@ -9,10 +9,10 @@ import jsonschema
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import Structured
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured import Structured
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +109,7 @@ def test_invalid_constraints_are_named_errors(engine, structured, needle):
 def test_schemas_as_users_write_them_are_compiled_strictly():
     """Unlisted properties are not generated unless the schema allows them: nested objects,
     definitions and alternatives included; explicit permissions stay as written."""
-    from pdserve.engine.structured import strict_schema
+    from pdserve.common.structured import strict_schema
 
     loose = {"type": "object", "properties": {
         "city": {"type": "string"},

@@ -1,8 +1,8 @@
 """Incremental detokenization (multi-byte safe), stop strings, and the chat template."""
 import pytest
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.errors import InvalidRequestError
 
 TEXTS = ["Hello, world!", "naïve café — 東京タワー 🎉🚀👩‍💻 done", "数字と絵文字🙂が混在", "tabs\tand\nnewlines  ok"]
 

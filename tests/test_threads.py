@@ -1,4 +1,4 @@
-"""One OpenMP team per worker process (engine/threads.py): the engine thread's.
+"""One OpenMP team per worker process (common/threads.py): the engine thread's.
 
 A second team makes libgomp put every worker thread to sleep between parallel regions (it
 throttles spinning once its threads outnumber the cores), which halved single-stream decode
@@ -14,12 +14,12 @@ SCRIPT = r"""
 import asyncio, json, os, threading
 import torch
 torch.set_num_threads(2)
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.threads import in_fresh_thread, openmp_threads_here, single_threaded_here
-from pdserve.engine.tiny import tiny_llama
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.threads import in_fresh_thread, openmp_threads_here, single_threaded_here
+from pdserve.engine.model.tiny import tiny_llama
 
 def threads():
     return len(os.listdir("/proc/self/task"))

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/tp.py): degrees are checked against the heads; each rank's slice
+"""Tensor parallelism (engine/parallel/tp.py): degrees are checked against the heads; each rank's slice
 has the right shapes; an engine over 2 and 4 ranks (4: the KV heads replicated) gives the
 single engine's logits within float tolerance and its greedy tokens, batched and chunked, with
 every block back; KV moves between groups of different degrees token-exactly; a rank killed
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tiny import tiny_config, tiny_llama, tiny_state_dict
-from pdserve.engine.tp import ModelSource, RankFailed, check_degree, kv_heads_of, shard
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.model.tiny import tiny_config, tiny_llama, tiny_state_dict
+from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard
+from pdserve.engine.parallel.tp import ModelSource, RankFailed
 from tests.test_engine import prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
@@ -179,7 +180,7 @@ def test_the_real_model_over_three_ranks_answers_as_over_one(smollm, quantizatio
     """fp32 weights: logprobs within float tolerance. The default weights round activations
     to int8, which turns the all-reduce's other summation order into differences of up to
     ~0.1 in a logprob (as any change of sum order does there): the same greedy text."""
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.model.weights import load_model
 
     tok = smollm[1]
     loaded = load_model(quantization=quantization)
@@ -211,7 +212,7 @@ def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp,
 
     from pdserve.config import PoolConfig, TransferConfig
     from pdserve.deploy.local import LocalCluster
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.model.weights import load_model
     from tests.clusters import MODEL, local_config
 
     tok = smollm[1]
@@ -312,7 +313,7 @@ def test_a_ray_pool_of_tensor_parallel_workers_reserves_a_placement_group(smollm
 
     import httpx
 
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.model.weights import load_model
     from pdserve.registry.embedded import free_port
     from tests.chaos.test_ray_faults import Proc, wait_until
     from tests.procs import ENV, alive, descendants

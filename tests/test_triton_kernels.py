@@ -7,12 +7,12 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the GPU kernels need triton (a test dependency on x86-64)")
 
-from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from pdserve.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
 from pdserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
-from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.engine.tiny import tiny_llama  # noqa: E402
-from pdserve.engine.triton_kernels import copy_blocks, paged_decode_attention, store_kv  # noqa: E402
+from pdserve.engine.core.engine import LLMEngine  # noqa: E402
+from pdserve.common.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.model.tiny import tiny_llama  # noqa: E402
+from pdserve.engine.kernels.triton_kernels import copy_blocks, paged_decode_attention, store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,9 +68,9 @@ def test_copy_blocks_gathers_and_scatters():
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("n_heads", [2, 4])
 def test_paged_decode_reads_8_bit_caches_as_the_torch_backend(fmt, n_heads):
-    """Codes and their per-row scales read in place (engine/kv_format.py), the same attention
+    """Codes and their per-row scales read in place (engine/kv/formats.py), the same attention
     as the torch backend's on the same cache."""
-    from pdserve.engine import kv_format
+    from pdserve.engine.kv import formats as kv_format
     kc, vc = (kv_format.encode(c, kv_format.FORMATS[fmt]) for c in caches())
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [11, 0, 0, 0], [4, 6, 8, 9]], device=DEVICE)
     lens = torch.tensor([40, 20, 1, 64], device=DEVICE)

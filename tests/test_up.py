@@ -20,8 +20,8 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
     from openai import OpenAI
 
     from pdserve.engine.config import CacheConfig, EngineConfig
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.core.engine import LLMEngine
+    from pdserve.common.sampling_params import SamplingParams
 
     port = free_port()
     up = Proc("up", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-token", "test-token",

@@ -1,4 +1,4 @@
-"""The Q4_1 x int8-activation kernel (engine/native/w4a8.c) and "auto"'s use of it: the kernel
+"""The Q4_1 x int8-activation kernel (engine/kernels/native/w4a8.c) and "auto"'s use of it: the kernel
 computes exactly the quantized products it documents, a row's result never depends on its
 batch or the thread count, and "exact" keeps fp32 math."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import native
-from pdserve.engine.native import w4a8
-from pdserve.engine.quant import W4A8Linear, WeightOnlyLinear, make_linear
+from pdserve.engine.kernels import native
+from pdserve.engine.kernels.native import w4a8
+from pdserve.engine.model.quant import W4A8Linear, WeightOnlyLinear, make_linear
 
 pytestmark = pytest.mark.skipif(not native.available() or not w4a8.available(),
                                 reason="the w4a8 kernel needs the native build with AVX2")

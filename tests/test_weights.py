@@ -10,9 +10,9 @@ from gguf import GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import save_file
 
-from pdserve.engine.errors import ModelLoadError
-from pdserve.engine.tiny import tiny_config, tiny_state_dict
-from pdserve.engine.weights import _GGUF_LAYER_NAMES, load_model
+from pdserve.common.errors import ModelLoadError
+from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
+from pdserve.engine.model.weights import _GGUF_LAYER_NAMES, load_model
 
 HF_TO_GGUF = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
 
@@ -83,8 +83,8 @@ def test_gguf_types_load_and_unpermute(tmp_path, qtype, monkeypatch):
         assert err <= bound + 1e-7, f"{name}: {qtype.name} error {err:.3g} > {bound:.3g}"
     # the conversion cache is written, used on the second load, and gives the same weights
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
-    import pdserve.engine.weights
-    monkeypatch.setattr(pdserve.engine.weights, "read_gguf_state_dict", lambda p: pytest.fail("cache not used"))
+    import pdserve.engine.model.weights
+    monkeypatch.setattr(pdserve.engine.model.weights, "read_gguf_state_dict", lambda p: pytest.fail("cache not used"))
     again = load_model(path).model.state_dict()
     assert all(torch.equal(again[k], ours[k]) for k in ours)
 

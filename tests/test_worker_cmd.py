@@ -93,7 +93,7 @@ def stream_forever(address: str) -> threading.Thread:
     """A generation that outlives the drain timeout, read on a thread until the worker ends it."""
     import grpc
 
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
     from pdserve.protos import worker_pb2 as pb
     from pdserve.protos import worker_pb2_grpc as pb_grpc
     from pdserve.protos.convert import params_to_proto

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pdserve.decode_worker.service import DecodeWorker
-from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.senders import SchemeKVSender
 from pdserve.prefill_worker.service import PrefillWorker
 from pdserve.protos import worker_pb2 as pb

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import load_model
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.model.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS, REPEATS, K_DRAFT, K_LOOKUP = 64, 3, 4, 5
@@ -28,8 +28,8 @@ CACHE = CacheConfig(kv_cache_memory=256 << 20)
 
 
 def code_prompts() -> list[str]:
-    files = ["engine/speculative.py", "engine/block_hash.py", "engine/tiny.py", "engine/request.py",
-             "engine/aio.py", "engine/threads.py", "engine/export.py", "engine/detokenizer.py"]
+    files = ["engine/sampling/speculative.py", "common/block_hash.py", "engine/model/tiny.py", "engine/core/request.py",
+             "common/aio.py", "common/threads.py", "engine/model/export.py", "common/detokenizer.py"]
     return [f"Here is a Python file:\n{(ROOT / f).read_text()[:1200]}\nRewrite it exactly as it is, without changes."
             for f in files]
 

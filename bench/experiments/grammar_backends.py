@@ -84,8 +84,8 @@ def bench_xgrammar(tok, vocab, schema, tokens):
 
 
 def main() -> None:
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import default_model_path
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.engine.model.weights import default_model_path
 
     tok = Tokenizer.from_model_path(default_model_path())
     vocab = 49152  # the model's embedding rows

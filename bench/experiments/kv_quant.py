@@ -26,10 +26,10 @@ from quantization import PROMPTS, agreement  # a sibling script
 
 from pdserve.bench.engine import bench_pdserve_decode
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import load_model
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.model.weights import load_model
 
 HERE = Path(__file__).resolve().parent
 FORMATS = ("auto", "bf16", "fp8", "int8")
@@ -139,7 +139,7 @@ async def _ttft(prefill, decode, rid: str, prompt: list[int]) -> float:
 
 def handoffs(loaded, sizes=(1024, 4096), repeats=2) -> dict:
     from pdserve.decode_worker.service import DecodeWorker
-    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.core.async_engine import AsyncEngine
     from pdserve.kv_transfer.senders import SchemeKVSender
     from pdserve.prefill_worker.service import PrefillWorker
 

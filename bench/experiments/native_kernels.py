@@ -1,5 +1,5 @@
 """Microbenchmark: the matmuls of one SmolLM2-135M decode step, fp32 oneDNN vs the native
-weight-only kernels (engine/native: int8 per-row, Q4_1 groups of 32).
+weight-only kernels (engine/kernels/native: int8 per-row, Q4_1 groups of 32).
 
 One "step" = 30 layers x [qkv (960,576), o (576,576), gate+up (3072,576), down (576,1536)]
 + the LM head (49152,576), every matrix with its OWN weights (540 MB in fp32, so nothing is
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine import native
+from pdserve.engine.kernels import native
 
 HERE = Path(__file__).resolve().parent
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from pdserve.bench.engine import bench_pdserve_decode
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.quant import FBGEMM_CPU_NEEDS, fbgemm_cpu_problem
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import load_model
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.model.quant import FBGEMM_CPU_NEEDS, fbgemm_cpu_problem
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.model.weights import load_model
 
 HERE = Path(__file__).resolve().parent
 # "none" first (the fp32 reference); fbgemm modes only where this CPU runs them right

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import load_model
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.model.weights import load_model
 
 loaded = load_model(); tok = Tokenizer.from_model_path(loaded.path)
 text = (Path(__file__).resolve().parents[2] / "engine" / "speculative.py").read_text()[:1500]

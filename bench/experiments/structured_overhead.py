@@ -29,11 +29,11 @@ def step_times(engine, prompts, params) -> list[float]:
 
 def main() -> None:
     from pdserve.engine.config import CacheConfig, EngineConfig
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.structured import Structured
-    from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.engine.weights import load_model
+    from pdserve.engine.core.engine import LLMEngine
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.common.structured import Structured
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.engine.model.weights import load_model
 
     loaded = load_model()
     tok = Tokenizer.from_model_path(loaded.path)

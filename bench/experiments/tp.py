@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tp import ModelSource
-from pdserve.engine.weights import load_model
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.parallel.tp import ModelSource
+from pdserve.engine.model.weights import load_model
 
 CFG = EngineConfig(cache=CacheConfig(kv_cache_memory=256 << 20))
 

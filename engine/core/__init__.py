@@ -1,0 +1,1 @@
+"""LLMEngine and what it drives: scheduler, block manager, requests, model runner, config."""

@@ -1,0 +1,182 @@
+"""AsyncEngine: one LLMEngine driven by its own thread, used from asyncio services.
+
+The engine is not thread-safe, so every mutation (add, abort, KV import/export) is a command
+that the engine thread runs between two steps; outputs travel back to per-request asyncio
+queues. The step loop sleeps when there is nothing to do and wakes on the next command.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from concurrent.futures import Future
+from typing import AsyncIterator, Callable, TypeVar
+
+from pdserve.engine.parallel.cores import CoreShare
+from pdserve.engine.core.engine import LLMEngine, RequestOutput
+from pdserve.common.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+def _deliver(items: list) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a bug or shutdown); requests in flight fail with this."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, cores: CoreShare | None = None):
+        """`cores`: this process's share of the host's cores; each step with work then runs
+        on the threads it lends (engine/parallel/cores.py)."""
+        self.engine = engine
+        self.cores = cores
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join()
+        self._thread = None
+
+    # ---- API (any thread / event loop) ----------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
+        """Run `fn(engine)` on the engine thread between steps."""
+        fut: Future = Future()
+        if self._thread is None or self.error is not None:
+            fut.set_exception(EngineDeadError(f"engine is not running: {self.error!r}"))
+            return fut
+        self._commands.put((fn, fut))
+        return fut
+
+    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` on the engine thread; a cancel while it waits its turn drops it."""
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def run_always(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Like `run`, but `fn` still runs if the caller is cancelled while it waits its turn
+        (the engine thread may be seconds into a prefill chunk): for cleanup, such as freeing
+        a request's blocks, that must not be lost to a client that went away at that moment."""
+        return await asyncio.shield(asyncio.wrap_future(self.call(fn)))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """Register for `request_id`'s outputs (call before the request is added)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams,
+                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; leaving early (cancel, disconnect) aborts it,
+        also when the cancel lands while the engine thread is adding it (the abort is queued
+        behind the add: commands run in order)."""
+        q = self.open_stream(request_id)
+        streaming = False
+        try:
+            await self.run(lambda e: e.add_request(request_id, prompt, params, hold_kv=hold_kv))
+            streaming = True
+            async for out in self.stream(request_id, q):  # aborts it if left before the end
+                yield out
+        finally:
+            if not streaming:
+                self.call(lambda e: e.abort(request_id))
+            self.close_stream(request_id)
+
+    async def stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.call(lambda e: e.abort(request_id))
+
+    # ---- the engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            idle = True
+            while not self._stopping:
+                # nothing ran last time (no requests, or all waiting on remote KV or memory):
+                # only a command can change that, so sleep until one arrives, never spin
+                if idle and self.cores is not None:
+                    self.cores.idle()
+                self._drain(block=idle)
+                if self._stopping:
+                    break
+                idle = True
+                if self.engine.has_unfinished_requests():
+                    if self.cores is not None:
+                        self.cores.step_threads()
+                    self._publish(self.engine.step())
+                    idle = not self.engine.last_step_progress
+        except BaseException as e:  # noqa: BLE001 - report to every waiter, then stop
+            self.error = e
+        finally:
+            self._shutdown()
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._commands.get(block=block, timeout=None)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - the caller gets it
+                    fut.set_exception(e)
+
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """Deliver outputs produced outside step() (e.g. by a KV import) to their streams."""
+        self._publish(outputs)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        # one wake-up per event loop and step, not per output: each call_soon_threadsafe
+        # writes to the loop's self-pipe (a syscall), 32 per step at 32 streams
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                loop, q = target
+                batches.setdefault(loop, []).append((q, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+    def _shutdown(self) -> None:
+        self.engine.abort_all()
+        err = EngineDeadError(f"engine stopped: {self.error!r}" if self.error else "engine stopped")
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, err)
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[1].set_running_or_notify_cancel():  # its caller may have gone
+                item[1].set_exception(err)

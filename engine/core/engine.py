@@ -1,0 +1,395 @@
+"""LLMEngine: the step loop that prefill and decode workers both drive.
+
+add_request() validates and queues; step() schedules, runs the model once, samples, applies
+stop conditions and returns what each request produced. Finished and aborted requests free
+their blocks immediately (unless the caller asked to hold them for a KV export).
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.kernels.attention import NativeAttentionBackend, default_backend
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.engine.sampling.draft import DraftSpeculator, load_draft
+from pdserve.common.errors import InvalidRequestError, KVTransferError
+from pdserve.common.kv_events import EventListener
+from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
+from pdserve.engine.kv.cache import KVCache, kv_format
+from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.runner import ModelRunner
+from pdserve.engine.sampling.sampler import draw, sample
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.sampling.grammar import grammar_state
+from pdserve.engine.sampling.speculative import NgramSpeculator
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.model.weights import LoadedModel, load_for_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None, event_listener: EventListener | None = None,
+                 draft: LoadedModel | None = None, tp=None):
+        """`draft`: the speculative draft model, if loaded already (else the config's
+        `speculative_model` is loaded here). `tp`: the tensor-parallel group
+        (engine/tp.TensorParallel) whose rank 0 this engine is; `loaded` is its slice."""
+        self.config = config = config or EngineConfig()
+        if tp is not None:  # rank 0 runs as many threads as each of the other ranks
+            torch.set_num_threads(tp.threads)
+        elif config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.tokenizer = tokenizer
+        self.tp = tp
+        self.kv_cache = tp.kv_cache() if tp is not None else KVCache(
+            loaded.config, config.cache, kv_format(config.cache.kv_cache_dtype, _DTYPES[config.dtype], config.device),
+            config.device)
+        self.blocks = BlockManager(self.kv_cache.num_blocks, config.cache.block_size,
+                                   config.cache.enable_prefix_caching, config.cache.cache_namespace,
+                                   event_listener)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        # Triton kernels on CUDA, the C kernel on CPU (the model is shared between engines;
+        # backends keep no state beyond the step's metadata)
+        self._attach_kernels(loaded)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks, tp)
+        # a request can never need more blocks than the cache holds (it would preempt itself forever)
+        self.max_model_len = min(loaded.config.max_position_embeddings,
+                                 self.kv_cache.num_blocks * config.cache.block_size)
+        self.speculator = self._speculator(draft)
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer else loaded.config.eos_token_id
+        self._rng = random.Random(config.seed)  # seeds for requests that give none
+        self._ids = itertools.count()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._held: dict[str, Request] = {}   # finished, blocks kept for export
+        self.last_step_progress = False
+        self._hold: set[str] = set()
+        self._layer_streams: dict[str, tuple] = {}  # request id -> (on_layers, group, first_block)
+
+    def _attach_kernels(self, loaded: LoadedModel) -> None:
+        config = self.config
+        loaded.model.backend = default_backend(config.device, _DTYPES[config.dtype], config.attention)
+        # with the C attention kernel come the fused C elementwise ops (RoPE, SwiGLU); "torch": none
+        fused = getattr(loaded.model.model.layers[0].mlp, "gate_up_weight", None) is not None
+        loaded.model.use_native_ops(isinstance(loaded.model.backend, NativeAttentionBackend) and fused)
+
+    def _speculator(self, draft: LoadedModel | None):
+        config = self.config
+        budget = config.scheduler.max_num_batched_tokens
+        if not config.speculative_tokens:
+            return None
+        if draft is None and not config.speculative_model:
+            return NgramSpeculator(config.speculative_tokens, self.blocks, self.max_model_len, budget)
+        if self.tp is not None:
+            raise ValueError("a draft model with tensor parallelism is not supported yet: use prompt lookup "
+                             "(--speculative-tokens without --speculative-model) or --tp 1")
+        draft = draft or load_draft(config, self.loaded, self.tokenizer)
+        self._attach_kernels(draft)
+        return DraftSpeculator(config.speculative_tokens, draft, self.blocks, self.kv_cache, config.cache,
+                               config.device, self.max_model_len, budget)
+
+    @classmethod
+    def tensor_parallel(cls, source, config: EngineConfig, tp: int, tokenizer: Tokenizer | None = None,
+                        event_listener: EventListener | None = None, **kw) -> "LLMEngine":
+        """An engine over `tp` ranks (engine/parallel/tp.py) reading the model from `source` (a
+        tp.ModelSource); `shutdown()` stops the other ranks."""
+        from pdserve.engine.parallel.tp import TensorParallel
+        group = TensorParallel(source, config, tp, **kw)
+        try:
+            return cls(group.loaded, config, tokenizer, event_listener, tp=group)
+        except BaseException:
+            group.stop()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel group's other ranks (nothing to do without one)."""
+        if self.tp is not None:
+            self.tp.stop()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
+        """Load the configured model (default: SmolLM2-135M-Instruct) and its tokenizer."""
+        loaded = load_for_config(config)
+        return cls(loaded, config, Tokenizer.from_model_path(loaded.path), event_listener)
+
+    # ---- requests -----------------------------------------------------------------------
+    def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        if request_id in self.scheduler.requests or request_id in self._held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params.validate(self.model_config.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass token ids", param="prompt")
+            prompt = self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty: give at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {vocab})", param="prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's context length is {self.max_model_len} "
+                f"tokens, which leaves no room to generate: shorten the prompt", param="prompt",
+                code="context_length_exceeded")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                f"of {self.max_model_len} tokens: lower max_tokens to at most {room}", param="max_tokens",
+                code="context_length_exceeded")
+        gen = torch.Generator()
+        gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
+        req = Request(request_id, ids, params, max_tokens, self.eos_token_id, generator=gen)
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
+            req.grammar = grammar_state(self.tokenizer.grammar_compiler(self.model_config.vocab_size), params.structured)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
+        elif params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+        return req
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    hold_kv: bool = False, resume: list[int] | None = None) -> None:
+        """Queue a request. With `hold_kv`, its blocks outlive it until `release_kv` (the
+        prefill worker exports them after the first token). `resume`: tokens this request
+        already produced elsewhere (a migration): they count against max_tokens and for
+        penalties, and a seeded request continues its random stream after them, so the
+        rest equals an uninterrupted run."""
+        req = self._make_request(request_id, prompt, params or SamplingParams())
+        if resume:
+            try:
+                self._resume(req, list(resume))
+            except InvalidRequestError:
+                self._detok.pop(request_id, None)
+                raise
+        if hold_kv:
+            self._hold.add(request_id)
+        self.scheduler.add(req)
+
+    def _resume(self, req: Request, tokens: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise InvalidRequestError("resume tokens outside the vocabulary", param="resume")
+        if len(tokens) >= req.max_tokens:
+            raise InvalidRequestError(f"{len(tokens)} tokens already generated: nothing left of "
+                                      f"max_tokens={req.max_tokens}", param="resume")
+        for t in tokens:
+            if req.grammar is not None and not req.grammar.consume(t):
+                raise InvalidRequestError("resume tokens do not follow the request's constraint", param="resume")
+            req.append_output(t)
+            if not req.params.greedy:  # one draw per sampled token, as the sampler makes
+                draw(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks now. False if unknown."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return self.release_kv(request_id)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def abort_all(self) -> None:
+        """Abort every request, and free the blocks held for a KV export (engine shutdown)."""
+        for rid in list(self.scheduler.requests) + list(self._held):
+            self.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        # False: nothing ran and nothing changed (all waiting on remote KV or on memory), so
+        # stepping again before the next add/abort/import would only spin
+        self.last_step_progress = sched.num_tokens > 0 or bool(sched.preempted)
+        if not sched.chunks:
+            return []
+        guesses = self.speculator.extend(sched, self._hold) if self.speculator is not None else {}
+        completed, logits = self.runner.execute(sched.chunks, self._layer_hook(sched.chunks), frozenset(guesses))
+        for c in sched.chunks:
+            if c.request.request_id not in guesses:  # a speculative chunk's progress is settled below
+                c.request.num_computed_tokens += c.num_new_tokens
+        if not guesses:
+            reqs = [c.request for c in completed]
+            tokens, logprobs = sample(logits, reqs) if reqs else ([], [])
+            return [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+        return self._finish_speculative_step(completed, logits, guesses)
+
+    def _finish_speculative_step(self, completed, logits, guesses) -> list[RequestOutput]:
+        rows, spec, row = [], [], 0
+        for c in completed:
+            if c.request.request_id in guesses:
+                spec.append((c.request, logits[row:row + c.num_new_tokens]))
+                row += c.num_new_tokens
+            else:
+                rows.append((c.request, row))
+                row += 1
+        reqs = [r for r, _ in rows]
+        tokens, logprobs = sample(logits[[i for _, i in rows]], reqs) if reqs else ([], [])
+        outs = [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+        for req, req_logits in spec:
+            for t in self.speculator.settle(req, guesses[req.request_id], req_logits):
+                outs.append(self._on_token(req, t, None))
+                if outs[-1].finished:
+                    break
+        return outs
+
+    def _on_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        req.append_output(token)
+        out = RequestOutput(req.request_id, [token], logprobs=[lp] if lp else [],
+                            num_prompt_tokens=req.num_prompt_tokens,
+                            num_cached_tokens=max(req.num_cached_tokens, 0))
+        if len(req.output_token_ids) == 1:
+            if req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = list(req.prompt_logprobs or [])
+            if req.first_scheduled_time is not None:
+                out.queue_s = req.first_scheduled_time - req.arrival_time
+        status = None
+        p = req.params
+        if len(req.output_token_ids) <= p.min_tokens:
+            pass  # too early to stop (the sampler masks the stop tokens; this covers an imported one)
+        elif token == req.eos_token_id and not p.ignore_eos:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in p.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        if req.grammar is not None and status is None:
+            # masked sampling only picks allowed tokens; a refused one can only be an imported
+            # first token from a prefill worker with another constraint: stop rather than drift
+            if not req.grammar.consume(token) or req.grammar.done:
+                status = RequestStatus.FINISHED_STOPPED
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            out.new_text = detok.push([token])
+            if detok.stopped_on is not None and status is None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_on
+        if status is None and len(req.output_token_ids) >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if detok is not None:
+                out.new_text += detok.flush()
+            self._finish(req, status)
+            out.finished, out.finish_reason, out.stop_reason = True, status.finish_reason, req.stop_reason
+        return out
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        hold = req.request_id in self._hold and status != RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish(req, status, free_blocks=not hold)
+        self._hold.discard(req.request_id)
+        self._detok.pop(req.request_id, None)
+        self._layer_streams.pop(req.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(req.request_id)
+        if hold:
+            self._held[req.request_id] = req
+
+    # ---- KV transfer hooks ----------------------------------------------------------------
+    def stream_kv_layers(self, request_id: str, on_layers, group: int = 6, first_block: int = 0) -> None:
+        """Layer-wise KV streaming: in the step that finishes `request_id`'s prompt, call
+        `on_layers(start, end, kv)` on the engine thread as soon as layers [start, end) have
+        written their K/V (every `group` layers), kv being a copy of those layers of the
+        request's blocks from `first_block` on, (end - start, 2, n_blocks, block_size, heads,
+        head_dim). Transfer then overlaps the compute of the layers after them."""
+        self._layer_streams[request_id] = (on_layers, max(1, group), first_block)
+
+    def stop_kv_stream(self, request_id: str) -> None:
+        self._layer_streams.pop(request_id, None)
+
+    def _layer_hook(self, chunks):
+        """The per-layer callback of a step, if a streamed request's prompt completes in it. In
+        a tensor-parallel group every rank runs it (the step carries `tp_plan`): each export
+        gathers the ranks' heads."""
+        streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
+                   if c.completes and c.request.request_id in self._layer_streams]
+        if not streams:
+            return None
+        from pdserve.engine.parallel.tp import layer_streams
+        plan = [(self.blocks.block_table(req.request_id)[first_block:], group) for req, _, group, first_block in streams]
+        kw = {"announce": False} if self.tp is not None else {}  # the other ranks export in their own pass
+
+        def export(k, blocks, layers):
+            streams[k][1](*layers, self.kv_cache.export_blocks(blocks, layers=layers, **kw))
+        after_layer = layer_streams(plan, self.model_config.num_hidden_layers, export)
+        after_layer.tp_plan = plan
+        return after_layer
+
+    def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:
+        """The held request's computed tokens and the KV of their blocks,
+        (layers, 2, n_blocks, block_size, n_kv_heads, head_dim)."""
+        req = self._held.get(request_id)
+        if req is None:
+            raise KVTransferError(f"request {request_id!r} holds no KV (add it with hold_kv=True)")
+        return req.all_token_ids[:req.num_computed_tokens], self.kv_cache.export_blocks(self.blocks.block_table(request_id))
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a held request's blocks (after export)."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        self.blocks.free(request_id)
+        return True
+
+    def add_remote_request(self, request_id: str, prompt: list[int], params: SamplingParams | None = None) -> list[int] | None:
+        """Admit a request whose prompt KV will be imported. Returns the block ids to fill:
+        those after the prefix this engine already caches (shared, not sent again); None if
+        the blocks are not free now (retry later)."""
+        req = self._make_request(request_id, prompt, params or SamplingParams())
+        if not self.scheduler.add_remote(req):
+            self._detok.pop(request_id, None)
+            return None
+        return self.blocks.block_table(request_id)[req.num_cached_tokens // self.blocks.block_size:]
+
+    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
+                  logprob: TokenLogprobs | None = None) -> RequestOutput:
+        """Write the prompt KV into the request's blocks and continue from `first_token`
+        (sampled by the prefill side). The request then decodes in the batch."""
+        req = self.scheduler.remote.get(request_id)
+        if req is None:
+            raise KVTransferError(f"request {request_id!r} is not waiting for remote KV")
+        table = self.blocks.block_table(request_id)
+        if kv.dim() != 6 or kv.shape[2] > len(table):
+            raise KVTransferError(f"KV for {request_id!r} has shape {tuple(kv.shape)}: more blocks than its {len(table)}")
+        self.kv_cache.import_blocks(table[len(table) - kv.shape[2]:], kv)  # the uncached tail
+        self.scheduler.remote_kv_ready(req)
+        if not req.params.greedy:
+            # the prefill side drew the first token from the same seeded stream: skip that
+            # draw so that the rest equals a single-engine run
+            draw(req)
+        return self._on_token(req, first_token, logprob)
+
+    # ---- conveniences ---------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion in one continuous batch; returns generated token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        """Blocks, queues and counters; call it on the engine's thread for a consistent snapshot."""
+        sched, blocks, spec = self.scheduler, self.blocks, self.speculator
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting) + sum(
+            r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_computed_tokens < r.num_tokens - 1)
+        return EngineStats(
+            num_blocks=blocks.num_blocks, free_blocks=blocks.num_free_blocks, cached_blocks=blocks.num_cached_blocks,
+            kv_usage=blocks.usage, running=len(sched.running), waiting=len(sched.waiting),
+            queued_prefill_tokens=queued, prefix_queries=blocks.prefix_queries, prefix_hits=blocks.prefix_hits,
+            max_model_len=self.max_model_len, kv_cache_dtype=self.kv_cache.format.name,
+            speculation="" if spec is None else spec.kind, spec_proposed=spec.proposed if spec else 0,
+            spec_accepted=spec.accepted if spec else 0)

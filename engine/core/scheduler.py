@@ -1,0 +1,183 @@
+"""Continuous-batching scheduler with chunked prefill, prefix reuse and preemption.
+
+Each step has a token budget. Running requests go first (a decoding request needs one
+token, a partly prefilled one its next chunk); then waiting requests are admitted in
+arrival order while budget, sequence slots and blocks last. A request's progress is one
+counter, `num_computed_tokens`, catching up with `num_tokens` (prompt + generated): the
+scheduler never distinguishes "prefill" from "decode" beyond how many tokens that takes.
+
+When a running request needs a block and none is free, the most recently admitted running
+request is preempted: its blocks are freed and it goes back to the head of the queue with
+its progress reset (recompute; its prefix blocks usually come straight back from the cache).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.core.block_manager import BlockManager, PrefixMatch
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+    completes: bool = False
+    """After this chunk every token has KV, so the step samples the next token (fixed when
+    scheduled: the request's progress counter moves once the step has run)."""
+
+    @classmethod
+    def of(cls, req: Request, n: int) -> "ScheduledChunk":
+        return cls(req, n, req.num_computed_tokens + n == req.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.requests: dict[str, Request] = {}
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def add_remote(self, req: Request) -> bool:
+        """Admit `req` with blocks for its whole prompt, to be filled by a KV import. Returns
+        False (nothing allocated) if the blocks are not free now, if the batch has no seat left
+        (max_num_seqs, counting the requests whose KV is on its way), or if requests already wait
+        for blocks here (preempted ones first: a stream of new arrivals must not starve them).
+        Cached blocks of the prompt's prefix are shared (by reference count), not imported
+        again: `num_cached_tokens` says how many tokens they hold."""
+        if self.waiting or self.seats_taken() >= self.config.max_num_seqs:
+            return False  # a seat in the batch is kept for it from now: it joins when its KV lands
+        # not counted in the hit rate: the prompt is computed (and counted) where it is
+        # prefilled; what this finds is KV that is not sent again
+        prefix = self.blocks.match_prefix(req.all_token_ids, count=False, root=req.cache_root)
+        if not self.blocks.allocate(req.request_id, req.num_prompt_tokens, prefix):
+            return False
+        req.num_cached_tokens = prefix.num_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[req.request_id] = req
+        self.remote[req.request_id] = req
+        return True
+
+    def seats_taken(self) -> int:
+        """Places in the batch (max_num_seqs) held: running requests and those whose KV is on
+        its way."""
+        return len(self.running) + len(self.remote)
+
+    def remote_kv_ready(self, req: Request) -> None:
+        """The prompt's KV has landed: the request joins the batch and, once the first token
+        sampled by the prefill side is appended, decodes from its next step."""
+        del self.remote[req.request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_prompt_tokens, req.cache_root)
+        req.status = RequestStatus.DECODING
+        self.running.append(req)
+
+    def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """Move `req` to a finished state and free its blocks at once (unless the caller
+        keeps them for a KV export and frees them later)."""
+        assert status.finished
+        if req.request_id not in self.requests:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req.request_id in self.remote:
+            del self.remote[req.request_id]
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        del self.requests[req.request_id]
+        req.status = status
+        if free_blocks:
+            self.blocks.free(req.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------
+    def _chunk_size(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget)
+            scheduled = True
+            while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            self._commit(out, req, n)
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        assert out.num_tokens <= self.config.max_num_batched_tokens
+        assert len(self.running) <= self.config.max_num_seqs
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and self.seats_taken() < self.config.max_num_seqs:
+            req = self.waiting[0]
+            prefix = PrefixMatch()
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+                prefix = self.blocks.match_prefix(req.all_token_ids, root=req.cache_root)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = prefix.num_tokens
+            n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget)
+            if not self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix):
+                break  # arrival order is kept: nothing behind it jumps the queue
+            self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.num_computed_tokens = prefix.num_tokens
+            self.running.append(req)
+            self._commit(out, req, n)
+            budget -= n
+
+    def _commit(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        chunk = ScheduledChunk.of(req, n)
+        req.status = RequestStatus.DECODING if n == 1 and chunk.completes and req.output_token_ids else RequestStatus.PREFILLING
+        # the KV of these tokens is computed in this step, before anyone can look them up
+        self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens + n, req.cache_root)
+        out.chunks.append(chunk)

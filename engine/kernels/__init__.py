@@ -1,0 +1,1 @@
+"""Attention backends, Triton kernels and the native C kernels."""

@@ -1,0 +1,1 @@
+"""The paged KV cache and its storage formats (fp32, bf16, int8 and fp8 codes with a scale per row)."""

@@ -1,0 +1,75 @@
+"""Paged KV cache tensors, sized from a memory budget.
+
+One preallocated tensor `(layers, 2, num_blocks, block_size, n_kv_heads, head_dim)` holds K
+(index 0) and V (index 1) of every layer, so the KV of a set of blocks is one indexed slice:
+that is what export/import (the kv_transfer hook) move. In an 8-bit format the last
+dimension also carries each row's scale (kv_format.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.common.errors import KVTransferError
+from pdserve.engine.kv.formats import CHOICES, FORMATS, KVFormat, format_of
+
+
+def kv_format(choice: str, model_dtype: torch.dtype, device: str | torch.device) -> KVFormat:
+    """The cache's format for CacheConfig.kv_cache_dtype `choice` ("auto", "fp32", "bf16",
+    "fp8", "int8"). Raises ValueError where no attention path reads it (on a GPU, a float
+    dtype other than the model's: the Triton kernels read the model's or 8-bit codes)."""
+    if choice == "auto":
+        # bf16 K/V cost SmolLM2 0.002% perplexity, but together with the default's int8
+        # activations they flipped the first token of the README's own example: opt-in for now
+        return format_of(model_dtype)
+    want = FORMATS[CHOICES[choice]]
+    if str(device) != "cpu" and not want.quantized and want.dtype != model_dtype:
+        raise ValueError(f"--kv-cache-dtype {choice} with a {model_dtype} model runs on the CPU only "
+                         f"(the GPU attention kernels read the model's dtype), not on {device}")
+    return want
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, fmt: KVFormat) -> int:
+    """K and V of every layer for one block, scales included."""
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * fmt.bytes_per_row(model.head_dim)
+
+
+class KVCache:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, fmt: KVFormat | torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        self.format = fmt if isinstance(fmt, KVFormat) else format_of(fmt)
+        self.head_dim = model.head_dim
+        per_block = bytes_per_block(model, cache.block_size, self.format)
+        self.num_blocks = cache.kv_cache_memory // per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block: one block of "
+                f"{cache.block_size} tokens needs {per_block} bytes for this model")
+        self.block_size = cache.block_size
+        self.bytes_per_block = per_block
+        # zeros, not empty: padded attention slots must hold finite values (0 * NaN = NaN)
+        self.kv = torch.zeros(model.num_hidden_layers, 2, self.num_blocks, cache.block_size, model.num_key_value_heads,
+                              self.format.row_width(model.head_dim), dtype=self.format.dtype, device=device)
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """(layers, 2, block_size, n_kv_heads, head_dim): what a KV import must match."""
+        L, two, _, bs, h, _ = self.kv.shape
+        return (L, two, bs, h, self.head_dim)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.kv.shape[0])]
+
+    def export_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """A copy of these blocks' KV, (layers, 2, len(block_ids), block_size, n_kv, hd);
+        `layers`: only layers [start, end)."""
+        kv = self.kv if layers is None else self.kv[layers[0]:layers[1]]
+        return kv[:, :, torch.tensor(block_ids, dtype=torch.long)].clone()
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        expected = (self.kv.shape[0], 2, len(block_ids), *self.kv.shape[3:])
+        if tuple(data.shape) != expected:
+            raise KVTransferError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
+        if data.dtype != self.kv.dtype:
+            raise KVTransferError(f"KV data has dtype {data.dtype}, the cache holds {self.format.name}")
+        self.kv[:, :, torch.tensor(block_ids, dtype=torch.long)] = data.to(self.kv.device)

@@ -1,0 +1,81 @@
+"""Gemma 3 (text): the Llama decoder's parts arranged Gemma's way.
+
+What differs from `LlamaForCausalLM` (engine/model/llama.py), as in Hugging Face's
+`Gemma3ForCausalLM`: the embeddings are scaled by sqrt(hidden_size); every RMSNorm multiplies
+by (1 + w) (the loader adds the 1 to the weights, so the norms here are plain); q and k get a
+per-head RMSNorm before RoPE; each layer has four norms (before and after attention, before
+and after the MLP, the "after" ones applied to the branch before the residual add); the MLP
+is GELU-tanh gated; scores are scaled by query_pre_attn_scalar^-1/2; sliding-window layers
+and global layers interleave, each kind with its own RoPE base. The attention, the linear
+kernels and the paged cache are the Llama model's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.kernels.attention import AttentionBackend, TorchAttentionBackend
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, RotaryEmbedding
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, h, rope, kv, meta, backend):
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv, meta, backend))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's decoder and LM head, with `LlamaForCausalLM`'s interface (fuse, kernels,
+    forward over a flat batch, compute_logits)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = Gemma3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.build_rotary()
+        self.backend = backend or TorchAttentionBackend()
+        self.lm_head_linear = None
+        self.native_ops = False
+
+    def build_rotary(self) -> None:
+        """The RoPE tables: the global layers' base and the sliding layers' (computed, not loaded)."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                            cfg.rope_local_theta or cfg.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
+                after_layer=None) -> torch.Tensor:
+        """As LlamaForCausalLM.forward (the residual adds are not fused into the norms here:
+        Gemma's norms sit on the branches)."""
+        h = self.embed(input_ids)
+        h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)  # rounded to the dtype, as HF does
+        rope_global = self.rotary(positions, self.native_ops)
+        rope_local = self.rotary_local(positions, self.native_ops)
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            h = layer(h, rope_local if layer.self_attn.window else rope_global, kv, meta, self.backend)
+            if after_layer is not None:
+                after_layer(i)
+        return self.model.norm(h)

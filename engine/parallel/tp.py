@@ -1,0 +1,361 @@
+"""Tensor parallelism on one host: an engine whose model is split over N ranks (processes)
+that talk through `torch.distributed` (gloo on the CPU).
+
+Each rank holds a slice of every layer, Megatron-style: q/k/v and gate/up are split by output
+(attention heads with their KV heads; the MLP's intermediate units), o_proj and down_proj by
+input, and their partial outputs are summed by an all-reduce, so each layer costs two. KV
+heads are split with their query heads; a degree above the KV head count replicates each KV
+head on the ranks of its query group. The embedding and the LM head are split by vocabulary
+rows: a lookup is summed over the group (each id lives on one rank), and each rank's logits
+are gathered on rank 0, the only rank that samples. Norms are replicated. Each rank's paged
+cache holds its KV heads of every block.
+
+Rank 0 is the engine: its scheduler and block manager decide everything, and before each
+forward pass it broadcasts the step (token ids, positions, the attention metadata) to the
+other ranks, which run their slice on their own cache. KV leaves and enters the group in the
+whole model's layout (`TPKVCache`): an export gathers every rank's heads, an import scatters
+them, so groups of different degrees exchange KV as any two engines do. A rank that dies
+makes the next collective fail: rank 0 raises `RankFailed` and the ranks left exit.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.common.errors import PdserveError
+from pdserve.engine.kv.cache import KVCache
+from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard, vocab_of
+
+
+
+class RankFailed(PdserveError, RuntimeError):
+    """A rank of a tensor-parallel group died or stopped answering: the group is down."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where every rank reads the whole model's weights from: a model path (as EngineConfig.model)
+    or, for tests, the tiny random Llama of `tiny_seed`."""
+
+    model: str = ""
+    tiny_seed: int | None = None
+    tiny_overrides: tuple[tuple[str, object], ...] = ()
+    """(field, value) pairs of the tiny model's config (engine/tiny.tiny_config)."""
+
+    def read(self):
+        """(state dict, config, fingerprint, path)."""
+        from pathlib import Path
+
+        from pdserve.engine.model.weights import load_state_dict, resolve_model_path
+        if self.tiny_seed is not None:
+            from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
+            cfg = tiny_config(**dict(self.tiny_overrides))
+            return tiny_state_dict(cfg, self.tiny_seed), cfg, f"tiny-{self.tiny_seed}", Path("<tiny>")
+        path = resolve_model_path(self.model or None)
+        state, cfg, fp = load_state_dict(path)
+        return state, cfg, fp, path
+
+
+def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int):
+    """The LoadedModel of one rank's slice (its config: the slice's heads and units, the
+    whole vocabulary), and the whole model's config."""
+    from pdserve.engine.model.weights import LoadedModel, build_model, quantized_fingerprint
+
+    state, cfg, fp, path = source.read()
+    if config.max_model_len:
+        cfg = replace(cfg, max_position_embeddings=config.max_model_len)
+    local_state, local = shard(state, cfg, tp, rank)
+    model = build_model(local, local_state, getattr(torch, config.dtype), config.device, config.packed_weights,
+                        config.quantization)
+    return LoadedModel(model, replace(local, vocab_size=cfg.vocab_size), path,
+                       quantized_fingerprint(fp, config.quantization, model)), cfg
+
+
+class Group:
+    """This process's membership of a group: gloo collectives on a process group of its own
+    (not torch's default group, so that one process can hold several, as tests do)."""
+
+    def __init__(self, rank: int, world: int, store, timeout_s: float, on_failure=None):
+        """on_failure(): called once when a collective fails (rank 0 takes the group down)."""
+        self.rank, self.world, self.on_failure = rank, world, on_failure
+        try:
+            self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise RankFailed(f"the tensor-parallel group of {world} ranks did not form: {e}") from e
+        self.allreduce_s = 0.0
+        self.allreduces = 0
+        self.widths: list[int] = []  # every rank's columns in gather_columns (set by attach)
+        self.gather_s = 0.0  # time in gather_columns (the logits)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            if self.on_failure is not None:
+                self.on_failure()
+                self.on_failure = None
+            raise RankFailed(f"{what} over the tensor-parallel group failed (a rank died or stopped "
+                             f"answering): {e}") from e
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        self._wait(self.pg.allreduce([x]), "an all-reduce")
+        self.allreduce_s += time.perf_counter() - t
+        self.allreduces += 1
+        return x
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.broadcast([t], opts), "a broadcast")
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` (pickled) on every rank."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            self._bcast(torch.tensor([data.numel()]))
+            self._bcast(data)
+            return obj
+        n = torch.zeros(1, dtype=torch.long)
+        self._bcast(n)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        self._bcast(data)
+        return pickle.loads(data.numpy().tobytes())
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` on rank 0 (None elsewhere)."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        out = [[torch.empty_like(t) for _ in range(self.world)]] if self.rank == 0 else []
+        self._wait(self.pg.gather(out, [t], opts), "gathering KV")
+        return out[0] if self.rank == 0 else None
+
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's (rows, widths[rank]) `t` side by side on rank 0 (None elsewhere). Gloo
+        gathers equal shapes: each part travels padded to the widest."""
+        t0, wide = time.perf_counter(), max(self.widths)
+        if t.shape[-1] < wide:
+            t = torch.nn.functional.pad(t, (0, wide - t.shape[-1]))
+        parts = self.gather(t)
+        self.gather_s += time.perf_counter() - t0
+        if parts is None:
+            return None
+        return torch.cat([p[..., :w] for p, w in zip(parts, self.widths)], dim=-1)
+
+    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
+        """Rank 0's parts[r] into rank r's `out`."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.scatter([out], [parts] if self.rank == 0 else [], opts), "scattering KV")
+
+    def close(self) -> None:
+        self.pg = None
+
+
+def attach(model, group: Group, full: ModelConfig) -> None:
+    """Sum every layer's partial attention and MLP outputs, and the embedding lookups, over
+    the group; gather the logits of every rank's vocabulary rows."""
+    for layer in model.model.layers:
+        layer.self_attn.tp = layer.mlp.tp = group
+    spans = [vocab_of(full, group.world, r) for r in range(group.world)]
+    group.widths = [v.stop - v.start for v in spans]
+    model.tp, model.vocab_start = group, spans[group.rank].start
+
+
+def _die_with_parent() -> None:
+    """Exit when rank 0's process goes, however it goes (checked every second: a parent-death
+    signal would fire when the thread that started this rank exits, which loaders do)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="pdserve-tp-parent-watch").start()
+
+
+def follower_entry() -> None:
+    """A rank's process: its arguments come pickled on stdin."""
+    follower_main(*pickle.loads(sys.stdin.buffer.read()))
+
+
+def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int, port: int, timeout_s: float,
+                  threads: int) -> None:
+    """A rank other than 0: build its slice and cache, then run the steps rank 0 sends."""
+    _die_with_parent()
+    torch.set_num_threads(max(1, threads))
+    from pdserve.engine.kernels.attention import default_backend
+    loaded, full = load_rank(source, config, tp, rank)
+    store = dist.TCPStore("127.0.0.1", port, tp, False, timeout=timedelta(seconds=timeout_s))
+    group = Group(rank, tp, store, timeout_s)
+    attach(loaded.model, group, full)
+    kv = TPKVCache(full, loaded.config, config, group)
+    model = loaded.model
+    model.backend = default_backend(config.device, getattr(torch, config.dtype), config.attention)
+    model.use_native_ops(_native_ok(model))
+    layers = kv.layers()
+    try:
+        with torch.inference_mode():
+            while True:
+                cmd = group.broadcast(None)
+                if cmd[0] == "step":
+                    _follow_step(model, kv, layers, *cmd[1:])
+                elif cmd[0] == "export":
+                    kv.export_blocks(*cmd[1:])
+                elif cmd[0] == "import":
+                    kv.import_blocks(cmd[1], None)
+                elif cmd[0] == "stop":
+                    return
+    except RankFailed:
+        os._exit(1)  # rank 0 is gone: nothing left to serve
+    finally:
+        group.close()
+
+
+def layer_streams(streams: list[tuple[list[int], int]], n_layers: int, export):
+    """The per-layer callback of a step that streams KV: for the k-th (blocks, group) of
+    `streams`, `export(k, blocks, (start, end))` once layers [start, end) are written, every
+    `group` layers and at the last one. The same on every rank: each export is a gather."""
+    def after_layer(i: int) -> None:
+        for k, (blocks, group) in enumerate(streams):
+            if (i + 1) % group == 0 or i + 1 == n_layers:
+                export(k, blocks, (i - i % group, i + 1))
+    return after_layer
+
+
+def _follow_step(model, kv: "TPKVCache", layers, ids, pos, meta, passes, sampled, streams) -> None:
+    """Rank 0's step on this rank's slice: the forward pass with its KV exports, then the same
+    logits passes (their results live on rank 0)."""
+    model.backend.prepare(meta)
+    after = None
+    if streams:
+        after = layer_streams(streams, len(layers), lambda _, b, r: kv.export_blocks(b, r, announce=False))
+    hidden = model(ids, pos, layers, meta, after)
+    for lo, hi in passes:
+        model.compute_logits(hidden[lo:hi])
+    model.compute_logits(hidden if sampled is None else hidden[sampled])
+
+
+def _native_ok(model) -> bool:
+    from pdserve.engine.kernels.attention import NativeAttentionBackend
+    fused = getattr(model.model.layers[0].mlp, "gate_up_weight", None) is not None
+    return isinstance(model.backend, NativeAttentionBackend) and fused
+
+
+class TPKVCache(KVCache):
+    """One rank's paged cache (its KV heads), exporting and importing in the whole model's
+    layout: rank 0 gathers the other ranks' heads on export and scatters them on import
+    (the other ranks take part in the same calls, told by rank 0's broadcast)."""
+
+    def __init__(self, full: ModelConfig, local: ModelConfig, config: EngineConfig, group: Group):
+        from pdserve.engine.kv.cache import kv_format
+        super().__init__(local, config.cache, kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype),
+                                                        config.device), config.device)
+        self.full, self.group = full, group
+        tp, kv = group.world, full.num_key_value_heads
+        # the ranks whose heads make up the whole model's (one per KV head group when replicated)
+        self.owners = list(range(tp)) if tp <= kv else list(range(0, tp, tp // kv))
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        L, two, bs, _, hd = super().layout
+        return (L, two, bs, self.full.num_key_value_heads, hd)
+
+    def export_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None,
+                      announce: bool = True) -> torch.Tensor:
+        """`announce` False: the other ranks export the same blocks without being told (inside
+        a forward pass, from the step's layer streams)."""
+        g = self.group
+        if g.rank == 0 and g.world > 1 and announce:
+            g.broadcast(("export", block_ids, layers))
+        mine = super().export_blocks(block_ids, layers)
+        parts = g.gather(mine)
+        if g.rank != 0:
+            return mine
+        return torch.cat([parts[r] for r in self.owners], dim=4)
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor | None) -> None:
+        g = self.group
+        if g.rank == 0:
+            expected = (self.kv.shape[0], 2, len(block_ids), self.block_size, self.full.num_key_value_heads,
+                        self.kv.shape[-1])
+            if tuple(data.shape) != expected:
+                from pdserve.common.errors import KVTransferError
+                raise KVTransferError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
+            g.broadcast(("import", block_ids))
+            parts = [data[:, :, :, :, kv_heads_of(self.full, g.world, r)].contiguous() for r in range(g.world)]
+        mine = torch.empty(self.kv.shape[0], 2, len(block_ids), *self.kv.shape[3:], dtype=self.kv.dtype)
+        g.scatter(parts if g.rank == 0 else None, mine)
+        super().import_blocks(block_ids, mine)
+
+
+class TensorParallel:
+    """Rank 0's side of a group: starts the other ranks, owns the collectives; `loaded` is its
+    own slice, `kv_cache(config)` its cache. `stop()` ends the group."""
+
+    def __init__(self, source: ModelSource, config: EngineConfig, tp: int, timeout_s: float = 60.0,
+                 threads_per_rank: int = 0):
+        self.tp, self.config = tp, config
+        self.loaded, self.full = load_rank(source, config, tp, 0)
+        check_degree(self.full, tp)
+        store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        port = store.port
+        # the CPUs the worker was given (its engine's threads), else the host's, shared by the ranks
+        self.threads = threads = threads_per_rank or max(1, (config.num_threads or os.cpu_count() or 1) // tp)
+        # fresh interpreters (not multiprocessing): nothing depends on how the parent's main module
+        # was started (a console script, a Ray worker, a test runner)
+        self.procs = []
+        for r in range(1, tp):
+            p = subprocess.Popen([sys.executable, "-c", "from pdserve.engine.parallel.tp import follower_entry; follower_entry()"],
+                                 stdin=subprocess.PIPE)
+            p.stdin.write(pickle.dumps((source, config, tp, r, port, timeout_s, threads)))
+            p.stdin.close()
+            self.procs.append(p)
+        self.group = Group(0, tp, store, timeout_s, on_failure=self._kill_ranks)
+        attach(self.loaded.model, self.group, self.full)
+
+    def kv_cache(self) -> TPKVCache:
+        return TPKVCache(self.full, self.loaded.config, self.config, self.group)
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, passes: list[tuple[int, int]],
+             sampled: list[int] | None, streams: list | None = None) -> None:
+        """Before rank 0's forward pass: the other ranks run the same step, with the same
+        prompt-logprob row ranges `passes`, then the sampled rows (`sampled`; None: all), and
+        the KV exports of `streams` ((blocks, every n layers)) inside it."""
+        if self.tp > 1:
+            self.group.broadcast(("step", input_ids, positions, meta, passes, sampled, streams or []))
+
+    def dead_ranks(self) -> list[int]:
+        """The ranks whose processes have exited (the group cannot step any more)."""
+        return [r for r, p in enumerate(self.procs, 1) if p.poll() is not None]
+
+    def _kill_ranks(self) -> None:
+        """A rank failed: the others stop at once (not at their collective's timeout)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    def stop(self) -> None:
+        try:
+            if self.tp > 1 and all(p.poll() is None for p in self.procs):
+                self.group.broadcast(("stop",))
+        except RankFailed:
+            pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.group.close()

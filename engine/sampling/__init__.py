@@ -1,0 +1,1 @@
+"""Sampling: the sampler, grammar masks, n-gram and draft-model speculation."""
