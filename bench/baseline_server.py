@@ -218,7 +218,8 @@ def cmd_baseline_server(args) -> int:
 
     from pdserve.common.threads import in_fresh_thread, single_threaded_here
     from pdserve.common.tokenizer import Tokenizer
-    from pdserve.engine.model.weights import load_model, served_model_name
+    from pdserve.common.model_files import served_model_name
+    from pdserve.engine.model.weights import load_model
 
     from .engine import hf_baseline
 

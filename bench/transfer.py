@@ -126,6 +126,7 @@ def _bench_layerwise(prompt_len: int, group: int, repeats: int) -> dict:
     from pdserve.engine.core.engine import LLMEngine
     from pdserve.common.sampling_params import SamplingParams
     from pdserve.engine.model.weights import load_model
+    from pdserve.kv_transfer.config import TransferConfig
     from pdserve.kv_transfer.senders import SchemeKVSender
     from pdserve.prefill_worker.service import PrefillWorker
     from pdserve.protos import worker_pb2 as pb
@@ -137,7 +138,7 @@ def _bench_layerwise(prompt_len: int, group: int, repeats: int) -> dict:
 
     async def run():
         workers = {g: (PrefillWorker(AsyncEngine(LLMEngine(loaded, cfg)), SchemeKVSender(f"p{g}"), f"p{g}",
-                                     layer_group=g), DecodeWorker(AsyncEngine(LLMEngine(loaded, cfg)), f"d{g}"))
+                                     transfer=TransferConfig(layer_group=g)), DecodeWorker(AsyncEngine(LLMEngine(loaded, cfg)), f"d{g}"))
                    for g in (0, group)}
         for p, d in workers.values():
             await p.start()

@@ -35,3 +35,9 @@ def file_fingerprint(path: Path) -> str:
     st = path.stat()
     key = f"{_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def served_model_name(path: Path) -> str:
+    """The model id the API serves by default: the file's name up to its first dot, or the
+    directory's name (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`)."""
+    return path.name.split(".")[0] if path.is_file() else path.name

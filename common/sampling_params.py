@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.structured import Structured
+from pdserve.common.tokens import check_token_ids
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -100,10 +101,8 @@ class SamplingParams:
         if self.structured is not None:
             self.structured.validate()
         limit = vocab_size if vocab_size is not None else 2**31
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
-            for t in ids:
-                if not 0 <= t < limit:
-                    bad(name, f"contains token {t}, outside the vocabulary [0, {limit})")
+        check_token_ids(self.stop_token_ids, limit, "stop_token_ids")
+        check_token_ids(self.logit_bias, limit, "logit_bias")
 
     @property
     def greedy(self) -> bool:

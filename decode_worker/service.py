@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from functools import partial
 
 import grpc
 
@@ -23,14 +24,12 @@ from pdserve.kv_transfer.grpc_transport import GrpcKVServer
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
-from pdserve.protos.convert import block_snapshot, logprob_from_proto, output_to_proto, params_from_proto, worker_stats
-from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, check_stats_request, open_channel
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.protos.convert import logprob_from_proto, output_to_proto, params_from_proto
+from pdserve.protos.security import SecurityConfig, add_port, open_channel
+from pdserve.protos.servicer import WorkerServicer
 from pdserve.protos.status import refuse_invalid, refuse_when_full, refused_by
 from pdserve.protos.tracing import NO_SPAN, OFF, Tracer
-
-TRANSFER_POLICIES = ("recompute", "fail")
-KV_TRANSPORTS = ("grpc", "ucx")
-
 
 TAKEN_HERE = "taken here"  # _destination_blocks: added for a local prefill of its few uncached tokens
 
@@ -44,13 +43,12 @@ class PrefillWorkerFull(Exception):
         self.worker_id = worker_id
 
 
-class DecodeServicer(pb_grpc.DecodeServiceServicer):
-    def __init__(self, worker: "DecodeWorker"):
-        self.w = worker
+class DecodeServicer(WorkerServicer, pb_grpc.DecodeServiceServicer):
+    role = "decode"
 
     async def Generate(self, request: pb.GenerateRequest, context):
         w = self.w
-        await w.check_token(request.cluster_token, context)
+        await self.check_token(request.cluster_token, context)
         if w.draining or (w.max_queue and w.queued >= w.max_queue):
             w.refused += 1
             await refuse_when_full(context, w.worker_id, "decode worker", w.max_queue, "draining" if w.draining else "")
@@ -101,27 +99,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 # it or take its blocks included): the abort runs after those commands, in
                 # order, so nothing it took outlives the call; a no-op if nothing was taken
                 w.receiver.cancel(rid)
-                w.engine.call(lambda e: e.abort(rid))
-
-    async def Abort(self, request, context):
-        await self.w.check_token(request.cluster_token, context)
-        self.w.receiver.cancel(request.request_id)
-        found = await self.w.engine.run(lambda e: e.abort(request.request_id))
-        return pb.AbortReply(found=found)
-
-    async def CachedBlocks(self, request, context):
-        proof = await check_stats_request(self.w.cluster_token, request, context)
-        snap = await self.w.engine.run(block_snapshot)
-        snap.proof = proof
-        return snap
-
-    async def Stats(self, request, context):
-        w = self.w
-        proof = await check_stats_request(w.cluster_token, request, context)
-        return await w.engine.run(lambda e: worker_stats(
-            e, w.worker_id, "decode", remote_prefills=w.remote_prefills, local_prefills=w.local_prefills,
-            transfer_failures=w.transfer_failures, refused=w.refused, queue_limit=w.max_queue,
-            kv_bytes=w.kv_bytes_received, proof=proof))
+                w.engine.abort_soon(rid)
 
 
 class DecodeWorker:
@@ -129,27 +107,25 @@ class DecodeWorker:
 
     _ids = itertools.count()
 
-    def __init__(self, engine: AsyncEngine, worker_id: str | None = None, cluster_token: str = "",
-                 transfer_policy: str = "recompute", transfer_timeout_s: float = 30.0,
-                 local_prefill_threshold: int = 0, max_queue: int = 0, tls: TLSConfig | None = None,
-                 kv_transport: str = "grpc", convert_kv: bool = True, tracer: Tracer = OFF):
+    def __init__(self, engine: AsyncEngine, worker_id: str | None = None, max_queue: int = 0,
+                 transfer: TransferConfig = TransferConfig(), security: SecurityConfig = SecurityConfig(),
+                 tracer: Tracer = OFF):
         """max_queue > 0: at most this many requests here waiting for their first token
         (for KV or for a place in the batch); more are refused with RESOURCE_EXHAUSTED.
-        convert_kv: KV pushed in another format than this cache's is converted as it lands
-        (else refused: the transfer policy then recomputes or fails the request).
+        transfer: what KV it receives over (transport), what a failed hand-off does (policy),
+        how long it waits for KV (timeout_s), which prompts it prefills itself
+        (local_prefill_threshold), and whether KV pushed in another format than this cache's
+        is converted as it lands or refused (kv_dtype_mismatch).
+        security: the cluster token every call must carry and the internal TLS.
         tracer: where this worker's spans go (its owner shuts it down)."""
-        if transfer_policy not in TRANSFER_POLICIES:
-            raise ValueError(f"transfer_policy must be one of {TRANSFER_POLICIES}, got {transfer_policy!r}")
         self.engine = engine
         self.tracer = tracer
         self.worker_id = worker_id or f"decode-{next(self._ids)}"
-        self.cluster_token = cluster_token
-        self.transfer_policy = transfer_policy
-        self.transfer_timeout_s = transfer_timeout_s
-        self.local_prefill_threshold = local_prefill_threshold
+        self.transfer = transfer
+        self.tls, self.cluster_token = security.tls, security.cluster_token
         eng = engine.engine
-        self.receiver = KVReceiver(eng.loaded.fingerprint, eng.kv_cache.layout,
-                                   eng.kv_cache.format.name, cluster_token, convert=convert_kv)
+        self.receiver = KVReceiver(eng.loaded.fingerprint, eng.kv_cache.layout, eng.kv_cache.format.name,
+                                   self.cluster_token, convert=transfer.kv_dtype_mismatch == "convert")
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
         self.tail_prefills = 0  # of local_prefills: at most the router's limit of their tokens not cached here
@@ -158,10 +134,6 @@ class DecodeWorker:
         self.request_timing: dict[str, pb.HandoffTiming] = {}  # and where its time went
         self.max_queue, self.queued, self.refused = max_queue, 0, 0
         self.draining = False  # set when the pool shrinks: refuse new requests, finish the rest
-        self.tls = tls
-        if kv_transport not in KV_TRANSPORTS:
-            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {kv_transport!r}")
-        self.kv_transport = kv_transport
         self._kv_server: GrpcKVServer | None = None
         self._server: grpc.aio.Server | None = None
         self._prefill_stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
@@ -169,8 +141,15 @@ class DecodeWorker:
         self._reaper: asyncio.Task | None = None
         self.address = self.kv_address = ""
 
-    async def check_token(self, token: str, context) -> None:
-        await check_cluster_token(self.cluster_token, token, context)
+    def forget(self, request_id: str) -> None:
+        """Drop an aborted request's KV lease (its blocks go with the engine's abort)."""
+        self.receiver.cancel(request_id)
+
+    def counters(self) -> dict:
+        """This worker's counters in its Stats."""
+        return dict(remote_prefills=self.remote_prefills, local_prefills=self.local_prefills,
+                    transfer_failures=self.transfer_failures, refused=self.refused, queue_limit=self.max_queue,
+                    kv_bytes=self.kv_bytes_received)
 
     # ---- admission ------------------------------------------------------------------------
     async def admit(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams, context,
@@ -182,7 +161,7 @@ class DecodeWorker:
         rid, resume, local_tail = request.request_id, list(request.resume_token_ids), request.local_prefill_tokens
         prefill_address = request.prefill_address
         # prompt logprobs come from the prompt's logits: computed here, where they are returned
-        if (prefill_address and len(prompt) > self.local_prefill_threshold and not resume
+        if (prefill_address and len(prompt) > self.transfer.local_prefill_threshold and not resume
                 and params.prompt_logprobs is None):
             try:
                 done = await self._remote_prefill(request, prompt, params, local_tail, span)
@@ -195,10 +174,10 @@ class DecodeWorker:
             except KVTransferError as e:
                 span.record_error(f"KV hand-off failed: {e}")
                 self.transfer_failures += 1
-                if self.transfer_policy == "fail":
+                if self.transfer.policy == "fail":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV hand-off failed: {e}")
         self.local_prefills += 1
-        await self.engine.run(lambda e: e.add_request(rid, prompt, params, resume=resume))
+        await self.engine.add_request(rid, prompt, params, resume=resume)
         return False
 
     async def _destination_blocks(self, rid, prompt, params, local_tail: int = 0):
@@ -208,19 +187,22 @@ class DecodeWorker:
         TAKEN_HERE: at most `local_tail` of the prompt's tokens are not in the cache, and the
         request was added for a local prefill instead (in the same engine call, so the
         cached prefix cannot be evicted in between)."""
-        def take(e):
-            if local_tail and len(prompt) - e.blocks.match_prefix(
-                    prompt, count=False, root=root_hash(params.cache_salt)).num_tokens <= local_tail:
-                e.add_request(rid, prompt, params)
-                return TAKEN_HERE
-            return e.add_remote_request(rid, prompt, params)
-
-        deadline = time.monotonic() + self.transfer_timeout_s
+        deadline = time.monotonic() + self.transfer.timeout_s
         while True:
-            dest = await self.engine.run(take)
+            dest = await self.engine.run(partial(self._take_blocks, rid=rid, prompt=prompt, params=params,
+                                                 local_tail=local_tail))
             if dest is not None or time.monotonic() >= deadline:
                 return dest
             await asyncio.sleep(0.05)  # blocks come back as running requests finish
+
+    @staticmethod
+    def _take_blocks(e, rid: str, prompt: list[int], params: SamplingParams, local_tail: int):
+        """On the engine thread: the destination blocks, None if none are free, or TAKEN_HERE."""
+        if local_tail and len(prompt) - e.blocks.match_prefix(
+                prompt, count=False, root=root_hash(params.cache_salt)).num_tokens <= local_tail:
+            e.add_request(rid, prompt, params)
+            return TAKEN_HERE
+        return e.add_remote_request(rid, prompt, params)
 
     async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams,
                               local_tail: int = 0, span=NO_SPAN) -> bool | None:
@@ -241,7 +223,7 @@ class DecodeWorker:
             return None
         bs = self.engine.engine.blocks.block_size
         skip = (-(-len(prompt) // bs) - len(dest)) * bs  # tokens of the cached prefix, shared here
-        self.receiver.expect(rid, dest, len(prompt), self.transfer_timeout_s, first_token_index=skip)
+        self.receiver.expect(rid, dest, len(prompt), self.transfer.timeout_s, first_token_index=skip)
         call = self.tracer.start("prefill.call", span, kind="client",
                                  attributes={"pdserve.prefill_worker": request.prefill_worker_id,
                                              "pdserve.cached_tokens": skip})
@@ -249,22 +231,17 @@ class DecodeWorker:
             try:
                 reply = await self._prefill_stub(prefill_address).Prefill(pb.PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, params=request.params,
-                    kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer_timeout_s,
+                    kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer.timeout_s,
                     skip_tokens=skip, cluster_token=self.cluster_token),
-                    timeout=self.transfer_timeout_s, metadata=self.tracer.metadata(call))
+                    timeout=self.transfer.timeout_s, metadata=self.tracer.metadata(call))
             finally:
                 call.end()
             arrival = self.receiver.take(rid)
             if arrival is None:
                 raise KVTransferError(f"prefill worker at {prefill_address} answered but no KV arrived for {rid!r}")
             lp = logprob_from_proto(reply.logprob) if reply.HasField("logprob") else None
-            def land(e):
-                # published from the engine thread before it can step again: the first token
-                # always reaches the stream ahead of the ones the batch produces next
-                out = e.import_kv(rid, arrival.kv, reply.first_token, lp)
-                self.engine.publish([out])
             t_land = time.perf_counter()
-            await self.engine.run(land)
+            await self.engine.import_kv(rid, arrival.kv, reply.first_token, lp)
             self.tracer.record("kv.import", span, t_land, time.perf_counter(),
                                {"pdserve.kv_bytes": arrival.kv.numel() * arrival.kv.element_size(),
                                 "pdserve.blocks": len(dest)})
@@ -295,7 +272,7 @@ class DecodeWorker:
 
     async def _release(self, rid: str) -> None:
         self.receiver.cancel(rid)
-        await self.engine.run_always(lambda e: e.abort(rid))
+        await self.engine.abort_always(rid)
 
     def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:
         stub = self._prefill_stubs.get(address)
@@ -312,13 +289,13 @@ class DecodeWorker:
             await asyncio.sleep(interval_s)
             for rid in self.receiver.expired():
                 self.transfer_failures += 1
-                await self.engine.run_always(lambda e, rid=rid: e.abort(rid))
+                await self.engine.abort_always(rid)
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, kv_port: int = 0) -> str:
         self.engine.start()
         self._reaper = asyncio.ensure_future(self._reap_expired_leases())
-        if self.kv_transport == "ucx":
+        if self.transfer.transport == "ucx":
             from pdserve.kv_transfer.ucx_transport import UcxKVServer
             self._kv_server = UcxKVServer(self.receiver, host, kv_port)
         else:

@@ -2,7 +2,7 @@
 (deploy/autoscaler.py). Every `interval_s` it samples the router's view of the pools (worker
 stats, and TTFT/ITL p90 over the last interval from the router's histograms), asks the
 autoscaler, logs every decision with its reason, and resizes a pool through the same
-`PoolControl` as `pdserve scale` (so a removed worker drains first)."""
+`PoolControl` (router/control.py) as `pdserve scale` (so a removed worker drains first)."""
 from __future__ import annotations
 
 import asyncio

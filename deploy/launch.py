@@ -281,9 +281,9 @@ def stop_pools(pools: list[Pool], timeout_s: float) -> None:
             pool.actors, pool.records, pool.groups = [], [], []
 
 
-class PoolControl:
-    """What the admin endpoint (POST /admin/scale) and the autoscaler act through: the
-    pools of this `pdserve up`, by role."""
+class RayPools:
+    """The pools of this `pdserve up`, by role: the router's `PoolControl`
+    (router/control.py), which the admin endpoint (POST /admin/scale) and the autoscaler act through."""
 
     def __init__(self, pools: list[Pool], log=lambda msg: None, max_replicas: int = 64):
         self.pools = {p.role: p for p in pools}

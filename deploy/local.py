@@ -12,11 +12,10 @@ import uvicorn
 from pdserve.config import ClusterConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.tokenizer import Tokenizer
-from pdserve.engine.model.weights import LoadedModel, served_model_name
-from pdserve.protos.tracing import Tracer
+from pdserve.common.model_files import served_model_name
+from pdserve.engine.model.weights import LoadedModel
 from pdserve.router.app import create_app
-from pdserve.router.cluster import ClusterClient, WorkerEndpoint
-from pdserve.router.discovery import RegistryDiscovery
+from pdserve.router.cluster import WorkerEndpoint
 from pdserve.router.router import Router
 
 from .worker_host import HostedWorker
@@ -46,15 +45,10 @@ class LocalCluster:
                 self.workers.append(w)
         rc = replace(c.router, model_name=c.router.model_name or served_model_name(self.loaded.path),
                      refresh_interval_s=0.1)
-        cluster = ClusterClient.from_config(rc, c.security, c.engine.cache.block_size, c.engine.cache.cache_namespace)
-        discovery = None
-        if c.registry.redis_url:
-            discovery = RegistryDiscovery(c.registry.redis_url, c.registry.cluster_name, cluster)
-        else:
-            cluster.set_workers([WorkerEndpoint(worker_id=w.record.worker_id, role=w.record.role,
-                                                address=w.record.address) for w in self.workers])
-        self.router = Router(cluster, self.tokenizer, rc, c.security, discovery=discovery,
-                             tracer=Tracer(c.tracing.otlp_traces_endpoint, "pdserve-router"))
+        self.router = Router.from_config(replace(c, router=rc), self.tokenizer, workers=[
+            WorkerEndpoint(worker_id=w.record.worker_id, role=w.record.role, address=w.record.address)
+            for w in self.workers])
+        cluster = self.router.cluster
         server = uvicorn.Server(uvicorn.Config(create_app(self.router), host=rc.host, port=rc.port,
                                                log_level="warning", lifespan="on",
                                                timeout_graceful_shutdown=10))

@@ -33,31 +33,19 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
     autoscaler). api=False (`pdserve up --no-router`): only /health and the admin endpoints;
     the router's view of the workers is still kept for the autoscaler (its latency signals
     stay empty: no traffic passes here, it sizes pools on queues, KV usage and refusals)."""
+    from pdserve.common.model_files import served_model_name
     from pdserve.common.tokenizer import Tokenizer
-    from pdserve.engine.model.weights import served_model_name
-    from pdserve.protos.tracing import Tracer
     from pdserve.router.app import create_admin_app, create_app
-    from pdserve.router.cluster import ClusterClient
-    from pdserve.router.discovery import RegistryDiscovery
     from pdserve.router.router import Router
 
+    if not config.router.model_name:
+        config = replace(config, router=replace(config.router, model_name=served_model_name(model_path)))
     rc, cache = config.router, config.engine.cache
-    if not rc.model_name:
-        rc = replace(rc, model_name=served_model_name(model_path))
-    client = ClusterClient.from_config(rc, config.security, cache.block_size, cache.cache_namespace)
-    router = Router(client, Tokenizer.from_model_path(model_path), rc, config.security,
-                    discovery=RegistryDiscovery(config.registry.redis_url, config.registry.cluster_name, client),
-                    tracer=Tracer(config.tracing.otlp_traces_endpoint, "pdserve-router"))
-    router.control = control
+    router = Router.from_config(config, Tokenizer.from_model_path(model_path), control=control)
+    client = router.cluster
     app = create_app(router) if api else create_admin_app(control, config.security.api_keys)
     server = uvicorn.Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="warning",
                                            timeout_graceful_shutdown=rc.shutdown_grace_s))  # Ctrl-C: then aborted
-
-    async def watch():  # what create_app's lifespan does for the API: keep the view of the workers fresh
-        while True:
-            await router.discovery.sync()
-            await client.refresh()
-            await asyncio.sleep(router.refresh_interval_s)
 
     async def announce():
         while not (server.started and client.ready()):
@@ -77,7 +65,7 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
               flush=True)
 
     async def serve():
-        tasks = [asyncio.ensure_future(announce())] + ([] if api else [asyncio.ensure_future(watch())])
+        tasks = [asyncio.ensure_future(announce())] + ([] if api else [asyncio.ensure_future(router.refresh_forever())])
         scale = config.autoscale
         if control is not None and scale.enabled:
             from .autoscale_loop import AutoscaleLoop, autoscaler_config
@@ -90,9 +78,8 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
         finally:
             await stop_tasks(*tasks)  # before asyncio.run's own single cancel, which a Redis call can drop
             await asyncio.to_thread(router.tracer.shutdown)
-            if not api:
-                await client.close()
-                await router.discovery.close()
+            if not api:  # else the app's lifespan closes it
+                await router.close()
 
     try:
         asyncio.run(serve())

@@ -53,7 +53,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     from pdserve.engine.model.weights import resolve_model_path
     from pdserve.registry.urls import redact_url
 
-    from .launch import Pool, PoolControl, stop_pools
+    from .launch import Pool, RayPools, stop_pools
 
     check_exposure(config.router, config.security)
     t0 = time.monotonic()
@@ -92,7 +92,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
                         log(note)
         supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
         supervisor.start()
-        control = PoolControl(started, log)
+        control = RayPools(started, log)
         serve_router(config, model_path, log, t0, control=control, api=api)
         clean = True
         return 0

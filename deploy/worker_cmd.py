@@ -32,8 +32,8 @@ def shutdown_watchdog(timeout_s: float) -> None:
     faulthandler.dump_traceback_later(timeout_s, exit=True)
 
 
-def run_worker(config: WorkerConfig, drain_timeout_s: float = 30.0) -> int:
-    """Serve until Ctrl-C or SIGTERM, then drain for up to `drain_timeout_s` and exit."""
+def run_worker(config: WorkerConfig) -> int:
+    """Serve until Ctrl-C or SIGTERM, then drain for up to `config.drain_timeout_s` and exit."""
     import torch
 
     from pdserve.common.threads import in_fresh_thread, single_threaded_here
@@ -61,6 +61,7 @@ def run_worker(config: WorkerConfig, drain_timeout_s: float = 30.0) -> int:
             + (f", KV on {record.kv_address}" if record.kv_address else ""))
         print(f"ready {record.address}", flush=True)
         await stop.wait()
+        drain_timeout_s = config.drain_timeout_s
         shutdown_watchdog(drain_timeout_s + STOP_GRACE_S)
         log(f"draining (up to {drain_timeout_s:g}s)")
         if not await host.drain(drain_timeout_s):

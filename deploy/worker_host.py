@@ -8,6 +8,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 
 from pdserve.config import WorkerConfig
 from pdserve.decode_worker.service import DecodeWorker
@@ -52,26 +53,24 @@ class HostedWorker:
                           if registry.redis_url else None)
         self.cores = (CoreShare(c.core_share_dir, c.worker_id, own_threads=c.engine.num_threads or 1)
                       if c.core_share_dir else None)
+        # token ids only: the router detokenizes and applies stop strings
+        engine_config = replace(c.engine, detokenize=False)
         if loaded is None:
-            core = LLMEngine.tensor_parallel(ModelSource(c.engine.model), c.engine, c.engine.tensor_parallel_size,
-                                             tokenizer, event_listener=self.publisher)
+            core = LLMEngine.tensor_parallel(ModelSource(c.engine.model), engine_config,
+                                             c.engine.tensor_parallel_size, tokenizer, event_listener=self.publisher)
         else:
-            core = LLMEngine(loaded, c.engine, tokenizer, self.publisher)
+            core = LLMEngine(loaded, engine_config, tokenizer, self.publisher)
         engine = AsyncEngine(core, cores=self.cores)
         # an aggregated worker is a decode worker that prefills itself: its spans are decode's
         self.tracer = tracer = Tracer(c.tracing.otlp_traces_endpoint,
                                       "pdserve-prefill" if c.role == "prefill" else "pdserve-decode", c.worker_id)
         if c.role == "prefill":
             sender = SchemeKVSender(c.worker_id, security.cluster_token, tls=security.tls)
-            self.worker = PrefillWorker(engine, sender, worker_id=c.worker_id, cluster_token=security.cluster_token,
-                                        max_queue=c.max_queue, tls=security.tls, layer_group=transfer.layer_group,
-                                        wire_dtype=transfer.wire_dtype, tracer=tracer)
+            self.worker = PrefillWorker(engine, sender, worker_id=c.worker_id, max_queue=c.max_queue,
+                                        transfer=transfer, security=security, tracer=tracer)
         else:  # decode, or aggregated: a decode worker that always prefills itself
-            self.worker = DecodeWorker(engine, worker_id=c.worker_id, cluster_token=security.cluster_token,
-                                       transfer_policy=transfer.policy,
-                                       local_prefill_threshold=transfer.local_prefill_threshold,
-                                       max_queue=c.max_queue, tls=security.tls, kv_transport=transfer.transport,
-                                       convert_kv=transfer.kv_dtype_mismatch == "convert", tracer=tracer)
+            self.worker = DecodeWorker(engine, worker_id=c.worker_id, max_queue=c.max_queue, transfer=transfer,
+                                       security=security, tracer=tracer)
         self.registration: WorkerRegistration | None = None
 
     @property

@@ -236,6 +236,9 @@ class EngineConfig:
     dtype: str = "float32"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    detokenize: bool = True
+    """Give each output its text and apply stop strings (an engine used on its own); a
+    worker's engine returns token ids only: the router detokenizes and applies stop strings."""
     seed: int = 0
     """Seed for requests that give none."""
     speculative_tokens: int = 0

@@ -6,6 +6,8 @@ from typing import Protocol
 
 import torch
 
+from .wire import make_header, tensor_bytes
+
 
 class KVSender(Protocol):
     async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],
@@ -19,3 +21,21 @@ class KVSender(Protocol):
 
     async def close(self) -> None:
         """Release connections."""
+
+
+class HeaderSender:
+    """What every network sender does before its transport's part: the payload's bytes and
+    the header that announces them (with this sender's id and the cluster token)."""
+
+    sender_id: str
+    cluster_token: str
+
+    def framed(self, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int], num_tokens: int,
+               first_token: int, model_fingerprint: str, layer_start: int = 0, token_offset: int = 0):
+        """(header, payload) of one push."""
+        payload = tensor_bytes(kv)
+        header = make_header(request_id, kv, sender_id=self.sender_id, model_fingerprint=model_fingerprint,
+                             dest_block_ids=dest_block_ids, num_tokens=num_tokens, first_token=first_token,
+                             payload=payload, layer_start=layer_start, cluster_token=self.cluster_token,
+                             token_offset=token_offset)
+        return header, payload

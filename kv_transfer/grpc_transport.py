@@ -17,8 +17,9 @@ from pdserve.protos import kv_transfer_pb2 as pb
 from pdserve.protos import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.protos.security import TLSConfig, add_port, open_channel
 
+from .base import HeaderSender
 from .receiver import KVReceiver, PushAssembler
-from .wire import CHUNK_BYTES, iter_chunks, make_header, tensor_bytes
+from .wire import CHUNK_BYTES, iter_chunks
 
 # senders may send messages up to 64 MiB; the server takes at most 8 data chunks' worth per
 # message: gRPC buffers a whole message before the servicer sees its header (and checks the
@@ -80,7 +81,7 @@ class GrpcKVServer:
             self._server = None
 
 
-class GrpcKVSender:
+class GrpcKVSender(HeaderSender):
     """Pushes KV blocks to decode workers; one channel per target, reused."""
 
     def __init__(self, sender_id: str, cluster_token: str = "", chunk_bytes: int = CHUNK_BYTES,
@@ -100,11 +101,9 @@ class GrpcKVSender:
     async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],
                    num_tokens: int, first_token: int, model_fingerprint: str, timeout_s: float,
                    layer_start: int = 0, token_offset: int = 0) -> None:
-        payload = tensor_bytes(kv)
-        header = make_header(request_id, kv, sender_id=self.sender_id, model_fingerprint=model_fingerprint,
-                             dest_block_ids=dest_block_ids, num_tokens=num_tokens, first_token=first_token,
-                             payload=payload, layer_start=layer_start, cluster_token=self.cluster_token,
-                             token_offset=token_offset)
+        header, payload = self.framed(request_id, kv, dest_block_ids=dest_block_ids, num_tokens=num_tokens,
+                                      first_token=first_token, model_fingerprint=model_fingerprint,
+                                      layer_start=layer_start, token_offset=token_offset)
         await self.push_chunks(target, iter_chunks(header, payload, self.chunk_bytes), timeout_s)
 
     async def push_chunks(self, target: str, chunks, timeout_s: float) -> None:

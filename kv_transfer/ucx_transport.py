@@ -26,8 +26,8 @@ from pdserve.common.aio import stop_tasks
 from pdserve.common.errors import KVTransferError
 from pdserve.protos import kv_transfer_pb2 as pb
 
+from .base import HeaderSender
 from .receiver import KVReceiver, PushAssembler
-from .wire import make_header, tensor_bytes
 
 HEADER, DATA, END, REPLY = 1, 2, 3, 4
 MAX_FRAME = 64 << 20    # larger frames are a protocol violation: the endpoint is dropped
@@ -135,7 +135,7 @@ class UcxKVServer:
         await stop_tasks(*self._handlers)
 
 
-class UcxKVSender:
+class UcxKVSender(HeaderSender):
     """Pushes KV blocks to decode workers over UCX; one endpoint per target, reused."""
 
     def __init__(self, sender_id: str, cluster_token: str = "", chunk_bytes: int = 16 << 20):
@@ -152,11 +152,9 @@ class UcxKVSender:
     async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],
                    num_tokens: int, first_token: int, model_fingerprint: str, timeout_s: float,
                    layer_start: int = 0, token_offset: int = 0) -> None:
-        payload = tensor_bytes(kv)
-        header = make_header(request_id, kv, sender_id=self.sender_id, model_fingerprint=model_fingerprint,
-                             dest_block_ids=dest_block_ids, num_tokens=num_tokens, first_token=first_token,
-                             payload=payload, layer_start=layer_start, cluster_token=self.cluster_token,
-                             token_offset=token_offset)
+        header, payload = self.framed(request_id, kv, dest_block_ids=dest_block_ids, num_tokens=num_tokens,
+                                      first_token=first_token, model_fingerprint=model_fingerprint,
+                                      layer_start=layer_start, token_offset=token_offset)
         # the payload goes out as views of the tensor's memory: no copy on the way to UCX
         pieces = (payload[off:off + self.chunk_bytes] for off in range(0, len(payload), self.chunk_bytes))
         await self._guarded(target, self._push(target, header, pieces), timeout_s)

@@ -47,7 +47,7 @@ def _router(args) -> int:
 def _worker(args) -> int:
     from pdserve.deploy.worker_cmd import run_worker
 
-    return run_worker(flags.worker_config(args), drain_timeout_s=args.drain_timeout)
+    return run_worker(flags.worker_config(args))
 
 
 def _scale(args) -> int:

@@ -19,36 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pdserve.engine.config import KV_CACHE_DTYPES, EngineConfig
-from pdserve.protos.security import TLSConfig
+from pdserve.common.checks import at_least, one_of
+from pdserve.kv_transfer.config import (  # noqa: F401 - the tree's branches, defined beside their users
+    KV_DTYPE_MISMATCH, KV_TRANSPORTS, KV_WIRE_DTYPES, TRANSFER_POLICIES, TransferConfig)
+from pdserve.protos.security import SecurityConfig, TLSConfig  # noqa: F401
 
 ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
-KV_TRANSPORTS = ("grpc", "ucx")
-KV_WIRE_DTYPES = ("auto", "bf16", "fp8", "int8")
-KV_DTYPE_MISMATCH = ("convert", "refuse")
-TRANSFER_POLICIES = ("recompute", "fail")
 MODES = ("disaggregated", "aggregated")
 ROLES = ("prefill", "decode", "aggregated")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-def _at_least(name: str, value: float, low: float) -> None:
-    if not value >= low:  # NaN fails too
-        raise ValueError(f"{name} must be >= {low:g}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class SecurityConfig:
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    """Accepted `Authorization: Bearer` keys on the API; empty: no authentication."""
-    cluster_token: str = field(default="", repr=False)
-    """Shared secret every internal gRPC call carries ("": none)."""
-    tls: TLSConfig = field(default_factory=TLSConfig)
-    """Mutual TLS on every internal gRPC connection (disabled when empty)."""
 
 
 @dataclass(frozen=True)
@@ -64,33 +43,6 @@ class RegistryConfig:
     """The cluster's Redis ("": no registry: workers are wired statically, no KV events)."""
     cluster_name: str = "default"
     """Namespace of this cluster's keys and streams in Redis."""
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    transport: str = "grpc"
-    """What decode workers receive KV over: grpc | ucx (prefill workers follow the address)."""
-    layer_group: int = 0
-    """Prefill workers push a prompt's KV every this many layers as they compute (0: at the end)."""
-    policy: str = "recompute"
-    """A failed hand-off is prefilled again on the decode worker (recompute) or fails (fail)."""
-    local_prefill_threshold: int = 0
-    """Decode workers prefill prompts of at most this many tokens themselves (no hand-off)."""
-    wire_dtype: str = "auto"
-    """What prefill workers send KV as: "auto" (as their cache holds it), or "bf16", "fp8",
-    "int8" (converted for the transfer only, e.g. for a slow link; the decode worker
-    converts into its own cache's format as it lands)."""
-    kv_dtype_mismatch: str = "convert"
-    """KV arriving in another format than the decode cache's: convert it as it lands, or
-    refuse the push (the transfer policy then recomputes or fails the request)."""
-
-    def __post_init__(self):
-        _one_of("kv transport", self.transport, KV_TRANSPORTS)
-        _one_of("kv wire dtype", self.wire_dtype, KV_WIRE_DTYPES)
-        _one_of("kv dtype mismatch", self.kv_dtype_mismatch, KV_DTYPE_MISMATCH)
-        _one_of("transfer policy", self.policy, TRANSFER_POLICIES)
-        _at_least("kv layer group", self.layer_group, 0)
-        _at_least("local prefill threshold", self.local_prefill_threshold, 0)
 
 
 @dataclass(frozen=True)
@@ -132,11 +84,11 @@ class RouterConfig:
     """A request body past this size gets 413 before it is parsed. 0: no limit."""
 
     def __post_init__(self):
-        _one_of("routing", self.routing, ROUTING_POLICIES)
+        one_of("routing", self.routing, ROUTING_POLICIES)
         for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "prefill_queue_limit",
                      "max_body_bytes", "stream_stall_timeout_s", "shutdown_grace_s"):
-            _at_least(name, getattr(self, name), 0)
-        _at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
+            at_least(name, getattr(self, name), 0)
+        at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 
 
 @dataclass(frozen=True)
@@ -159,12 +111,12 @@ class PoolConfig:
     differ: the KV crosses in the whole model's layout and each group splits it its way."""
 
     def __post_init__(self):
-        _at_least("tp", self.tp, 0)
+        at_least("tp", self.tp, 0)
         if self.kv_cache_dtype:
-            _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _at_least("replicas", self.replicas, 0)
-        _at_least("max_queue", self.max_queue, 0)
-        _at_least("max_restarts", self.max_restarts, -1)
+            one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        at_least("replicas", self.replicas, 0)
+        at_least("max_queue", self.max_queue, 0)
+        at_least("max_restarts", self.max_restarts, -1)
 
 
 @dataclass(frozen=True)
@@ -200,12 +152,16 @@ class WorkerConfig:
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    drain_timeout_s: float = 30.0
+    """On Ctrl-C or SIGTERM (`pdserve worker`): how long requests in flight get to finish
+    before it stops (the router then migrates the streams left)."""
     core_share_dir: str = ""
     """Workers given the same directory on one host lend each other their cores while idle
     (engine/parallel/cores.py); "": this worker keeps its own threads."""
 
     def __post_init__(self):
-        _one_of("role", self.role, ROLES)
+        one_of("role", self.role, ROLES)
+        at_least("drain_timeout_s", self.drain_timeout_s, 0)
         if self.host not in LOOPBACK_HOSTS and not self.security.cluster_token:
             raise ValueError(f"a worker serving on {self.host} is reachable from the network: set a cluster "
                              "token (--cluster-token or PDSERVE_CLUSTER_TOKEN, the same for the whole cluster) "
@@ -238,7 +194,7 @@ class ClusterConfig:
     lone request's prefill and decode each run on every core."""
 
     def __post_init__(self):
-        _one_of("mode", self.mode, MODES)
+        one_of("mode", self.mode, MODES)
 
     def pools(self) -> dict[str, PoolConfig]:
         """The pools this cluster runs, by role."""

@@ -32,6 +32,7 @@ from pdserve.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, pa
 from pdserve.protos.security import TLSConfig
 
 _R, _P, _T, _A = RouterConfig(), PoolConfig(), TransferConfig(), AutoscaleConfig()
+_W = WorkerConfig(role="decode", worker_id="")
 
 
 def _env(name: str) -> str:
@@ -65,12 +66,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=_env("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY); required when "
                         "--host is not a loopback address")
-    g = p.add_argument_group("internal TLS (mutual TLS between router and workers; all three files, or none)")
-    g.add_argument("--tls-cert", default=_env("PDSERVE_TLS_CERT"), help="certificate chain, PEM")
-    g.add_argument("--tls-key", default=_env("PDSERVE_TLS_KEY"), help="its private key, PEM")
-    g.add_argument("--tls-ca", default=_env("PDSERVE_TLS_CA"), help="the cluster CA, PEM")
-    g.add_argument("--tls-server-name", default=_env("PDSERVE_TLS_SERVER_NAME"),
-                   help="name to verify in the workers' certificates (default: the address dialled)")
+    _add_tls_args(p)
     p.add_argument("--max-inflight", type=int, default=_R.max_inflight,
                    help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
     p.add_argument("--request-timeout", type=float, default=_R.request_timeout_s,
@@ -86,6 +82,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "default: %(default)s)")
     _add_registry_args(p)
     _add_tracing_args(p)
+
+
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("internal TLS (mutual TLS between router and workers; all three files, or none)")
+    g.add_argument("--tls-cert", default=_env("PDSERVE_TLS_CERT"), help="certificate chain, PEM")
+    g.add_argument("--tls-key", default=_env("PDSERVE_TLS_KEY"), help="its private key, PEM")
+    g.add_argument("--tls-ca", default=_env("PDSERVE_TLS_CA"), help="the cluster CA, PEM")
+    g.add_argument("--tls-server-name", default=_env("PDSERVE_TLS_SERVER_NAME"),
+                   help="name to verify in the workers' certificates (default: the address dialled)")
 
 
 def _add_tracing_args(p: argparse.ArgumentParser) -> None:
@@ -194,8 +199,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-token", default=_env("PDSERVE_CLUSTER_TOKEN"))
     _add_transfer_args(p)
     p.add_argument("--max-queue", type=int, default=_P.max_queue, help="requests queued here before it refuses more")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=float, default=_W.drain_timeout_s,
                    help="on Ctrl-C/SIGTERM: seconds the requests in flight get to finish (then the router migrates them)")
+    _add_tls_args(p)
     _add_tracing_args(p)
 
 
@@ -215,7 +221,15 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
                     server_name=args.tls_server_name)
     if tls.enabled:
         tls.server_credentials()
-    return SecurityConfig(api_keys=(args.api_key,) if args.api_key else (), cluster_token=args.cluster_token, tls=tls)
+    api_key = getattr(args, "api_key", "")  # a worker serves no API
+    return SecurityConfig(api_keys=(api_key,) if api_key else (), cluster_token=args.cluster_token, tls=tls)
+
+
+def transfer_config(args: argparse.Namespace) -> TransferConfig:
+    """The KV hand-off's settings (`pdserve worker` has no --local-prefill-threshold: the default)."""
+    return TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group, policy=args.transfer_policy,
+                          local_prefill_threshold=getattr(args, "local_prefill_threshold", _T.local_prefill_threshold),
+                          wire_dtype=args.kv_wire_dtype, kv_dtype_mismatch=args.kv_dtype_mismatch)
 
 
 def _router_config(args: argparse.Namespace) -> RouterConfig:
@@ -251,9 +265,7 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(
         mode=args.mode, engine=engine_config(args), router=_router_config(args),
         prefill=_pool(args, "prefill", args.prefill), decode=_pool(args, "decode", args.decode),
-        transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
-                                policy=args.transfer_policy, local_prefill_threshold=args.local_prefill_threshold,
-                                wire_dtype=args.kv_wire_dtype, kv_dtype_mismatch=args.kv_dtype_mismatch),
+        transfer=transfer_config(args),
         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name or uuid.uuid4().hex[:8]),
         security=security, tracing=tracing_config(args),
         autoscale=AutoscaleConfig(enabled=args.autoscale, max_replicas=args.autoscale_max, ttft_slo_s=args.ttft_slo,
@@ -282,8 +294,6 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError("pdserve worker needs the cluster's registry: --redis-url (or PDSERVE_REDIS_URL)")
     return WorkerConfig(role=args.role, worker_id=args.worker_id, host=args.host, max_queue=args.max_queue,
                         engine=engine_config(args),
-                        transfer=TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group,
-                                                policy=args.transfer_policy, wire_dtype=args.kv_wire_dtype,
-                                                kv_dtype_mismatch=args.kv_dtype_mismatch),
+                        transfer=transfer_config(args), drain_timeout_s=args.drain_timeout,
                         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name),
-                        security=SecurityConfig(cluster_token=args.cluster_token), tracing=tracing_config(args))
+                        security=security_config(args), tracing=tracing_config(args))

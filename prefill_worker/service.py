@@ -19,19 +19,20 @@ from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.kv_transfer.base import KVSender
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
-from pdserve.protos.convert import block_snapshot, logprob_to_proto, params_from_proto, worker_stats
-from pdserve.protos.security import TLSConfig, add_port, check_cluster_token, check_stats_request
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.protos.convert import logprob_to_proto, params_from_proto
+from pdserve.protos.security import SecurityConfig, add_port
+from pdserve.protos.servicer import WorkerServicer
 from pdserve.protos.status import refuse_invalid, refuse_when_full
 from pdserve.protos.tracing import OFF, Tracer
 
 
-class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, worker: "PrefillWorker"):
-        self.w = worker
+class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
+    role = "prefill"
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         w = self.w
-        await w.check_token(request.cluster_token, context)
+        await self.check_token(request.cluster_token, context)
         if w.draining or (w.max_queue and w.inflight >= w.max_queue):
             w.refused += 1
             await refuse_when_full(context, w.worker_id, "prefill worker", w.max_queue,
@@ -82,7 +83,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             loop.call_soon_threadsafe(lambda: pushes.append(asyncio.ensure_future(push(kv, start))))
         try:
             if w.layer_group:  # each group of layers leaves while the next ones compute
-                await w.engine.run(lambda e: e.stream_kv_layers(rid, on_layers, w.layer_group, first_block))
+                await w.engine.stream_kv_layers(rid, on_layers, w.layer_group, first_block)
             first = None
             try:  # held from the moment the request finishes, even if cancelled before the loop ends
                 try:
@@ -92,9 +93,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     await refuse_invalid(context, e)
                 t_computed = time.perf_counter()
                 if not w.layer_group:
-                    _, kv = await w.engine.run(lambda e: e.export_kv(rid))
+                    _, kv = await w.engine.export_kv(rid)
             finally:  # also when the client goes while the engine thread is in a step
-                await w.engine.run_always(lambda e: e.release_kv(rid))
+                await w.engine.release_kv(rid)
             try:
                 if w.layer_group:
                     for result in await asyncio.gather(*pushes, return_exceptions=True):
@@ -109,7 +110,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             for t in pushes:
                 t.cancel()
             if w.layer_group:
-                await w.engine.run_always(lambda e: e.stop_kv_stream(rid))
+                await w.engine.stop_kv_stream(rid)
         w.stream_pushes += len(pushes)
         w.prefills += 1
         timing = pb.HandoffTiming(prefill_queue_s=first.queue_s, kv_push_s=time.perf_counter() - t_computed,
@@ -124,63 +125,50 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             reply.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
         return reply
 
-    async def Abort(self, request, context):
-        await self.w.check_token(request.cluster_token, context)
-        found = await self.w.engine.run(lambda e: e.abort(request.request_id))
-        return pb.AbortReply(found=found)
-
-    async def CachedBlocks(self, request, context):
-        proof = await check_stats_request(self.w.cluster_token, request, context)
-        snap = await self.w.engine.run(block_snapshot)
-        snap.proof = proof
-        return snap
-
-    async def Stats(self, request, context):
-        w = self.w
-        proof = await check_stats_request(w.cluster_token, request, context)
-        return await w.engine.run(lambda e: worker_stats(e, w.worker_id, "prefill", remote_prefills=w.prefills,
-                                                         transfer_failures=w.transfer_failures, refused=w.refused,
-                                                         queue_limit=w.max_queue, kv_bytes=w.kv_bytes,
-                                                         kv_seconds=w.kv_seconds, proof=proof))
-
 
 class PrefillWorker:
     """One prefill engine behind a gRPC `PrefillService`."""
 
     _ids = itertools.count()
 
-    def __init__(self, engine: AsyncEngine, sender: KVSender, worker_id: str | None = None,
-                 cluster_token: str = "", max_queue: int = 0, tls: TLSConfig | None = None,
-                 layer_group: int = 0, wire_dtype: str = "auto", tracer: Tracer = OFF):
-        """layer_group > 0: stream each prompt's KV to the decode worker every `layer_group`
-        layers, as they are computed (transfer overlaps compute; in a tensor-parallel group
-        each push gathers the ranks' heads); 0: after the whole prompt.
-        wire_dtype (config.KV_WIRE_DTYPES): "auto" sends the blocks as the cache holds them,
-        another converts them for the transfer only.
+    def __init__(self, engine: AsyncEngine, sender: KVSender, worker_id: str | None = None, max_queue: int = 0,
+                 transfer: TransferConfig = TransferConfig(), security: SecurityConfig = SecurityConfig(),
+                 tracer: Tracer = OFF):
+        """transfer.layer_group > 0: stream each prompt's KV to the decode worker every that
+        many layers, as they are computed (transfer overlaps compute; in a tensor-parallel
+        group each push gathers the ranks' heads); 0: after the whole prompt.
+        transfer.wire_dtype: "auto" sends the blocks as the cache holds them, another converts
+        them for the transfer only.
         max_queue > 0: at most this many prompts queued or prefilling here; more are
         refused with RESOURCE_EXHAUSTED (the router tries another worker, then answers 429).
+        security: the cluster token every call must carry and the internal TLS.
         tracer: where this worker's spans go (its owner shuts it down)."""
         self.engine = engine
         self.tracer = tracer
         self.max_queue = max_queue
         self.inflight = self.refused = 0
         self.draining = False  # set when the pool shrinks: refuse new prompts, finish the rest
-        self.tls = tls
-        self.layer_group = layer_group
-        self.wire_format = None if wire_dtype == "auto" else kv_format.FORMATS[kv_format.CHOICES[wire_dtype]]
+        self.tls, self.cluster_token = security.tls, security.cluster_token
+        self.layer_group = transfer.layer_group
+        wire = transfer.wire_dtype
+        self.wire_format = None if wire == "auto" else kv_format.FORMATS[kv_format.CHOICES[wire]]
         self.stream_pushes = 0  # layer-range pushes sent (layer-wise streaming)
         self.kv_bytes, self.kv_seconds = 0, 0.0  # pushed, and time spent pushing
         self.sender = sender
         self.worker_id = worker_id or f"prefill-{next(self._ids)}"
-        self.cluster_token = cluster_token
         self.fingerprint = engine.engine.loaded.fingerprint
         self.prefills = 0
         self.transfer_failures = 0
         self._server: grpc.aio.Server | None = None
         self.address = ""
 
-    async def check_token(self, token: str, context) -> None:
-        await check_cluster_token(self.cluster_token, token, context)
+    def forget(self, request_id: str) -> None:
+        """Nothing of an aborted request is kept outside the engine here."""
+
+    def counters(self) -> dict:
+        """This worker's counters in its Stats."""
+        return dict(remote_prefills=self.prefills, transfer_failures=self.transfer_failures, refused=self.refused,
+                    queue_limit=self.max_queue, kv_bytes=self.kv_bytes, kv_seconds=self.kv_seconds)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self.engine.start()

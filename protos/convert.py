@@ -13,6 +13,8 @@ from . import worker_pb2 as pb
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    """The parameters a worker needs. Stop strings stay behind: the router applies them on
+    the text it detokenizes; workers see token-level stops only."""
     msg = pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                             frequency_penalty=p.frequency_penalty, stop_token_ids=p.stop_token_ids,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -99,3 +99,13 @@ async def check_cluster_token(expected: str, given: str, context) -> None:
     """Abort the RPC unless `given` is the cluster token (constant-time compare)."""
     if not hmac.compare_digest(given.encode(), expected.encode()):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Accepted `Authorization: Bearer` keys on the API; empty: no authentication."""
+    cluster_token: str = field(default="", repr=False)
+    """Shared secret every internal gRPC call carries ("": none)."""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    """Mutual TLS on every internal gRPC connection (disabled when empty)."""

@@ -12,9 +12,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pdserve.common.aio import stop_tasks
+from pdserve.common.errors import InvalidRequestError
 
 from .errors import APIError, http_error, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .control import PoolControl
 from .router import Router
 
 
@@ -112,9 +114,9 @@ def refuse_cross_site(request: Request) -> None:
         raise APIError(403, "admin requests from a web page of another site are refused", code="cross_site")
 
 
-def add_admin_routes(app: FastAPI, control, authorized) -> None:
+def add_admin_routes(app: FastAPI, control: PoolControl | None, authorized) -> None:
     """GET /admin/pools and POST /admin/scale {"prefill": N, "decode": M} over a
-    `deploy.launch.PoolControl` (None: this process manages no pools, e.g. `pdserve router`)."""
+    `PoolControl` (router/control.py; None: this process manages no pools, e.g. `pdserve router`)."""
     @app.get("/admin/pools", dependencies=[Depends(authorized)])
     async def pools():
         if control is None:
@@ -147,6 +149,11 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(InvalidRequestError)  # a check shared with the engine (pdserve.common)
+    async def _invalid_request(request: Request, e: InvalidRequestError):
+        err = APIError(400, str(e), param=e.param, code=e.code)
+        return JSONResponse(err.body(), status_code=err.status)
+
     @app.exception_handler(HTTPException)  # e.g. a body that is not UTF-8: same error shape as ours
     async def _http_error(request: Request, e: HTTPException):
         return JSONResponse(http_error(e.status_code, e.detail).body(), status_code=e.status_code, headers=e.headers)
@@ -157,7 +164,7 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=err.status)
 
 
-def create_admin_app(control, api_keys: tuple[str, ...]) -> FastAPI:
+def create_admin_app(control: PoolControl, api_keys: tuple[str, ...]) -> FastAPI:
     """`pdserve up --no-router`: the pools' admin endpoints and a health probe, no API."""
     app = FastAPI(title="pdserve pools")
     authorized = api_key_auth(api_keys)
@@ -176,20 +183,12 @@ def _lifespan(router: Router):
     """While the app serves: keep the router's view of the workers fresh; then close it."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async def refresher():
-            while True:
-                if router.discovery is not None:
-                    await router.discovery.sync()
-                await router.cluster.refresh()
-                await asyncio.sleep(router.refresh_interval_s)
-        task = asyncio.create_task(refresher())
+        task = asyncio.create_task(router.refresh_forever())
         try:
             yield
         finally:
             await stop_tasks(task)  # its Redis calls can drop a single cancel (common/aio.py)
-            await router.cluster.close()
-            if router.discovery is not None:
-                await router.discovery.close()
+            await router.close()
     return lifespan
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -117,7 +117,7 @@ class Generation:
                 self.t_routed = time.perf_counter()
                 self.metrics.queue.observe(self.t_routed - self.t_arrival)
                 self.tracer.record("router.admission", self.span, self.t_arrival, self.t_routed)
-            self._stream = self.cluster.generate(self.route, self.request_id, self.prompt, self._worker_params(),
+            self._stream = self.cluster.generate(self.route, self.request_id, self.prompt, self.params,
                                                  metadata=self._trace_call())
             try:
                 self._first = await self._next()
@@ -139,10 +139,6 @@ class Generation:
         self._t_last = time.perf_counter()
         self.ttft = self._t_last - self.t_arrival
         self.metrics.first_token(self.ttft, len(self.prompt))
-
-    def _worker_params(self) -> SamplingParams:
-        # stop strings are applied here, on text; workers only see token-level stops
-        return replace(self.params, stop=[])
 
     async def deltas(self):
         """Yield `Delta`s until the request finishes; then `finish_reason` is set."""
@@ -198,7 +194,7 @@ class Generation:
         self.migrations += 1
         self.metrics.migrations.inc()
         self._stream = self.cluster.generate(self.route, f"{self.request_id}-m{self.migrations}", self.prompt,
-                                             self._worker_params(), resume=self.generated,
+                                             self.params, resume=self.generated,
                                              metadata=self._trace_call(failed))
 
     async def _next_from_worker(self):

@@ -13,15 +13,18 @@ import asyncio
 import time
 from dataclasses import replace
 
-from pdserve.config import RouterConfig, SecurityConfig
+from pdserve.config import ClusterConfig, RouterConfig, SecurityConfig
 from pdserve.common.aio import stop_tasks
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.tokens import check_token_ids
 from pdserve.protos.tracing import OFF, Tracer
 
 from . import responses
-from .cluster import ClusterClient
+from .cluster import ClusterClient, WorkerEndpoint
+from .control import PoolControl
+from .discovery import RegistryDiscovery
 from .errors import APIError
 from .generation import Delta, Generation
 from .metrics import RouterMetrics
@@ -31,9 +34,11 @@ from .tools import parse_tool_call, render_messages
 
 class Router:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, config: RouterConfig | None = None,
-                 security: SecurityConfig | None = None, discovery=None, tracer: Tracer = OFF):
-        """discovery: a RegistryDiscovery that keeps `cluster` in step with Redis (None:
-        the worker list is static). tracer: each request's trace (its owner shuts it down)."""
+                 security: SecurityConfig | None = None, discovery: RegistryDiscovery | None = None,
+                 tracer: Tracer = OFF, control: PoolControl | None = None):
+        """discovery: keeps `cluster` in step with Redis (None: the worker list is static).
+        tracer: each request's trace (its owner shuts it down). control: the pools this router
+        runs beside (`pdserve up`), for the admin endpoints and the autoscaler."""
         self.config = config = config or RouterConfig()
         self.security = security or SecurityConfig()
         self.cluster, self.tokenizer = cluster, tokenizer
@@ -45,7 +50,37 @@ class Router:
         self.logprobs = responses.Logprobs(tokenizer)
         self.inflight = 0
         self.started = time.time()  # the model card's `created`
-        self.control = None  # the pools (deploy.launch.PoolControl) when this router runs next to them
+        self.control = control
+
+    @classmethod
+    def from_config(cls, config: ClusterConfig, tokenizer: Tokenizer, control: PoolControl | None = None,
+                    workers: list[WorkerEndpoint] | None = None) -> "Router":
+        """The router of `config`'s cluster: its workers from the registry (or the static
+        `workers` when the cluster has none), its traces to the configured collector."""
+        cache = config.engine.cache
+        cluster = ClusterClient.from_config(config.router, config.security, cache.block_size, cache.cache_namespace)
+        discovery = None
+        if config.registry.redis_url:
+            discovery = RegistryDiscovery(config.registry.redis_url, config.registry.cluster_name, cluster)
+        else:
+            cluster.set_workers(workers or [])
+        return cls(cluster, tokenizer, config.router, config.security, discovery=discovery,
+                   tracer=Tracer(config.tracing.otlp_traces_endpoint, "pdserve-router"), control=control)
+
+    async def refresh_forever(self) -> None:
+        """Keep the view of the workers fresh: membership and KV events from the registry (if
+        any), then every worker's load, every `refresh_interval_s`."""
+        while True:
+            if self.discovery is not None:
+                await self.discovery.sync()
+            await self.cluster.refresh()
+            await asyncio.sleep(self.refresh_interval_s)
+
+    async def close(self) -> None:
+        """Close the connections to the workers and the registry."""
+        await self.cluster.close()
+        if self.discovery is not None:
+            await self.discovery.close()
 
     def _stall(self) -> dict:
         """How a stream treats a client that stops reading (responses.stream)."""
@@ -106,11 +141,7 @@ class Router:
             if not ids:
                 raise APIError(400, f"{which} is empty", param="prompt")
             self._check_length(ids, which, "prompt")
-            vocab = self.tokenizer.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"{which} contains token id {bad}, outside the vocabulary [0, {vocab})",
-                               param="prompt")
+            check_token_ids(ids, self.tokenizer.vocab_size, "prompt", which)
             out.append(ids)
         return out
 
@@ -176,10 +207,7 @@ class Router:
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         if req.model is not None:
             self.check_model(req.model)
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens contains {bad}, outside the vocabulary [0, {vocab})", param="tokens")
+        check_token_ids(req.tokens, self.tokenizer.vocab_size, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     async def completions(self, req: CompletionRequest, timing: bool = False):

@@ -44,3 +44,18 @@ def test_scale_needs_json_from_the_operator_not_a_page_of_another_site():
     r = http.post("/admin/scale", content='{"decode": 2}', headers={"Content-Type": "application/json; charset=utf-8"})
     assert r.status_code == 200 and pools.asked == [{"decode": 3}, {"decode": 2}]
     assert http.post("/admin/scale", json={"embedding": 1}).status_code == 400
+
+
+def test_the_ray_pools_are_the_routers_pool_control():
+    """The router owns the interface (router/control.py); the Ray pools of `pdserve up` and
+    this test's recorder both provide it, and a refused size is refused by the pools' check."""
+    import pytest
+
+    from pdserve.deploy.launch import RayPools
+    from pdserve.router.control import PoolControl
+
+    assert isinstance(Pools(), PoolControl)
+    pools = RayPools([])
+    assert isinstance(pools, PoolControl) and pools.sizes() == {}
+    with pytest.raises(ValueError, match="no 'decode' pool"):
+        pools.check({"decode": 2})

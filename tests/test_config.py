@@ -127,6 +127,26 @@ def test_router_and_worker_commands_build_their_configs():
                                   "--redis-url", ""))
 
 
+def test_worker_command_takes_tls_and_drain_timeout_into_its_config(tmp_path):
+    """`pdserve worker` joins a cluster whose internal calls are mutual TLS: it needs the same
+    TLS flags as `pdserve up` and `pdserve router`, and its drain timeout is part of its config."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    cert.cert_chain_pems[0].write_to_path(files["cert"])
+    cert.private_key_pem.write_to_path(files["key"])
+    ca.cert_pem.write_to_path(files["ca"])
+    w = flags.worker_config(parse("worker", "--role", "decode", "--worker-id", "d1", "--cluster-name", "c",
+                                  "--redis-url", "redis://h:1/0", "--tls-cert", str(files["cert"]),
+                                  "--tls-key", str(files["key"]), "--tls-ca", str(files["ca"]),
+                                  "--drain-timeout", "7", "--cluster-token", "t0k"))
+    assert w.security.tls.enabled and w.security.tls.cert_file == str(files["cert"])
+    assert (w.drain_timeout_s, w.security.cluster_token, w.security.api_keys) == (7.0, "t0k", ())
+    with pytest.raises(ValueError, match="drain_timeout_s"):
+        replace(w, drain_timeout_s=-1)
+
+
 @pytest.mark.parametrize("build,message", [
     (lambda: RouterConfig(routing="random"), "routing must be one of"),
     (lambda: RouterConfig(max_inflight=-1), "max_inflight must be >= 0"),

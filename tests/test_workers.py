@@ -15,7 +15,8 @@ from pdserve.prefill_worker.service import PrefillWorker
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import params_to_proto
-from pdserve.protos.security import stats_request
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.protos.security import SecurityConfig, stats_request
 
 PROMPTS = [[(11 * i + j) % 500 + 3 for j in range(18 + 21 * i)] for i in range(3)]
 PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
@@ -30,10 +31,13 @@ class Cluster:
         self.prefill_engine = make_engine(max_num_batched_tokens=prefill_budget, kv_cache_dtype=kv_cache_dtype)
         self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size,
                                          kv_cache_dtype=decode_kv_cache_dtype or kv_cache_dtype)
+        transfer = TransferConfig(transport=kv_transport, layer_group=layer_group, policy=policy,
+                                  local_prefill_threshold=threshold, wire_dtype=wire_dtype,
+                                  kv_dtype_mismatch="convert" if convert_kv else "refuse")
+        security = SecurityConfig(cluster_token=token)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
-                                     token, layer_group=layer_group, wire_dtype=wire_dtype)
-        self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", token, transfer_policy=policy,
-                                   local_prefill_threshold=threshold, kv_transport=kv_transport, convert_kv=convert_kv)
+                                     transfer=transfer, security=security)
+        self.decode = DecodeWorker(AsyncEngine(self.decode_engine), "decode-0", transfer=transfer, security=security)
         self.token = token
 
     async def __aenter__(self):

@@ -26,6 +26,7 @@ from quantization import PROMPTS, agreement  # a sibling script
 
 from pdserve.bench.engine import bench_pdserve_decode
 from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.kv_transfer.config import TransferConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
@@ -148,7 +149,7 @@ def handoffs(loaded, sizes=(1024, 4096), repeats=2) -> dict:
 
     async def run():
         pairs = {(kv, wire): (PrefillWorker(engine(kv), SchemeKVSender(f"p-{kv}-{wire}"), f"p-{kv}-{wire}",
-                                            wire_dtype=wire), DecodeWorker(engine(kv), f"d-{kv}-{wire}"))
+                                            transfer=TransferConfig(wire_dtype=wire)), DecodeWorker(engine(kv), f"d-{kv}-{wire}"))
                  for kv, wire in HANDOFFS}
         for p, d in pairs.values():
             await p.start()

@@ -10,11 +10,13 @@ import asyncio
 import queue
 import threading
 from concurrent.futures import Future
+from operator import methodcaller
 from typing import AsyncIterator, Callable, TypeVar
 
-from pdserve.engine.parallel.cores import CoreShare
-from pdserve.engine.core.engine import LLMEngine, RequestOutput
+from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.parallel.cores import CoreShare
 
 T = TypeVar("T")
 
@@ -74,6 +76,51 @@ class AsyncEngine:
         a request's blocks, that must not be lost to a client that went away at that moment."""
         return await asyncio.shield(asyncio.wrap_future(self.call(fn)))
 
+    # ---- named engine calls (each runs on the engine thread between two steps) -------------
+    async def add_request(self, request_id: str, prompt, params: SamplingParams, **kw) -> None:
+        await self.run(methodcaller("add_request", request_id=request_id, prompt=prompt,
+                                         params=params, **kw))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; True if it was here."""
+        return await self.run(methodcaller("abort", request_id=request_id))
+
+    async def abort_always(self, request_id: str) -> bool:
+        """`abort`, run even if the caller is cancelled meanwhile (cleanup that must not be lost)."""
+        return await self.run_always(methodcaller("abort", request_id=request_id))
+
+    def abort_soon(self, request_id: str) -> None:
+        """Queue an abort without waiting for it (from a `finally` that cannot await)."""
+        self.call(methodcaller("abort", request_id=request_id))
+
+    async def stats(self) -> EngineStats:
+        return await self.run(methodcaller("stats"))
+
+    async def cached_blocks(self) -> tuple[list[int], int]:
+        """The cached blocks' hashes and the KV-event number they agree with."""
+        return await self.run(methodcaller("cached_blocks"))
+
+    async def stream_kv_layers(self, request_id: str, on_layers, group: int, first_block: int) -> None:
+        await self.run(methodcaller("stream_kv_layers", request_id=request_id, on_layers=on_layers,
+                                         group=group, first_block=first_block))
+
+    async def stop_kv_stream(self, request_id: str) -> None:
+        await self.run_always(methodcaller("stop_kv_stream", request_id=request_id))
+
+    async def export_kv(self, request_id: str):
+        return await self.run(methodcaller("export_kv", request_id=request_id))
+
+    async def release_kv(self, request_id: str) -> None:
+        await self.run_always(methodcaller("release_kv", request_id=request_id))
+
+    async def import_kv(self, request_id: str, kv, first_token: int, logprob: TokenLogprobs | None) -> None:
+        """Land a prompt's KV with its first token, and publish that token from the engine thread
+        before it can step again: it always reaches the stream ahead of the ones the batch
+        produces next."""
+        def land(e: LLMEngine) -> None:
+            self.publish([e.import_kv(request_id, kv, first_token, logprob)])
+        await self.run(land)
+
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """Register for `request_id`'s outputs (call before the request is added)."""
         q: asyncio.Queue = asyncio.Queue()
@@ -91,13 +138,13 @@ class AsyncEngine:
         q = self.open_stream(request_id)
         streaming = False
         try:
-            await self.run(lambda e: e.add_request(request_id, prompt, params, hold_kv=hold_kv))
+            await self.add_request(request_id, prompt, params, hold_kv=hold_kv)
             streaming = True
             async for out in self.stream(request_id, q):  # aborts it if left before the end
                 yield out
         finally:
             if not streaming:
-                self.call(lambda e: e.abort(request_id))
+                self.abort_soon(request_id)
             self.close_stream(request_id)
 
     async def stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -111,7 +158,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self.call(lambda e: e.abort(request_id))
+                self.abort_soon(request_id)
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:

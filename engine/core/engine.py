@@ -29,6 +29,7 @@ from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.sampling.grammar import grammar_state
 from pdserve.engine.sampling.speculative import NgramSpeculator
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.tokens import check_token_ids
 from pdserve.engine.model.weights import LoadedModel, load_for_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,10 +133,7 @@ class LLMEngine:
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty: give at least one token", param="prompt")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {vocab})", param="prompt")
+        check_token_ids(ids, self.model_config.vocab_size, "prompt")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise InvalidRequestError(
@@ -155,10 +153,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
             req.grammar = grammar_state(self.tokenizer.grammar_compiler(self.model_config.vocab_size), params.structured)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.config.detokenize:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
         elif params.stop:
-            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+            raise InvalidRequestError("stop strings need an engine that detokenizes; use stop_token_ids", param="stop")
         return req
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -180,9 +178,7 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def _resume(self, req: Request, tokens: list[int]) -> None:
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in tokens):
-            raise InvalidRequestError("resume tokens outside the vocabulary", param="resume")
+        check_token_ids(tokens, self.model_config.vocab_size, "resume")
         if len(tokens) >= req.max_tokens:
             raise InvalidRequestError(f"{len(tokens)} tokens already generated: nothing left of "
                                       f"max_tokens={req.max_tokens}", param="resume")
@@ -380,6 +376,10 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
+
+    def cached_blocks(self) -> tuple[list[int], int]:
+        """The cached blocks' hashes and the KV-event number they agree with."""
+        return self.blocks.snapshot()
 
     def stats(self) -> EngineStats:
         """Blocks, queues and counters; call it on the engine's thread for a consistent snapshot."""

@@ -66,12 +66,6 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return p
 
 
-def served_model_name(path: Path) -> str:
-    """The model id the API serves by default: the file's name up to its first dot, or the
-    directory's name (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`)."""
-    return path.name.split(".")[0] if path.is_file() else path.name
-
-
 def gguf_metadata(reader) -> dict:
     """Scalar and string metadata of a GGUF file (large arrays such as the vocabulary are
     read by the tokenizer separately)."""

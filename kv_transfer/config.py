@@ -1,0 +1,42 @@
+"""The KV hand-off's settings (the cluster config's `transfer` branch): what prefill workers
+send over and as what, what decode workers accept, and what happens when a hand-off fails."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.checks import at_least, one_of
+
+KV_TRANSPORTS = ("grpc", "ucx")
+KV_WIRE_DTYPES = ("auto", "bf16", "fp8", "int8")
+KV_DTYPE_MISMATCH = ("convert", "refuse")
+TRANSFER_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    transport: str = "grpc"
+    """What decode workers receive KV over: grpc | ucx (prefill workers follow the address)."""
+    layer_group: int = 0
+    """Prefill workers push a prompt's KV every this many layers as they compute (0: at the end)."""
+    policy: str = "recompute"
+    """A failed hand-off is prefilled again on the decode worker (recompute) or fails (fail)."""
+    local_prefill_threshold: int = 0
+    """Decode workers prefill prompts of at most this many tokens themselves (no hand-off)."""
+    wire_dtype: str = "auto"
+    """What prefill workers send KV as: "auto" (as their cache holds it), or "bf16", "fp8",
+    "int8" (converted for the transfer only, e.g. for a slow link; the decode worker
+    converts into its own cache's format as it lands)."""
+    timeout_s: float = 30.0
+    """How long a decode worker waits for blocks and for a prompt's KV to arrive."""
+    kv_dtype_mismatch: str = "convert"
+    """KV arriving in another format than the decode cache's: convert it as it lands, or
+    refuse the push (the transfer policy then recomputes or fails the request)."""
+
+    def __post_init__(self):
+        one_of("kv transport", self.transport, KV_TRANSPORTS)
+        one_of("kv wire dtype", self.wire_dtype, KV_WIRE_DTYPES)
+        one_of("kv dtype mismatch", self.kv_dtype_mismatch, KV_DTYPE_MISMATCH)
+        one_of("transfer policy", self.policy, TRANSFER_POLICIES)
+        at_least("kv layer group", self.layer_group, 0)
+        at_least("local prefill threshold", self.local_prefill_threshold, 0)
+        at_least("transfer timeout", self.timeout_s, 0.001)

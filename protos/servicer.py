@@ -1,0 +1,37 @@
+"""What both worker services answer the same way: the cluster-token check, `Abort`,
+`CachedBlocks` and `Stats`. Each service subclasses `WorkerServicer` together with its
+generated servicer; the worker behind it provides `engine` (an AsyncEngine), `worker_id`,
+`cluster_token`, `forget(request_id)` and `counters()`."""
+from __future__ import annotations
+
+from pdserve.protos import worker_pb2 as pb
+from pdserve.protos.convert import block_snapshot, worker_stats
+from pdserve.protos.security import check_cluster_token, check_stats_request
+
+
+class WorkerServicer:
+    role = ""
+    """"prefill" or "decode": the role its Stats report."""
+
+    def __init__(self, worker):
+        self.w = worker
+
+    async def check_token(self, token: str, context) -> None:
+        """Abort the call unless it carries the cluster token."""
+        await check_cluster_token(self.w.cluster_token, token, context)
+
+    async def Abort(self, request, context):
+        await self.check_token(request.cluster_token, context)
+        self.w.forget(request.request_id)
+        return pb.AbortReply(found=await self.w.engine.abort(request.request_id))
+
+    async def CachedBlocks(self, request, context):
+        proof = await check_stats_request(self.w.cluster_token, request, context)
+        snap = block_snapshot(*await self.w.engine.cached_blocks())
+        snap.proof = proof
+        return snap
+
+    async def Stats(self, request, context):
+        proof = await check_stats_request(self.w.cluster_token, request, context)
+        return worker_stats(await self.w.engine.stats(), self.w.worker_id, self.role, proof=proof,
+                            **self.w.counters())
