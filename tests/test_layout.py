@@ -27,7 +27,7 @@ ALLOWED = {
     "pdserve.common": set(),
     "pdserve.engine": {"pdserve.common"},
     "pdserve.protos": {"pdserve.common"},
-    "pdserve.config": {"pdserve.common", "pdserve.engine", "pdserve.protos"},
+    "pdserve.config": {"pdserve.common", "pdserve.engine", "pdserve.protos", "pdserve.kv_transfer"},
     "pdserve.kv_transfer": {"pdserve.common", "pdserve.engine", "pdserve.protos"},
     "pdserve.registry": {"pdserve.common"},
     "pdserve.prefill_worker": {"pdserve.common", "pdserve.engine", "pdserve.protos", "pdserve.kv_transfer"},
