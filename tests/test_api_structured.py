@@ -13,8 +13,8 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.structured import Structured
-from tests.clusters import local_config
-from tests.test_migration import stream_and_kill
+from tests.helpers.clusters import local_config
+from tests.helpers.streams import stream_and_kill
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

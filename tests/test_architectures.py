@@ -11,7 +11,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.model.weights import load_model
-from tests.test_reference import engine_logits
+from tests.helpers.reference import engine_logits
 
 gguf = pytest.importorskip("gguf")
 

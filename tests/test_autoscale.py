@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from pdserve.registry.embedded import free_port
-from tests.chaos.test_ray_faults import Proc, get_workers, wait_until
-from tests.procs import alive, descendants
+from tests.helpers.ray_procs import Proc, get_workers, wait_until
+from tests.helpers.procs import alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -16,7 +16,7 @@ import pytest
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
-from tests.procs import Proc
+from tests.helpers.procs import Proc
 
 pytestmark = pytest.mark.slow
 ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")

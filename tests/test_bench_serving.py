@@ -363,7 +363,7 @@ def test_max_duration_stops_sending(monkeypatch):
 def test_bench_against_live_cluster(smollm, tmp_path):
     from pdserve.cli import main
     from pdserve.deploy.local import LocalCluster
-    from tests.clusters import local_config
+    from tests.helpers.clusters import local_config
 
     loaded, tok = smollm
     cfg = local_config(64 << 20)

@@ -17,7 +17,7 @@ from pdserve.common.errors import DraftModelError
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.model.tiny import tiny_config, tiny_llama, tiny_state_dict
 from pdserve.engine.model.weights import LoadedModel, build_model
-from tests.test_engine import prompts
+from tests.helpers.prompts import prompts
 
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 
@@ -201,7 +201,7 @@ def test_served_disaggregated_with_the_models_own_int8_copy_as_draft(smollm):
     import httpx
 
     from pdserve.deploy.local import LocalCluster
-    from tests.clusters import MODEL, local_config
+    from tests.helpers.clusters import MODEL, local_config
 
     loaded, tok = smollm
     cache = CacheConfig(kv_cache_memory=64 << 20)

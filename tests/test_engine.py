@@ -1,7 +1,5 @@
 """Engine behaviour on the tiny random Llama: batching, prefix caching, preemption, abort,
 KV export/import, validation. Every engine is leak-checked by the make_engine fixture."""
-import random
-
 import pytest
 import torch
 
@@ -9,13 +7,9 @@ from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.common.kv_events import BlockRemoved, BlockStored
 from pdserve.engine.core.request import RequestStatus
 from pdserve.common.sampling_params import SamplingParams
+from tests.helpers.prompts import prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-
-
-def prompts(n, seed=0, lo=3, hi=60):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def mixed_params(n):
@@ -128,7 +122,7 @@ def test_preemption_gives_same_tokens(make_engine, kv):
     assert tight.blocks.num_blocks == 24
     preempted = []
     orig = tight.scheduler._preempt
-    tight.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))
+    tight.scheduler._preempt = lambda r, cause: (preempted.append(r.request_id), orig(r, cause))
     assert tight.generate(ps, params) == want
     assert preempted, "the scenario did not preempt"
 

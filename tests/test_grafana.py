@@ -4,30 +4,12 @@ removed metric breaks this test rather than a dashboard panel in production."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from pdserve.router.metrics import RouterMetrics
+from tests.helpers.promql import promql_metric_names
 
 ROOT = Path(__file__).resolve().parents[1]
-
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset",
-                "bool", "inf", "nan"}
-
-
-def promql_metric_names(expr: str) -> set[str]:
-    """Metric names in a PromQL expression: identifiers left once strings, label matchers,
-    ranges, `by (...)` lists, numbers and function names are taken out."""
-    e = re.sub(r'"[^"]*"', "", expr)
-    e = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", e)
-    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", e)
-    e = re.sub(r"(?<![\w.])\d+(\.\d+)?([eE][+-]?\d+)?", "", e)
-    names = set()
-    for m in re.finditer(r"[a-zA-Z_:][\w:]*", e):
-        if not e[m.end():].lstrip().startswith("(") and m.group().lower() not in PROMQL_WORDS:
-            names.add(m.group())
-    return names
-
 
 def exported_series() -> set[str]:
     """Series names in the router's exposition: histograms as _bucket/_sum/_count, counters

@@ -2,8 +2,6 @@
 which recomputes prompt + the tokens already streamed, and the client's stream continues
 with exactly the tokens an uninterrupted run gives. With no other decode worker, the stream
 ends with an OpenAI-style error event instead of hanging."""
-import json
-
 import httpx
 import pytest
 
@@ -11,7 +9,8 @@ from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
-from tests.clusters import local_config
+from tests.helpers.clusters import local_config
+from tests.helpers.streams import stream_and_kill
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -22,27 +21,6 @@ def start(smollm, num_decode, kv="auto"):
     loaded, tok = smollm
     engine = EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20, kv_cache_dtype=kv))
     return LocalCluster(loaded, tok, local_config(decode=num_decode, engine=engine)).start()
-
-
-def stream_and_kill(c, body, kill_after=8):
-    """Stream `body`; after `kill_after` chunks, stop the decode worker serving it."""
-    texts, events, killed = [], [], False
-    with httpx.Client(timeout=120) as http:
-        with http.stream("POST", c.url + "/v1/completions", json=body | {"stream": True}) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                events.append(ev)
-                if ev.get("choices"):
-                    texts.append(ev["choices"][0]["text"])
-                if len(texts) == kill_after and not killed:  # once: the error event that follows adds no text
-                    # the worker the router streams from (under load, the engine may be far ahead of the client)
-                    serving = [wid for wid, n in c.router.cluster.decode_streams.items() if n]
-                    assert len(serving) == 1, c.router.cluster.decode_streams
-                    c.run(c.worker(serving[0]).worker._server.stop(0))  # its process is gone, as far as gRPC can tell
-                    killed = True
-    return "".join(texts), events
 
 
 @pytest.mark.parametrize("sampling,kv", [(dict(temperature=0), "auto"), (dict(temperature=0.9, seed=17), "auto"),

@@ -1,5 +1,5 @@
 """Two hosts on one machine: the prefill worker in one network namespace, the decode worker,
-router and Redis in another, each on its veth link to a bridge (tests/netns.py). The KV
+router and Redis in another, each on its veth link to a bridge (tests/helpers/netns.py). The KV
 cache really crosses a network link (the decode host's veth counters show it), the answer is
 the single engine's, and every process stops cleanly. Skipped where network namespaces cannot be created (no root)."""
 import json
@@ -14,7 +14,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.registry.embedded import redis_server_binary
-from tests.netns import Hosts, stderr_of, stop_all
+from tests.helpers.netns import Hosts, stderr_of, stop_all
 
 pytestmark = pytest.mark.slow
 HOSTS = Hosts(["prefill", "decode"], "10.231.0", str(os.getpid() % 100000))

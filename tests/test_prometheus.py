@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from pdserve.deploy.local import LocalCluster
-from tests.clusters import MODEL, local_config
-from tests.test_grafana import promql_metric_names
+from tests.helpers.clusters import MODEL, local_config
+from tests.helpers.promql import promql_metric_names
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy/prometheus/alerts.yaml"

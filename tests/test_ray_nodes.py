@@ -1,6 +1,6 @@
 """The cluster spread over Ray nodes the way a KubeRay deployment spreads it: a head node
 (`ray start --head`) and a worker node (`ray start --address`) on hosts of their own (network
-namespaces on a bridge, tests/netns.py), each advertising a custom resource as KubeRay worker
+namespaces on a bridge, tests/helpers/netns.py), each advertising a custom resource as KubeRay worker
 groups do. `pdserve up --ray-address` on the head places the prefill pool on the head and the
 decode pool on the worker node: the answers are the single engine's, the KV crosses the
 worker node's link, and the internal services ask for mutual TLS and the cluster token. A
@@ -28,9 +28,9 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.security import proves, stats_request
-from tests.clusters import write_identity
-from tests.netns import Hosts, stderr_of, stop_all
-from tests.procs import ENV, alive, descendants
+from tests.helpers.clusters import write_identity
+from tests.helpers.netns import Hosts, stderr_of, stop_all
+from tests.helpers.procs import ENV, alive, descendants
 
 trustme = pytest.importorskip("trustme")
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

@@ -20,8 +20,8 @@ from pdserve.registry.events import EventFollower, EventPublisher
 from pdserve.registry.membership import WorkerRecord, WorkerRegistration, list_workers, worker_key
 from pdserve.registry.urls import connect, redact_secrets, redact_url
 from pdserve.router.prefix_index import PrefixIndex
-from tests.clusters import local_config
-from tests.procs import restart_redis
+from tests.helpers.clusters import local_config
+from tests.helpers.procs import restart_redis
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
-from tests.clusters import local_config
+from tests.helpers.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

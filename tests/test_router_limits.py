@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.config import SecurityConfig
 from pdserve.deploy.local import LocalCluster
-from tests.clusters import local_config
+from tests.helpers.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

@@ -4,8 +4,6 @@ to the rest of the pool), its streams in flight finish untouched, then it stops.
 is lost, every KV block comes back, no process is left."""
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,18 +14,12 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.registry.embedded import free_port
-from tests.chaos.test_ray_faults import Proc, engine_stats, get_workers, wait_until
-from tests.procs import ENV, alive, descendants
+from tests.helpers.procs import alive, descendants
+from tests.helpers.ray_procs import Proc, engine_stats, get_workers, scale, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "scale-token"
-
-
-def scale(url: str, **sizes) -> subprocess.CompletedProcess:
-    args = [f"--{k}={v}" for k, v in sizes.items()]
-    return subprocess.run([sys.executable, "-m", "pdserve", "scale", "--url", url, *args], capture_output=True,
-                          text=True, timeout=300, env=ENV)
 
 
 def stream(url: str, prompt: str, out: dict, key: str) -> None:

@@ -15,7 +15,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.security import TLSConfig, TLSConfigError, open_channel, stats_request
-from tests.clusters import local_config, write_identity
+from tests.helpers.clusters import local_config, write_identity
 
 trustme = pytest.importorskip("trustme")
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.model.tiny import tiny_config, tiny_llama, tiny_state_dict
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard
 from pdserve.engine.parallel.tp import ModelSource, RankFailed
-from tests.test_engine import prompts
+from tests.helpers.prompts import prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
 CONFIG = EngineConfig(cache=CacheConfig(kv_cache_memory=4 << 20), scheduler=SchedulerConfig(max_num_batched_tokens=64))
@@ -213,7 +213,7 @@ def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp,
     from pdserve.config import PoolConfig, TransferConfig
     from pdserve.deploy.local import LocalCluster
     from pdserve.engine.model.weights import load_model
-    from tests.clusters import MODEL, local_config
+    from tests.helpers.clusters import MODEL, local_config
 
     tok = smollm[1]
     loaded = load_model(quantization="none")
@@ -262,7 +262,7 @@ def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_mov
 
     from pdserve.config import PoolConfig
     from pdserve.deploy.local import LocalCluster
-    from tests.clusters import MODEL, local_config
+    from tests.helpers.clusters import MODEL, local_config
 
     loaded, tok = smollm
     config = local_config()
@@ -315,9 +315,8 @@ def test_a_ray_pool_of_tensor_parallel_workers_reserves_a_placement_group(smollm
 
     from pdserve.engine.model.weights import load_model
     from pdserve.registry.embedded import free_port
-    from tests.chaos.test_ray_faults import Proc, wait_until
-    from tests.procs import ENV, alive, descendants
-    from tests.test_scale import scale
+    from tests.helpers.procs import ENV, alive, descendants
+    from tests.helpers.ray_procs import Proc, scale, wait_until
 
     tok = smollm[1]
     port = free_port()

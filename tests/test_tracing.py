@@ -12,7 +12,7 @@ import pytest
 from pdserve.config import TracingConfig
 from pdserve.deploy.local import LocalCluster
 from pdserve.protos.tracing import Tracer, traces_url
-from tests.clusters import MODEL, local_config
+from tests.helpers.clusters import MODEL, local_config
 
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402

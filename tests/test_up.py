@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdserve.registry.embedded import free_port
-from tests.procs import Proc, alive, descendants
+from tests.helpers.procs import Proc, alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

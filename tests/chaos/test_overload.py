@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdserve.deploy.local import LocalCluster
-from tests.clusters import local_config
+from tests.helpers.clusters import local_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 MODEL = "smollm2"

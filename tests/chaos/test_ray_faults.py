@@ -11,57 +11,18 @@ import subprocess
 import threading
 import time
 
-import grpc
 import httpx
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.protos import worker_pb2_grpc as pb_grpc
-from pdserve.protos.security import stats_request
 from pdserve.registry.embedded import free_port
-from tests import procs
-from tests.procs import alive, descendants, restart_redis
+from tests.helpers.procs import alive, descendants, restart_redis
+from tests.helpers.ray_procs import CHAOS_TOKEN, Proc, engine_stats, get_workers, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.chaos]
-TOKEN = "chaos-token"
-
-
-class Proc(procs.Proc):
-    def wait_ready(self) -> float:
-        t = time.monotonic()
-        line = self.p.stdout.readline()  # the curl line, printed once the router can serve
-        assert line.startswith("curl "), self.text()
-        return time.monotonic() - t
-
-
-def get_workers(url: str) -> dict[str, dict]:
-    return {w["worker_id"]: w for w in httpx.get(url + "/admin/workers", timeout=5).json()["workers"]}
-
-
-def wait_until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def engine_stats(url: str, role: str, token: str = TOKEN) -> dict[str, tuple[dict, object]]:
-    """Each `role` worker's registry entry and its Stats, asked of the worker itself: a Stats
-    call is answered between engine steps, so what it says is the engine as it is now (the
-    router's view is a poll old, and a fast CPU prefills a whole prompt, or ends a short
-    stream, between two of its polls)."""
-    stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
-    out = {}
-    for w in get_workers(url).values():
-        if w["role"] == role:
-            with grpc.insecure_channel(w["address"]) as ch:
-                out[w["worker_id"]] = (w, stub(ch).Stats(stats_request(token), timeout=10))
-    return out
+TOKEN = CHAOS_TOKEN
 
 
 def busy_worker(url: str, role: str, what: str, timeout: float) -> dict:
