@@ -25,6 +25,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output: prompt tokens 1..
     queue_s: float = 0.0                # on the first output: from add_request to its first scheduling
+    error: str = ""                     # finish_reason "error": why (a budget it passed)
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,7 @@ class EngineStats:
     """"draft", "prompt-lookup" or "" (off)."""
     spec_proposed: int = 0
     spec_accepted: int = 0
+    preempted_memory: int = 0
+    """Running requests preempted for blocks another running request needed."""
+    preempted_priority: int = 0
+    """Running requests preempted for a waiting request of a higher priority."""

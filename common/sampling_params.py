@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI allows
 MAX_CACHE_SALT = 1024  # characters
+MAX_TENANT = 256  # characters
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy."""
 
@@ -56,6 +57,13 @@ class SamplingParams:
     cache_salt: str = ""
     """Not about sampling, but travels with it to every worker: prompts share prefix-cache
     blocks only with prompts of the same salt (one per tenant; "" is the shared default)."""
+    priority: int = 0
+    """Travels with it too: lower is served sooner in every worker's queue, and a waiting
+    request preempts running ones of a higher value when the batch or the KV is full (vLLM's
+    `priority` field)."""
+    tenant: str = ""
+    """Who the request is for: requests of one priority share the batch among tenants, the
+    least-served tenant's first (the router sets it from the API key or a header)."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -88,6 +96,10 @@ class SamplingParams:
             bad("logit_bias", "values must be in [-100, 100]")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
             bad("cache_salt", f"must be a string of at most {MAX_CACHE_SALT} characters")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or not -2**31 <= self.priority < 2**31:
+            bad("priority", f"must be an integer in [-2**31, 2**31), got {self.priority!r}")
+        if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT:
+            bad("tenant", f"must be a string of at most {MAX_TENANT} characters")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:

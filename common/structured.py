@@ -31,6 +31,7 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # schema always ends within a bounded number of tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SPEC_BYTES = 64 << 10
+STEP_MAX_ITEMS = 20_000
 
 # where a JSON schema holds subschemas: maps of them, single ones, lists of them
 _SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -124,9 +125,12 @@ class GrammarCompiler:
 
     def llmatcher(self, structured: Structured):
         """A new llguidance matcher for `structured` (the engine wraps it in a GrammarState)."""
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
-        m = LLMatcher(self.tokenizer, self.check(structured), log_level=0)
+        # Earley items per mask step well below llguidance's 50,000: an ambiguous grammar errors
+        # out sooner instead of taking ever longer per token (the engine also bounds its time)
+        m = LLMatcher(self.tokenizer, self.check(structured), log_level=0,
+                      limits=LLParserLimits(step_max_items=STEP_MAX_ITEMS))
         if m.is_error():
             raise InvalidRequestError(f"invalid {structured.kind} constraint: {m.get_error()}", param="response_format")
         return m

@@ -188,9 +188,17 @@ class Tokenizer:
         return (self.vocab_size == other.vocab_size and self.eos_token_id == other.eos_token_id
                 and self._tok.get_vocab(with_added_tokens=True) == other._tok.get_vocab(with_added_tokens=True))
 
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token's text in characters (at least 1): a text of C characters is at
+        least C / this many tokens, a bound known before tokenizing it."""
+        if "_max_token_chars" not in self.__dict__:
+            self._max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
+        return self._max_token_chars
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special-token text such as `<|im_start|>` maps to its single id."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = _encode(self._tok, text)
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
@@ -254,7 +262,7 @@ class Tokenizer:
         if self._text_only is None:
             self._text_only = HFTokenizer.from_str(self._tok.to_str())
             self._text_only.encode_special_tokens = True
-        return self._text_only.encode(text, add_special_tokens=False).ids
+        return _encode(self._text_only, text)
 
     def backend_json(self) -> str:
         """The tokenizer as tokenizer.json text (for llguidance's token trie)."""
@@ -271,6 +279,14 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return (self._tok.id_to_token(token_id) or "") if token_id is not None else ""
+
+
+def _encode(tok: HFTokenizer, text: str) -> list[int]:
+    """`text`'s ids. A long text goes through `encode_batch`, which releases the GIL while it
+    runs (`encode` holds it: seconds for a few MB, during which no other thread runs)."""
+    if len(text) < 8192:
+        return tok.encode(text, add_special_tokens=False).ids
+    return tok.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def _raise(message: str):

@@ -65,6 +65,8 @@ class DecodeServicer(WorkerServicer, pb_grpc.DecodeServiceServicer):
             remote = await w.admit(request, prompt, params, context, span)
             kv_bytes, timing = w.request_kv_bytes.pop(rid, 0), w.request_timing.pop(rid, None)
             async for out in w.engine.stream(rid, q):
+                if out.error:  # a budget it passed (its grammar's mask time): ended, with the reason
+                    raise InvalidRequestError(out.error, param="response_format", code="grammar_budget_exceeded")
                 if queued:
                     w.queued, queued = w.queued - 1, False
                     t_first = time.perf_counter()

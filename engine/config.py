@@ -241,6 +241,11 @@ class EngineConfig:
     worker's engine returns token ids only: the router detokenizes and applies stop strings."""
     seed: int = 0
     """Seed for requests that give none."""
+    grammar_budget_s: float = 2.0
+    """Structured output: a request whose grammar masks take longer than this in all ends
+    with an error naming its grammar (0: no limit); masks run beside the model's forward pass."""
+    grammar_step_budget_ms: float = 200.0
+    """... or whose mask for one token takes longer than this (0: no limit)."""
     speculative_tokens: int = 0
     """Speculative decoding: up to this many tokens proposed per request and step, checked
     by the model in the same step (0: off). Without a `speculative_model`: prompt lookup
@@ -289,3 +294,5 @@ class EngineConfig:
             raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not (self.grammar_budget_s >= 0 and self.grammar_step_budget_ms >= 0):
+            raise ValueError("grammar_budget_s and grammar_step_budget_ms must be >= 0")

@@ -82,11 +82,23 @@ class RouterConfig:
     deltas wait in a bounded buffer until then). 0: no limit."""
     max_body_bytes: int = 32 << 20
     """A request body past this size gets 413 before it is parsed. 0: no limit."""
+    sheddable_priority: int = 10
+    """Requests of at least this priority value are sheddable: answered 429 at once while every
+    decode worker is saturated (KV nearly full or requests waiting) instead of queueing."""
+    tenant_max_inflight: int = 0
+    """Requests one tenant may have in flight; past it 429 for that tenant only. 0: no limit."""
+    tenant_max_queued_tokens: int = 0
+    """Prompt tokens one tenant may have waiting for their first token (a request alone may
+    exceed it); past it 429 for that tenant only. 0: no limit."""
+    session_kv_limit: float = 0.9
+    """A session (x-pdserve-session header, or `user`) stays on its decode worker while that
+    worker's KV usage is below this; then it moves (sticky until saturated)."""
 
     def __post_init__(self):
         one_of("routing", self.routing, ROUTING_POLICIES)
         for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "prefill_queue_limit",
-                     "max_body_bytes", "stream_stall_timeout_s", "shutdown_grace_s"):
+                     "max_body_bytes", "stream_stall_timeout_s", "shutdown_grace_s", "tenant_max_inflight",
+                     "tenant_max_queued_tokens", "session_kv_limit"):
             at_least(name, getattr(self, name), 0)
         at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 

@@ -80,6 +80,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-size", default=f"{_R.max_body_bytes >> 20}MiB",
                    help="request bodies past this size get 413 before they are parsed (0: no limit; "
                         "default: %(default)s)")
+    g = p.add_argument_group("priorities and tenants")
+    g.add_argument("--sheddable-priority", type=int, default=_R.sheddable_priority,
+                   help="requests of at least this `priority` are answered 429 while every decode worker is "
+                        "saturated (default: %(default)s; lower priority values are served sooner)")
+    g.add_argument("--tenant-max-inflight", type=int, default=_R.tenant_max_inflight,
+                   help="requests one tenant (API key, or the x-pdserve-tenant header) may have in flight "
+                        "(0: no limit)")
+    g.add_argument("--tenant-max-queued-tokens", type=int, default=_R.tenant_max_queued_tokens,
+                   help="prompt tokens one tenant may have waiting for their first token (0: no limit)")
+    g.add_argument("--session-kv-limit", type=float, default=_R.session_kv_limit,
+                   help="a session (x-pdserve-session header, or `user`) stays on its decode worker while that "
+                        "worker's KV usage is below this (default: %(default)s)")
     _add_registry_args(p)
     _add_tracing_args(p)
 
@@ -240,7 +252,10 @@ def _router_config(args: argparse.Namespace) -> RouterConfig:
                         special_tokens_in_content=args.special_tokens_in_content,
                         stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,
                         request_timeout_s=args.request_timeout,
-                        max_body_bytes=parse_size(args.max_body_size))
+                        max_body_bytes=parse_size(args.max_body_size), sheddable_priority=args.sheddable_priority,
+                        tenant_max_inflight=args.tenant_max_inflight,
+                        tenant_max_queued_tokens=args.tenant_max_queued_tokens,
+                        session_kv_limit=args.session_kv_limit)
 
 
 def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:

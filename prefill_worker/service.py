@@ -88,6 +88,9 @@ class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
             try:  # held from the moment the request finishes, even if cancelled before the loop ends
                 try:
                     async for out in w.engine.generate(rid, prompt, params, hold_kv=True):
+                        if out.error:
+                            raise InvalidRequestError(out.error, param="response_format",
+                                                      code="grammar_budget_exceeded")
                         first = out
                 except InvalidRequestError as e:
                     await refuse_invalid(context, e)

@@ -19,7 +19,7 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
                             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                             frequency_penalty=p.frequency_penalty, stop_token_ids=p.stop_token_ids,
                             ignore_eos=p.ignore_eos, logit_bias=p.logit_bias, cache_salt=p.cache_salt,
-                            min_tokens=p.min_tokens)
+                            min_tokens=p.min_tokens, priority=p.priority, tenant=p.tenant)
     if p.max_tokens is not None:
         msg.max_tokens = p.max_tokens
     if p.seed is not None:
@@ -41,7 +41,7 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None, repetition_penalty=msg.repetition_penalty,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos, logit_bias=dict(msg.logit_bias),
-        cache_salt=msg.cache_salt, min_tokens=msg.min_tokens,
+        cache_salt=msg.cache_salt, min_tokens=msg.min_tokens, priority=msg.priority, tenant=msg.tenant,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         structured=Structured(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos", "logprobs", "structured_kind", "structured_spec", "prompt_logprobs", "logit_bias", "cache_salt", "min_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos", "logprobs", "structured_kind", "structured_spec", "prompt_logprobs", "logit_bias", "cache_salt", "min_tokens", "priority", "tenant")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -51,7 +53,9 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     cache_salt: str
     min_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., structured_kind: _Optional[str] = ..., structured_spec: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., cache_salt: _Optional[str] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    priority: int
+    tenant: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., structured_kind: _Optional[str] = ..., structured_spec: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., cache_salt: _Optional[str] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
@@ -146,7 +150,7 @@ class StatsRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted")
+    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted", "preempted_memory", "preempted_priority")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +174,8 @@ class WorkerStats(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     SPEC_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -193,7 +199,9 @@ class WorkerStats(_message.Message):
     speculation: str
     spec_proposed: int
     spec_accepted: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ...) -> None: ...
+    preempted_memory: int
+    preempted_priority: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., preempted_memory: _Optional[int] = ..., preempted_priority: _Optional[int] = ...) -> None: ...
 
 class BlockSnapshot(_message.Message):
     __slots__ = ("block_hashes", "seq", "proof")

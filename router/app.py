@@ -18,6 +18,7 @@ from .errors import APIError, http_error, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .control import PoolControl
 from .router import Router
+from .tenancy import RequestContext
 
 
 class BodyLimit:
@@ -199,13 +200,18 @@ def create_app(router: Router) -> FastAPI:
     add_error_handlers(app)
     authorized = api_key_auth(router.security.api_keys)
 
+    def context(req, request: Request) -> RequestContext:
+        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        return RequestContext.of(request.headers, req.priority, req.user,
+                                 key if key in router.security.api_keys else "")
+
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(req: CompletionRequest, request: Request):
-        return await while_connected(request, router.completions(req, wants_timing(request)))
+        return await while_connected(request, router.completions(req, wants_timing(request), context(req, request)))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(req: ChatCompletionRequest, request: Request):
-        return await while_connected(request, router.chat(req, wants_timing(request)))
+        return await while_connected(request, router.chat(req, wants_timing(request), context(req, request)))
 
     def model_card() -> dict:
         return {"id": router.model_name, "object": "model", "created": int(router.started), "owned_by": "pdserve"}

@@ -22,6 +22,7 @@ from pdserve.protos.security import TLSConfig, open_channel, proves, stats_reque
 
 from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy, prefill_on_decode
 from .prefix_index import PrefixIndex
+from .tenancy import SessionAffinity
 
 log = logging.getLogger("pdserve.router")
 
@@ -50,7 +51,7 @@ class ClusterClient:
     def __init__(self, *, routing: str = "prefix_aware", block_size: int = 16, namespace: str = "",
                  cluster_token: str = "", tls: TLSConfig | None = None, local_prefill_tokens: int = 0,
                  prefill_queue_limit: int = 0, idle_decode_prefill: bool = False,
-                 stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0):
+                 stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0, session_kv_limit: float = 0.9):
         """block_size, namespace: the workers' KV block size and cache namespace (the prefix
         index hashes prompts as they do). tls: mutual TLS to the workers (their services must
         use the same CA). local_prefill_tokens: a decode worker whose own cache holds all of a
@@ -59,7 +60,8 @@ class ClusterClient:
         prefill_queue_limit: once the chosen prefill worker has this many prompt tokens queued,
         a prompt that would wait less on its decode worker is prefilled there
         (`policies.prefill_on_decode`); 0: never. idle_decode_prefill: a decode worker with no
-        stream and no prompt of its own prefills the prompt itself."""
+        stream and no prompt of its own prefills the prompt itself. session_kv_limit: a session
+        stays on its decode worker while that worker's KV usage is below this."""
         self.local_prefill_tokens = local_prefill_tokens
         self.idle_decode_prefill = idle_decode_prefill
         self.prefill_queue_limit = prefill_queue_limit
@@ -83,6 +85,7 @@ class ClusterClient:
         # requests between two polls went to one decode worker while the others idled
         self.decode_streams: dict[str, int] = {}
         self._streams_at_poll: dict[str, int] = {}  # decode_streams when each worker's stats came
+        self.affinity = SessionAffinity(session_kv_limit)
         self.impostors: set[str] = set()  # registered workers that answered without proving the token
 
     @classmethod
@@ -92,7 +95,7 @@ class ClusterClient:
                    cluster_token=security.cluster_token, tls=security.tls,
                    local_prefill_tokens=router.decode_local_prefill,
                    prefill_queue_limit=router.prefill_queue_limit,
-                   idle_decode_prefill=router.idle_decode_prefill)
+                   idle_decode_prefill=router.idle_decode_prefill, session_kv_limit=router.session_kv_limit)
 
     # ---- membership ---------------------------------------------------------------------
     def set_workers(self, workers: list[WorkerEndpoint]) -> None:
@@ -181,9 +184,18 @@ class ClusterClient:
         return out
 
     # ---- routing ------------------------------------------------------------------------
-    def route(self, prompt: list[int], exclude: frozenset[str] = frozenset(), cache_salt: str = "") -> Route:
+    def saturated(self, kv_limit: float = 0.9) -> bool:
+        """Every healthy decode-capable worker has its KV nearly full or requests waiting (a
+        sheddable request is refused then)."""
+        loads = [self.stats.get(w.worker_id) for w in self.workers.values()
+                 if w.role != "prefill" and self.healthy.get(w.worker_id)]
+        return bool(loads) and all(s is not None and (s.kv_usage >= kv_limit or s.waiting > 0) for s in loads)
+
+    def route(self, prompt: list[int], exclude: frozenset[str] = frozenset(), cache_salt: str = "",
+              session: str = "") -> Route:
         """Pick workers for `prompt`; `exclude`: workers that just failed or refused it;
-        `cache_salt`: the request's (its blocks are looked up under it, as the workers do).
+        `cache_salt`: the request's (its blocks are looked up under it, as the workers do);
+        `session`: its conversation, kept on one decode worker until that one is saturated.
         Raises NoWorkerError if no decode worker is left, or if every prefill worker is
         excluded (refused: its queue is full; prefilling on the decode pool instead would
         defeat the limit)."""
@@ -194,7 +206,7 @@ class ClusterClient:
         if prefill_pool and not candidates:
             raise NoWorkerError("every prefill worker refused the request")
         hashes = hash_blocks(prompt, self.block_size, self.namespace, parent=root_hash(cache_salt))
-        decode_id = self.policy.pick_decode(decode_pool, hashes)
+        decode_id = self.affinity.pick(session, decode_pool, lambda: self.policy.pick_decode(decode_pool, hashes))
         # the prompt's blocks land there (KV import or local prefill) before its events say so
         decode_until = self.index.expect(decode_id, hashes, ttl_s=30.0) if self.policy.follows_prefixes else 0.0
         try:

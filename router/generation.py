@@ -55,10 +55,12 @@ class Delta:
 class Generation:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, metrics: RouterMetrics,
                  prompt: list[int], params: SamplingParams, prefix: str = "cmpl", timeout_s: float = 0.0,
-                 on_done=None, tracer: Tracer = OFF):
+                 on_done=None, tracer: Tracer = OFF, session: str = "", on_first=None):
         """timeout_s > 0: the request fails with 504 (and is aborted) if it is not done by then.
-        on_done: called once when the request ends, however it ends. tracer: the request's
-        trace (a root span here, the workers' spans under it)."""
+        on_done: called once when the request ends, however it ends; on_first: once, when its
+        first token arrives (with the time to it). tracer: the request's trace (a root span
+        here, the workers' spans under it). session: its conversation (kept on one decode
+        worker until that one is saturated)."""
         self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -74,7 +76,8 @@ class Generation:
         self._t_last = 0.0
         self.ttft = 0.0
         self.timeout_s = timeout_s
-        self._on_done = on_done
+        self._on_done, self._on_first = on_done, on_first
+        self.session = session
         self.generated: list[int] = []   # token ids streamed so far (replayed on migration)
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.., when asked for
         self.route = None
@@ -104,7 +107,7 @@ class Generation:
             self.cluster.release(self.route)  # a refused route's prefill never ran, its stream ended
             try:
                 self.route = self.cluster.route(self.prompt, exclude=frozenset(refused),
-                                                cache_salt=self.params.cache_salt)
+                                                cache_salt=self.params.cache_salt, session=self.session)
             except NoWorkerError as e:
                 if refused:
                     self.metrics.rejected.labels("pool_full").inc()
@@ -139,6 +142,9 @@ class Generation:
         self._t_last = time.perf_counter()
         self.ttft = self._t_last - self.t_arrival
         self.metrics.first_token(self.ttft, len(self.prompt))
+        if self._on_first is not None:
+            self._on_first(self.ttft)
+            self._on_first = None
 
     async def deltas(self):
         """Yield `Delta`s until the request finishes; then `finish_reason` is set."""
@@ -185,7 +191,7 @@ class Generation:
         await old.aclose()
         try:
             self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed),
-                                             cache_salt=self.params.cache_salt)
+                                             cache_salt=self.params.cache_salt, session=self.session)
             if self.generated:  # recomputed (prompt + tokens so far) on its decode worker; else its
                 self.cluster.settle(self.route, prefilled_remotely=False)  # first token settles it
         except NoWorkerError as no:

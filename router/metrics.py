@@ -2,7 +2,7 @@
 `pdserve_*` series, and the same meanings under vLLM's names (vllm_metrics.py)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .vllm_metrics import VllmMetrics
 from .worker_metrics import PDSERVE_SERIES, WorkerSeries
@@ -34,6 +34,18 @@ class RouterMetrics:
             self.requests.labels(status)
         for reason in ("router_inflight", "pool_full"):
             self.rejected.labels(reason)
+        self.class_waiting = Gauge("pdserve_class_waiting_requests", "Admitted requests without their first token "
+                                   "yet, by priority band (high < 0, default 0, low, sheddable) and tenant",
+                                   ["priority", "tenant"], registry=r)
+        self.class_wait = Histogram("pdserve_class_wait_seconds", "Time to first token by priority band and tenant",
+                                    ["priority", "tenant"], registry=r, buckets=_LATENCY)
+        self.budget_refusals = Counter("pdserve_budget_refusals", "Requests refused or ended by a budget: "
+                                       "tenant_inflight, tenant_tokens (429 for one tenant), shed (a sheddable "
+                                       "request while the pool is saturated), prompt_chars (longer than any "
+                                       "worker holds, refused before tokenizing)", ["budget"], registry=r)
+        for budget in ("tenant_inflight", "tenant_tokens", "shed", "prompt_chars"):
+            self.budget_refusals.labels(budget)
+        self._tenants: set[str] = set()
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
         self.workers = WorkerSeries(r, PDSERVE_SERIES, ("worker", "role"), lambda wid, s: [wid, s.role])
@@ -47,6 +59,12 @@ class RouterMetrics:
                                ("prefill_queue_s", "Time a prompt queued on its prefill worker"),
                                ("prefill_compute_s", "Time a prefill worker computed a prompt"),
                                ("kv_push_s", "Time a prefill worker pushed a prompt's KV after computing it"))}
+
+    def tenant_label(self, tenant: str, limit: int = 32) -> str:
+        """A bounded label set: the first `limit` tenants seen by name, the rest as "other"."""
+        if tenant not in self._tenants and len(self._tenants) < limit:
+            self._tenants.add(tenant)
+        return (tenant or "default") if tenant in self._tenants else "other"
 
     def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)

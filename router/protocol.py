@@ -69,6 +69,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None  # prefix-cache isolation per tenant (as in vLLM)
+    priority: int = 0  # lower is served sooner (vLLM's); the x-pdserve-priority header wins over it
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema (+ regex, choice, grammar)
 
     _unicode_only = field_validator("*")(_valid_unicode)
@@ -76,6 +77,8 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if not -2**31 <= self.priority < 2**31:
+            raise APIError(400, f"priority must be an integer in [-2**31, 2**31), got {self.priority}", param="priority")
         if self.cache_salt is not None and not self.cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string (omit it to share the cache)", param="cache_salt")
 

@@ -25,6 +25,7 @@ from . import responses
 from .cluster import ClusterClient, WorkerEndpoint
 from .control import PoolControl
 from .discovery import RegistryDiscovery
+from .tenancy import RequestContext, TenantLimits
 from .errors import APIError
 from .generation import Delta, Generation
 from .metrics import RouterMetrics
@@ -51,6 +52,7 @@ class Router:
         self.inflight = 0
         self.started = time.time()  # the model card's `created`
         self.control = control
+        self.tenants = TenantLimits(config.tenant_max_inflight, config.tenant_max_queued_tokens)
 
     @classmethod
     def from_config(cls, config: ClusterConfig, tokenizer: Tokenizer, control: PoolControl | None = None,
@@ -88,20 +90,56 @@ class Router:
                 "on_stall": self.metrics.stalled_streams.inc}
 
     # ---- admission ----------------------------------------------------------------------
-    def _generation(self, prompt: list[int], params: SamplingParams, prefix: str) -> Generation:
-        """Admit a request (or refuse it with 429) and make its Generation."""
+    def _generation(self, prompt: list[int], params: SamplingParams, prefix: str,
+                    ctx: RequestContext = RequestContext()) -> Generation:
+        """Admit a request (or refuse it with 429: the router's in-flight limit, a sheddable
+        request while the pool is saturated, its tenant's limits) and make its Generation."""
         limit = self.config.max_inflight
         if limit and self.inflight >= limit:
             self.metrics.requests.labels("rejected").inc()
             self.metrics.rejected.labels("router_inflight").inc()
             raise APIError(429, f"the server is at capacity ({limit} requests in flight); retry shortly",
                            "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        if ctx.priority >= self.config.sheddable_priority and self.cluster.saturated(self.config.session_kv_limit):
+            self.metrics.requests.labels("rejected").inc()
+            self.metrics.budget_refusals.labels("shed").inc()
+            raise APIError(429, f"the cluster is saturated and this request's priority ({ctx.priority}) is "
+                                f"sheddable (>= {self.config.sheddable_priority}); retry later", "rate_limit_error",
+                           code="shed", headers={"Retry-After": "2"})
+        try:
+            self.tenants.admit(ctx.tenant, len(prompt))
+        except APIError as e:
+            self.metrics.requests.labels("rejected").inc()
+            self.metrics.budget_refusals.labels(e.code.removesuffix("_limit")).inc()
+            raise
         self.inflight += 1
+        band = self._band(ctx.priority)
+        labels = (band, self.metrics.tenant_label(ctx.tenant))
+        self.metrics.class_waiting.labels(*labels).inc()
+        waiting = [True]
+
+        def first(ttft_s: float) -> None:
+            waiting[0] = False
+            self.metrics.class_waiting.labels(*labels).dec()
+            self.metrics.class_wait.labels(*labels).observe(ttft_s)
+            self.tenants.first_token(ctx.tenant, len(prompt))
 
         def done():
             self.inflight -= 1
+            if waiting[0]:
+                waiting[0] = False
+                self.metrics.class_waiting.labels(*labels).dec()
+                self.tenants.first_token(ctx.tenant, len(prompt))
+            self.tenants.done(ctx.tenant)
+        params = replace(params, priority=ctx.priority, tenant=ctx.tenant)
         return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
-                          timeout_s=self.config.request_timeout_s, on_done=done, tracer=self.tracer)
+                          timeout_s=self.config.request_timeout_s, on_done=done, tracer=self.tracer,
+                          session=ctx.session, on_first=first)
+
+    def _band(self, priority: int) -> str:
+        if priority >= self.config.sheddable_priority:
+            return "sheddable"
+        return "high" if priority < 0 else "default" if priority == 0 else "low"
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -132,12 +170,27 @@ class Router:
                                 "which leaves no room to generate: shorten the prompt", param=param,
                            code="context_length_exceeded")
 
-    def _encode_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """Every prompt of the request as token ids (checked: non-empty, in the vocabulary)."""
+    def _check_chars(self, chars: int, which: str, param: str) -> None:
+        """A text that cannot fit even at the longest token per token (with a margin of 2 for
+        normalizers) is refused before it is tokenized: a few MB of prompt would otherwise hold
+        a tokenizer thread for seconds."""
+        limit = self.cluster.max_model_len()
+        if limit and chars > 2 * self.tokenizer.max_token_chars * limit:
+            self.metrics.budget_refusals.labels("prompt_chars").inc()
+            raise APIError(400, f"{which} has {chars} characters, more than this model's context of {limit} tokens "
+                                "can hold: shorten it", param=param, code="context_length_exceeded")
+
+    async def _encode_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Every prompt of the request as token ids (checked: non-empty, in the vocabulary).
+        Text is tokenized off the event loop, so other streams and /health go on meanwhile."""
         out = []
         for k, p in enumerate(req.prompts()):
             which = f"prompt {k}" if len(req.prompts()) > 1 else "prompt"
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if isinstance(p, str):
+                self._check_chars(len(p), which, "prompt")
+                ids = await asyncio.to_thread(self.tokenizer.encode, p)
+            else:
+                ids = list(p)
             if not ids:
                 raise APIError(400, f"{which} is empty", param="prompt")
             self._check_length(ids, which, "prompt")
@@ -145,16 +198,24 @@ class Router:
             out.append(ids)
         return out
 
-    def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    async def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """A chat request's prompt as the model sees it: messages (and tools) through the
-        chat template, tokenized. `/tokenize` uses the same, so its count is the one billed."""
-        messages = render_messages([{"role": m.role, "content": m.text()} | (m.model_extra or {}) for m in req.messages],
-                                   req.tools, req.tool_choice)
+        chat template, tokenized (off the event loop). `/tokenize` uses the same, so its count
+        is the one billed."""
+        messages = [{"role": m.role, "content": m.text()} | (m.model_extra or {}) for m in req.messages]
+        self._check_chars(sum(len(m["content"] or "") for m in messages), "the conversation", "messages")
+        return await asyncio.to_thread(self._render_chat, req, messages)
+
+    def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest, messages: list[dict]) -> list[int]:
+        messages = render_messages(messages, req.tools, req.tool_choice)
         return self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                           special_tokens_in_content=self.config.special_tokens_in_content)
 
     # ---- choices ------------------------------------------------------------------------
-    async def _start_choices(self, ids: list[int], params: SamplingParams, n: int, prefix: str) -> list[Generation]:
+    async def _start_choices(self, ids: list[int], params: SamplingParams, n: int, prefix: str,
+                             ctx: RequestContext = RequestContext()) -> list[Generation]:
+        """n choices of one prompt. The first runs ahead and alone computes the prompt's
+        logprobs (when asked for: `echo`): the others share them, and without them they reuse its cached prompt blocks instead of computing every prompt token."""
         self._check_structured(params)
         turn_ends = [t for t in self.tokenizer.end_of_turn_ids if t not in params.stop_token_ids]
         if turn_ends and not params.ignore_eos:  # as the model's EOS: a turn ends there, not shown
@@ -162,11 +223,12 @@ class Router:
         self._check_fits(n, "n")
         gens: list[Generation] = []
         try:
-            gens.append(self._generation(ids, params, prefix))
+            gens.append(self._generation(ids, params, prefix, ctx))
             await gens[0].start()  # runs ahead: the prompt's blocks are cached for the others
+            rest = replace(params, prompt_logprobs=None)
             for i in range(1, n):  # seeds wrap within the wire's range: any valid seed serves any n
-                gens.append(self._generation(ids, replace(params, seed=(params.seed + i) % 2**63)
-                                             if params.seed is not None else params, prefix))
+                gens.append(self._generation(ids, replace(rest, seed=(params.seed + i) % 2**63)
+                                             if params.seed is not None else rest, prefix, ctx))
             await asyncio.gather(*(g.start() for g in gens[1:]))
         except BaseException:
             await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
@@ -174,14 +236,14 @@ class Router:
         return gens
 
     async def _start_batch(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                           prefix: str) -> list[Generation]:
+                           prefix: str, ctx: RequestContext = RequestContext()) -> list[Generation]:
         """n choices of every prompt, started together; prompt-major (choice k*n + j is the
         j-th of prompt k), as OpenAI numbers them. The first prompt that cannot start fails
         the request at once: the others are cancelled and every started choice is closed."""
         self._check_fits(len(prompts) * n, "prompt" if len(prompts) > 1 else "n")
         if len(prompts) == 1:
-            return await self._start_choices(prompts[0], params, n, prefix)
-        tasks = [asyncio.ensure_future(self._start_choices(ids, params, n, prefix)) for ids in prompts]
+            return await self._start_choices(prompts[0], params, n, prefix, ctx)
+        tasks = [asyncio.ensure_future(self._start_choices(ids, params, n, prefix, ctx)) for ids in prompts]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in tasks:
@@ -201,7 +263,11 @@ class Router:
         if req.model is not None:
             self.check_model(req.model)
         req.check_supported()
-        ids = self._chat_ids(req) if req.messages is not None else self.tokenizer.encode(req.prompt)
+        if req.messages is not None:
+            ids = await self._chat_ids(req)
+        else:
+            self._check_chars(len(req.prompt), "prompt", "prompt")
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
         return {"count": len(ids), "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
@@ -210,12 +276,14 @@ class Router:
         check_token_ids(req.tokens, self.tokenizer.vocab_size, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    async def completions(self, req: CompletionRequest, timing: bool = False):
-        """timing: each choice's time breakdown in the response (also `stream_options.include_timing`)."""
+    async def completions(self, req: CompletionRequest, timing: bool = False, ctx: RequestContext | None = None):
+        """timing: each choice's time breakdown in the response (also `stream_options.include_timing`);
+        ctx: its priority, tenant and session (default: the body's priority)."""
         req.check_supported()
         self.check_model(req.model)
-        prompts = self._encode_prompts(req)
-        gens = await self._start_batch(prompts, req.sampling_params(self.tokenizer.vocab_size), req.n, "cmpl")
+        prompts = await self._encode_prompts(req)
+        gens = await self._start_batch(prompts, req.sampling_params(self.tokenizer.vocab_size), req.n, "cmpl",
+                                       ctx or RequestContext(req.priority))
         base = {"id": gens[0].request_id, "object": "text_completion", "created": gens[0].created,
                 "model": self.model_name}
         want_lp = req.logprobs is not None
@@ -228,7 +296,7 @@ class Router:
                 text = d.text if echoed[i] else echo_of[i] + d.text
                 lp = self.logprobs.completion(d, len(echo_of[i]) + offset) if want_lp else None
                 if lp is not None and not echoed[i]:
-                    lp = {k: v + lp[k] for k, v in self.logprobs.echo(ids_of[i], gens[i]).items()}
+                    lp = {k: v + lp[k] for k, v in self.logprobs.echo(ids_of[i], gens[i - i % req.n]).items()}
                 echoed[i] = True
                 return base | {"choices": [{"index": i, "text": text, "finish_reason": None, "logprobs": lp}]}
 
@@ -245,20 +313,21 @@ class Router:
                     lps[i][k] += v
         texts = await responses.collect(gens, on_delta)
         if req.echo and want_lp:
-            lps = [{k: v + lp[k] for k, v in self.logprobs.echo(ids, g).items()}
-                   for lp, g, ids in zip(lps, gens, ids_of)]
+            lps = [{k: v + lp[k] for k, v in self.logprobs.echo(ids_of[i], gens[i - i % req.n]).items()}
+                   for i, lp in enumerate(lps)]  # the prompt's first choice computed them
         return base | {"choices": [{"index": i, "text": echo_of[i] + t, "logprobs": lps[i] if want_lp else None,
                                     "finish_reason": g.finish_reason} for i, (t, g) in enumerate(zip(texts, gens))],
                        "usage": responses.usage(gens, req.n)} | ({"timing": responses.timing(gens)} if timing else {})
 
-    async def chat(self, req: ChatCompletionRequest, timing: bool = False):
-        """timing: as for `completions`."""
+    async def chat(self, req: ChatCompletionRequest, timing: bool = False, ctx: RequestContext | None = None):
+        """timing, ctx: as for `completions`."""
         req.check_supported()
         self.check_model(req.model)
         specs = req.tool_specs()
-        ids = self._chat_ids(req)
+        ids = await self._chat_ids(req)
         self._check_length(ids, "the conversation", "messages")
-        gens = await self._start_choices(ids, req.sampling_params(self.tokenizer.vocab_size), req.n, "chatcmpl")
+        gens = await self._start_choices(ids, req.sampling_params(self.tokenizer.vocab_size), req.n, "chatcmpl",
+                                         ctx or RequestContext(req.priority))
         base = {"id": gens[0].request_id, "object": "chat.completion", "created": gens[0].created,
                 "model": self.model_name}
         want_lp = req.logprobs

@@ -75,6 +75,10 @@ PDSERVE_SERIES = (
     Series("pdserve_spec_accepted_tokens", "Proposed tokens the model's check kept (acceptance rate: rate of "
            "accepted / rate of proposed)", "counter",
            lambda s: [((s.speculation,), float(s.spec_accepted))] if s.speculation else [], ("speculation",)),
+    Series("pdserve_preemptions", "Running requests a worker preempted (recomputed later), by cause: memory (blocks "
+           "another running request needed) or priority (a waiting request of a higher priority)", "counter",
+           lambda s: [(("memory",), float(s.preempted_memory)), (("priority",), float(s.preempted_priority))],
+           ("cause",)),
     Series("pdserve_decode_prefills", "Prompts a decode worker took, by where they were prefilled (remote: a "
            "prefill worker; local: itself)", "counter",
            lambda s: [] if s.role == "prefill" else [(("remote",), float(s.remote_prefills)),

@@ -39,7 +39,7 @@ from pdserve.config import RouterConfig
 from pdserve.deploy.local import LocalCluster
 from pdserve.router.app import create_app
 from pdserve.router.router import Router
-from tests.clusters import local_config
+from tests.helpers.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

@@ -34,6 +34,7 @@ def _non_default(f):
             "repetition_penalty": 1.5, "presence_penalty": -0.75, "frequency_penalty": 0.5, "min_tokens": 3,
             "logit_bias": {11: -100.0, 12: 2.5}, "stop": ["###"], "stop_token_ids": [2, 3], "ignore_eos": True,
             "logprobs": 4, "prompt_logprobs": 0, "structured": Structured("regex", "[ab]+"), "cache_salt": "tenant-a",
+            "priority": -7, "tenant": "acme",
             }[f.name]
 
 

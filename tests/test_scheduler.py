@@ -71,7 +71,7 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     for _ in range(6):
         preempted += run_step(sched).preempted
     assert preempted and preempted[0] is b
-    assert sched.waiting[0] is b and b.num_computed_tokens == 0 and b.status == RequestStatus.PREEMPTED
+    assert sched.waiting.head() is b and b.num_computed_tokens == 0 and b.status == RequestStatus.PREEMPTED
     assert bm.block_table("b") == []
     while sched.num_unfinished:
         run_step(sched)

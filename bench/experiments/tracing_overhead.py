@@ -22,7 +22,7 @@ from pdserve.config import TracingConfig  # noqa: E402
 from pdserve.deploy.local import LocalCluster  # noqa: E402
 from pdserve.common.tokenizer import Tokenizer  # noqa: E402
 from pdserve.engine.model.weights import load_model  # noqa: E402
-from tests.clusters import MODEL, local_config  # noqa: E402
+from tests.helpers.clusters import MODEL, local_config  # noqa: E402
 from tests.test_tracing import Collector  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from pdserve.engine.kernels.attention import NativeAttentionBackend, default_backend
 from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.kv_hooks import KVTransferHooks
 from pdserve.engine.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling.draft import DraftSpeculator, load_draft
-from pdserve.common.errors import InvalidRequestError, KVTransferError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_events import EventListener
 from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.engine.kv.cache import KVCache, kv_format
@@ -26,7 +27,7 @@ from pdserve.engine.core.runner import ModelRunner
 from pdserve.engine.sampling.sampler import draw, sample
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.scheduler import Scheduler
-from pdserve.engine.sampling.grammar import grammar_state
+from pdserve.engine.sampling.grammar import disallowed_rows, grammar_state
 from pdserve.engine.sampling.speculative import NgramSpeculator
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.common.tokens import check_token_ids
@@ -35,7 +36,7 @@ from pdserve.engine.model.weights import LoadedModel, load_for_config
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LLMEngine:
+class LLMEngine(KVTransferHooks):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, event_listener: EventListener | None = None,
                  draft: LoadedModel | None = None, tp=None):
@@ -70,6 +71,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)  # seeds for requests that give none
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks beside the forward pass
         self._held: dict[str, Request] = {}   # finished, blocks kept for export
         self.last_step_progress = False
         self._hold: set[str] = set()
@@ -111,7 +113,10 @@ class LLMEngine:
             raise
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel group's other ranks (nothing to do without one)."""
+        """Stop the tensor-parallel group's other ranks and the grammar-mask thread."""
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False)
+            self._mask_pool = None
         if self.tp is not None:
             self.tp.stop()
 
@@ -214,15 +219,31 @@ class LLMEngine:
         if not sched.chunks:
             return []
         guesses = self.speculator.extend(sched, self._hold) if self.speculator is not None else {}
+        masks = None if guesses else self._start_masks(sched.chunks)
         completed, logits = self.runner.execute(sched.chunks, self._layer_hook(sched.chunks), frozenset(guesses))
         for c in sched.chunks:
             if c.request.request_id not in guesses:  # a speculative chunk's progress is settled below
                 c.request.num_computed_tokens += c.num_new_tokens
         if not guesses:
             reqs = [c.request for c in completed]
-            tokens, logprobs = sample(logits, reqs) if reqs else ([], [])
+            tokens, logprobs = sample(logits, reqs, masks.result() if masks else None) if reqs else ([], [])
             return [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
         return self._finish_speculative_step(completed, logits, guesses)
+
+    def _start_masks(self, chunks) -> Future | None:
+        """The grammar masks of the requests this step samples for, computed on a thread of
+        their own while the forward pass runs (llguidance and torch both release the GIL):
+        a future of {request_id: disallowed row}."""
+        reqs = [c.request for c in chunks if c.completes and c.request.grammar is not None]
+        if not reqs:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+
+        def masks() -> dict:
+            rows = disallowed_rows([r.grammar for r in reqs])
+            return {r.request_id: row for r, row in zip(reqs, rows)}
+        return self._mask_pool.submit(masks)
 
     def _finish_speculative_step(self, completed, logits, guesses) -> list[RequestOutput]:
         rows, spec, row = [], [], 0
@@ -266,6 +287,8 @@ class LLMEngine:
             # first token from a prefill worker with another constraint: stop rather than drift
             if not req.grammar.consume(token) or req.grammar.done:
                 status = RequestStatus.FINISHED_STOPPED
+            elif why := req.grammar.over_budget(self.config.grammar_budget_s, self.config.grammar_step_budget_ms / 1e3):
+                status, out.error = RequestStatus.FINISHED_ERROR, why
         detok = self._detok.get(req.request_id)
         if detok is not None:
             out.new_text = detok.push([token])
@@ -281,7 +304,8 @@ class LLMEngine:
         return out
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        hold = req.request_id in self._hold and status != RequestStatus.FINISHED_ABORTED
+        hold = req.request_id in self._hold and status not in (RequestStatus.FINISHED_ABORTED,
+                                                                RequestStatus.FINISHED_ERROR)
         self.scheduler.finish(req, status, free_blocks=not hold)
         self._hold.discard(req.request_id)
         self._detok.pop(req.request_id, None)
@@ -290,79 +314,6 @@ class LLMEngine:
             self.speculator.release(req.request_id)
         if hold:
             self._held[req.request_id] = req
-
-    # ---- KV transfer hooks ----------------------------------------------------------------
-    def stream_kv_layers(self, request_id: str, on_layers, group: int = 6, first_block: int = 0) -> None:
-        """Layer-wise KV streaming: in the step that finishes `request_id`'s prompt, call
-        `on_layers(start, end, kv)` on the engine thread as soon as layers [start, end) have
-        written their K/V (every `group` layers), kv being a copy of those layers of the
-        request's blocks from `first_block` on, (end - start, 2, n_blocks, block_size, heads,
-        head_dim). Transfer then overlaps the compute of the layers after them."""
-        self._layer_streams[request_id] = (on_layers, max(1, group), first_block)
-
-    def stop_kv_stream(self, request_id: str) -> None:
-        self._layer_streams.pop(request_id, None)
-
-    def _layer_hook(self, chunks):
-        """The per-layer callback of a step, if a streamed request's prompt completes in it. In
-        a tensor-parallel group every rank runs it (the step carries `tp_plan`): each export
-        gathers the ranks' heads."""
-        streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
-                   if c.completes and c.request.request_id in self._layer_streams]
-        if not streams:
-            return None
-        from pdserve.engine.parallel.tp import layer_streams
-        plan = [(self.blocks.block_table(req.request_id)[first_block:], group) for req, _, group, first_block in streams]
-        kw = {"announce": False} if self.tp is not None else {}  # the other ranks export in their own pass
-
-        def export(k, blocks, layers):
-            streams[k][1](*layers, self.kv_cache.export_blocks(blocks, layers=layers, **kw))
-        after_layer = layer_streams(plan, self.model_config.num_hidden_layers, export)
-        after_layer.tp_plan = plan
-        return after_layer
-
-    def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:
-        """The held request's computed tokens and the KV of their blocks,
-        (layers, 2, n_blocks, block_size, n_kv_heads, head_dim)."""
-        req = self._held.get(request_id)
-        if req is None:
-            raise KVTransferError(f"request {request_id!r} holds no KV (add it with hold_kv=True)")
-        return req.all_token_ids[:req.num_computed_tokens], self.kv_cache.export_blocks(self.blocks.block_table(request_id))
-
-    def release_kv(self, request_id: str) -> bool:
-        """Free a held request's blocks (after export)."""
-        if self._held.pop(request_id, None) is None:
-            return False
-        self.blocks.free(request_id)
-        return True
-
-    def add_remote_request(self, request_id: str, prompt: list[int], params: SamplingParams | None = None) -> list[int] | None:
-        """Admit a request whose prompt KV will be imported. Returns the block ids to fill:
-        those after the prefix this engine already caches (shared, not sent again); None if
-        the blocks are not free now (retry later)."""
-        req = self._make_request(request_id, prompt, params or SamplingParams())
-        if not self.scheduler.add_remote(req):
-            self._detok.pop(request_id, None)
-            return None
-        return self.blocks.block_table(request_id)[req.num_cached_tokens // self.blocks.block_size:]
-
-    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
-                  logprob: TokenLogprobs | None = None) -> RequestOutput:
-        """Write the prompt KV into the request's blocks and continue from `first_token`
-        (sampled by the prefill side). The request then decodes in the batch."""
-        req = self.scheduler.remote.get(request_id)
-        if req is None:
-            raise KVTransferError(f"request {request_id!r} is not waiting for remote KV")
-        table = self.blocks.block_table(request_id)
-        if kv.dim() != 6 or kv.shape[2] > len(table):
-            raise KVTransferError(f"KV for {request_id!r} has shape {tuple(kv.shape)}: more blocks than its {len(table)}")
-        self.kv_cache.import_blocks(table[len(table) - kv.shape[2]:], kv)  # the uncached tail
-        self.scheduler.remote_kv_ready(req)
-        if not req.params.greedy:
-            # the prefill side drew the first token from the same seeded stream: skip that
-            # draw so that the rest equals a single-engine run
-            draw(req)
-        return self._on_token(req, first_token, logprob)
 
     # ---- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
@@ -392,4 +343,5 @@ class LLMEngine:
             queued_prefill_tokens=queued, prefix_queries=blocks.prefix_queries, prefix_hits=blocks.prefix_hits,
             max_model_len=self.max_model_len, kv_cache_dtype=self.kv_cache.format.name,
             speculation="" if spec is None else spec.kind, spec_proposed=spec.proposed if spec else 0,
-            spec_accepted=spec.accepted if spec else 0)
+            spec_accepted=spec.accepted if spec else 0, preempted_memory=sched.preemptions["memory"],
+            preempted_priority=sched.preemptions["priority"])

@@ -20,16 +20,17 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"            # EOS, stop token or stop string
     FINISHED_LENGTH = "finished_length"              # max_tokens or context length
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"                # a budget passed (RequestOutput.error says which)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass
@@ -58,6 +59,15 @@ class Request:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         self.cache_root = root_hash(self.params.cache_salt)  # its blocks' hash chain starts here
+
+    @property
+    def priority(self) -> int:
+        """Lower is served sooner (the request's `priority`, vLLM's convention)."""
+        return self.params.priority
+
+    @property
+    def tenant(self) -> str:
+        return self.params.tenant
 
     @property
     def num_tokens(self) -> int:

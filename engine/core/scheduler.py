@@ -1,24 +1,28 @@
 """Continuous-batching scheduler with chunked prefill, prefix reuse and preemption.
 
 Each step has a token budget. Running requests go first (a decoding request needs one
-token, a partly prefilled one its next chunk); then waiting requests are admitted in
-arrival order while budget, sequence slots and blocks last. A request's progress is one
+token, a partly prefilled one its next chunk); then waiting requests are admitted in the
+waiting queue's order (priority, then the least-served tenant, then arrival: waiting.py)
+while budget, sequence slots and blocks last. A request's progress is one
 counter, `num_computed_tokens`, catching up with `num_tokens` (prompt + generated): the
 scheduler never distinguishes "prefill" from "decode" beyond how many tokens that takes.
 
-When a running request needs a block and none is free, the most recently admitted running
-request is preempted: its blocks are freed and it goes back to the head of the queue with
-its progress reset (recompute; its prefix blocks usually come straight back from the cache).
+When a running request needs a block and none is free, the least urgent running request
+(the highest priority value, the most recently admitted among those) is preempted: its blocks
+are freed and it goes back to the front of the queue with its progress reset (recompute; its
+prefix blocks usually come straight back from the cache). A waiting request that cannot get a
+seat or blocks preempts running requests of a lower priority the same way (vLLM's priority
+policy never does: a high-priority request would wait for the batch to drain).
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.core.block_manager import BlockManager, PrefixMatch
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.waiting import WaitingQueue
 
 
 @dataclass
@@ -48,14 +52,24 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
         self.config = config
         self.blocks = blocks
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}
+        self.preemptions = {"memory": 0, "priority": 0}
+        """Running requests preempted: for blocks a running request needed, or for a waiting
+        request of a higher priority."""
 
     # ---- queue management -------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def _arrive(self, req: Request) -> None:
+        tenants = {r.tenant for r in self.requests.values()}
+        if req.tenant not in tenants:
+            self.waiting.arrive(req.tenant, tenants)
+            self.waiting.forget_idle(tenants)
         self.requests[req.request_id] = req
+
+    def add(self, req: Request) -> None:
+        self._arrive(req)
         self.waiting.append(req)
 
     def add_remote(self, req: Request) -> bool:
@@ -65,18 +79,47 @@ class Scheduler:
         for blocks here (preempted ones first: a stream of new arrivals must not starve them).
         Cached blocks of the prompt's prefix are shared (by reference count), not imported
         again: `num_cached_tokens` says how many tokens they hold."""
-        if self.waiting or self.seats_taken() >= self.config.max_num_seqs:
-            return False  # a seat in the batch is kept for it from now: it joins when its KV lands
+        if any(r.priority <= req.priority for r in self.waiting):
+            return False  # as urgent and here first (preempted ones too): they go first
         # not counted in the hit rate: the prompt is computed (and counted) where it is
         # prefilled; what this finds is KV that is not sent again
         prefix = self.blocks.match_prefix(req.all_token_ids, count=False, root=req.cache_root)
-        if not self.blocks.allocate(req.request_id, req.num_prompt_tokens, prefix):
+        # a seat in the batch is kept for it from now: it joins when its KV lands
+        if not self._room_for(req, req.num_prompt_tokens, prefix, preempt=True):
             return False
+        self.blocks.allocate(req.request_id, req.num_prompt_tokens, prefix)
         req.num_cached_tokens = prefix.num_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[req.request_id] = req
+        self._arrive(req)
         self.remote[req.request_id] = req
         return True
+
+    def _room_for(self, req: Request, num_tokens: int, prefix: PrefixMatch, preempt: bool,
+                  out: SchedulerOutput | None = None) -> bool:
+        """Whether `req` gets a seat and blocks for `num_tokens` now; with `preempt`, running
+        requests of a lower priority are preempted until it does (or none is left)."""
+        while True:
+            if (self.seats_taken() < self.config.max_num_seqs
+                    and self.blocks.blocks_needed(req.request_id, num_tokens, prefix) <= self.blocks.num_free_blocks):
+                return True
+            victim = self._victim(len(self.running), below=req.priority) if preempt else None
+            if victim is None:
+                return False
+            self.running.remove(victim)
+            self._preempt(victim, "priority")
+            if out is not None:
+                out.preempted.append(victim)
+
+    def _victim(self, end: int, start: int = 0, below: int | None = None) -> Request | None:
+        """The running request (of running[start:end]) to preempt: the least urgent, the most
+        recently admitted among those; `below`: only one less urgent than that priority."""
+        best = None
+        for r in self.running[start:end]:
+            if best is None or r.priority >= best.priority:
+                best = r
+        if best is None or (below is not None and best.priority <= below):
+            return None
+        return best
 
     def seats_taken(self) -> int:
         """Places in the batch (max_num_seqs) held: running requests and those whose KV is on
@@ -123,7 +166,8 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, cause: str) -> None:
+        self.preemptions[cause] += 1
         self.blocks.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -133,14 +177,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        i = 0
+        self._make_room_for_priority(out, budget)
+        i, short_of_blocks = 0, False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget)
             scheduled = True
             while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim)
+                short_of_blocks = True
+                victim = self._victim(len(self.running), start=i)  # not one scheduled already
+                self.running.remove(victim)
+                self._preempt(victim, "memory")
                 out.preempted.append(victim)
                 if victim is req:
                     scheduled = False
@@ -150,24 +197,39 @@ class Scheduler:
             self._commit(out, req, n)
             budget -= n
             i += 1
-        if not out.preempted:
+        if not short_of_blocks:
             self._admit_waiting(out, budget)
         assert out.num_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         return out
 
+    def _make_room_for_priority(self, out: SchedulerOutput, budget: int) -> None:
+        """Before the batch is scheduled: the next waiting request preempts running requests of
+        a lower priority while it has no seat or not the blocks for its first chunk."""
+        req = self.waiting.head()
+        if req is None or not self.running or req.priority >= max(r.priority for r in self.running):
+            return
+        prefix = self._prefix_of(req, count=False)
+        n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget)
+        self._room_for(req, prefix.num_tokens + n, prefix, preempt=True, out=out)
+
+    def _prefix_of(self, req: Request, count: bool = True) -> PrefixMatch:
+        """The cached prefix a waiting request starts from (none when it recomputes after a
+        preemption, or returns prompt logprobs: cached tokens have no logits)."""
+        if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+            return self.blocks.match_prefix(req.all_token_ids, count=count, root=req.cache_root)
+        return PrefixMatch()
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and self.seats_taken() < self.config.max_num_seqs:
-            req = self.waiting[0]
-            prefix = PrefixMatch()
-            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
-                prefix = self.blocks.match_prefix(req.all_token_ids, root=req.cache_root)
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = prefix.num_tokens
+            req = self.waiting.head()
+            prefix = self._prefix_of(req)
+            if req.num_cached_tokens < 0 and req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+                req.num_cached_tokens = prefix.num_tokens
             n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget)
             if not self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix):
                 break  # arrival order is kept: nothing behind it jumps the queue
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = prefix.num_tokens
@@ -177,6 +239,7 @@ class Scheduler:
 
     def _commit(self, out: SchedulerOutput, req: Request, n: int) -> None:
         chunk = ScheduledChunk.of(req, n)
+        self.waiting.charge(req.tenant, n)
         req.status = RequestStatus.DECODING if n == 1 and chunk.completes and req.output_token_ids else RequestStatus.PREFILLING
         # the KV of these tokens is computed in this step, before anyone can look them up
         self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens + n, req.cache_root)

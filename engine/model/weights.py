@@ -8,7 +8,6 @@ safetensors (keyed by path, size and mtime) so the next start skips dequantizati
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os

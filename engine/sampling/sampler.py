@@ -9,8 +9,6 @@ truncation), as OpenAI reports them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from pdserve.engine.kernels import native
@@ -130,12 +128,17 @@ def draw(req: Request) -> torch.Tensor:
     return torch.rand(1, generator=req.generator)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: (N, vocab) fp32, one row per request in `reqs`."""
+def sample(logits: torch.Tensor, reqs: list[Request],
+           masks: dict | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: (N, vocab) fp32, one row per request in `reqs`. masks: the constrained
+    requests' disallowed rows by request id, computed ahead (else here)."""
     raw = logits = logits.float()
     constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if constrained:  # grammar masks apply to sampling; logprobs stay those of the model
-        masked = disallowed_rows([reqs[i].grammar for i in constrained])
+        if masks is not None and all(reqs[i].request_id in masks for i in constrained):
+            masked = torch.stack([masks[reqs[i].request_id] for i in constrained])
+        else:
+            masked = disallowed_rows([reqs[i].grammar for i in constrained])
         # an empty mask (a broken grammar state) would make a whole row -inf: leave it be
         masked &= ~masked.all(dim=1, keepdim=True)
         if len(constrained) < len(reqs):  # one in-place fill over the batch beats gather + scatter

@@ -1,0 +1,86 @@
+"""The engine's side of a KV hand-off: a prefill engine streams a prompt's KV layer by layer
+or exports it whole and holds its blocks until released; a decode engine admits a request
+whose prompt KV will be imported and lands it with the first token. A mixin of LLMEngine: it
+uses the engine's scheduler, blocks, KV cache and requests."""
+from __future__ import annotations
+
+import torch
+
+from pdserve.common.errors import KVTransferError
+from pdserve.common.outputs import RequestOutput, TokenLogprobs
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampler import draw
+
+
+class KVTransferHooks:
+    def stream_kv_layers(self, request_id: str, on_layers, group: int = 6, first_block: int = 0) -> None:
+        """Layer-wise KV streaming: in the step that finishes `request_id`'s prompt, call
+        `on_layers(start, end, kv)` on the engine thread as soon as layers [start, end) have
+        written their K/V (every `group` layers), kv being a copy of those layers of the
+        request's blocks from `first_block` on, (end - start, 2, n_blocks, block_size, heads,
+        head_dim). Transfer then overlaps the compute of the layers after them."""
+        self._layer_streams[request_id] = (on_layers, max(1, group), first_block)
+
+    def stop_kv_stream(self, request_id: str) -> None:
+        self._layer_streams.pop(request_id, None)
+
+    def _layer_hook(self, chunks):
+        """The per-layer callback of a step, if a streamed request's prompt completes in it. In
+        a tensor-parallel group every rank runs it (the step carries `tp_plan`): each export
+        gathers the ranks' heads."""
+        streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
+                   if c.completes and c.request.request_id in self._layer_streams]
+        if not streams:
+            return None
+        from pdserve.engine.parallel.tp import layer_streams
+        plan = [(self.blocks.block_table(req.request_id)[first_block:], group) for req, _, group, first_block in streams]
+        kw = {"announce": False} if self.tp is not None else {}  # the other ranks export in their own pass
+
+        def export(k, blocks, layers):
+            streams[k][1](*layers, self.kv_cache.export_blocks(blocks, layers=layers, **kw))
+        after_layer = layer_streams(plan, self.model_config.num_hidden_layers, export)
+        after_layer.tp_plan = plan
+        return after_layer
+
+    def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:
+        """The held request's computed tokens and the KV of their blocks,
+        (layers, 2, n_blocks, block_size, n_kv_heads, head_dim)."""
+        req = self._held.get(request_id)
+        if req is None:
+            raise KVTransferError(f"request {request_id!r} holds no KV (add it with hold_kv=True)")
+        return req.all_token_ids[:req.num_computed_tokens], self.kv_cache.export_blocks(self.blocks.block_table(request_id))
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a held request's blocks (after export)."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        self.blocks.free(request_id)
+        return True
+
+    def add_remote_request(self, request_id: str, prompt: list[int], params: SamplingParams | None = None) -> list[int] | None:
+        """Admit a request whose prompt KV will be imported. Returns the block ids to fill:
+        those after the prefix this engine already caches (shared, not sent again); None if
+        the blocks are not free now (retry later)."""
+        req = self._make_request(request_id, prompt, params or SamplingParams())
+        if not self.scheduler.add_remote(req):
+            self._detok.pop(request_id, None)
+            return None
+        return self.blocks.block_table(request_id)[req.num_cached_tokens // self.blocks.block_size:]
+
+    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
+                  logprob: TokenLogprobs | None = None) -> RequestOutput:
+        """Write the prompt KV into the request's blocks and continue from `first_token`
+        (sampled by the prefill side). The request then decodes in the batch."""
+        req = self.scheduler.remote.get(request_id)
+        if req is None:
+            raise KVTransferError(f"request {request_id!r} is not waiting for remote KV")
+        table = self.blocks.block_table(request_id)
+        if kv.dim() != 6 or kv.shape[2] > len(table):
+            raise KVTransferError(f"KV for {request_id!r} has shape {tuple(kv.shape)}: more blocks than its {len(table)}")
+        self.kv_cache.import_blocks(table[len(table) - kv.shape[2]:], kv)  # the uncached tail
+        self.scheduler.remote_kv_ready(req)
+        if not req.params.greedy:
+            # the prefill side drew the first token from the same seeded stream: skip that
+            # draw so that the rest equals a single-engine run
+            draw(req)
+        return self._on_token(req, first_token, logprob)

@@ -1,0 +1,118 @@
+"""Who a request is for and how much of the cluster it may hold: its priority, its tenant and
+its session (from the body and the headers), the per-tenant limits on requests in flight and
+prompt tokens queued, and session affinity (a conversation stays on the decode worker that
+holds its history until that worker is saturated). Small pure parts; the router applies them."""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .errors import APIError
+
+PRIORITY_HEADER = "x-pdserve-priority"
+TENANT_HEADERS = ("x-pdserve-tenant", "x-llm-d-inference-fairness-id")
+SESSION_HEADERS = ("x-pdserve-session", "x-session-id")
+MAX_ID = 256  # characters of a tenant or session id
+
+
+def key_tenant(api_key: str) -> str:
+    """The tenant an API key stands for: a short digest of it (never the key itself)."""
+    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    priority: int = 0
+    """Lower is served sooner (vLLM's `priority`); the gateway's header wins over the body's field."""
+    tenant: str = ""
+    session: str = ""
+
+    @classmethod
+    def of(cls, headers: Mapping[str, str], body_priority: int = 0, user: str | None = None,
+           api_key: str = "") -> "RequestContext":
+        """The tenant is the API key's when keys are configured (a client cannot pose as
+        another tenant), else the tenant header's; the session is the session header's, else `user`."""
+        priority = body_priority
+        raw = headers.get(PRIORITY_HEADER)
+        if raw is not None:
+            try:
+                priority = int(raw)
+            except ValueError:
+                raise APIError(400, f"the {PRIORITY_HEADER} header must be an integer, got {raw[:40]!r}",
+                               param=PRIORITY_HEADER) from None
+        tenant = key_tenant(api_key) if api_key else next((headers[h] for h in TENANT_HEADERS if h in headers), "")
+        session = next((headers[h] for h in SESSION_HEADERS if h in headers), "") or (user or "")
+        for name, value in (("tenant", tenant), ("session", session)):
+            if len(value) > MAX_ID:
+                raise APIError(400, f"the {name} id is longer than {MAX_ID} characters", param=name)
+        return cls(priority, tenant, session)
+
+
+class TenantLimits:
+    """Per tenant: requests in flight and prompt tokens not yet answered (0: no limit). A
+    request past either is refused with 429 naming the limit; the tenant's other requests go on."""
+
+    def __init__(self, max_inflight: int = 0, max_queued_tokens: int = 0):
+        self.max_inflight, self.max_queued_tokens = max_inflight, max_queued_tokens
+        self.inflight: dict[str, int] = {}
+        self.queued_tokens: dict[str, int] = {}
+
+    def admit(self, tenant: str, prompt_tokens: int) -> None:
+        n, q = self.inflight.get(tenant, 0), self.queued_tokens.get(tenant, 0)
+        if self.max_inflight and n >= self.max_inflight:
+            raise APIError(429, f"tenant {tenant or '(default)'!r} has {n} requests in flight, its limit; retry "
+                                "when one finishes", "rate_limit_error", code="tenant_inflight_limit",
+                           headers={"Retry-After": "1"})
+        if self.max_queued_tokens and q + prompt_tokens > self.max_queued_tokens and q:
+            raise APIError(429, f"tenant {tenant or '(default)'!r} has {q} prompt tokens waiting for their first "
+                                f"token; this request's {prompt_tokens} would pass its limit of "
+                                f"{self.max_queued_tokens}", "rate_limit_error", code="tenant_token_limit",
+                           headers={"Retry-After": "1"})
+        self.inflight[tenant] = n + 1
+        self.queued_tokens[tenant] = q + prompt_tokens
+
+    def first_token(self, tenant: str, prompt_tokens: int) -> None:
+        """The request's prompt is answered: its tokens no longer count as queued."""
+        left = self.queued_tokens.get(tenant, 0) - prompt_tokens
+        if left > 0:
+            self.queued_tokens[tenant] = left
+        else:
+            self.queued_tokens.pop(tenant, None)
+
+    def done(self, tenant: str) -> None:
+        left = self.inflight.get(tenant, 0) - 1
+        if left > 0:
+            self.inflight[tenant] = left
+        else:
+            self.inflight.pop(tenant, None)
+
+
+class SessionAffinity:
+    """Sticky until saturated: a session's requests go to the decode worker its last one went
+    to while that worker is healthy and below `kv_limit` KV usage; then
+    the policy picks another and the session moves there. Remembers `capacity` sessions (LRU)."""
+
+    def __init__(self, kv_limit: float = 0.9, capacity: int = 100_000):
+        self.kv_limit, self.capacity = kv_limit, capacity
+        self.bound: OrderedDict[str, str] = OrderedDict()
+        self.kept = self.moved = 0
+
+    def pick(self, session: str, loads: list, choose: Callable[[], str]) -> str:
+        """`loads`: the decode pool's WorkerLoads (router/policies.py); `choose`: the policy's pick."""
+        if not session:
+            return choose()
+        wid = self.bound.get(session)
+        load = next((w for w in loads if w.worker_id == wid), None)
+        if load is not None and load.healthy and load.kv_usage < self.kv_limit:
+            self.kept += 1
+        else:
+            if wid is not None:
+                self.moved += 1
+            wid = choose()
+        self.bound[session] = wid
+        self.bound.move_to_end(session)
+        while len(self.bound) > self.capacity:
+            self.bound.popitem(last=False)
+        return wid

@@ -1,0 +1,172 @@
+"""One client cannot hurt the others, through the in-process cluster and the OpenAI API:
+a grammar past its mask-time budget ends with a clear error while another stream goes on; a
+prompt far past the context is refused before it is tokenized, and tokenizing runs off the
+event loop; prompt logprobs are computed once per prompt for every choice; priorities,
+tenants and sessions from the body and the headers."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured import Structured
+from pdserve.deploy.local import LocalCluster
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.core.engine import LLMEngine
+from tests.helpers.clusters import MODEL, local_config
+
+pytestmark = pytest.mark.slow
+AMBIGUOUS = 'start: s\ns: s s | s s s | "a" | "b" | " "\n'  # Earley items grow with every token
+
+
+def metric(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*{re.escape(want)}[^}}]*\}})? (\S+)$" if want else \
+        rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
+    return sum(float(m) for m in re.findall(pattern, text, re.M))
+
+
+def test_a_grammar_past_its_budget_ends_with_an_error_and_the_batch_goes_on(smollm):
+    loaded, tok = smollm
+    eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20), grammar_budget_s=0.3,
+                                         grammar_step_budget_ms=0), tok)
+    eng.add_request("grammar", tok.encode("Write a and b:"), SamplingParams(
+        max_tokens=200, temperature=0, structured=Structured("grammar", AMBIGUOUS)))
+    eng.add_request("plain", tok.encode("Count to ten:"), SamplingParams(max_tokens=40, temperature=0,
+                                                                          ignore_eos=True))
+    state = eng.scheduler.requests["grammar"].grammar
+    outs: dict[str, list] = {"grammar": [], "plain": []}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id].append(o)
+    last = outs["grammar"][-1]
+    assert last.finish_reason == "error" and "budget" in last.error and len(outs["grammar"]) < 200
+    # bounded by construction: it ended at the first token whose masks passed the budget
+    assert state.mask_s - state.last_mask_s <= 0.3 < state.mask_s
+    assert outs["plain"][-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs["plain"]) == 40
+    assert eng.blocks.num_used_blocks == 0
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm):
+    loaded, tok = smollm
+    c = LocalCluster(loaded, tok, local_config(
+        64 << 20, decode=2, engine=EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20), grammar_budget_s=0.3),
+        router={"tenant_max_inflight": 4})).start()
+    yield c
+    c.stop()
+    assert all(e.blocks.num_used_blocks == 0 and not e.has_unfinished_requests() for e in c.engines())
+
+
+def test_the_api_names_the_grammar_budget_and_other_streams_finish(cluster):
+    async def main():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+            bad = http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "a b", "max_tokens": 150, "temperature": 0,
+                "response_format": {"type": "grammar", "grammar": AMBIGUOUS}})
+            good = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 30,
+                                                      "temperature": 0, "ignore_eos": True})
+            return await asyncio.gather(bad, good)
+    bad, good = asyncio.run(main())
+    assert bad.status_code == 400, bad.text
+    err = bad.json()["error"]
+    assert err["param"] == "response_format" and err["code"] == "grammar_budget_exceeded" and "budget" in err["message"]
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 30
+
+
+def test_a_prompt_past_any_context_is_refused_before_tokenizing_and_tokenizing_leaves_the_loop(cluster):
+    tok = cluster.router.tokenizer
+    limit = cluster.router.cluster.max_model_len()
+    huge = "x" * (2 * tok.max_token_chars * limit + 1)
+    r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": huge, "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    m = httpx.get(cluster.url + "/metrics").text
+    assert metric(m, "pdserve_budget_refusals_total", budget="prompt_chars") >= 1
+    # just under the bound: it is tokenized (then refused by its token count), and /health
+    # answers while that runs
+    words = [f"w{i} " for i in range(2 * tok.max_token_chars * limit)]
+    long = "".join(words)[:2 * tok.max_token_chars * limit - 100]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+            big = asyncio.ensure_future(http.post("/v1/completions", json={"model": MODEL, "prompt": long,
+                                                                            "max_tokens": 1}))
+            answered_meanwhile = 0
+            while not big.done():
+                health = await http.get("/health")
+                answered_meanwhile += health.status_code == 200 and not big.done()
+                await asyncio.sleep(0.01)
+            return answered_meanwhile, await big
+    answered_meanwhile, big = asyncio.run(main())
+    assert answered_meanwhile >= 3
+    assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_prompt_logprobs_are_computed_once_for_every_choice(cluster):
+    decode = [w.worker for w in cluster.workers if w.config.role == "decode"]
+    before = [sum(w.local_prefills for w in decode), sum(w.remote_prefills for w in decode)]
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+    r = httpx.post(cluster.url + "/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 3, "n": 4, "echo": True, "logprobs": 1,
+        "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    firsts = [c["logprobs"]["token_logprobs"][:n_prompt] for c in choices]
+    assert all(f == firsts[0] for f in firsts) and firsts[0][0] is None and len(firsts[0]) == n_prompt
+    # a prompt with prompt logprobs is computed in full on its decode worker (its logits are
+    # returned there); only the first choice asked for them: the other three went the usual
+    # way, through the prefill pool (before: four full prompt passes beside the decode batch)
+    after = [sum(w.local_prefills for w in decode), sum(w.remote_prefills for w in decode)]
+    assert [a - b for a, b in zip(after, before)] == [1, 3]
+
+
+def test_priority_tenant_and_session_from_body_and_headers(cluster):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(cluster.url + "/v1/completions", json=body | {"priority": -3},
+                   headers={"x-pdserve-tenant": "alice"}, timeout=60)
+    assert r.status_code == 200
+    r = httpx.post(cluster.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "priority": 4},
+        timeout=60)
+    assert r.status_code == 200
+    bad = httpx.post(cluster.url + "/v1/completions", json=body, headers={"x-pdserve-priority": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-pdserve-priority"
+    bad = httpx.post(cluster.url + "/v1/completions", json=body | {"priority": "high"})
+    assert bad.status_code == 400
+    m = httpx.get(cluster.url + "/metrics").text
+    assert metric(m, "pdserve_class_wait_seconds_count", priority="high", tenant="alice") == 1
+    assert metric(m, "pdserve_class_wait_seconds_count", priority="low", tenant="default") >= 1
+    # a session stays on its decode worker while that worker has room
+    bound = cluster.router.cluster.affinity
+    for _ in range(4):
+        assert httpx.post(cluster.url + "/v1/completions", json=body, headers={"x-pdserve-session": "s1"},
+                          timeout=60).status_code == 200
+    assert bound.kept >= 3 and "s1" in bound.bound
+    for user_turn in range(3):  # `user` names the session when no header does
+        assert httpx.post(cluster.url + "/v1/completions", json=body | {"user": "u9"}, timeout=60).status_code == 200
+    assert "u9" in bound.bound
+
+
+def test_a_tenant_past_its_limit_is_refused_alone(cluster):
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+            mine = [asyncio.ensure_future(http.post("/v1/completions", json=body, headers={"x-pdserve-tenant": "t1"}))
+                    for _ in range(4)]
+            await asyncio.sleep(0.3)
+            third = await http.post("/v1/completions", json=body | {"max_tokens": 2},
+                                    headers={"x-pdserve-tenant": "t1"})
+            other = await http.post("/v1/completions", json=body | {"max_tokens": 2},
+                                    headers={"x-pdserve-tenant": "t2"})
+            return third, other, await asyncio.gather(*mine)
+    third, other, mine = asyncio.run(main())
+    assert third.status_code == 429 and third.json()["error"]["code"] == "tenant_inflight_limit"
+    assert other.status_code == 200 and all(r.status_code == 200 for r in mine)
