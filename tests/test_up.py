@@ -1,6 +1,7 @@
 """`pdserve up` as a user runs it: embedded Redis, a local Ray cluster with a prefill and a
 decode actor, the router; an OpenAI request; Ctrl-C leaves no process behind."""
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -42,8 +43,11 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
         ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok).generate(
             [tok.encode(tok.apply_chat_template(msgs))], SamplingParams(max_tokens=24, temperature=0))[0]
         assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+        isolation_under_ray(port, model)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert 'role="prefill"' in metrics and 'role="decode"' in metrics
+        for role in ("prefill", "decode"):  # each worker reports its preemptions by cause
+            assert re.search(rf'^pdserve_preemptions_total{{cause="priority",role="{role}"', metrics, re.M), metrics
         deadline = time.time() + 5  # every KV block back in its pool, in both actor processes
         while time.time() < deadline:
             usage = [line for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
@@ -80,6 +84,23 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
     # Ray's private session directory goes too (113 of them had piled up in /tmp once)
     temp = err.split("session files in ")[1].split(")")[0]
     assert temp.startswith(tempfile.gettempdir()) and not os.path.exists(temp), temp
+
+
+def isolation_under_ray(port: int, model: str) -> None:
+    """Priorities, tenants, sessions and the grammar budget through `pdserve up`'s Ray pools."""
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body | {"priority": -2}, timeout=60,
+                   headers={"x-pdserve-tenant": "team-a", "x-pdserve-session": "conv-1"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60, headers={"x-pdserve-priority": "3"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/completions", timeout=120, json=body | {
+        "max_tokens": 300, "response_format": {"type": "grammar", "grammar": 'start: s\ns: s s | s s s | "a" | "b"\n'}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_budget_exceeded", r.text
+    metrics = httpx.get(url + "/metrics").text
+    assert 'pdserve_class_wait_seconds_count{priority="high",tenant="team-a"} 1.0' in metrics
+    assert 'pdserve_class_wait_seconds_count{priority="low",tenant="default"} 1.0' in metrics
 
 
 def long_stream(port: int, i: int) -> None:

@@ -46,6 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "read in 4 bits with fp32 math (the model of none, all fp32); int8 / q4_1 / fp16 "
                         "weight-only (fp32 math), w8a8 (int8 activations per row, AVX-512 VNNI, ~5%% "
                         "worse perplexity) (default: auto)")
+    g.add_argument("--grammar-budget", type=float, default=EngineConfig.grammar_budget_s,
+                   help="seconds of grammar-mask time a structured-output request may take in all before it ends "
+                        "with an error naming its grammar (0: no limit; default: %(default)s)")
+    g.add_argument("--grammar-step-budget-ms", type=float, default=EngineConfig.grammar_step_budget_ms,
+                   help="... or for one token's mask (0: no limit; default: %(default)s)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -54,7 +59,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
         speculative_tokens=args.speculative_tokens, speculative_model=args.speculative_model,
         speculative_quantization=args.speculative_quantization or "", tensor_parallel_size=args.tp,
-        quantization=args.quantization, attention=args.attention,
+        quantization=args.quantization, attention=args.attention, grammar_budget_s=args.grammar_budget,
+        grammar_step_budget_ms=args.grammar_step_budget_ms,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                           kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching),
