@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -31,6 +30,8 @@ from .metrics import (
     summarize,
     table_row,
 )
+from .client import first_model, resolve_tokenizer, send_one
+from .noisy import add_noisy_args
 from .workloads import (
     Session,
     Turn,
@@ -63,7 +64,8 @@ def add_bench_serving_args(p) -> None:
                    "tokenizer when the model id names SmolLM2, else words), words, or a GGUF/HF tokenizer path")
     e.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "trace"), default="random")
+    w.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "trace", "noisy-neighbour"),
+                   default="random", help="noisy-neighbour: one tenant floods beside another's chats (bench/noisy.py)")
     w.add_argument("--num-requests", type=int, default=None, help="requests per load point (default: random 100; "
                    "the others their natural size: groups × prompts, conversations × turns, the trace)")
     w.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals (default: %(default)s)")
@@ -77,6 +79,7 @@ def add_bench_serving_args(p) -> None:
     w.add_argument("--num-turns", type=int, default=4, help="multi-turn: user turns per conversation (default: %(default)s)")
     w.add_argument("--trace", default="", help="trace: JSONL with timestamp (s), input_len, output_len[, prompt, hash_ids]")
     w.add_argument("--trace-block-size", type=int, default=512, help="trace: tokens per hash_ids entry (default: %(default)s)")
+    add_noisy_args(w)
     ld = p.add_argument_group("load")
     ld.add_argument("--request-rate", type=float, default=None,
                     help="arrivals per second (default: inf, all at once; trace: its own timestamps)")
@@ -171,25 +174,6 @@ def request_body(model: str, session: Session, turn: Turn, history: list[dict], 
     return "/v1/completions", body | extra
 
 
-def resolve_tokenizer(spec: str, model_id: str):
-    """(tokenizer or None, its name). auto: pdserve's default model's tokenizer when the model
-    id names SmolLM2 (the whole family shares it) and it is installed; otherwise words."""
-    if spec == "words" or (spec == "auto" and "smollm2" not in model_id.lower()):
-        return None, "words"
-    from pdserve.common.tokenizer import Tokenizer
-    if spec == "auto":
-        from pdserve.common.errors import PdserveError
-        from pdserve.engine.model.weights import default_model_path
-        try:
-            path = default_model_path()
-        except PdserveError:
-            return None, "words"
-    else:
-        path = Path(spec)
-    return Tokenizer.from_model_path(path), str(path)
-
-
-# ---- the async shell ---------------------------------------------------------------------------
 class Progress:
     """One live line on stderr (carriage returns on a terminal, a line every 10 s otherwise)."""
 
@@ -217,51 +201,6 @@ class Progress:
 
     def close(self) -> None:
         self._write("\n")
-
-
-async def send_one(client, url: str, path: str, body: dict, turn: Turn, t0: float) -> tuple[RequestResult, str]:
-    """One streaming request -> (its record, the reply text)."""
-    import httpx
-
-    start = time.perf_counter()
-    r = RequestResult("ok", start - t0, turn.input_len, turn.output_len)
-    stamps, text, usage, done = [], [], {}, False
-    try:
-        async with client.stream("POST", url + path, json=body) as resp:
-            if resp.status_code != 200:
-                r.status = str(resp.status_code)
-                r.error = (await resp.aread()).decode(errors="replace")[:300]
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:  # after the first byte a server can only report in-band
-                        r.status, r.error = "stream_error", json.dumps(chunk["error"])[:300]
-                        break
-                    for c in chunk.get("choices") or []:
-                        piece = c.get("text") or (c.get("delta") or {}).get("content") or ""
-                        if piece:
-                            stamps.append(time.perf_counter())
-                            text.append(piece)
-                    usage = chunk.get("usage") or usage
-                    r.timing = (chunk.get("timing") or [r.timing])[0]
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        r.status, r.error = type(e).__name__, str(e)[:300]
-    r.e2e = time.perf_counter() - start
-    if r.ok and not (done and stamps):  # cut off, or no text at all: no latency to report
-        r.status = "incomplete_stream" if not done else "empty_stream"
-    if r.ok:
-        r.ttft = stamps[0] - start
-        r.itl = [b - a for a, b in itertools.pairwise(stamps)]
-        # without usage (a server ignoring stream_options) each content chunk counts as one token
-        r.output_tokens = int(usage.get("completion_tokens", len(stamps)))
-        r.prompt_tokens = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
-    return r, "".join(text)
 
 
 async def run_load_point(client, url: str, model: str, sessions: list[Session], offsets: list[float],
@@ -313,15 +252,6 @@ async def scrape_prefix_cache(client, url: str) -> dict | None:
     if resp.status_code != 200:
         return None
     return parse_prefix_cache(resp.text) or None
-
-
-async def first_model(client, url: str) -> str:
-    resp = await client.get(url + "/v1/models", timeout=30)
-    resp.raise_for_status()
-    data = resp.json().get("data") or []
-    if not data:
-        raise ValueError(f"{url}/v1/models lists no model; pass --model")
-    return data[0]["id"]
 
 
 async def bench(args, endpoints: list[tuple[str, str]], transport=None) -> tuple[dict, dict, list]:
@@ -383,6 +313,9 @@ def cmd_bench_serving(args) -> int:
         raise ValueError("pdserve bench needs httpx: pip install httpx") from None
     from .plots import write_plots
 
+    if args.workload == "noisy-neighbour":
+        from .noisy import cmd_noisy
+        return cmd_noisy(args)
     endpoints = parse_endpoints(args.endpoints, args.base_url)
     results, samples, rows = asyncio.run(bench(args, endpoints))
     path = Path(args.output)

@@ -213,6 +213,13 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decode tokens)."""
     long_prefill_token_threshold: int = 0
     """If > 0, cap any one request's prefill chunk at this many tokens per step."""
+    yield_chunk: int = 32
+    """While a more urgent request (a lower `priority`) runs or waits, each prompt chunk of a
+    less urgent one takes at most this many tokens a step, so the urgent one's steps stay
+    short (its time to first token and its inter-token latency); 0: no such cap."""
+    yield_decodes: int = 4
+    """... and at most this many less urgent requests decode in a step (in turns), so the
+    urgent one's step is not a whole batch of others; 0: no such cap."""
 
     def __post_init__(self):
         if self.max_num_seqs <= 0:
@@ -220,6 +227,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.yield_chunk < 0 or self.yield_decodes < 0:
+            raise ValueError(f"yield_chunk and yield_decodes must be >= 0, got {self.yield_chunk}, "
+                             f"{self.yield_decodes}")
 
 
 @dataclass(frozen=True)

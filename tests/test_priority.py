@@ -163,3 +163,40 @@ def test_preempted_request_resumes_token_exact(make_engine):
             outs[o.request_id] += o.new_token_ids
     assert eng.scheduler.preemptions["priority"] == 1 and len(outs["hi"]) == 4
     assert outs["low"] == want
+
+
+def test_less_urgent_prompt_chunks_yield_while_an_urgent_request_is_here():
+    """A long low-priority prompt takes the whole step budget alone; beside a waiting or
+    running urgent request its chunks shrink to `yield_chunk`, so the urgent one's steps stay short."""
+    sched = Scheduler(SchedulerConfig(8, 256, 0, yield_chunk=16), BlockManager(128, 4))
+    sched.add(long := req("long", 400, priority=5, max_tokens=2))
+    assert [c.num_new_tokens for c in step(sched).chunks] == [256]
+    sched.add(chat := req("chat", 20, priority=-1, max_tokens=4, start=1000))
+    sizes = {c.request.request_id: c.num_new_tokens for c in step(sched).chunks}
+    assert sizes == {"long": 16, "chat": 20}
+    while chat.status != RequestStatus.FINISHED_LENGTH:
+        assert {c.request.request_id: c.num_new_tokens for c in step(sched).chunks}["long"] <= 16
+    assert max(c.num_new_tokens for c in step(sched).chunks) > 16  # alone again: full chunks
+    while sched.num_unfinished:
+        step(sched)
+    assert long.output_token_ids
+
+
+def test_less_urgent_decodes_take_turns_beside_an_urgent_stream():
+    sched = Scheduler(SchedulerConfig(16, 256, 0, yield_decodes=2), BlockManager(128, 4))
+    low = [req(f"l{i}", 4, priority=3, max_tokens=12, start=10 * i) for i in range(5)]
+    for r in low:
+        sched.add(r)
+    step(sched)
+    assert len(step(sched).chunks) == 5  # no one more urgent: all decode together
+    sched.add(chat := req("chat", 4, priority=0, max_tokens=6, start=900))
+    turns = {r.request_id: 0 for r in low}
+    while chat.status != RequestStatus.FINISHED_LENGTH:
+        ids = [c.request.request_id for c in step(sched).chunks]
+        assert "chat" in ids and len([i for i in ids if i != "chat"]) <= 2
+        for i in ids:
+            turns[i] = turns.get(i, 0) + 1
+    assert min(turns[r.request_id] for r in low) >= 1  # in turns: none starves
+    while sched.num_unfinished:
+        step(sched)
+    assert all(len(r.output_token_ids) == 12 for r in low)

@@ -56,6 +56,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}
+        self._urgent = 0  # the most urgent priority among this step's running and next waiting requests
         self.preemptions = {"memory": 0, "priority": 0}
         """Running requests preempted: for blocks a running request needed, or for a waiting
         request of a higher priority."""
@@ -160,10 +161,12 @@ class Scheduler:
         return len(self.requests)
 
     # ---- one step ---------------------------------------------------------------------
-    def _chunk_size(self, remaining: int, budget: int) -> int:
+    def _chunk_size(self, remaining: int, budget: int, req: Request | None = None) -> int:
         n = min(remaining, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
+        if req is not None and self.config.yield_chunk and req.priority > self._urgent:
+            n = min(n, self.config.yield_chunk)  # a more urgent request is here: keep the step short
         return n
 
     def _preempt(self, req: Request, cause: str) -> None:
@@ -177,11 +180,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        head = self.waiting.head()
+        self._urgent = min([r.priority for r in self.running] + ([head.priority] if head is not None else []),
+                           default=0)
         self._make_room_for_priority(out, budget)
-        i, short_of_blocks = 0, False
+        i, short_of_blocks, yielded = 0, False, []
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget, req)
+            if self._yields_decode(req, n, yielded):
+                i += 1
+                continue
             scheduled = True
             while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
                 short_of_blocks = True
@@ -197,11 +206,26 @@ class Scheduler:
             self._commit(out, req, n)
             budget -= n
             i += 1
+        for req in yielded:  # those that decoded go last: the others take their turn next step
+            if req in self.running:
+                self.running.remove(req)
+                self.running.append(req)
         if not short_of_blocks:
             self._admit_waiting(out, budget)
         assert out.num_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         return out
+
+    def _yields_decode(self, req: Request, n: int, decoded: list[Request]) -> bool:
+        """Whether `req`, a less urgent request about to decode (one token), sits this step out:
+        `yield_decodes` of its kind decode already (`decoded`, which it joins otherwise)."""
+        cap = self.config.yield_decodes
+        if not cap or req.priority <= self._urgent or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return False
+        if len(decoded) >= cap:
+            return True
+        decoded.append(req)
+        return False
 
     def _make_room_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Before the batch is scheduled: the next waiting request preempts running requests of
@@ -226,7 +250,7 @@ class Scheduler:
             prefix = self._prefix_of(req)
             if req.num_cached_tokens < 0 and req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 req.num_cached_tokens = prefix.num_tokens
-            n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget)
+            n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget, req)
             if not self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix):
                 break  # arrival order is kept: nothing behind it jumps the queue
             self.waiting.remove(req)
