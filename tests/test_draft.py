@@ -86,7 +86,7 @@ def test_greedy_output_is_plain_decodings_batched_preempted_and_after_prefix_hit
     tight = engine(draft(), kv_bytes=12 * engine(kv=kv).kv_cache.bytes_per_block, kv=kv, seeded=seeded)
     preempted = []
     orig = tight.scheduler._preempt
-    tight.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))
+    tight.scheduler._preempt = lambda r, cause: (preempted.append(r.request_id), orig(r, cause))
     assert tight.generate(ps, GREEDY) == want and preempted
     clean(tight)
 
