@@ -152,7 +152,7 @@ def run_phases(name: str, url: str, phases: dict[str, list[str]], out_dir: Path,
 
 
 def headline(merged: dict, ready: dict, roof: dict | None = None) -> dict:
-    """Per system: each load point's figures (what the README tables show)."""
+    """Per system: each load point's figures (what the tables of docs/performance.md show)."""
     out = {}
     for name in ready:
         points, failed, short = {}, 0, 0

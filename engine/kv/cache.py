@@ -20,7 +20,7 @@ def kv_format(choice: str, model_dtype: torch.dtype, device: str | torch.device)
     dtype other than the model's: the Triton kernels read the model's or 8-bit codes)."""
     if choice == "auto":
         # bf16 K/V cost SmolLM2 0.002% perplexity, but together with the default's int8
-        # activations they flipped the first token of the README's own example: opt-in for now
+        # activations they flipped the first token of the quick start's example (README): opt-in for now
         return format_of(model_dtype)
     want = FORMATS[CHOICES[choice]]
     if str(device) != "cpu" and not want.quantized and want.dtype != model_dtype:

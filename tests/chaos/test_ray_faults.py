@@ -3,7 +3,7 @@ processes are SIGKILLed mid-request. The client's request survives (or, for the 
 talking to, fails cleanly), the dead worker comes back through Ray's actor restart and
 re-registers, and afterwards every KV block is back in every pool and no process is left.
 
-Each test prints a row of the README's fault table (run with -s to see them)."""
+Each test prints a row of the fault table in docs/reliability.md (run with -s to see them)."""
 import json
 import os
 import signal
