@@ -17,6 +17,7 @@ compare servers by (no network; the tests drive them with made-up records).
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -228,3 +229,17 @@ def format_table(rows: list[list]) -> str:
     left = {0, 1}
     return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in cells)
+
+
+def cpu_description() -> dict:
+    """Which CPU the figures came from (`lscpu`'s model name and this process's cores)."""
+    from pdserve.engine.kernels.native import cpu_flags  # torch: only when a result is written
+
+    model = ""
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    flags = cpu_flags()
+    return {"model": model, "cores": len(os.sched_getaffinity(0)),
+            "isa": sorted(f for f in flags if f.startswith(("avx", "amx")) or f == "fma")}

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .metrics import RequestResult, percentile
+from .metrics import RequestResult, cpu_description, percentile
 from .client import first_model, resolve_tokenizer, send_one
 from .workloads import Turn, Vocabulary
 
@@ -102,7 +102,7 @@ async def run(args) -> dict:
 
     url = args.base_url.rstrip("/")
     auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    out: dict = {"url": url, "phases": {}}
+    out: dict = {"url": url, "cpu": cpu_description(), "phases": {}}
     async with httpx.AsyncClient(timeout=args.timeout, headers=auth) as probe:
         model = args.model or await first_model(probe, url)
     tokenizer, _ = resolve_tokenizer(args.tokenizer, model)

@@ -34,7 +34,7 @@ from pathlib import Path
 from pdserve.engine.config import QUANTIZATIONS
 
 from . import vllm_peer
-from .metrics import format_table
+from .metrics import cpu_description, format_table
 from .serving import add_bench_serving_args, bench
 
 # workload -> (its flags, {streams: requests}); requests None: the workload's own count
@@ -292,20 +292,6 @@ def roof_fraction(metrics: dict, roof: dict) -> float:
     flops = (metrics["input_tokens"] * roof["flops_per_prompt_token"]
              + metrics["output_tokens"] * roof["flops_per_output_token"])
     return flops / metrics["duration_s"] / (roof["gemm_gflops_fp32"] * 1e9)
-
-
-def cpu_description() -> dict:
-    """Which CPU the figures came from (`lscpu`'s model name and this process's cores)."""
-    from pdserve.engine.kernels.native import cpu_flags
-
-    model = ""
-    try:
-        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    flags = cpu_flags()
-    return {"model": model, "cores": len(os.sched_getaffinity(0)),
-            "isa": sorted(f for f in flags if f.startswith(("avx", "amx")) or f == "fma")}
 
 
 def cmd_bench_peers(args) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -45,6 +46,7 @@ class Route:
     expected_until: float = 0.0  # its blocks count as held by the prefill worker until then (or `settle`)
     decode_expected_until: float = 0.0  # ... and by the decode worker
     settled: bool = False  # its first token came (or it moved on with tokens already streamed)
+    priority: int = 0  # its request's (lower is more urgent)
 
 
 class ClusterClient:
@@ -84,6 +86,7 @@ class ClusterClient:
         # streams this router has open on each decode worker, for the same reason: a burst of
         # requests between two polls went to one decode worker while the others idled
         self.decode_streams: dict[str, int] = {}
+        self.decode_priorities: dict[str, Counter[int]] = {}  # the priorities of those streams
         self._streams_at_poll: dict[str, int] = {}  # decode_streams when each worker's stats came
         self.affinity = SessionAffinity(session_kv_limit)
         self.impostors: set[str] = set()  # registered workers that answered without proving the token
@@ -192,10 +195,12 @@ class ClusterClient:
         return bool(loads) and all(s is not None and (s.kv_usage >= kv_limit or s.waiting > 0) for s in loads)
 
     def route(self, prompt: list[int], exclude: frozenset[str] = frozenset(), cache_salt: str = "",
-              session: str = "") -> Route:
+              session: str = "", priority: int = 0) -> Route:
         """Pick workers for `prompt`; `exclude`: workers that just failed or refused it;
         `cache_salt`: the request's (its blocks are looked up under it, as the workers do);
-        `session`: its conversation, kept on one decode worker until that one is saturated.
+        `session`: its conversation, kept on one decode worker until that one is saturated;
+        `priority`: its request's (a prompt is never lent to a decode worker streaming for more
+        urgent requests: their tokens would wait for it).
         Raises NoWorkerError if no decode worker is left, or if every prefill worker is
         excluded (refused: its queue is full; prefilling on the decode pool instead would
         defeat the limit)."""
@@ -213,20 +218,23 @@ class ClusterClient:
             prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
         except NoWorkerError:
             pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
+        urgent_there = min(self.decode_priorities.get(decode_id) or [priority]) < priority
         self.decode_streams[decode_id] = self.decode_streams.get(decode_id, 0) + 1
-        if prefill is not None and self._prefill_here(prefill, prefill_pool, decode_pool, decode_id, len(prompt)):
+        self.decode_priorities.setdefault(decode_id, Counter())[priority] += 1
+        if prefill is not None and not urgent_there and self._prefill_here(prefill, prefill_pool, decode_pool,
+                                                                           decode_id, len(prompt)):
             if prefill.expected_until:
                 self.index.withdraw(prefill.worker_id, hashes, prefill.expected_until)
             prefill = None
         if prefill is None:
             self.pending_prefill[decode_id] = self.pending_prefill.get(decode_id, 0) + len(prompt)
             return Route(self.workers[decode_id], None, 0, len(prompt), holds_stream=True, block_hashes=hashes,
-                         decode_expected_until=decode_until)
+                         decode_expected_until=decode_until, priority=priority)
         todo = max(len(prompt) - prefill.cached_tokens, 0)
         self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
         return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,
                      holds_stream=True, block_hashes=hashes, expected_until=prefill.expected_until,
-                     decode_expected_until=decode_until)
+                     decode_expected_until=decode_until, priority=priority)
 
     def _prefill_here(self, prefill: PrefillChoice, prefill_pool: list[WorkerLoad], decode_pool: list[WorkerLoad],
                       decode_id: str, prompt_len: int) -> bool:
@@ -277,6 +285,12 @@ class ClusterClient:
             self.decode_streams[wid] = left
         else:
             self.decode_streams.pop(wid, None)
+        priorities = self.decode_priorities.get(wid, Counter())
+        priorities[route.priority] -= 1
+        if priorities[route.priority] <= 0:
+            del priorities[route.priority]
+        if not priorities:
+            self.decode_priorities.pop(wid, None)
 
     async def generate(self, route: Route, request_id: str, prompt: list[int], params,
                        resume: list[int] | None = None, metadata: tuple = ()) -> AsyncIterator[pb.GenerateResponse]:

@@ -107,7 +107,8 @@ class Generation:
             self.cluster.release(self.route)  # a refused route's prefill never ran, its stream ended
             try:
                 self.route = self.cluster.route(self.prompt, exclude=frozenset(refused),
-                                                cache_salt=self.params.cache_salt, session=self.session)
+                                                cache_salt=self.params.cache_salt, session=self.session,
+                                                priority=self.params.priority)
             except NoWorkerError as e:
                 if refused:
                     self.metrics.rejected.labels("pool_full").inc()
@@ -191,7 +192,8 @@ class Generation:
         await old.aclose()
         try:
             self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed),
-                                             cache_salt=self.params.cache_salt, session=self.session)
+                                             cache_salt=self.params.cache_salt, session=self.session,
+                                             priority=self.params.priority)
             if self.generated:  # recomputed (prompt + tokens so far) on its decode worker; else its
                 self.cluster.settle(self.route, prefilled_remotely=False)  # first token settles it
         except NoWorkerError as no:

@@ -70,3 +70,39 @@ def test_a_dead_peers_cores_are_free(tmp_path):
 def test_bad_sizes_are_refused(tmp_path):
     with pytest.raises(ValueError):
         CoreShare(tmp_path, "x", own_threads=0)
+
+
+def test_a_worker_with_only_less_urgent_work_stands_aside_for_a_busy_peer(tmp_path):
+    prefill, _ = share(tmp_path, "prefill-0")  # floods of priority 5
+    decode, d_applied = share(tmp_path, "decode-0")  # an interactive stream of priority -1
+    assert prefill.step_threads(5) == 2  # decode idle: prefill borrows its thread
+    assert not decode.yields_to_peer(-1)  # prefill's work is less urgent
+    assert decode.step_threads(-1) == 1  # both busy now
+    assert prefill.yields_to_peer(5)  # decode steps for more urgent work
+    assert not prefill.yields_to_peer(-1)  # work as urgent as the peer's does not stand aside
+    prefill.idle()
+    assert decode.step_threads(-1) == 2  # prefill stood aside: decode takes both cores
+    assert d_applied == [2]
+    assert not decode.yields_to_peer(-1)  # a peer standing aside is not busy
+    decode.idle()
+    assert not prefill.yields_to_peer(5)  # the urgent work is done (its owner idles)
+    prefill.close()
+    decode.close()
+
+
+def test_equal_priorities_never_stand_aside(tmp_path):
+    a, _ = share(tmp_path, "a")
+    b, _ = share(tmp_path, "b")
+    a.step_threads()
+    b.step_threads()
+    assert not a.yields_to_peer(0) and not b.yields_to_peer(0)
+    for s in (a, b):
+        s.close()
+
+
+def test_a_torn_or_foreign_record_reads_as_nothing_owned(tmp_path):
+    me, _ = share(tmp_path, "me")
+    (tmp_path / "junk.busy").write_text("not a record")
+    assert me.step_threads(3) == 1  # junk's file is unlocked but owns nothing readable
+    assert not me.yields_to_peer(3)
+    me.close()

@@ -200,3 +200,47 @@ def test_less_urgent_decodes_take_turns_beside_an_urgent_stream():
     while sched.num_unfinished:
         step(sched)
     assert all(len(r.output_token_ids) == 12 for r in low)
+
+
+def test_a_worker_with_less_urgent_work_lends_its_cores_to_a_peers_urgent_stream(make_engine, tmp_path):
+    """Two engines of one host (engine/parallel/cores.py): while one steps for a priority -1
+    stream, the other, with only priority-5 work, stands aside; both answer as alone."""
+    import asyncio
+
+    from pdserve.engine.core.async_engine import AsyncEngine
+    from pdserve.engine.parallel.cores import CoreShare
+
+    low = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, priority=5)
+    hi = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, priority=-1)
+    want_low = make_engine().generate([[5, 6, 7, 8]], low)[0]
+    want_hi = make_engine().generate([[9, 10, 11]], hi)[0]
+    shares = [CoreShare(tmp_path, name, own_threads=1, max_threads=2, set_threads=lambda n: None)
+              for name in ("flood", "chat")]
+    flood, chat = (AsyncEngine(make_engine(), cores=s) for s in shares)
+
+    async def run(ae, rid, prompt, params, started=None):
+        toks = []
+        async for out in ae.generate(rid, prompt, params):
+            toks += out.new_token_ids
+            if started is not None:
+                started.set()
+        return toks
+
+    async def main():
+        started = asyncio.Event()
+        low_task = asyncio.ensure_future(run(flood, "low", [5, 6, 7, 8], low, started))
+        await started.wait()
+        got_hi = await run(chat, "hi", [9, 10, 11], hi)
+        return await low_task, got_hi
+
+    for ae in (flood, chat):
+        ae.start()
+    try:
+        got_low, got_hi = asyncio.run(main())
+    finally:
+        for ae in (flood, chat):
+            ae.stop()
+        for s in shares:
+            s.close()
+    assert got_low == want_low and got_hi == want_hi
+    assert shares[0].yielded_s > 0 and shares[1].yielded_s == 0

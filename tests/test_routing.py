@@ -366,3 +366,29 @@ def test_an_idle_decode_worker_prefills_the_prompt_itself_a_busy_one_does_not():
     off.set_workers(c.workers.values())
     off.healthy = dict(c.healthy)
     assert off.route(prompts[3]).prefill.worker_id == "p0"  # off (the default here): the prefill pool
+
+
+def test_a_prompt_is_not_lent_to_a_decode_worker_streaming_for_more_urgent_requests():
+    """A saturated prefill pool lends prompts to the decode worker, unless that worker streams
+    for a more urgent request: a low-priority prompt's chunks there would stretch the urgent
+    stream's inter-token latency (measured: a 512-token chunk is a 3-4 s step on one core), so
+    it waits in the prefill pool's queue. Equal or less urgent streams there do not stop it,
+    and once the urgent stream ends the lending resumes."""
+    c = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=500)
+    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
+    c.healthy = {"p0": True, "d0": True}
+    prompts = iter([[g * 1000 + i for i in range(250)] for g in range(12)])
+    urgent = c.route(next(prompts), priority=-1)
+    backlog = [c.route(next(prompts), priority=5) for _ in range(4)]  # the prefill queue reaches the limit
+    assert urgent.prefill.worker_id == "p0" and all(r.prefill is not None for r in backlog)
+    held = c.route(next(prompts), priority=5)
+    assert held.prefill.worker_id == "p0"  # would be lent, but d0 streams for priority -1
+    lent = c.route(next(prompts), priority=-1)
+    assert lent.prefill is None  # as urgent as anything there: lent
+    c.settle(urgent)
+    c.release(urgent)
+    assert c.decode_priorities["d0"] == {-1: 1, 5: 5}
+    assert c.route(next(prompts), priority=5).prefill.worker_id == "p0"  # `lent` still streams at -1
+    c.settle(lent, prefilled_remotely=False)
+    c.release(lent)
+    assert c.route(next(prompts), priority=5).prefill is None  # nothing more urgent there: lent again

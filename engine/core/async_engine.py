@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from operator import methodcaller
 from typing import AsyncIterator, Callable, TypeVar
@@ -16,7 +17,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.engine import LLMEngine
-from pdserve.engine.parallel.cores import CoreShare
+from pdserve.engine.parallel.cores import CHECK_INTERVAL_S, CoreShare
 
 T = TypeVar("T")
 
@@ -174,8 +175,9 @@ class AsyncEngine:
                     break
                 idle = True
                 if self.engine.has_unfinished_requests():
-                    if self.cores is not None:
-                        self.cores.step_threads()
+                    if self.cores is not None and self._stand_aside():
+                        idle = False
+                        continue
                     self._publish(self.engine.step())
                     idle = not self.engine.last_step_progress
         except BaseException as e:  # noqa: BLE001 - report to every waiter, then stop
@@ -183,10 +185,24 @@ class AsyncEngine:
         finally:
             self._shutdown()
 
-    def _drain(self, block: bool) -> None:
+    def _stand_aside(self) -> bool:
+        """Before a step: if a peer on this host steps for more urgent work than any here, lend
+        it the cores and wait for a command (or the next look at the peers) instead of stepping;
+        True then. Otherwise take the cores for the step."""
+        urgency = self.engine.most_urgent_priority()
+        if urgency is not None and self.cores.yields_to_peer(urgency):
+            self.cores.idle()
+            t0 = time.monotonic()
+            self._drain(block=True, timeout=CHECK_INTERVAL_S)
+            self.cores.yielded_s += time.monotonic() - t0
+            return True
+        self.cores.step_threads(self.cores.urgency if urgency is None else urgency)
+        return False
+
+    def _drain(self, block: bool, timeout: float | None = None) -> None:
         while True:
             try:
-                item = self._commands.get(block=block, timeout=None)
+                item = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return
             block = False

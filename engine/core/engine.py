@@ -210,6 +210,10 @@ class LLMEngine(KVTransferHooks):
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def most_urgent_priority(self) -> int | None:
+        """The most urgent priority this engine has work for (None: none needs compute)."""
+        return self.scheduler.most_urgent()
+
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

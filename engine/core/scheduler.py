@@ -122,6 +122,13 @@ class Scheduler:
             return None
         return best
 
+    def most_urgent(self) -> int | None:
+        """The most urgent priority among the requests that need this engine's compute (running
+        and waiting; not those whose KV is on its way); None: none."""
+        head = self.waiting.head()
+        return min([r.priority for r in self.running] + ([head.priority] if head is not None else []),
+                   default=None)
+
     def seats_taken(self) -> int:
         """Places in the batch (max_num_seqs) held: running requests and those whose KV is on
         its way."""

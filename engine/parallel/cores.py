@@ -13,6 +13,12 @@ holds on its file in a directory shared by the cluster's workers on this host, f
 step with work until it has none; a peer that cannot take that lock for a moment knows the
 owner is busy. A dead worker's lock goes with its process. The file holds the owner's own
 thread count, so a borrower takes only what idle peers own.
+
+Priorities reach across workers the same way. The file also holds the most urgent request
+priority the owner is stepping for (lower is more urgent, as a request's `priority`). A worker
+whose own work is all less urgent than a busy peer's yields: it stops stepping and lets its
+cores go to that peer until the urgent work is done (on 2 cores the urgent stream then decodes
+on both, as if it were alone). Equal priorities, the default, never yield.
 """
 from __future__ import annotations
 
@@ -40,37 +46,68 @@ class CoreShare:
         self.max = max_threads or len(os.sched_getaffinity(0))
         self._set = set_threads or _torch_set_threads
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, str(own_threads).encode(), 0)
         self.busy = False
         self.threads = own_threads
+        self.urgency = 0
+        self._write()
         self._checked = 0.0
+        self._peer_urgency: int | None = None  # the most urgent busy peer's, at the last look
+        self._idle_threads = 0  # owned by idle peers, at the last look
+        self.yielded_s = 0.0
+        """Seconds this worker has stood aside for a more urgent peer."""
 
-    def step_threads(self) -> int:
-        """Called before each step with work: mark this worker busy and return (and apply) the
-        thread count for the step."""
+    def _write(self) -> None:
+        # fixed width: a peer reading while it is rewritten never sees a short record
+        os.pwrite(self._fd, _record(self.own, self.urgency), 0)
+
+    def step_threads(self, urgency: int = 0) -> int:
+        """Called before each step with work: mark this worker busy, stepping for requests whose
+        most urgent priority is `urgency`, and return (and apply) the thread count for the step."""
+        urgency = _clamp(urgency)
+        if urgency != self.urgency:
+            self.urgency = urgency
+            self._write()
         if not self.busy:
             fcntl.flock(self._fd, fcntl.LOCK_EX)  # a peer's probe holds it for microseconds at most
             self.busy = True
-        now = time.monotonic()
-        if now - self._checked >= CHECK_INTERVAL_S:
-            self._checked = now
-            want = min(self.max, self.own + self.idle_peer_threads())
+        if self._look():
+            want = min(self.max, self.own + self._idle_threads)
             if want != self.threads:
                 self._set(want)
                 self.threads = want
         return self.threads
 
-    def idle(self) -> None:
-        """This worker has nothing to step: its cores are free for its peers."""
-        if self.busy:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            self.busy = False
+    def yields_to_peer(self, urgency: int) -> bool:
+        """Whether a worker whose most urgent work has priority `urgency` should stand aside
+        now: a busy peer steps for more urgent work. The caller then calls `idle()` and waits
+        (about CHECK_INTERVAL_S) before it asks again."""
+        self._look()
+        return self._peer_urgency is not None and self._peer_urgency < _clamp(urgency)
+
+    def _look(self) -> bool:
+        """Look at the peers if the last look is CHECK_INTERVAL_S old; True if it looked."""
+        now = time.monotonic()
+        if now - self._checked < CHECK_INTERVAL_S:
+            return False
+        self._checked = now
+        self._idle_threads, self._peer_urgency = self._scan()
+        return True
 
     def idle_peer_threads(self) -> int:
         """Threads owned by peers that are idle now; 0 as soon as one peer is busy (a busy peer
         needs its cores, and lending to one borrower while another is busy oversubscribes)."""
-        total = 0
+        return self._scan()[0]
+
+    def idle(self) -> None:
+        """This worker has nothing to step (or stands aside): its cores are free for its peers."""
+        if self.busy:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self.busy = False
+
+    def _scan(self) -> tuple[int, int | None]:
+        """(threads owned by idle peers, 0 if any peer is busy; the most urgent busy peer's
+        priority, None if none is busy)."""
+        total, urgent, busy = 0, None, False
         for path in self.dir.glob("*.busy"):
             if path == self.path:
                 continue
@@ -79,15 +116,18 @@ class CoreShare:
             except OSError:
                 continue  # removed as we looked
             try:
+                threads, urgency = _read(fd)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    return 0
+                    busy = True
+                    urgent = urgency if urgent is None else min(urgent, urgency)
+                    continue
                 fcntl.flock(fd, fcntl.LOCK_UN)
-                total += _owned(fd)
+                total += threads
             finally:
                 os.close(fd)
-        return total
+        return (0 if busy else total), urgent
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -100,11 +140,24 @@ class CoreShare:
                 pass
 
 
-def _owned(fd: int) -> int:
+_URGENCY_BOUND = 10 ** 9
+
+
+def _clamp(urgency: int) -> int:
+    return max(-_URGENCY_BOUND, min(_URGENCY_BOUND, int(urgency)))
+
+
+def _record(threads: int, urgency: int) -> bytes:
+    return f"{threads:6d} {urgency:+11d}\n".encode()
+
+
+def _read(fd: int) -> tuple[int, int]:
+    """(the owner's threads, its urgency); (0, 0) for a record that cannot be read."""
     try:
-        return max(int(os.pread(fd, 16, 0) or b"0"), 0)
-    except ValueError:
-        return 0
+        fields = os.pread(fd, 32, 0).split()
+        return max(int(fields[0]), 0), _clamp(int(fields[1])) if len(fields) > 1 else 0
+    except (ValueError, IndexError):
+        return 0, 0
 
 
 def _torch_set_threads(n: int) -> None:
