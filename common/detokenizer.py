@@ -5,10 +5,17 @@ BPE splits UTF-8 sequences across tokens, and decoding a partial one yields U+FF
 never the first characters of what may still become a stop string. A matched stop string
 and everything after it are dropped, as OpenAI does. Before `min_tokens` tokens, stop strings
 are not looked for (as EOS and stop token ids are not sampled then).
+
+A character is at most 4 UTF-8 bytes and every token carries at least one byte, so only a
+character begun in the last 3 tokens can still be completed: text that ends in U+FFFD
+before those is the model's own (invalid bytes) and is released as such. Each push then
+decodes a bounded window, and a stream of invalid bytes costs linear time, not quadratic.
 """
 from __future__ import annotations
 
 from pdserve.common.tokenizer import Tokenizer
+
+OPEN_TOKENS = 3  # a character begun in the last this many tokens may still be completed
 
 
 class IncrementalDetokenizer:
@@ -31,13 +38,25 @@ class IncrementalDetokenizer:
         if self.stopped_on is not None:
             return ""
         self.tokens.extend(token_ids)
-        prev = self.tok.decode(self.tokens[self._prefix:self._read], self.skip_special)
-        full = self.tok.decode(self.tokens[self._prefix:], self.skip_special)
-        if full.endswith("\ufffd"):
+        end, full = self._complete()
+        if end <= self._read:
             return ""  # an incomplete UTF-8 sequence: wait for its remaining bytes
+        prev = self.tok.decode(self.tokens[self._prefix:self._read], self.skip_special)
         self.text += full[len(prev):]
-        self._prefix, self._read = self._read, len(self.tokens)
+        self._prefix, self._read = self._read, end
         return self._release(final=False)
+
+    def _complete(self) -> tuple[int, str]:
+        """(end, text): the most tokens whose text is final, and the text of tokens[_prefix:end].
+        All of them unless the last ones begin a character whose bytes may still come; then
+        up to those, but never past the last OPEN_TOKENS (see the module's docstring)."""
+        n = len(self.tokens)
+        for end in range(n, max(self._read, n - OPEN_TOKENS), -1):
+            text = self.tok.decode(self.tokens[self._prefix:end], self.skip_special)
+            if not text.endswith("\ufffd"):
+                return end, text
+        end = max(self._read, n - OPEN_TOKENS)
+        return end, self.tok.decode(self.tokens[self._prefix:end], self.skip_special)
 
     def flush(self) -> str:
         """At the end of generation: release everything held back."""

@@ -127,10 +127,11 @@ class EventFollower:
                 del self._last_id[wid]
         if not worker_ids:
             return 0
-        streams = {events_key(self.cluster, w): self._last_id.get(w, "0") for w in worker_ids}
+        owner = {events_key(self.cluster, w): w for w in worker_ids}  # ids may hold ":" too
+        streams = {key: self._last_id.get(w, "0") for key, w in owner.items()}
         applied = 0
         for key, entries in await self.redis.xread(streams, count=count):
-            wid = (key.decode() if isinstance(key, bytes) else key).rsplit(":", 1)[1]
+            wid = owner[key.decode() if isinstance(key, bytes) else key]
             for entry_id, fields in entries:
                 self._last_id[wid] = entry_id
                 try:
