@@ -10,6 +10,7 @@ Kubernetes get arbitrary IPs).
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import os
@@ -69,30 +70,91 @@ def open_channel(target: str, tls: TLSConfig | None, options: list | tuple = ())
     return grpc.aio.insecure_channel(target, options=options)
 
 
-def token_proof(token: str, side: str, nonce: bytes) -> bytes:
-    """HMAC-SHA256 of `side:nonce` under the cluster token: shows the token is held without
-    sending it (`side`: "request" from the caller, "reply" from the worker)."""
-    return hmac.new(token.encode(), side.encode() + b":" + nonce, hashlib.sha256).digest()
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What a Stats proof binds: who answers, which service, and at which address. A record
+    whose identity the worker behind its address does not prove is not that worker."""
+
+    worker_id: str = ""
+    role: str = ""     # the service it answers: "prefill" | "decode"
+    address: str = ""  # host:port, as registered and dialled
+
+    @property
+    def named(self) -> bool:
+        return bool(self.worker_id or self.role or self.address)
 
 
-def stats_request(token: str):
-    """A Stats/CachedBlocks request that proves the token; check the reply with `proves`."""
+def service_role(role: str) -> str:
+    """The service a registered role answers: an aggregated worker is a decode worker that
+    prefills itself, and proves the role "decode"."""
+    return "decode" if role == "aggregated" else role
+
+
+def _fields(*parts: bytes | str) -> bytes:
+    """Length-prefixed fields: no two different tuples share an encoding (so a proof for one
+    identity never verifies for another, however the strings split)."""
+    raw = [p.encode() if isinstance(p, str) else p for p in parts]
+    return b"".join(len(r).to_bytes(4, "big") + r for r in raw)
+
+
+def token_proof(token: str, side: str, nonce: bytes, who: WorkerIdentity = WorkerIdentity()) -> bytes:
+    """HMAC-SHA256 of (`side`, nonce, worker id, role, address) under the cluster token: shows
+    the token is held without sending it, for this exchange and this identity (`side`:
+    "request" from the caller, "reply" from the worker)."""
+    msg = _fields(side, nonce, who.worker_id, who.role, who.address)
+    return hmac.new(token.encode(), msg, hashlib.sha256).digest()
+
+
+def stats_request(token: str, expect: WorkerIdentity = WorkerIdentity()):
+    """A Stats/CachedBlocks request that proves the token and names the worker it expects at
+    the address it dials (the router: the registry record's); check the reply with
+    `check_reply`. An empty `expect` takes whichever worker answers (tools, tests)."""
     from .worker_pb2 import StatsRequest
 
     nonce = os.urandom(16)
-    return StatsRequest(nonce=nonce, proof=token_proof(token, "request", nonce))
+    return StatsRequest(nonce=nonce, worker_id=expect.worker_id, role=expect.role, address=expect.address,
+                        proof=token_proof(token, "request", nonce, expect))
+
+
+def named_identity(msg) -> WorkerIdentity:
+    """The identity a StatsRequest names, or a WorkerStats/BlockSnapshot claims."""
+    return WorkerIdentity(msg.worker_id, msg.role, msg.address)
+
+
+class ReplyCheck(enum.Enum):
+    PROVEN = "proven"              # the token holder named in the request answered
+    NO_TOKEN = "no token"          # the reply does not prove the cluster token
+    OTHER_WORKER = "other worker"  # a token holder, but not the one expected at that address
+
+
+def check_reply(token: str, request, reply) -> ReplyCheck:
+    """Whether `reply` (WorkerStats or BlockSnapshot) proves the token for `request`'s nonce,
+    and comes from the identity the request named (any identity, if it named none)."""
+    claimed = named_identity(reply)
+    if not hmac.compare_digest(reply.proof, token_proof(token, "reply", request.nonce, claimed)):
+        return ReplyCheck.NO_TOKEN
+    expected = named_identity(request)
+    return ReplyCheck.PROVEN if not expected.named or claimed == expected else ReplyCheck.OTHER_WORKER
 
 
 def proves(token: str, request, reply) -> bool:
-    """Whether `reply` (WorkerStats or BlockSnapshot) proves the token for `request`'s nonce."""
-    return hmac.compare_digest(reply.proof, token_proof(token, "reply", request.nonce))
+    """`check_reply` is PROVEN."""
+    return check_reply(token, request, reply) is ReplyCheck.PROVEN
 
 
-async def check_stats_request(token: str, request, context) -> bytes:
-    """Abort the RPC unless the request proves the cluster token; returns the reply's proof."""
-    if not hmac.compare_digest(request.proof, token_proof(token, "request", request.nonce)) or not request.nonce:
+async def check_stats_request(token: str, request, context, me: WorkerIdentity) -> bytes:
+    """Abort the RPC unless the request proves the cluster token (UNAUTHENTICATED) and names
+    this worker, if it names one (PERMISSION_DENIED: the caller dialled another worker's
+    record, e.g. through a relay); returns the reply's proof, over `me`."""
+    named = named_identity(request)
+    if not request.nonce or not hmac.compare_digest(request.proof, token_proof(token, "request", request.nonce,
+                                                                               named)):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
-    return token_proof(token, "reply", request.nonce)
+    if named.named and named != me:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"this is worker {me.worker_id} ({me.role}) at {me.address}, not {named.worker_id} "
+                            f"({named.role}) at {named.address}")
+    return token_proof(token, "reply", request.nonce, me)
 
 
 async def check_cluster_token(expected: str, given: str, context) -> None:

@@ -19,7 +19,8 @@ from pdserve.common.block_hash import hash_blocks, root_hash
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.protos.convert import params_to_proto
-from pdserve.protos.security import TLSConfig, open_channel, proves, stats_request
+from pdserve.protos.security import (ReplyCheck, TLSConfig, WorkerIdentity, check_reply, open_channel, service_role,
+                                     stats_request)
 
 from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy, prefill_on_decode
 from .prefix_index import PrefixIndex
@@ -33,6 +34,11 @@ class WorkerEndpoint:
     worker_id: str
     role: str        # "prefill" | "decode" | "aggregated"
     address: str     # gRPC service address
+
+    @property
+    def identity(self) -> WorkerIdentity:
+        """What the worker at `address` must prove to be this record (protos/security.py)."""
+        return WorkerIdentity(self.worker_id, service_role(self.role), self.address)
 
 
 @dataclass
@@ -129,12 +135,14 @@ class ClusterClient:
         async def one(w: WorkerEndpoint):
             wid = w.worker_id
             try:
-                req = stats_request(self.cluster_token)
+                req = stats_request(self.cluster_token, w.identity)
                 stats = await self._stub(w).Stats(req, timeout=self.stats_timeout_s)
-                if not proves(self.cluster_token, req, stats):
-                    # answers, but does not hold the cluster token: not one of our workers
-                    # (a forged or stale registry entry); it gets no traffic, nor the token
-                    self._impostor(wid, w.address)
+                check = check_reply(self.cluster_token, req, stats)
+                if check is not ReplyCheck.PROVEN:
+                    # answers, but is not this record's worker: no cluster token (a forged or
+                    # stale registry entry), or another worker's (a record under another id,
+                    # role or address, e.g. a relay to a real worker); no traffic, nor the token
+                    self._impostor(wid, w.address, check.value)
                     return
                 self.stats[wid] = stats
                 self.healthy[wid] = True
@@ -142,19 +150,20 @@ class ClusterClient:
                 self._streams_at_poll[wid] = self.decode_streams.get(wid, 0)
             except grpc.aio.AioRpcError as e:
                 now = time.monotonic()
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # a worker that is not this record's
+                    self._impostor(wid, w.address, e.details() or "another worker")
+                elif e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._slow_since.pop(wid, None)
                     self.healthy[wid] = False
                 elif now - self._slow_since.setdefault(wid, now) >= self.slow_grace_s or not self.healthy.get(wid):
                     self.healthy[wid] = False
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
 
-    def _impostor(self, wid: str, address: str) -> None:
+    def _impostor(self, wid: str, address: str, why: str) -> None:
         self.healthy[wid] = False
         self.stats.pop(wid, None)
         if wid not in self.impostors:
-            log.warning("worker %s at %s answered without proving the cluster token: no traffic for it",
-                        wid, address)
+            log.warning("worker %s at %s did not prove it is that worker (%s): no traffic for it", wid, address, why)
         self.impostors.add(wid)
 
     def max_model_len(self) -> int:

@@ -63,10 +63,10 @@ class RegistryDiscovery:
         if w is None:
             return
         try:
-            req = stats_request(self.client.cluster_token)
+            req = stats_request(self.client.cluster_token, w.identity)
             snap = await self.client._stub(w).CachedBlocks(req, timeout=5.0)
             if not proves(self.client.cluster_token, req, snap):
-                return  # not one of ours (ClusterClient.refresh says so): its blocks are not taken
+                return  # not this record's worker (ClusterClient.refresh says so): its blocks are not taken
         except grpc.aio.AioRpcError as e:
             log.warning("resync of %s failed: %s", worker_id, e.details())
             return

@@ -9,18 +9,20 @@ import grpc
 
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
-from pdserve.protos.security import token_proof
+from pdserve.protos.security import WorkerIdentity, token_proof
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint
 
 
 class SlowStats(pb_grpc.DecodeServiceServicer):
     def __init__(self):
         self.delay_s = 0.0
+        self.address = ""
 
     async def Stats(self, request, context):  # a worker of a cluster without a token: it proves ""
         await asyncio.sleep(self.delay_s)
-        return pb.WorkerStats(worker_id="d0", role="decode", num_blocks=8, free_blocks=8,
-                              proof=token_proof("", "reply", request.nonce))
+        me = WorkerIdentity("d0", "decode", self.address)
+        return pb.WorkerStats(worker_id="d0", role="decode", address=self.address, num_blocks=8, free_blocks=8,
+                              proof=token_proof("", "reply", request.nonce, me))
 
 
 def test_slow_polls_keep_a_worker_until_they_repeat_and_a_dead_one_leaves_at_once():
@@ -29,8 +31,9 @@ def test_slow_polls_keep_a_worker_until_they_repeat_and_a_dead_one_leaves_at_onc
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        servicer.address = f"127.0.0.1:{port}"
         client = ClusterClient(stats_timeout_s=0.2, slow_grace_s=2.0)
-        client.set_workers([WorkerEndpoint("d0", "decode", f"127.0.0.1:{port}")])
+        client.set_workers([WorkerEndpoint("d0", "decode", servicer.address)])
         seen = []
         try:
             await client.refresh()
