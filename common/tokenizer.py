@@ -32,17 +32,40 @@ _DIGIT_SPLIT_PRE = {"smollm", "llama-bpe", "qwen2", "deepseek-llm", "starcoder"}
 
 
 _NORMAL = 1
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes as themselves, the
+    others shifted past U+0100 (as `tokenizers`' ByteLevel writes them)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
 
 # Gemma 3 GGUFs may carry no template: the turn format its checkpoints are trained on
-# (system text joins the first user turn; the assistant's role is "model")
+# (system text joins the first user turn, or is the user turn when nothing follows it; the
+# assistant's role is "model"; Gemma has no tool role, so a tool result is a user turn that
+# says what it is)
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}"
     "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
-    "{% for m in (messages[1:] if system is not none else messages) %}"
-    "{% if m['role'] not in ('user', 'assistant') %}{{ raise_exception('roles must be system (first), user and "
-    "assistant') }}{% endif %}"
+    "{% set turns = messages[1:] if system is not none else messages %}"
+    "{% if system is not none and not turns %}<start_of_turn>user\n{{ system | trim }}<end_of_turn>\n{% endif %}"
+    "{% for m in turns %}"
+    "{% if m['role'] not in ('user', 'assistant', 'tool') %}{{ raise_exception('roles must be system (first), "
+    "user, assistant and tool') }}{% endif %}"
     "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
     "{% if loop.first and system is not none %}{{ system | trim }}\n\n{% endif %}"
+    "{% if m['role'] == 'tool' %}Tool result:\n{% endif %}"
     "{{ m['content'] | trim }}<end_of_turn>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
@@ -111,20 +134,24 @@ class Tokenizer:
         """Build from GGUF metadata; the result is cached beside the converted weights
         (parsing 49k-entry metadata arrays takes seconds, loading tokenizer.json does not)."""
         path = Path(path)
-        cached = cache_dir() / f"{path.stem}-{file_fingerprint(path)}.tokenizer.json"
+        # v2: a built-in template is cached by name (it is the code's, and changes with it)
+        cached = cache_dir() / f"{path.stem}-{file_fingerprint(path)}.tokenizer-v2.json"
         if cached.exists():
             try:
                 d = json.loads(cached.read_text())
-                return cls(HFTokenizer.from_str(d["tokenizer"]), d["eos"], d["bos"], d["chat_template"], d["add_bos"])
+                template = d["chat_template"] or BUILTIN_TEMPLATES.get(d["builtin_template"])
+                return cls(HFTokenizer.from_str(d["tokenizer"]), d["eos"], d["bos"], template, d["add_bos"])
             except (KeyError, ValueError, Exception):  # corrupt cache: rebuild
                 pass
         tok = cls._build_from_gguf(path)
+        builtin = next((name for name, t in BUILTIN_TEMPLATES.items() if t == tok.chat_template), None)
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps({"tokenizer": tok._tok.to_str(), "eos": tok.eos_token_id,
-                                       "bos": tok.bos_token_id, "chat_template": tok.chat_template,
-                                       "add_bos": tok.add_bos}))
+                                       "bos": tok.bos_token_id, "add_bos": tok.add_bos,
+                                       "chat_template": None if builtin else tok.chat_template,
+                                       "builtin_template": builtin}))
             os.replace(tmp, cached)
         except OSError:
             pass
@@ -209,6 +236,20 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, its own even when they are part of a character (a
+        token's decoded text shows such bytes as U+FFFD): byte-level BPE spells bytes as
+        characters, SentencePiece's byte fallback as `<0xNN>` pieces."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        piece = self._tok.id_to_token(token_id)
+        if "\ufffd" not in text or piece is None:
+            return text.encode()
+        if m := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        if all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return text.encode()
+
     # ---- chat ---------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **extra) -> str:
@@ -229,8 +270,15 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id), eos_token=self._token_text(self.eos_token_id),
                 **extra)
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
+        except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception)
+            raise InvalidRequestError(f"this model's chat template refused the conversation: {e}",
+                                      param="messages", code="chat_template_error") from e
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
+            # a template written for other conversations (a field it expects, a type it
+            # assumes): the conversation does not fit it, which the client can change
+            raise InvalidRequestError(f"this model's chat template failed on the conversation "
+                                      f"({type(e).__name__}: {e})", param="messages",
+                                      code="chat_template_error") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     special_tokens_in_content: bool = False, **extra) -> list[int]:

@@ -12,35 +12,38 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pdserve.common.aio import stop_tasks
+from pdserve.common.checks import MAX_JSON_DEPTH, json_depth
 from pdserve.common.errors import InvalidRequestError
 
-from .errors import APIError, http_error, validation_error
+from .errors import APIError, ErrorBoundary, api_error_of, http_error, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .control import PoolControl
+from .control import PoolControl, scale_sizes
 from .router import Router
 from .tenancy import RequestContext
 
 
 class BodyLimit:
     """ASGI middleware: a request body past `limit` bytes is answered 413 before the app reads
-    it, by its Content-Length or, for a chunked body, as its bytes arrive."""
+    it (by its Content-Length, or as the bytes of a chunked body arrive), and a body nested
+    deeper than MAX_JSON_DEPTH is answered 400 before anything parses it (the parsers and
+    validators behind recurse per level)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
 
-    async def _refuse(self, scope, receive, send) -> None:
-        err = APIError(413, f"the request body is larger than {self.limit} bytes (--max-body-size)",
-                       code="request_too_large")
-        await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+    async def _refuse(self, err: APIError, scope, receive, send) -> None:
+        await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.limit} bytes (--max-body-size)",
+                        code="request_too_large")
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not self.limit:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:  # the server holds the body to its declared length
-            if int(declared) > self.limit:
-                return await self._refuse(scope, receive, send)
-            return await self.app(scope, receive, send)
+        if self.limit and declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._refuse(self._too_large(), scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -48,11 +51,18 @@ class BodyLimit:
                 chunks.append(message)
                 break
             size += len(message.get("body", b""))
-            if size > self.limit:
-                return await self._refuse(scope, receive, send)
+            if self.limit and size > self.limit:
+                return await self._refuse(self._too_large(), scope, receive, send)
             chunks.append(message)
             if not message.get("more_body"):
                 break
+        body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
+        # a large body is scanned off the event loop (tens of ms per MB): other requests go on
+        depth = json_depth(body) if len(body) < 1 << 16 else await asyncio.to_thread(json_depth, body)
+        if depth > MAX_JSON_DEPTH:
+            return await self._refuse(APIError(
+                400, f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted",
+                param="body", code="nested_too_deeply"), scope, receive, send)
 
         async def replay():
             return chunks.pop(0) if chunks else await receive()
@@ -132,9 +142,7 @@ def add_admin_routes(app: FastAPI, control: PoolControl | None, authorized) -> N
             raise APIError(404, "this router manages no pools: send it to the `pdserve up` that runs them",
                            code="no_pools")
         try:
-            sizes = await request.json()
-            if not isinstance(sizes, dict) or not sizes:
-                raise ValueError('send {"prefill": N, "decode": M} (either or both)')
+            sizes = scale_sizes(await request.json())
             control.check(sizes)
         except ValueError as e:
             raise APIError(400, f"bad scale request: {e}", param="body") from e
@@ -144,15 +152,19 @@ def add_admin_routes(app: FastAPI, control: PoolControl | None, authorized) -> N
             raise APIError(503, str(e), "server_error", code="scale_failed") from e
 
 
-def add_error_handlers(app: FastAPI) -> None:
-    """Every error, ours or the framework's, answered in the OpenAI shape."""
+def add_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+    """Every error, ours or the framework's, answered in the OpenAI shape: the handlers below
+    for the ones raised on purpose, `ErrorBoundary` (outermost) for every other exception;
+    bodies past `max_body_bytes` or MAX_JSON_DEPTH refused before they are parsed."""
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(ErrorBoundary)  # added last: the outermost, around BodyLimit too
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(InvalidRequestError)  # a check shared with the engine (pdserve.common)
     async def _invalid_request(request: Request, e: InvalidRequestError):
-        err = APIError(400, str(e), param=e.param, code=e.code)
+        err = api_error_of(e)
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(HTTPException)  # e.g. a body that is not UTF-8: same error shape as ours
@@ -165,11 +177,14 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=err.status)
 
 
+ADMIN_MAX_BODY_BYTES = 64 << 10  # a scale request is a few bytes
+
+
 def create_admin_app(control: PoolControl, api_keys: tuple[str, ...]) -> FastAPI:
     """`pdserve up --no-router`: the pools' admin endpoints and a health probe, no API."""
     app = FastAPI(title="pdserve pools")
     authorized = api_key_auth(api_keys)
-    add_error_handlers(app)
+    add_error_handlers(app, ADMIN_MAX_BODY_BYTES)
 
     @app.get("/health")
     async def health():
@@ -196,8 +211,7 @@ def _lifespan(router: Router):
 def create_app(router: Router) -> FastAPI:
     """The OpenAI API over `router`, with health, metrics and the admin endpoints."""
     app = FastAPI(title="pdserve", lifespan=_lifespan(router))
-    app.add_middleware(BodyLimit, limit=router.config.max_body_bytes)
-    add_error_handlers(app)
+    add_error_handlers(app, router.config.max_body_bytes)
     authorized = api_key_auth(router.security.api_keys)
 
     def context(req, request: Request) -> RequestContext:

@@ -55,8 +55,10 @@ class Delta:
 class Generation:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, metrics: RouterMetrics,
                  prompt: list[int], params: SamplingParams, prefix: str = "cmpl", timeout_s: float = 0.0,
-                 on_done=None, tracer: Tracer = OFF, session: str = "", on_first=None):
-        """timeout_s > 0: the request fails with 504 (and is aborted) if it is not done by then.
+                 on_done=None, tracer: Tracer = OFF, session: str = "", on_first=None, arrival: float | None = None):
+        """arrival: when its request arrived (time.perf_counter(); default: now): its queue
+        time, TTFT and deadline count from there, for every choice of the request alike.
+        timeout_s > 0: the request fails with 504 (and is aborted) if it is not done by then.
         on_done: called once when the request ends, however it ends; on_first: once, when its
         first token arrives (with the time to it). tracer: the request's trace (a root span
         here, the workers' spans under it). session: its conversation (kept on one decode
@@ -70,7 +72,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
-        self.t_arrival = time.perf_counter()
+        self.t_arrival = time.perf_counter() if arrival is None else arrival
         self._stream = None
         self._first = None
         self._t_last = 0.0

@@ -2,8 +2,10 @@
 place an API request becomes the engine's `SamplingParams`.
 
 Unknown fields are refused by name (a silently ignored parameter is a wrong answer served
-as success); out-of-range values are refused by the engine's own `SamplingParams.validate`
-so that the router and the workers agree on what is valid.
+as success), and every field is validated strictly to its declared type: no bool as a number,
+no number or object as text, no string as a number (pydantic's strict mode). Out-of-range
+values are refused by the engine's own `SamplingParams.validate` so that the router and the
+workers agree on what is valid.
 """
 from __future__ import annotations
 
@@ -41,14 +43,17 @@ def _valid_unicode(value: Any) -> Any:
     return value
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
     include_timing: bool = False  # pdserve's: where each choice's time went, in the last chunk
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str
     temperature: float = 1.0
     top_p: float = 1.0
@@ -153,23 +158,39 @@ class CompletionRequest(_Common):
         return [p]
 
 
+def _text_parts(content: Any) -> Any:
+    """A message's content parts must be text parts, each `{"type": "text", "text": <string>}`:
+    a null, a number, an object or a list as `text` would reach the model as Python's repr."""
+    if not isinstance(content, list):
+        return content
+    for k, part in enumerate(content):
+        if part.get("type") != "text":
+            raise ValueError(f"content part {k}: type {part.get('type')!r} is not supported (text only)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f'content part {k} must be {{"type": "text", "text": <string>}}, its text is '
+                             f"{json_type(part['text']) if 'text' in part else 'missing'}")
+    return content
+
+
+def json_type(value: Any) -> str:
+    """JSON's name for a value's type (what the client sent), for error messages."""
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls, tool_call_id, name: to the template
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
     _unicode_only = field_validator("content")(_valid_unicode)
+    _text_only = field_validator("content")(_text_parts)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise APIError(400, f"content part type {part.get('type')!r} is not supported (text only)",
-                               param="messages")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -219,7 +240,7 @@ class ChatCompletionRequest(_Common):
 
 class TokenizeRequest(BaseModel):
     """`/tokenize` (as vLLM): `prompt`, or `messages` with the chat request's template options."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None  # optional, as in vLLM; checked when given
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -239,6 +260,6 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     tokens: list[int]

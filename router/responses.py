@@ -1,5 +1,6 @@
 """OpenAI response shapes: usage, logprobs in the completions and chat formats, and a set of
-choices streamed as server-sent events."""
+choices streamed as server-sent events (whatever fails after the first event ends the stream
+with an error event and `[DONE]`)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from pdserve.common.aio import detached, stop_tasks
 from pdserve.common.tokenizer import Tokenizer
 
-from .errors import APIError
+from .errors import api_error_of
 from .generation import Delta, Generation
 
 
@@ -63,10 +64,10 @@ class Logprobs:
                 "text_offset": self._offsets(toks, 0)}
 
     def chat(self, d: Delta) -> dict:
-        """A delta's tokens in the chat format."""
+        """A delta's tokens in the chat format: `bytes` are the token's own, also for a token
+        that holds part of a character (its `token` text shows U+FFFD for that part)."""
         def entry(t, v):
-            s = self._text(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+            return {"token": self._text(t), "logprob": v, "bytes": list(self.tokenizer.token_bytes(t))}
         return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
                             for lp in d.logprobs]}
 
@@ -150,8 +151,8 @@ async def stream(gens: list[Generation], chunk, final, base: dict, include_usage
             if include_usage or include_timing:
                 yield sse(base | {"choices": []} | ({"usage": usage(gens, per_prompt)} if include_usage else {})
                           | ({"timing": timing(gens)} if include_timing else {}))
-        except APIError as e:  # after the first byte the status is sent: report in-band
-            yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - after the first byte the status is sent: report in-band
+            yield sse(api_error_of(e).body())
         finally:
             await detached(_end(tasks, gens))
         yield "data: [DONE]\n\n"

@@ -91,7 +91,7 @@ class Router:
 
     # ---- admission ----------------------------------------------------------------------
     def _generation(self, prompt: list[int], params: SamplingParams, prefix: str,
-                    ctx: RequestContext = RequestContext()) -> Generation:
+                    ctx: RequestContext = RequestContext(), arrival: float | None = None) -> Generation:
         """Admit a request (or refuse it with 429: the router's in-flight limit, a sheddable
         request while the pool is saturated, its tenant's limits) and make its Generation."""
         limit = self.config.max_inflight
@@ -134,7 +134,7 @@ class Router:
         params = replace(params, priority=ctx.priority, tenant=ctx.tenant)
         return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
                           timeout_s=self.config.request_timeout_s, on_done=done, tracer=self.tracer,
-                          session=ctx.session, on_first=first)
+                          session=ctx.session, on_first=first, arrival=arrival)
 
     def _band(self, priority: int) -> str:
         if priority >= self.config.sheddable_priority:
@@ -213,9 +213,12 @@ class Router:
 
     # ---- choices ------------------------------------------------------------------------
     async def _start_choices(self, ids: list[int], params: SamplingParams, n: int, prefix: str,
-                             ctx: RequestContext = RequestContext()) -> list[Generation]:
+                             ctx: RequestContext = RequestContext(), arrival: float | None = None) -> list[Generation]:
         """n choices of one prompt. The first runs ahead and alone computes the prompt's
-        logprobs (when asked for: `echo`): the others share them, and without them they reuse its cached prompt blocks instead of computing every prompt token."""
+        logprobs (when asked for: `echo`): the others share them, and without them they reuse
+        its cached prompt blocks instead of computing every prompt token. Every choice's queue
+        time and TTFT count from the request's `arrival` (default: now), not its own start."""
+        arrival = time.perf_counter() if arrival is None else arrival
         self._check_structured(params)
         turn_ends = [t for t in self.tokenizer.end_of_turn_ids if t not in params.stop_token_ids]
         if turn_ends and not params.ignore_eos:  # as the model's EOS: a turn ends there, not shown
@@ -223,27 +226,27 @@ class Router:
         self._check_fits(n, "n")
         gens: list[Generation] = []
         try:
-            gens.append(self._generation(ids, params, prefix, ctx))
+            gens.append(self._generation(ids, params, prefix, ctx, arrival))
             await gens[0].start()  # runs ahead: the prompt's blocks are cached for the others
             rest = replace(params, prompt_logprobs=None)
             for i in range(1, n):  # seeds wrap within the wire's range: any valid seed serves any n
                 gens.append(self._generation(ids, replace(rest, seed=(params.seed + i) % 2**63)
-                                             if params.seed is not None else rest, prefix, ctx))
+                                             if params.seed is not None else rest, prefix, ctx, arrival))
             await asyncio.gather(*(g.start() for g in gens[1:]))
         except BaseException:
             await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
             raise
         return gens
 
-    async def _start_batch(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                           prefix: str, ctx: RequestContext = RequestContext()) -> list[Generation]:
+    async def _start_batch(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str,
+                           ctx: RequestContext = RequestContext(), arrival: float | None = None) -> list[Generation]:
         """n choices of every prompt, started together; prompt-major (choice k*n + j is the
         j-th of prompt k), as OpenAI numbers them. The first prompt that cannot start fails
         the request at once: the others are cancelled and every started choice is closed."""
         self._check_fits(len(prompts) * n, "prompt" if len(prompts) > 1 else "n")
         if len(prompts) == 1:
-            return await self._start_choices(prompts[0], params, n, prefix, ctx)
-        tasks = [asyncio.ensure_future(self._start_choices(ids, params, n, prefix, ctx)) for ids in prompts]
+            return await self._start_choices(prompts[0], params, n, prefix, ctx, arrival)
+        tasks = [asyncio.ensure_future(self._start_choices(ids, params, n, prefix, ctx, arrival)) for ids in prompts]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in tasks:
@@ -279,11 +282,12 @@ class Router:
     async def completions(self, req: CompletionRequest, timing: bool = False, ctx: RequestContext | None = None):
         """timing: each choice's time breakdown in the response (also `stream_options.include_timing`);
         ctx: its priority, tenant and session (default: the body's priority)."""
+        arrival = time.perf_counter()
         req.check_supported()
         self.check_model(req.model)
         prompts = await self._encode_prompts(req)
         gens = await self._start_batch(prompts, req.sampling_params(self.tokenizer.vocab_size), req.n, "cmpl",
-                                       ctx or RequestContext(req.priority))
+                                       ctx or RequestContext(req.priority), arrival)
         base = {"id": gens[0].request_id, "object": "text_completion", "created": gens[0].created,
                 "model": self.model_name}
         want_lp = req.logprobs is not None
@@ -321,13 +325,14 @@ class Router:
 
     async def chat(self, req: ChatCompletionRequest, timing: bool = False, ctx: RequestContext | None = None):
         """timing, ctx: as for `completions`."""
+        arrival = time.perf_counter()
         req.check_supported()
         self.check_model(req.model)
         specs = req.tool_specs()
         ids = await self._chat_ids(req)
         self._check_length(ids, "the conversation", "messages")
         gens = await self._start_choices(ids, req.sampling_params(self.tokenizer.vocab_size), req.n, "chatcmpl",
-                                         ctx or RequestContext(req.priority))
+                                         ctx or RequestContext(req.priority), arrival)
         base = {"id": gens[0].request_id, "object": "chat.completion", "created": gens[0].created,
                 "model": self.model_name}
         want_lp = req.logprobs

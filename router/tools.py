@@ -13,6 +13,7 @@ import json
 import uuid
 from typing import Any
 
+from pdserve.common.checks import NestedTooDeeply, loads_json
 from pdserve.common.structured import Structured
 
 from .errors import APIError
@@ -71,6 +72,8 @@ def check_tools(tools: list[dict] | None, tool_choice: Any) -> dict[str, dict]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise _bad(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+        if not isinstance(fn.get("description", ""), str):
+            raise _bad(f"tools[{i}].function.description must be a string", "tools")
         specs[name] = params
     if tool_choice not in (None, "none", "auto", "required"):
         fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
@@ -100,24 +103,35 @@ def forced_tool(tools: list[dict] | None, tool_choice: Any, specs: dict[str, dic
 
 def render_messages(messages: list[dict], tools: list[dict] | None, tool_choice: Any) -> list[dict]:
     """Messages for the chat template: assistant tool calls and tool results as text, and the
-    tool descriptions in the system message."""
+    tool descriptions in the system message. JSON given to the model is written as UTF-8
+    text ("Köln", not "K\\u00f6ln"): escapes are unreadable to it."""
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") or ""
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [{"name": fn["name"], "arguments": _loads(fn.get("arguments", "{}"))}
+            calls = [{"name": fn["name"], "arguments": _past_arguments(fn.get("arguments", "{}"), i)}
                      for fn in _call_functions(m["tool_calls"], i)]
-            content = "\n".join(json.dumps(c) for c in calls)
+            content = "\n".join(json.dumps(c, ensure_ascii=False) for c in calls)
         out.append({"role": m["role"], "content": content})
     if tools and tool_choice != "none":
         described = json.dumps([{"name": t["function"]["name"], "description": t["function"].get("description", ""),
-                                 "parameters": t["function"].get("parameters", {})} for t in tools])
+                                 "parameters": t["function"].get("parameters", {})} for t in tools],
+                               ensure_ascii=False)
         text = TOOL_INSTRUCTIONS.format(tools=described)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
+
+
+def _past_arguments(text: str, i: int) -> Any:
+    """A past call's `arguments` (JSON text) as the model wrote them: the object, or the text
+    as it is when it is not JSON; nested past MAX_JSON_DEPTH is refused."""
+    try:
+        return _loads(text)
+    except NestedTooDeeply as e:
+        raise _bad(f"messages[{i}].tool_calls: {e}", "messages") from None
 
 
 def _call_functions(tool_calls: Any, i: int) -> list[dict]:
@@ -138,15 +152,23 @@ def _call_functions(tool_calls: Any, i: int) -> list[dict]:
 
 
 def _loads(text: str) -> Any:
+    """The JSON value of `text`, or `text` itself when it is not JSON; NestedTooDeeply past
+    MAX_JSON_DEPTH (json.loads would recurse until a RecursionError)."""
     try:
-        return json.loads(text)
+        return loads_json(text, "the arguments")
+    except NestedTooDeeply:
+        raise
     except (TypeError, ValueError):
         return text
 
 
 def parse_tool_call(text: str, specs: dict[str, dict]) -> list[dict] | None:
-    """OpenAI `tool_calls` if `text` is a call of one of the tools, else None."""
-    doc = _loads(text.strip())
+    """OpenAI `tool_calls` if `text` is a call of one of the tools, else None (and so the
+    reply is content): a call nested past MAX_JSON_DEPTH is not taken for one."""
+    try:
+        doc = _loads(text.strip())
+    except NestedTooDeeply:
+        return None
     if not (isinstance(doc, dict) and doc.get("name") in specs and isinstance(doc.get("arguments"), dict)):
         return None
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
