@@ -16,30 +16,28 @@ other ranks, which run their slice on their own cache. KV leaves and enters the 
 whole model's layout (`TPKVCache`): an export gathers every rank's heads, an import scatters
 them, so groups of different degrees exchange KV as any two engines do. A rank that dies
 makes the next collective fail: rank 0 raises `RankFailed` and the ranks left exit.
+
+The group is rank 0's process and the ranks it starts, and no one else: each group has a
+random secret that rank 0 hands its ranks on their stdin; the rendezvous, the ranks' proofs
+of the secret and rank 0's sealed, unpickled messages are in engine/parallel/group.py.
 """
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
-from datetime import timedelta
+from dataclasses import asdict, dataclass, replace
 
 import torch
-import torch.distributed as dist
 
-from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.common.errors import PdserveError
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv.cache import KVCache
+from pdserve.engine.parallel.group import Group, RankFailed, group_store
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard, vocab_of
-
-
-
-class RankFailed(PdserveError, RuntimeError):
-    """A rank of a tensor-parallel group died or stopped answering: the group is down."""
+from pdserve.engine.parallel.wire import PeerRefused, group_secret
 
 
 @dataclass(frozen=True)
@@ -81,87 +79,6 @@ def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int):
                        quantized_fingerprint(fp, config.quantization, model)), cfg
 
 
-class Group:
-    """This process's membership of a group: gloo collectives on a process group of its own
-    (not torch's default group, so that one process can hold several, as tests do)."""
-
-    def __init__(self, rank: int, world: int, store, timeout_s: float, on_failure=None):
-        """on_failure(): called once when a collective fails (rank 0 takes the group down)."""
-        self.rank, self.world, self.on_failure = rank, world, on_failure
-        try:
-            self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            raise RankFailed(f"the tensor-parallel group of {world} ranks did not form: {e}") from e
-        self.allreduce_s = 0.0
-        self.allreduces = 0
-        self.widths: list[int] = []  # every rank's columns in gather_columns (set by attach)
-        self.gather_s = 0.0  # time in gather_columns (the logits)
-
-    def _wait(self, work, what: str) -> None:
-        try:
-            work.wait()
-        except RuntimeError as e:
-            if self.on_failure is not None:
-                self.on_failure()
-                self.on_failure = None
-            raise RankFailed(f"{what} over the tensor-parallel group failed (a rank died or stopped "
-                             f"answering): {e}") from e
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        t = time.perf_counter()
-        self._wait(self.pg.allreduce([x]), "an all-reduce")
-        self.allreduce_s += time.perf_counter() - t
-        self.allreduces += 1
-        return x
-
-    def _bcast(self, t: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self._wait(self.pg.broadcast([t], opts), "a broadcast")
-
-    def broadcast(self, obj):
-        """Rank 0's `obj` (pickled) on every rank."""
-        if self.rank == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            self._bcast(torch.tensor([data.numel()]))
-            self._bcast(data)
-            return obj
-        n = torch.zeros(1, dtype=torch.long)
-        self._bcast(n)
-        data = torch.empty(int(n), dtype=torch.uint8)
-        self._bcast(data)
-        return pickle.loads(data.numpy().tobytes())
-
-    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's `t` on rank 0 (None elsewhere)."""
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        out = [[torch.empty_like(t) for _ in range(self.world)]] if self.rank == 0 else []
-        self._wait(self.pg.gather(out, [t], opts), "gathering KV")
-        return out[0] if self.rank == 0 else None
-
-    def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's (rows, widths[rank]) `t` side by side on rank 0 (None elsewhere). Gloo
-        gathers equal shapes: each part travels padded to the widest."""
-        t0, wide = time.perf_counter(), max(self.widths)
-        if t.shape[-1] < wide:
-            t = torch.nn.functional.pad(t, (0, wide - t.shape[-1]))
-        parts = self.gather(t)
-        self.gather_s += time.perf_counter() - t0
-        if parts is None:
-            return None
-        return torch.cat([p[..., :w] for p, w in zip(parts, self.widths)], dim=-1)
-
-    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
-        """Rank 0's parts[r] into rank r's `out`."""
-        opts = dist.ScatterOptions()
-        opts.rootRank = 0
-        self._wait(self.pg.scatter([out], [parts] if self.rank == 0 else [], opts), "scattering KV")
-
-    def close(self) -> None:
-        self.pg = None
-
-
 def attach(model, group: Group, full: ModelConfig) -> None:
     """Sum every layer's partial attention and MLP outputs, and the embedding lookups, over
     the group; gather the logits of every rank's vocabulary rows."""
@@ -184,20 +101,38 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="pdserve-tp-parent-watch").start()
 
 
+def rank_args(source: ModelSource, config: EngineConfig, tp: int, rank: int, port: int, timeout_s: float,
+              threads: int, secret: bytes) -> bytes:
+    """A rank's arguments as the JSON its process reads on stdin (`follower_entry`)."""
+    return json.dumps({"source": asdict(source), "config": asdict(config), "tp": tp, "rank": rank, "port": port,
+                       "timeout_s": timeout_s, "threads": threads, "secret": secret.hex()}).encode()
+
+
 def follower_entry() -> None:
-    """A rank's process: its arguments come pickled on stdin."""
-    follower_main(*pickle.loads(sys.stdin.buffer.read()))
+    """A rank's process: its arguments, the group's secret among them, come as JSON on stdin
+    (a pipe from rank 0's process: no other process sees the secret)."""
+    a = json.loads(sys.stdin.buffer.read())
+    src, cfg = a["source"], a["config"]
+    source = ModelSource(src["model"], src["tiny_seed"], tuple((k, v) for k, v in src["tiny_overrides"]))
+    config = EngineConfig(**(cfg | {"cache": CacheConfig(**cfg["cache"]),
+                                    "scheduler": SchedulerConfig(**cfg["scheduler"])}))
+    follower_main(source, config, a["tp"], a["rank"], a["port"], a["timeout_s"], a["threads"],
+                  bytes.fromhex(a["secret"]))
 
 
 def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int, port: int, timeout_s: float,
-                  threads: int) -> None:
+                  threads: int, secret: bytes) -> None:
     """A rank other than 0: build its slice and cache, then run the steps rank 0 sends."""
     _die_with_parent()
     torch.set_num_threads(max(1, threads))
     from pdserve.engine.kernels.attention import default_backend
     loaded, full = load_rank(source, config, tp, rank)
-    store = dist.TCPStore("127.0.0.1", port, tp, False, timeout=timedelta(seconds=timeout_s))
-    group = Group(rank, tp, store, timeout_s)
+    _, store = group_store("127.0.0.1", port, tp, False, timeout_s, secret)
+    try:
+        group = Group(rank, tp, store, timeout_s, secret)
+    except (RankFailed, PeerRefused) as e:
+        print(f"pdserve tensor-parallel rank {rank}: {e}", file=sys.stderr)
+        os._exit(1)
     attach(loaded.model, group, full)
     kv = TPKVCache(full, loaded.config, config, group)
     model = loaded.model
@@ -207,7 +142,7 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
     try:
         with torch.inference_mode():
             while True:
-                cmd = group.broadcast(None)
+                cmd = group.receive(config.device)
                 if cmd[0] == "step":
                     _follow_step(model, kv, layers, *cmd[1:])
                 elif cmd[0] == "export":
@@ -216,8 +151,8 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
                     kv.import_blocks(cmd[1], None)
                 elif cmd[0] == "stop":
                     return
-    except RankFailed:
-        os._exit(1)  # rank 0 is gone: nothing left to serve
+    except (RankFailed, PeerRefused):
+        os._exit(1)  # rank 0 is gone, or what came was not from it: nothing left to serve
     finally:
         group.close()
 
@@ -308,9 +243,9 @@ class TensorParallel:
         self.tp, self.config = tp, config
         self.loaded, self.full = load_rank(source, config, tp, 0)
         check_degree(self.full, tp)
-        store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
-        port = store.port
+        secret = group_secret()
+        self._store, store = group_store("127.0.0.1", 0, tp, True, timeout_s, secret)
+        port = self._store.port
         # the CPUs the worker was given (its engine's threads), else the host's, shared by the ranks
         self.threads = threads = threads_per_rank or max(1, (config.num_threads or os.cpu_count() or 1) // tp)
         # fresh interpreters (not multiprocessing): nothing depends on how the parent's main module
@@ -319,10 +254,14 @@ class TensorParallel:
         for r in range(1, tp):
             p = subprocess.Popen([sys.executable, "-c", "from pdserve.engine.parallel.tp import follower_entry; follower_entry()"],
                                  stdin=subprocess.PIPE)
-            p.stdin.write(pickle.dumps((source, config, tp, r, port, timeout_s, threads)))
+            p.stdin.write(rank_args(source, config, tp, r, port, timeout_s, threads, secret))
             p.stdin.close()
             self.procs.append(p)
-        self.group = Group(0, tp, store, timeout_s, on_failure=self._kill_ranks)
+        try:
+            self.group = Group(0, tp, store, timeout_s, secret, on_failure=self._kill_ranks)
+        except (RankFailed, PeerRefused):
+            self._kill_ranks()
+            raise
         attach(self.loaded.model, self.group, self.full)
 
     def kv_cache(self) -> TPKVCache:

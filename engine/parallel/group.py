@@ -1,0 +1,150 @@
+"""One process's membership of a tensor-parallel group: the authenticated rendezvous, the
+collectives (gloo, on the CPU) and rank 0's sealed messages to the other ranks.
+
+The group forms on a loopback TCPStore under a key prefix derived from the group's random
+secret (engine/parallel/wire.py), then every rank proves the secret before anything else
+moves: another local user, who can reach the store's and the ranks' ports, can neither join
+the group nor speak in it, and what rank 0 sends is decoded without unpickling.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdserve.common.errors import PdserveError
+from pdserve.engine.parallel.wire import MAX_MESSAGE, PeerRefused, decode, encode, mac, seal, store_prefix, unseal
+
+
+class RankFailed(PdserveError, RuntimeError):
+    """A rank of a tensor-parallel group died or stopped answering: the group is down."""
+
+
+def group_store(host: str, port: int, world: int, is_rank0: bool, timeout_s: float, secret: bytes):
+    """The group's rendezvous store: a TCPStore on loopback (rank 0 hosts it; `port` 0: any
+    free one), its keys under a prefix only the secret's holders know."""
+    store = dist.TCPStore(host, port, world, is_rank0, timeout=timedelta(seconds=timeout_s),
+                          **({"wait_for_workers": False} if is_rank0 else {}))
+    return store, dist.PrefixStore(store_prefix(secret), store)
+
+
+class Group:
+    """This process's membership of a group: gloo collectives on a process group of its own
+    (not torch's default group, so that one process can hold several, as tests do). Every
+    rank proves the group's secret when the group forms, and rank 0's messages are sealed
+    under it (engine/parallel/wire.py)."""
+
+    def __init__(self, rank: int, world: int, store, timeout_s: float, secret: bytes, on_failure=None):
+        """store: the rendezvous store (TCPStore; `group_store` keeps the group's keys under
+        its secret); on_failure(): called once when a collective fails (rank 0 takes the
+        group down). Raises PeerRefused when a rank does not prove `secret`."""
+        self.rank, self.world, self.on_failure = rank, world, on_failure
+        try:
+            self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise RankFailed(f"the tensor-parallel group of {world} ranks did not form: {e}") from e
+        self.allreduce_s = 0.0
+        self.allreduces = 0
+        self.widths: list[int] = []  # every rank's columns in gather_columns (set by attach)
+        self.gather_s = 0.0  # time in gather_columns (the logits)
+        self.seq = 0  # messages rank 0 sent (or this rank received): each is sealed with its number
+        self.key = b""  # the session's, once every rank proved the secret
+        self._authenticate(secret)
+
+    def _authenticate(self, secret: bytes) -> None:
+        """Rank 0 sends a random challenge; every rank answers with a MAC of it under the secret,
+        gathered on rank 0, which sends its verdict sealed under the session key (of the secret
+        and the challenge), the key of every later message. A rank without the secret is refused by rank 0,
+        and a rank 0 without it by every other rank, before any step or prompt moves."""
+        challenge = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8) if self.rank == 0 \
+            else torch.empty(32, dtype=torch.uint8)
+        self._bcast(challenge)
+        c = challenge.numpy().tobytes()
+        proofs = self.gather(torch.frombuffer(bytearray(mac(secret, b"rank", str(self.rank).encode(), c)),
+                                              dtype=torch.uint8))
+        self.key = mac(secret, b"session", c)
+        if self.rank == 0:
+            refused = [r for r, p in enumerate(proofs)
+                       if not hmac.compare_digest(p.numpy().tobytes(), mac(secret, b"rank", str(r).encode(), c))]
+            self.broadcast(refused)
+        else:
+            refused = self.receive()
+        if refused:
+            raise PeerRefused(f"tensor-parallel ranks {refused} did not prove the group's secret: the group is refused")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        self._wait(self.pg.allreduce([x]), "an all-reduce")
+        self.allreduce_s += time.perf_counter() - t
+        self.allreduces += 1
+        return x
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            if self.on_failure is not None:
+                self.on_failure()
+                self.on_failure = None
+            raise RankFailed(f"{what} over the tensor-parallel group failed (a rank died or stopped "
+                             f"answering): {e}") from e
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.broadcast([t], opts), "a broadcast")
+
+    def broadcast(self, obj) -> None:
+        """Rank 0: send `obj` (what engine/parallel/wire.encode takes) to every other rank, sealed."""
+        self._send_raw(seal(self.key, self.seq, encode(obj)))
+        self.seq += 1
+
+    def _send_raw(self, data: bytes) -> None:
+        self._bcast(torch.tensor([len(data)]))
+        self._bcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def receive(self, device: str = "cpu"):
+        """Another rank: rank 0's next message, its tensors on `device`. Raises PeerRefused
+        (and takes this rank out) when it is not sealed by a holder of the group's secret."""
+        n = torch.zeros(1, dtype=torch.long)
+        self._bcast(n)
+        if not 0 < int(n) <= MAX_MESSAGE:
+            raise PeerRefused(f"a tensor-parallel message of {int(n)} bytes is refused")
+        data = torch.empty(int(n), dtype=torch.uint8)
+        self._bcast(data)
+        payload = unseal(self.key, self.seq, data.numpy().tobytes())
+        self.seq += 1
+        return decode(payload, device)
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` on rank 0 (None elsewhere)."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        out = [[torch.empty_like(t) for _ in range(self.world)]] if self.rank == 0 else []
+        self._wait(self.pg.gather(out, [t], opts), "gathering KV")
+        return out[0] if self.rank == 0 else None
+
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's (rows, widths[rank]) `t` side by side on rank 0 (None elsewhere). Gloo
+        gathers equal shapes: each part travels padded to the widest."""
+        t0, wide = time.perf_counter(), max(self.widths)
+        if t.shape[-1] < wide:
+            t = torch.nn.functional.pad(t, (0, wide - t.shape[-1]))
+        parts = self.gather(t)
+        self.gather_s += time.perf_counter() - t0
+        if parts is None:
+            return None
+        return torch.cat([p[..., :w] for p, w in zip(parts, self.widths)], dim=-1)
+
+    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
+        """Rank 0's parts[r] into rank r's `out`."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.scatter([out], [parts] if self.rank == 0 else [], opts), "scattering KV")
+
+    def close(self) -> None:
+        self.pg = None
