@@ -46,7 +46,8 @@ vllm: setup
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(BIN)/pdserve export-hf --out .cache/smollm2-hf
 
-# the cancellation tests, each STRESS times beside a process that keeps a core busy
+# the cancellation tests, each STRESS times beside a process that keeps a core busy, and the
+# chaos tests once beside one such process per core
 STRESS ?= 20
 stress: setup-test
-	PDSERVE_STRESS=$(STRESS) RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m cancellation $(PYTEST_ARGS)
+	PDSERVE_STRESS=$(STRESS) RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m "cancellation or chaos" $(PYTEST_ARGS)

@@ -31,20 +31,25 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(autouse=True)
 def cpu_contention(request):
     """Under PDSERVE_STRESS, a cancellation test runs beside a process that keeps a core
-    busy: races between a cancel and the engine thread show up there (a clean-clone CI run
-    on a loaded machine found one that passed alone)."""
-    if not (os.environ.get("PDSERVE_STRESS") and request.node.get_closest_marker("cancellation")):
+    busy (races between a cancel and the engine thread show up there: a clean-clone CI run
+    on a loaded machine found one that passed alone), and a chaos test beside one per core
+    (a fault test proves the recovery, not the machine's speed)."""
+    node = request.node
+    if not (os.environ.get("PDSERVE_STRESS") and (node.get_closest_marker("cancellation")
+                                                  or node.get_closest_marker("chaos"))):
         yield
         return
     import subprocess
     import sys
 
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    n = len(os.sched_getaffinity(0)) if node.get_closest_marker("chaos") else 1
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
         yield
     finally:
-        hog.kill()
-        hog.wait()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def assert_engine_clean(engine: LLMEngine) -> None:
