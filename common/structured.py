@@ -19,10 +19,10 @@ faster and needs nothing else installed (xgrammar pulls in transformers and trit
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
+from pdserve.common.checks import loads_json
 from pdserve.common.errors import InvalidRequestError
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
@@ -81,18 +81,19 @@ class Structured:
                                       param="response_format")
 
     def grammar(self) -> str:
-        """The llguidance grammar text; raises InvalidRequestError on a malformed spec."""
+        """The llguidance grammar text; raises InvalidRequestError on a malformed spec (a JSON
+        one nested past MAX_JSON_DEPTH included: strict_schema recurses per level)."""
         from llguidance import LLMatcher
 
         try:
             if self.kind == "json_object":
                 return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
             if self.kind == "json_schema":
-                return LLMatcher.grammar_from_json_schema(strict_schema(json.loads(self.spec)), overrides=JSON_OPTIONS)
+                return LLMatcher.grammar_from_json_schema(strict_schema(loads_json(self.spec, "the schema")), overrides=JSON_OPTIONS)
             if self.kind == "regex":
                 return LLMatcher.grammar_from_regex(self.spec)
             if self.kind == "choice":
-                choices = json.loads(self.spec)
+                choices = loads_json(self.spec, "the choices")
                 if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
                     raise ValueError("choice needs a non-empty list of strings")
                 return LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})" for c in choices))

