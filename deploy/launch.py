@@ -152,7 +152,20 @@ class Pool:
         self.actors, self.groups = self._new_actors(self.config.replicas)
         return [a.start.remote() for a in self.actors]
 
-    def wait(self, refs: list) -> list[dict]:
+    def wait(self, refs: list, log=lambda msg: None, every_s: float = 30.0) -> list[dict]:
+        """The workers' records once all have started; every `every_s` until then, a line to
+        `log` on how many are still loading or waiting to be placed (a model takes a while to
+        load; a worker Ray cannot place waits for good, and the line says which)."""
+        t0 = time.monotonic()
+        while True:
+            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=every_s)
+            if not pending:
+                break
+            unplaced = [g for g in self.groups if g is not None and not _placed(g)]
+            log(f"{len(pending)} of {len(refs)} {self.role} worker(s) not started after "
+                f"{time.monotonic() - t0:.0f}s" + (f" ({len(unplaced)} placement group(s) Ray has not placed: "
+                                                     f"free {ray.available_resources().get('CPU', 0):g} CPU)"
+                                                     if unplaced else " (loading)"))
         self.records = ray.get(refs)
         self._down_since = [None] * len(self.records)
         return self.records
@@ -208,13 +221,11 @@ class Pool:
         autoscaler that adds nodes, and is left to it)."""
         if self.cluster.ray_address:
             return
-        p, free, ranks = self.config, ray.available_resources(), more * self.tp
-        needs = {"CPU": p.num_cpus * ranks, "GPU": p.num_gpus * ranks} | ({p.resource: more} if p.resource else {})
-        short = {k: (v, free.get(k, 0.0)) for k, v in needs.items() if v > 0 and v > free.get(k, 0.0) + 1e-9}
+        from .placement import placement_shortfall, pool_demand, ray_resources
+
+        short = placement_shortfall([pool_demand(self.role, self.config, self.tp, more)], ray_resources())
         if short:
-            what = ", ".join(f"{need:g} {k} (free: {have:g})" for k, (need, have) in short.items())
-            raise PoolScaleError(f"no room for {more} more {self.role} worker(s): they need {what}; start "
-                                 "`pdserve up` with --ray-cpus N (room to grow) or join a larger cluster")
+            raise PoolScaleError(f"no room for {more} more {self.role} worker(s): {short} (`pdserve up`'s flags)")
 
     def supervise_once(self, timeout_s: float = 1.0) -> list[str]:
         """Ask every actor to be started. An actor Ray restarted after its process died loads
@@ -273,12 +284,21 @@ def stop_pools(pools: list[Pool], timeout_s: float) -> None:
     with contextlib.ExitStack() as held:
         for pool in pools:
             held.enter_context(pool._lock)
-        actors = [a for pool in pools for a in pool.actors]
-        if actors:
-            Pool._stop_actors(actors, timeout_s)
+        # workers that never started (still loading, or never placed) have nothing to finish
+        started = [a for pool in pools if pool.records for a in pool.actors]
+        for a in (a for pool in pools if not pool.records for a in pool.actors):
+            ray.kill(a)
+        if started:
+            Pool._stop_actors(started, timeout_s)
         for pool in pools:
             pool.remove_groups(pool.groups)
             pool.actors, pool.records, pool.groups = [], [], []
+
+
+def _placed(group) -> bool:
+    """Whether Ray has placed a placement group (reserved its bundles)."""
+    ready, _ = ray.wait([group.ready()], timeout=0)
+    return bool(ready)
 
 
 class RayPools:

@@ -9,16 +9,21 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from pdserve.config import ClusterConfig
 
 from .router_server import check_exposure, make_logger, serve_router
 
 
-def _start_ray(ray_address: str, needed_cpus: float, ray_cpus: float = 0.0):
-    """Join `ray_address`, or start a private local Ray. Returns the GCS address and the
-    session directory of the local Ray (None when joining)."""
+class PlacementError(ValueError):
+    """The pools ask for more than the Ray cluster has: the message says what, and the flags
+    that give room."""
+
+
+def _start_ray(ray_address: str, cpus: int):
+    """Join `ray_address`, or start a private local Ray of `cpus` CPUs. Returns the GCS
+    address and the session directory of the local Ray (None when joining)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -27,88 +32,135 @@ def _start_ray(ray_address: str, needed_cpus: float, ray_cpus: float = 0.0):
         ray.init(address=ray_address, log_to_driver=False)
         return ray.get_runtime_context().gcs_address, None
     temp = tempfile.mkdtemp(prefix="pdserve-ray-")
-    cpus = max(ray_cpus or os.cpu_count() or 1, needed_cpus)
-    ray.init(num_cpus=int(cpus + 0.999), include_dashboard=False,
-             object_store_memory=128 << 20, _temp_dir=temp, log_to_driver=False)
+    ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=128 << 20, _temp_dir=temp,
+             log_to_driver=False)
     return ray.get_runtime_context().gcs_address, temp
 
 
-def _embedded_redis(ray_address: str):
-    """The cluster's registry when none is given: a redis-server on loopback, or, when joining
-    a Ray cluster whose other nodes must reach it, on this node's address with a random
-    password (the URL the workers get carries it)."""
+def _embedded_redis(config: ClusterConfig):
+    """The cluster's registry when none is given: a redis-server with a password (the
+    config's, else random per cluster; the URL the workers get carries it), on loopback, or,
+    when joining a Ray cluster whose other nodes must reach it, on this node's address."""
     from pdserve.registry.embedded import EmbeddedRedis
 
-    if not ray_address:
-        return EmbeddedRedis().start()
+    password = config.redis_password or secrets.token_urlsafe(24)
+    if not config.ray_address:
+        return EmbeddedRedis(password=password).start()
     import ray
-    return EmbeddedRedis(host=ray.util.get_node_ip_address(), password=secrets.token_urlsafe(24)).start()
+    return EmbeddedRedis(host=ray.util.get_node_ip_address(), password=password).start()
+
+
+def _check_placement(config: ClusterConfig, log) -> None:
+    """Raise PlacementError at once when the pools cannot fit in the local Ray (Ray would keep
+    them pending for good, silently). A joined cluster may grow (an autoscaler adds nodes for
+    pending work): there the shortfall is logged and the pools wait."""
+    from .placement import cluster_demands, placement_shortfall, ray_resources
+
+    short = placement_shortfall(cluster_demands(config), ray_resources(), local=not config.ray_address)
+    if short is None:
+        return
+    if not config.ray_address:
+        raise PlacementError(f"the pools do not fit in the local Ray cluster: {short}")
+    log(f"the pools do not fit in the Ray cluster now; they wait for room (an autoscaler's new nodes): {short}")
+
+
+def _log_registry(config: ClusterConfig, redis, log) -> None:
+    from pdserve.registry.urls import redact_url
+
+    registry = config.registry
+    log(f"registry: {redact_url(registry.redis_url)}"
+        + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
+    log(f"cluster name: {registry.cluster_name} (`pdserve router --redis-url URL --cluster-name "
+        f"{registry.cluster_name} --cluster-token TOKEN` adds a router; the URL's password and the token are "
+        "random unless given: --redis-password and --cluster-token)")
+
+
+@dataclass
+class _Started:
+    """What this `pdserve up` has started so far: what its cleanup stops."""
+    pools: list = field(default_factory=list)
+    supervisor: threading.Thread | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
+    redis: object = None
+    ray_temp: str | None = None
 
 
 def run_up(config: ClusterConfig, api: bool = True) -> int:
     """Run the cluster until Ctrl-C or SIGTERM. api=False (`--no-router`): the pools and their
-    admin endpoints only; routers run elsewhere."""
-    import ray
-
+    admin endpoints only; routers run elsewhere. A signal in any phase, start included, stops
+    everything started so far (deploy/interrupts.py); a start cut short raises
+    KeyboardInterrupt once it is cleaned up."""
     from pdserve.engine.model.weights import resolve_model_path
-    from pdserve.registry.urls import redact_url
 
-    from .launch import Pool, RayPools, stop_pools
+    from .interrupts import Interrupts
+    from .launch import Pool, RayPools
+    from .placement import local_ray_cpus
 
     check_exposure(config.router, config.security)
     t0 = time.monotonic()
     log = make_logger(t0)
     model_path = resolve_model_path(config.engine.model or None)
-    started: list[Pool] = []
-    supervisor, redis = None, None
-    ray_temp, clean = None, False
+    up, clean = _Started(), False
+    interrupts = Interrupts(log).install()
     try:
-        gcs, ray_temp = _start_ray(config.ray_address, sum(p.replicas * p.num_cpus for p in config.pools().values()),
-                              config.ray_cpus)
-        redis = None if config.registry.redis_url else _embedded_redis(config.ray_address)
-        if redis is not None:
-            config = replace(config, registry=replace(config.registry, redis_url=redis.url))
-        registry = config.registry
-        log(f"registry: {redact_url(registry.redis_url)}"
-            + (f" (embedded redis-server, pid {redis.pid})" if redis else ""))
-        log(f"cluster name: {registry.cluster_name} (`pdserve router --redis-url URL --cluster-name "
-            f"{registry.cluster_name} --cluster-token TOKEN` adds a router; without --cluster-token this cluster's "
-            "token is random)")
-        log(f"ray: {gcs}" + (f" (session files in {ray_temp})" if ray_temp else ""))
-        started = [Pool(role, config) for role in config.pools()]
-        pending = [pool.launch() for pool in started]  # all pools load their model at once
-        for pool, refs in zip(started, pending):
-            for r in pool.wait(refs):
+        cpus = local_ray_cpus(config, os.cpu_count() or 1)
+        log(f"joining Ray at {config.ray_address}" if config.ray_address else f"starting a local Ray of {cpus} CPUs")
+        with interrupts.deferred():  # cut half-way, ray.init leaves processes behind that nothing stops
+            gcs, up.ray_temp = _start_ray(config.ray_address, cpus)
+        interrupts.install()  # ray.init set its own SIGTERM handler
+        with interrupts.deferred():
+            up.redis = None if config.registry.redis_url else _embedded_redis(config)
+        if up.redis is not None:
+            config = replace(config, registry=replace(config.registry, redis_url=up.redis.url))
+        _log_registry(config, up.redis, log)
+        log(f"ray: {gcs}" + (f" (session files in {up.ray_temp})" if up.ray_temp else ""))
+        _check_placement(config, log)
+        up.pools = [Pool(role, config) for role in config.pools()]
+        pending = [pool.launch() for pool in up.pools]  # all pools load their model at once
+        for pool, refs in zip(up.pools, pending):
+            for r in pool.wait(refs, log):
                 log(f"{r['role']} worker {r['worker_id']} (pid {r['pid']}) on {r['address']}")
                 if r.get("registry_error"):
                     log(f"{r['worker_id']} cannot reach the registry yet ({r['registry_error']}); it joins the "
                         "cluster once it can")
-        stopping = threading.Event()
 
         def supervise():  # brings restarted actors back into service
-            while not stopping.wait(1.0):
-                for pool in started:
+            while not up.stopping.wait(1.0):
+                for pool in up.pools:
                     for note in pool.supervise_once():
                         log(note)
-        supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
-        supervisor.start()
-        control = RayPools(started, log)
-        serve_router(config, model_path, log, t0, control=control, api=api)
+        up.supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
+        up.supervisor.start()
+        serve_router(config, model_path, log, t0, control=RayPools(up.pools, log), api=api)
         clean = True
         return 0
+    except (KeyboardInterrupt, PlacementError):
+        clean = True  # Ray's logs hold nothing to read on what stopped it
+        raise
     finally:
-        log("shutting down")
-        if supervisor is not None:
-            stopping.set()
-            supervisor.join(timeout=5)
-        stop_pools(started, config.router.shutdown_grace_s)
-        if ray.is_initialized():
-            ray.shutdown()
-        if ray_temp:  # Ray's session files and logs: kept (and named) only when something failed
-            if clean:
-                shutil.rmtree(ray_temp, ignore_errors=True)
-            else:
-                log(f"ray logs kept in {ray_temp}")
-        if redis is not None:
-            redis.stop()
-        log("stopped")
+        with interrupts.shielded():
+            _stop_all(up, config.router.shutdown_grace_s, clean, log)
+        interrupts.restore()
+
+
+def _stop_all(up: _Started, grace_s: float, clean: bool, log) -> None:
+    """Stop what `up` holds, newest first: the workers (`grace_s` to finish), Ray, Redis."""
+    import ray
+
+    from .launch import stop_pools
+
+    log("shutting down")
+    if up.supervisor is not None:
+        up.stopping.set()
+        up.supervisor.join(timeout=5)
+    stop_pools(up.pools, grace_s)
+    if ray.is_initialized():
+        ray.shutdown()
+    if up.ray_temp:  # Ray's session files and logs: kept (and named) only when something failed
+        if clean:
+            shutil.rmtree(up.ray_temp, ignore_errors=True)
+        else:
+            log(f"ray logs kept in {up.ray_temp}")
+    if up.redis is not None:
+        up.redis.stop()
+    log("stopped")

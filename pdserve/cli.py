@@ -136,3 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     except (PdserveError, ValueError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before serving; what was started is stopped
+        print("pdserve: interrupted", file=sys.stderr)
+        return 130

@@ -201,6 +201,9 @@ class ClusterConfig:
     ray_cpus: float = 0.0
     """CPUs of the local Ray cluster `pdserve up` starts (room to grow the pools into);
     0: this machine's cores, or what the pools need if more."""
+    redis_password: str = field(default="", repr=False)
+    """Password of the embedded Redis `pdserve up` starts when the registry has no URL; "":
+    random per cluster (workers get it in their Redis URL, like the cluster token)."""
     share_cores: bool = True
     """CPU workers on one host lend their cores to each other while idle (engine/parallel/cores.py): a
     lone request's prefill and decode each run on every core."""

@@ -169,6 +169,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-router", action="store_true",
                    help="run the pools only (routers run elsewhere: `pdserve router`); --port then serves "
                         "/health and the admin endpoints")
+    p.add_argument("--redis-password", default=_env("PDSERVE_REDIS_PASSWORD"),
+                   help="password of the embedded Redis (without --redis-url; env PDSERVE_REDIS_PASSWORD; default: "
+                        "random per cluster): a router added with `pdserve router` needs it in its --redis-url")
     p.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
     p.add_argument("--worker-host", default="", help="address workers serve on: 'auto' (their node's IP, the "
                    "default with --ray-address) or an address (default without: 127.0.0.1)")
@@ -288,7 +291,7 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
                                   up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after,
                                   cooldown_s=args.autoscale_cooldown),
         ray_address=args.ray_address, worker_host=args.worker_host, share_cores=args.share_cores,
-        ray_cpus=args.ray_cpus)
+        ray_cpus=args.ray_cpus, redis_password=args.redis_password)
 
 
 def router_config(args: argparse.Namespace) -> ClusterConfig:

@@ -62,6 +62,14 @@ class EmbeddedRedis:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        """Start it and wait until it answers; if that fails or is interrupted, it is stopped."""
+        try:
+            return self._start(timeout_s)
+        except BaseException:  # Ctrl-C included: the caller holds no handle yet to stop it by
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> "EmbeddedRedis":
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")  # mode 0700
         conf = []
         if self.password:

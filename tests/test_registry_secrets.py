@@ -160,6 +160,7 @@ def test_up_logs_the_registry_url_without_its_password(tmp_path, monkeypatch, ca
         raise ValueError("stopped by the test")
 
     monkeypatch.setattr(pdserve.deploy.up, "_start_ray", lambda *_: ("no-ray", None))
+    monkeypatch.setattr(pdserve.deploy.up, "_check_placement", lambda *_: None)
     monkeypatch.setattr(pdserve.deploy.launch, "Pool", stop_here)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
