@@ -235,3 +235,29 @@ def test_every_models_template_takes_system_only_tool_and_multi_tool_conversatio
                 assert (m["content"] or "") in prompt, (model, name, m)
             for c in (c for m in messages for c in m.get("tool_calls") or []):  # as written, UTF-8
                 assert c["function"]["arguments"][1:-1] in prompt and c["function"]["name"] in prompt, (model, name)
+
+
+def test_a_choice_that_fails_mid_stream_ends_the_stream_with_an_error_and_done():
+    """Whatever a choice raises after the stream's first event (here a bug's KeyError from
+    its worker stream) becomes the stream's error event, then `[DONE]`."""
+    import asyncio
+
+    from pdserve.router.generation import Delta
+    from pdserve.router.responses import stream
+
+    class FailingChoice:  # a Generation's interface to `stream`: deltas(), close()
+        async def deltas(self):
+            yield Delta("Hel", [1])
+            await asyncio.sleep(0)
+            raise KeyError("s3cret")
+
+        async def close(self):
+            pass
+
+    async def events() -> list[str]:
+        response = await stream([FailingChoice()], lambda i, d, off: {"text": d.text}, lambda i: [], {}, False)
+        return [chunk async for chunk in response.body_iterator]
+    data = [e.removeprefix("data: ").strip() for e in asyncio.run(events())]
+    assert data[0] == '{"text": "Hel"}' and data[-1] == "[DONE]", data
+    err = json.loads(data[1])["error"]
+    assert err["type"] == "server_error" and "s3cret" not in err["message"]
