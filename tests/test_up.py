@@ -1,5 +1,6 @@
 """`pdserve up` as a user runs it: embedded Redis, a local Ray cluster with a prefill and a
-decode actor, the router; an OpenAI request; Ctrl-C leaves no process behind."""
+decode actor, the router; an OpenAI request; a Redis that refuses clients without its password; Ctrl-C
+leaves no process behind."""
 import os
 import re
 import signal
@@ -35,6 +36,7 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
         assert len(procs) >= 4  # redis-server, Ray's own processes, two worker actors
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        registry_refuses_strangers(up.text())
         model = client.models.list().data[0].id
         assert model == "SmolLM2-135M-Instruct"
         msgs = [{"role": "user", "content": "What is the capital of France?"}]
@@ -84,6 +86,21 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
     # Ray's private session directory goes too (113 of them had piled up in /tmp once)
     temp = err.split("session files in ")[1].split(")")[0]
     assert temp.startswith(tempfile.gettempdir()) and not os.path.exists(temp), temp
+
+
+def registry_refuses_strangers(log: str) -> None:
+    """The embedded Redis has a password of its own (random: none was given), which the log
+    never shows; a client without it is refused, while the workers (given it) registered."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    m = re.search(r"registry: redis://:\*\*\*@(127\.0\.0\.1):(\d+)/0 \(embedded redis-server", log)
+    assert m, log
+    once = Retry(NoBackoff(), 0)  # redis-py retries refused credentials for seconds by default
+    for password in (None, "guess"):
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host=m.group(1), port=int(m.group(2)), password=password, retry=once).ping()
 
 
 def isolation_under_ray(port: int, model: str) -> None:
