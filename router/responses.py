@@ -101,10 +101,12 @@ def timing(gens: list[Generation]) -> list[dict]:
 
 async def stream(gens: list[Generation], chunk, final, base: dict, include_usage: bool,
                  per_prompt: int | None = None, stall_timeout_s: float = 60.0, on_stall=None,
-                 include_timing: bool = False) -> StreamingResponse:
+                 include_timing: bool = False, encode: Callable[[object], str] = sse,
+                 done: str = "data: [DONE]\n\n") -> StreamingResponse:
     """SSE of every choice's deltas as they come; `chunk(i, delta, offset)` and `final(i)`
-    give the events (or None to send nothing). The usage and the timing, when asked for,
-    come in one last chunk with no choices. Deltas wait for a slow reader in a buffer of
+    give the events (or None to send nothing), `encode` writes each (and the error body of a
+    stream that fails) as SSE text, `done` ends the stream ("": nothing). The usage and the
+    timing, when asked for, come in one last chunk with no choices. Deltas wait for a slow reader in a buffer of
     STREAM_BUFFER per choice (then the worker's stream waits, by gRPC's flow control); a
     reader that takes none for `stall_timeout_s` (0: no limit) has its requests aborted on
     the workers, and `on_stall()` is called."""
@@ -142,20 +144,21 @@ async def stream(gens: list[Generation], chunk, final, base: dict, include_usage
                 if item is None:
                     left -= 1
                     for ev in final(i):
-                        yield sse(ev)
+                        yield encode(ev)
                     continue
                 ev = chunk(i, item, offsets[i])
                 offsets[i] += len(item.text)
                 if ev is not None:
-                    yield sse(ev)
+                    yield encode(ev)
             if include_usage or include_timing:
-                yield sse(base | {"choices": []} | ({"usage": usage(gens, per_prompt)} if include_usage else {})
-                          | ({"timing": timing(gens)} if include_timing else {}))
+                yield encode(base | {"choices": []} | ({"usage": usage(gens, per_prompt)} if include_usage else {})
+                             | ({"timing": timing(gens)} if include_timing else {}))
         except Exception as e:  # noqa: BLE001 - after the first byte the status is sent: report in-band
-            yield sse(api_error_of(e).body())
+            yield encode(api_error_of(e).body())
         finally:
             await detached(_end(tasks, gens))
-        yield "data: [DONE]\n\n"
+        if done:
+            yield done
 
     # Start the generator now: a started async generator is closed (its `finally` runs,
     # aborting the requests) whenever it is dropped, even if the client vanished before
