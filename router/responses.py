@@ -106,10 +106,10 @@ async def stream(gens: list[Generation], chunk, final, base: dict, include_usage
     """SSE of every choice's deltas as they come; `chunk(i, delta, offset)` and `final(i)`
     give the events (or None to send nothing), `encode` writes each (and the error body of a
     stream that fails) as SSE text, `done` ends the stream ("": nothing). The usage and the
-    timing, when asked for, come in one last chunk with no choices. Deltas wait for a slow reader in a buffer of
-    STREAM_BUFFER per choice (then the worker's stream waits, by gRPC's flow control); a
-    reader that takes none for `stall_timeout_s` (0: no limit) has its requests aborted on
-    the workers, and `on_stall()` is called."""
+    timing, when asked for, come in one last chunk with no choices. Deltas wait for a slow
+    reader in a buffer of STREAM_BUFFER per choice (then the worker's stream waits, by gRPC's
+    flow control); a reader that takes none for `stall_timeout_s` (0: no limit) has its
+    requests aborted on the workers, and `on_stall()` is called."""
     async def events():
         q: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER * len(gens))
 
