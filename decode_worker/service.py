@@ -162,9 +162,8 @@ class DecodeWorker:
         `local_prefill_tokens` are not in this worker's cache."""
         rid, resume, local_tail = request.request_id, list(request.resume_token_ids), request.local_prefill_tokens
         prefill_address = request.prefill_address
-        # prompt logprobs come from the prompt's logits: computed here, where they are returned
-        if (prefill_address and len(prompt) > self.transfer.local_prefill_threshold and not resume
-                and params.prompt_logprobs is None):
+        # a prompt's logprobs come back from the prefill worker with its KV
+        if prefill_address and len(prompt) > self.transfer.local_prefill_threshold and not resume:
             try:
                 done = await self._remote_prefill(request, prompt, params, local_tail, span)
                 if done is True:
@@ -242,8 +241,10 @@ class DecodeWorker:
             if arrival is None:
                 raise KVTransferError(f"prefill worker at {prefill_address} answered but no KV arrived for {rid!r}")
             lp = logprob_from_proto(reply.logprob) if reply.HasField("logprob") else None
+            prompt_lps = [logprob_from_proto(p) for p in reply.prompt_logprobs] \
+                if params.prompt_logprobs is not None else None
             t_land = time.perf_counter()
-            await self.engine.import_kv(rid, arrival.kv, reply.first_token, lp)
+            await self.engine.import_kv(rid, arrival.kv, reply.first_token, lp, prompt_lps)
             self.tracer.record("kv.import", span, t_land, time.perf_counter(),
                                {"pdserve.kv_bytes": arrival.kv.numel() * arrival.kv.element_size(),
                                 "pdserve.blocks": len(dest)})

@@ -126,6 +126,7 @@ class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
                                 timing=timing)
         if first.logprobs:
             reply.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
+        reply.prompt_logprobs.extend(logprob_to_proto(lp) for lp in first.prompt_logprobs or [])
         return reply
 
 

@@ -108,7 +108,7 @@ def test_a_prompt_past_any_context_is_refused_before_tokenizing_and_tokenizing_l
     assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"
 
 
-def test_prompt_logprobs_are_computed_once_for_every_choice(cluster):
+def test_prompt_logprobs_are_computed_once_on_the_prefill_pool(cluster, smollm):
     decode = [w.worker for w in cluster.workers if w.config.role == "decode"]
     before = [sum(w.local_prefills for w in decode), sum(w.remote_prefills for w in decode)]
     prompt = "The quick brown fox jumps over the lazy dog. " * 12
@@ -120,11 +120,17 @@ def test_prompt_logprobs_are_computed_once_for_every_choice(cluster):
     n_prompt = r.json()["usage"]["prompt_tokens"]
     firsts = [c["logprobs"]["token_logprobs"][:n_prompt] for c in choices]
     assert all(f == firsts[0] for f in firsts) and firsts[0][0] is None and len(firsts[0]) == n_prompt
-    # a prompt with prompt logprobs is computed in full on its decode worker (its logits are
-    # returned there); only the first choice asked for them: the other three went the usual
-    # way, through the prefill pool (before: four full prompt passes beside the decode batch)
+    # only the first choice asked for them, and every prompt went through the prefill pool:
+    # the logprobs came back with the KV, nothing recomputed the prompt beside the decode batch
     after = [sum(w.local_prefills for w in decode), sum(w.remote_prefills for w in decode)]
-    assert [a - b for a, b in zip(after, before)] == [1, 3]
+    assert [a - b for a, b in zip(after, before)] == [0, 4]
+    loaded, tok = smollm  # the same numbers as one engine computing the prompt itself
+    eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok)
+    eng.add_request("ref", tok.encode(prompt), SamplingParams(max_tokens=1, prompt_logprobs=1))
+    want = []
+    while eng.has_unfinished_requests():
+        want += [lp.logprob for o in eng.step() for lp in (o.prompt_logprobs or [])]
+    assert firsts[0][1:] == pytest.approx(want, abs=1e-5)
 
 
 def test_priority_tenant_and_session_from_body_and_headers(cluster):

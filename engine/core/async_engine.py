@@ -114,12 +114,13 @@ class AsyncEngine:
     async def release_kv(self, request_id: str) -> None:
         await self.run_always(methodcaller("release_kv", request_id=request_id))
 
-    async def import_kv(self, request_id: str, kv, first_token: int, logprob: TokenLogprobs | None) -> None:
-        """Land a prompt's KV with its first token, and publish that token from the engine thread
-        before it can step again: it always reaches the stream ahead of the ones the batch
-        produces next."""
+    async def import_kv(self, request_id: str, kv, first_token: int, logprob: TokenLogprobs | None,
+                        prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
+        """Land a prompt's KV with its first token (and the prompt's logprobs, computed where
+        the KV was), and publish that token from the engine thread before it can step again:
+        it always reaches the stream ahead of the ones the batch produces next."""
         def land(e: LLMEngine) -> None:
-            self.publish([e.import_kv(request_id, kv, first_token, logprob)])
+            self.publish([e.import_kv(request_id, kv, first_token, logprob, prompt_logprobs)])
         await self.run(land)
 
     def open_stream(self, request_id: str) -> asyncio.Queue:

@@ -68,9 +68,11 @@ class KVTransferHooks:
         return self.blocks.block_table(request_id)[req.num_cached_tokens // self.blocks.block_size:]
 
     def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
-                  logprob: TokenLogprobs | None = None) -> RequestOutput:
+                  logprob: TokenLogprobs | None = None,
+                  prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         """Write the prompt KV into the request's blocks and continue from `first_token`
-        (sampled by the prefill side). The request then decodes in the batch."""
+        (sampled by the prefill side, which computed `prompt_logprobs` too if the request
+        asks for them). The request then decodes in the batch."""
         req = self.scheduler.remote.get(request_id)
         if req is None:
             raise KVTransferError(f"request {request_id!r} is not waiting for remote KV")
@@ -79,6 +81,8 @@ class KVTransferHooks:
             raise KVTransferError(f"KV for {request_id!r} has shape {tuple(kv.shape)}: more blocks than its {len(table)}")
         self.kv_cache.import_blocks(table[len(table) - kv.shape[2]:], kv)  # the uncached tail
         self.scheduler.remote_kv_ready(req)
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
         if not req.params.greedy:
             # the prefill side drew the first token from the same seeded stream: skip that
             # draw so that the rest equals a single-engine run
