@@ -258,6 +258,8 @@ def create_app(router: Router) -> FastAPI:
         return {"workers": worker_view(router.cluster)}
 
     add_admin_routes(app, router.control, authorized)
+    from .responses_endpoint import add_responses_routes  # it imports this module's helpers
+    add_responses_routes(app, router, authorized)
 
     @app.get("/metrics")
     async def metrics():
