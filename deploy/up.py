@@ -1,6 +1,8 @@
 """`pdserve up`: the whole cluster on this machine (or on an existing Ray cluster) behind one
 OpenAI endpoint: embedded Redis, Ray, a prefill pool and a decode pool, and the router in
-this process. Ctrl-C stops everything it started, by PID or actor handle."""
+this process. A cluster that cannot be placed on Ray is refused before any worker starts
+(placement.py); Ctrl-C or SIGTERM in any phase, start included, stops everything it started,
+by PID or actor handle (interrupts.py)."""
 from __future__ import annotations
 
 import os

@@ -14,7 +14,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.registry.embedded import free_port
-from tests.helpers.procs import alive, descendants
+from tests.helpers.procs import alive, descendants, registry_url
 from tests.helpers.ray_procs import Proc, engine_stats, get_workers, scale, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -107,7 +107,8 @@ def test_pools_only_head_and_a_separate_router():
     port, router_port = free_port(), free_port()
     up = Proc("up", "--no-router", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-name", "topo",
               "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--threads", "1", "--api-key", "k-admin",
-              "--cluster-token", "topo-token")  # the separate router is given the cluster's token
+              "--cluster-token", "topo-token",  # the separate router is given the cluster's token
+              "--redis-password", "topo-redis")  # and the registry's password
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k-admin"}
     procs: set[int] = set()
     router = None
@@ -120,7 +121,7 @@ def test_pools_only_head_and_a_separate_router():
         assert httpx.get(url + "/admin/pools").status_code == 401  # the admin endpoints need the key
         assert httpx.get(url + "/admin/pools", headers=auth).json()["pools"] == {"prefill": 1, "decode": 1}
         assert httpx.post(url + "/v1/completions", json={}, headers=auth).status_code == 404  # no API here
-        redis_url = up.find("registry: ").split("registry: ")[1].split()[0]
+        redis_url = registry_url(up.text(), "topo-redis")
         router = Proc("router", "--port", str(router_port), "--redis-url", redis_url, "--cluster-name", "topo",
                       "--cluster-token", "topo-token")
         router.wait_ready()

@@ -18,11 +18,12 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.registry.embedded import free_port
-from tests.helpers.procs import alive, descendants, restart_redis
+from tests.helpers.procs import alive, descendants, registry_url, restart_redis
 from tests.helpers.ray_procs import CHAOS_TOKEN, Proc, engine_stats, get_workers, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.chaos]
 TOKEN = CHAOS_TOKEN
+REDIS_PASSWORD = "chaos-redis-password"
 
 
 def busy_worker(url: str, role: str, what: str, timeout: float) -> dict:
@@ -45,13 +46,15 @@ def clean(url: str) -> bool:
 def cluster():
     port = free_port()
     up = Proc("up", "--port", str(port), "--prefill", "2", "--decode", "2", "--kv-cache-memory", "64MiB",
-              "--cluster-token", TOKEN, "--cluster-name", "chaos", "--prefill-cpus", "0.5", "--decode-cpus", "0.5",
+              "--cluster-token", TOKEN, "--cluster-name", "chaos", "--redis-password", REDIS_PASSWORD,
+              "--prefill-cpus", "0.5", "--decode-cpus", "0.5",
               "--threads", "1",
               "--no-idle-decode-prefill")  # a lone prompt still goes through the prefill pool, to kill it there
     procs: set[int] = set()
     try:
         up.wait_ready()
         up.url = f"http://127.0.0.1:{port}"
+        up.redis_url = registry_url(up.text(), REDIS_PASSWORD)
         up.pids = {}
         for line in up.log:  # "[pdserve  9.1s] decode worker decode-0 (pid 123) on 127.0.0.1:4567"
             if " worker " in line and "(pid " in line:
@@ -150,7 +153,7 @@ def test_prefill_worker_sigkill_mid_prefill(cluster, reference):
 def test_router_sigkill_then_restart(cluster):
     """The router keeps no state: a killed router's streams end (the client sees the
     connection drop) and the workers abort them; a new router serves at once."""
-    redis_url = cluster.find("registry: ").split("registry: ")[1].split()[0]
+    redis_url = cluster.redis_url
     port = free_port()
     args = ("router", "--port", str(port), "--redis-url", redis_url, "--cluster-name", "chaos",
             "--cluster-token", TOKEN)
@@ -187,16 +190,15 @@ def test_redis_killed_then_restarted(cluster):
     import redis
 
     pid = int(cluster.find("embedded redis-server, pid").split("pid ")[1].split(")")[0])
-    url = cluster.find("registry: ").split("registry: ")[1].split()[0]
-    host, port = url.split("//")[1].split("/")[0].split(":")
+    host, port = cluster.redis_url.split("@")[1].split("/")[0].split(":")
     os.kill(pid, signal.SIGKILL)
     body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     time.sleep(2)  # heartbeats and event pushes fail meanwhile
     r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text  # served from the last known membership
-    cluster.redis = restart_redis(host, int(port))  # the operator restarts it, empty
+    cluster.redis = restart_redis(host, int(port), password=REDIS_PASSWORD)  # the operator restarts it, empty
     restarted = time.monotonic()
-    db = redis.Redis(host=host, port=int(port))
+    db = redis.Redis(host=host, port=int(port), password=REDIS_PASSWORD)
     wait_until(lambda: len(db.keys("pdserve:chaos:worker:*")) == 4, 30, "every worker to register again")
     recovery = time.monotonic() - restarted
     db.close()

@@ -64,14 +64,23 @@ def alive(pid: int) -> bool:
         return False
 
 
-def restart_redis(host: str, port: int, within_s: float = 20.0) -> EmbeddedRedis:
+def registry_url(log: str, password: str) -> str:
+    """The Redis URL of a `pdserve up` started with `--redis-password PASSWORD`, from its log
+    (which shows the password as ***)."""
+    from urllib.parse import quote
+
+    line = next(x for x in log.splitlines() if "registry: " in x)
+    return line.split("registry: ")[1].split()[0].replace(":***@", f":{quote(password, safe='')}@", 1)
+
+
+def restart_redis(host: str, port: int, within_s: float = 20.0, password: str = "") -> EmbeddedRedis:
     """On its old port, retrying as an operator would: until the clients' reconnect attempts
     give up on it, one of them can hold the port (a TCP self-connect: the port is in the
     ephemeral range, and a connect to a dead local port can pick it as its own)."""
     deadline = time.monotonic() + within_s
     while True:
         try:
-            return EmbeddedRedis(host, port).start()
+            return EmbeddedRedis(host, port, password=password).start()
         except RuntimeError as e:
             if time.monotonic() > deadline:
                 raise
