@@ -71,7 +71,14 @@ class RouterConfig:
     refresh_interval_s: float = 0.25
     """How often worker loads (and, with a registry, membership and KV events) are read."""
     max_inflight: int = 256
-    """Requests admitted at once; beyond it 429 with Retry-After. 0: unbounded."""
+    """Generations (choices) admitted at once; beyond it a request waits in the router's queue
+    (router/admission.py: most urgent first, tenants in turn). 0: unbounded."""
+    queue_size: int = 1024
+    """Requests waiting past max_inflight; when full, a request less urgent than every waiting
+    one gets 429 with Retry-After (a more urgent one takes the least urgent's place). 0: no
+    queue, 429 at once."""
+    queue_timeout_s: float = 60.0
+    """A request waiting this long in the router's queue gets 429 with Retry-After."""
     request_timeout_s: float = 600.0
     """A request not finished after this long gets 504 (and is aborted). 0: no limit."""
     shutdown_grace_s: float = 10.0
@@ -98,7 +105,7 @@ class RouterConfig:
         one_of("routing", self.routing, ROUTING_POLICIES)
         for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "prefill_queue_limit",
                      "max_body_bytes", "stream_stall_timeout_s", "shutdown_grace_s", "tenant_max_inflight",
-                     "tenant_max_queued_tokens", "session_kv_limit"):
+                     "tenant_max_queued_tokens", "session_kv_limit", "queue_size", "queue_timeout_s"):
             at_least(name, getattr(self, name), 0)
         at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 

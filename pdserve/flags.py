@@ -68,7 +68,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "--host is not a loopback address")
     _add_tls_args(p)
     p.add_argument("--max-inflight", type=int, default=_R.max_inflight,
-                   help="requests admitted at once; beyond it 429 with Retry-After (0: unbounded)")
+                   help="generations (choices) admitted at once; beyond it requests wait in the router's queue, "
+                        "most urgent first (0: unbounded)")
+    p.add_argument("--queue-size", type=int, default=_R.queue_size,
+                   help="requests waiting past --max-inflight; beyond it 429 for the least urgent (0: no queue)")
+    p.add_argument("--queue-timeout", type=float, default=_R.queue_timeout_s,
+                   help="seconds a request may wait in the router's queue before 429")
     p.add_argument("--request-timeout", type=float, default=_R.request_timeout_s,
                    help="seconds before an unfinished request gets 504 and is aborted (0: none)")
     p.add_argument("--shutdown-grace", type=float, default=_R.shutdown_grace_s,
@@ -252,6 +257,7 @@ def _router_config(args: argparse.Namespace) -> RouterConfig:
                         decode_local_prefill=args.decode_local_prefill,
                         prefill_queue_limit=args.prefill_queue_limit,
                         idle_decode_prefill=args.idle_decode_prefill, max_inflight=args.max_inflight,
+                        queue_size=args.queue_size, queue_timeout_s=args.queue_timeout,
                         special_tokens_in_content=args.special_tokens_in_content,
                         stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,
                         request_timeout_s=args.request_timeout,

@@ -24,7 +24,8 @@ class RouterMetrics:
                                buckets=_LATENCY)
         self.requests = Counter("pdserve_requests", "Requests by status", ["status"], registry=r)
         self.rejected = Counter("pdserve_rejected_requests", "Requests refused with 429, by reason "
-                                "(router_inflight: --max-inflight; pool_full: every worker of a pool at its queue limit)",
+                                "(router_inflight: past --max-inflight, the router's queue full or waited "
+                                "--queue-timeout; pool_full: every worker of a pool at its queue limit)",
                                 ["reason"], registry=r)
         self.stalled_streams = Counter("pdserve_stalled_streams", "Streams cut off and aborted: the client read "
                                        "nothing for --stream-stall-timeout", registry=r)
@@ -37,6 +38,8 @@ class RouterMetrics:
         self.class_waiting = Gauge("pdserve_class_waiting_requests", "Admitted requests without their first token "
                                    "yet, by priority band (high < 0, default 0, low, sheddable) and tenant",
                                    ["priority", "tenant"], registry=r)
+        self.router_queue = Gauge("pdserve_router_queue_requests", "Requests waiting in the router's queue "
+                                  "(past --max-inflight), by priority band", ["priority"], registry=r)
         self.class_wait = Histogram("pdserve_class_wait_seconds", "Time to first token by priority band and tenant",
                                     ["priority", "tenant"], registry=r, buckets=_LATENCY)
         self.budget_refusals = Counter("pdserve_budget_refusals", "Requests refused or ended by a budget: "

@@ -22,6 +22,7 @@ from pdserve.common.tokens import check_token_ids
 from pdserve.protos.tracing import OFF, Tracer
 
 from . import responses
+from .admission import AdmissionQueue, QueueRefusal
 from .cluster import ClusterClient, WorkerEndpoint
 from .control import PoolControl
 from .discovery import RegistryDiscovery
@@ -49,7 +50,7 @@ class Router:
         self.refresh_interval_s = config.refresh_interval_s
         self.metrics = RouterMetrics(self.model_name)
         self.logprobs = responses.Logprobs(tokenizer)
-        self.inflight = 0
+        self.admission = AdmissionQueue(config.max_inflight, config.queue_size, config.queue_timeout_s)
         self.started = time.time()  # the model card's `created`
         self.control = control
         self.tenants = TenantLimits(config.tenant_max_inflight, config.tenant_max_queued_tokens)
@@ -90,29 +91,44 @@ class Router:
                 "on_stall": self.metrics.stalled_streams.inc}
 
     # ---- admission ----------------------------------------------------------------------
-    def _generation(self, prompt: list[int], params: SamplingParams, prefix: str,
-                    ctx: RequestContext = RequestContext(), arrival: float | None = None) -> Generation:
-        """Admit a request (or refuse it with 429: the router's in-flight limit, a sheddable
-        request while the pool is saturated, its tenant's limits) and make its Generation."""
-        limit = self.config.max_inflight
-        if limit and self.inflight >= limit:
+    async def _enter(self, ctx: RequestContext, places: int) -> None:
+        """Take `places` of the router's places in flight (one per choice), waiting in its
+        queue behind more urgent requests (router/admission.py); 429 if it is full, or after
+        --queue-timeout. A sheddable request is refused before it waits."""
+        self._check_shed(ctx)
+        band = self._band(ctx.priority)
+        self.metrics.router_queue.labels(band).inc()
+        try:
+            await self.admission.enter(ctx.priority, ctx.tenant, places)
+        except QueueRefusal as e:
             self.metrics.requests.labels("rejected").inc()
             self.metrics.rejected.labels("router_inflight").inc()
-            raise APIError(429, f"the server is at capacity ({limit} requests in flight); retry shortly",
-                           "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise APIError(429, f"the server is at capacity ({self.config.max_inflight} generations in flight): "
+                                f"{e}; retry shortly", "rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
+        finally:
+            self.metrics.router_queue.labels(band).dec()
+
+    def _check_shed(self, ctx: RequestContext) -> None:
         if ctx.priority >= self.config.sheddable_priority and self.cluster.saturated(self.config.session_kv_limit):
             self.metrics.requests.labels("rejected").inc()
             self.metrics.budget_refusals.labels("shed").inc()
             raise APIError(429, f"the cluster is saturated and this request's priority ({ctx.priority}) is "
                                 f"sheddable (>= {self.config.sheddable_priority}); retry later", "rate_limit_error",
                            code="shed", headers={"Retry-After": "2"})
+
+    def _generation(self, prompt: list[int], params: SamplingParams, prefix: str,
+                    ctx: RequestContext = RequestContext(), arrival: float | None = None) -> Generation:
+        """Make a Generation in a place taken by `_enter` (given back when it is done), or
+        refuse it with 429: a sheddable request while the pool is saturated, its tenant's
+        limits."""
+        self._check_shed(ctx)
         try:
             self.tenants.admit(ctx.tenant, len(prompt))
         except APIError as e:
             self.metrics.requests.labels("rejected").inc()
             self.metrics.budget_refusals.labels(e.code.removesuffix("_limit")).inc()
             raise
-        self.inflight += 1
         band = self._band(ctx.priority)
         labels = (band, self.metrics.tenant_label(ctx.tenant))
         self.metrics.class_waiting.labels(*labels).inc()
@@ -125,7 +141,7 @@ class Router:
             self.tenants.first_token(ctx.tenant, len(prompt))
 
         def done():
-            self.inflight -= 1
+            self.admission.leave(ctx.tenant)
             if waiting[0]:
                 waiting[0] = False
                 self.metrics.class_waiting.labels(*labels).dec()
@@ -224,6 +240,7 @@ class Router:
         if turn_ends and not params.ignore_eos:  # as the model's EOS: a turn ends there, not shown
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + turn_ends)
         self._check_fits(n, "n")
+        await self._enter(ctx, n)
         gens: list[Generation] = []
         try:
             gens.append(self._generation(ids, params, prefix, ctx, arrival))
@@ -234,6 +251,7 @@ class Router:
                                              if params.seed is not None else rest, prefix, ctx, arrival))
             await asyncio.gather(*(g.start() for g in gens[1:]))
         except BaseException:
+            self.admission.leave(ctx.tenant, n - len(gens))  # the places of choices never made
             await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
             raise
         return gens

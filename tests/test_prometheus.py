@@ -109,7 +109,7 @@ def _load(url: str, seconds: float) -> None:
 
 def test_every_dashboard_panel_and_alert_reads_data_from_a_live_cluster(smollm, tmp_path):
     loaded, tok = smollm
-    cluster = LocalCluster(loaded, tok, local_config(64 << 20, router={"max_inflight": 3})).start()
+    cluster = LocalCluster(loaded, tok, local_config(64 << 20, router={"max_inflight": 3, "queue_size": 0})).start()
     prom = None
     try:
         prom = Prometheus(cluster.url.split("//")[1], tmp_path)

@@ -30,7 +30,7 @@ def cluster(smollm):
 
 def post(c, body, key=KEY, **kw):
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-    return httpx.post(c.url + "/v1/completions", json=body, headers=headers, timeout=30, **kw)
+    return httpx.post(c.url + "/v1/completions", json=body, headers=headers, **({"timeout": 30} | kw))
 
 
 BODY = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "temperature": 0}
@@ -55,21 +55,40 @@ def test_api_key_required_on_v1_only(cluster):
     assert httpx.get(cluster.url + f"/v1/models/{MODEL}").status_code == 401
 
 
-def test_admission_limit_gives_429_with_retry_after(cluster):
+def test_past_the_limit_requests_wait_most_urgent_first_and_a_full_queue_gives_429(cluster):
+    """Both places taken (--max-inflight 2): a low-priority request, then an urgent one, wait
+    in the router's queue; when a place frees the urgent one goes first. A full queue refuses
+    a request no more urgent than those waiting with 429 and Retry-After."""
+    import threading
+
     long = BODY | {"max_tokens": 1000, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}"}
+    queue, done = cluster.router.admission, []
+
+    def waiter(name: str, priority: int) -> None:
+        done.append((name, post(cluster, BODY | {"priority": priority}, timeout=120).status_code))
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", cluster.url + "/v1/completions", json=long, headers=headers) as a, \
                 http.stream("POST", cluster.url + "/v1/completions", json=long, headers=headers) as b:
             lines_a, lines_b = a.iter_lines(), b.iter_lines()  # kept: dropping one closes its stream
             next(lines_a), next(lines_b)  # both admitted and streaming
-            r = post(cluster, BODY)
+            threads = []
+            for name, priority in (("low", 5), ("urgent", -1)):
+                threads.append(threading.Thread(target=waiter, args=(name, priority)))
+                threads[-1].start()
+                _wait_for(lambda: len(queue.waiting) == len(threads))
+            assert 'pdserve_router_queue_requests{priority="high"} 1.0' in httpx.get(cluster.url + "/metrics").text
+            queue.max_waiting = 2
+            r = post(cluster, BODY | {"priority": 7})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
-    deadline = time.time() + 5
-    while time.time() < deadline and cluster.router.inflight:
-        time.sleep(0.05)
-    assert cluster.router.inflight == 0
+            queue.max_waiting = cluster.router.config.queue_size
+            a.close()  # its place goes to the urgent one; the low one waits for the next
+            for t in threads:
+                t.join(120)
+            assert done == [("urgent", 200), ("low", 200)]
+    _wait_for(lambda: queue.inflight == 0, 5)
+    assert queue.waiting == [] and queue.by_tenant == {}
     assert post(cluster, BODY).status_code == 200
     assert 'pdserve_requests_total{status="rejected"}' in httpx.get(cluster.url + "/metrics").text
     # more generations than are ever admitted at once (limit 2): refused for good, not "retry"
@@ -77,7 +96,7 @@ def test_admission_limit_gives_429_with_retry_after(cluster):
         r = post(cluster, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert len(post(cluster, BODY | {"prompt": ["a", "b"]}).json()["choices"]) == 2
-    assert cluster.router.inflight == 0
+    assert queue.inflight == 0
 
 
 def test_request_timeout_gives_504_and_aborts(cluster):
