@@ -18,6 +18,7 @@ from pdserve.common.errors import InvalidRequestError
 from .errors import APIError, ErrorBoundary, api_error_of, http_error, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .control import PoolControl, scale_sizes
+from .responses_endpoint import add_responses_routes
 from .router import Router
 from .tenancy import RequestContext
 
@@ -258,8 +259,7 @@ def create_app(router: Router) -> FastAPI:
         return {"workers": worker_view(router.cluster)}
 
     add_admin_routes(app, router.control, authorized)
-    from .responses_endpoint import add_responses_routes  # it imports this module's helpers
-    add_responses_routes(app, router, authorized)
+    add_responses_routes(app, router, authorized, while_connected, wants_timing)
 
     @app.get("/metrics")
     async def metrics():

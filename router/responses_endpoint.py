@@ -17,7 +17,6 @@ from dataclasses import replace
 from fastapi import Depends, FastAPI, Request
 
 from . import responses
-from .app import wants_timing, while_connected  # app adds these routes from inside create_app
 from .errors import APIError
 from .response_store import ResponseStore, StoredResponse
 from .responses_api import ResponsesRequest, chat_request, input_messages, renamed
@@ -155,8 +154,9 @@ def request_context(router, request: Request, priority: int = 0, user: str | Non
     return RequestContext.of(request.headers, priority, user, key if key in router.security.api_keys else "")
 
 
-def add_responses_routes(app: FastAPI, router, authorized) -> None:
-    """The Responses API's routes on `app` (router/app.py's `create_app` adds them)."""
+def add_responses_routes(app: FastAPI, router, authorized, while_connected, wants_timing) -> None:
+    """The Responses API's routes on `app`, behind `authorized`; `while_connected(request, work)`
+    and `wants_timing(request)` are router/app.py's (the other endpoints' too)."""
     endpoint = ResponsesEndpoint(router, ResponseStore.of_router(router))
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
