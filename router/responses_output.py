@@ -35,7 +35,8 @@ class Turn:
 
 
 def message_item(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+    content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [],
+                                                   "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 

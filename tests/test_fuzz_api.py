@@ -102,9 +102,10 @@ def _tame(body, keep_model: bool, stream: bool, budget: int):
     body = dict(body)
     if not keep_model:
         body["model"] = MODEL
-    for key in ("max_tokens", "max_completion_tokens"):
+    keys = ("max_output_tokens",) if "input" in body else ("max_tokens", "max_completion_tokens")  # a response's
+    for key in keys:
         v = body.get(key)
-        if v is None and (key == "max_tokens" or key in body):
+        if v is None and (key != "max_completion_tokens" or key in body):
             body[key] = budget
         elif type(v) is int and MAX_NEW < v < 2**31:
             body[key] = budget

@@ -1,12 +1,14 @@
 """Fuzz by class, against a live in-process cluster serving the real default model: every field
 of every request body the router takes (read from its request models, so a field added later
 is fuzzed too), and the nested ones a chat carries (content parts, tool calls and their
-arguments, tools, tool_choice, response_format, stream_options), set to values of every JSON
+arguments, tools, tool_choice, response_format, stream_options) and a response's (input
+items, function tools, text.format), set to values of every JSON
 type, at the edges of every number range, and nested below, at and past the documented
 depth (as JSON and as JSON inside a string). The property, for each request:
 
 * never a 5xx, in the status or as a stream's in-band error; every error an OpenAI body;
-* never a dropped connection (httpx raises on one); a stream always ends with `[DONE]`;
+* never a dropped connection (httpx raises on one); a stream always ends with `[DONE]` (a
+  response's with its `response.completed`, `response.incomplete` or `error` event);
 * and, after all of them, the router still serves.
 
 Then the cases of those classes that need generation: a generated tool call nested past the
@@ -23,11 +25,13 @@ from hypothesis import strategies as st
 from pdserve.common.checks import MAX_JSON_DEPTH
 from pdserve.deploy.local import LocalCluster
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.router.responses_api import ResponsesRequest
 from tests.helpers.clusters import local_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 HOLE = "\ue0ff"  # where the fuzzed value's JSON text goes in a body
 
 
@@ -49,7 +53,13 @@ MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+INPUT = [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
+         {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
 BASES = {
+    RESPONSES: (ResponsesRequest, {"model": MODEL, "input": INPUT, "max_output_tokens": 2, "store": False,
+                                   "tools": [{"type": "function"} | TOOLS[0]["function"]]}),
     "/v1/completions": (CompletionRequest, {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
     CHAT: (ChatCompletionRequest, {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}),
     "/tokenize": (TokenizeRequest, {"model": MODEL, "messages": MESSAGES, "tools": TOOLS}),
@@ -66,6 +76,13 @@ NESTED_PATHS = [  # the chat's own nested fields (the request models' fields are
     ("tools", 0, "function", "parameters", "properties", "x"), ("tool_choice", "function"),
     ("response_format", "type"), ("response_format", "json_schema"), ("stream_options", "include_usage"),
 ]
+RESPONSE_PATHS = [  # a response's nested fields
+    ("input", 0), ("input", 1, "role"), ("input", 1, "content"), ("input", 1, "content", 0),
+    ("input", 1, "content", 0, "text"), ("input", 1, "content", 0, "type"), ("input", 2, "type"),
+    ("input", 2, "name"), ("input", 2, "arguments"), ("input", 2, "call_id"), ("input", 3, "output"),
+    ("input", 3, "call_id"), ("tools", 0), ("tools", 0, "type"), ("tools", 0, "name"), ("tools", 0, "parameters"),
+    ("tool_choice", "name"), ("text", "format"), ("text", "format", "type"), ("text", "format", "schema"),
+]
 
 
 def _paths(path: str) -> list[tuple]:
@@ -73,6 +90,8 @@ def _paths(path: str) -> list[tuple]:
     out = [(name,) for name in model.model_fields]
     if path in (CHAT, "/tokenize"):
         out += [p for p in NESTED_PATHS if path == CHAT or p[0] in ("messages", "tools")]
+    if path == RESPONSES:
+        out += RESPONSE_PATHS
     return out
 
 
@@ -107,18 +126,23 @@ def _with_hole(body, path: tuple):
 
 def _tame(path: tuple, value: str) -> str:
     """A valid budget stays small (the property is about answers, not about long generations)."""
-    if path in (("max_tokens",), ("max_completion_tokens",), ("n",)) and value.isdigit() and 4 < int(value) < 2**31:
+    budgets = (("max_tokens",), ("max_completion_tokens",), ("max_output_tokens",), ("n",))
+    if path in budgets and value.isdigit() and 4 < int(value) < 2**31:
         return "4"
     return value
 
 
-def _check(r: httpx.Response, where: str) -> None:
+def _check(r: httpx.Response, where: str, path: str = CHAT) -> None:
     assert r.status_code < 500, f"{where} -> {r.status_code} {r.text[:1000]}"
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], where
         return
-    if r.headers.get("content-type", "").startswith("text/event-stream"):
+    if r.headers.get("content-type", "").startswith("text/event-stream") and path == RESPONSES:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1]["type"] in ("response.completed", "response.incomplete", "error"), where
+        assert not any(e["type"] == "error" and e["code"] in ("server_error", "internal_error") for e in events), where
+    elif r.headers.get("content-type", "").startswith("text/event-stream"):
         data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert data and data[-1] == "[DONE]", f"{where} -> {r.text[-1000:]}"
         for d in data[:-1]:
@@ -135,12 +159,12 @@ def _fuzz_one(http, seen, data):
     path = data.draw(st.sampled_from(sorted(BASES)))
     field = data.draw(st.sampled_from(_paths(path)))
     value = _tame(field, data.draw(st.sampled_from(VALUES)))
-    stream = path in (CHAT, "/v1/completions") and data.draw(st.booleans())
+    stream = path in (CHAT, "/v1/completions", RESPONSES) and data.draw(st.booleans())
     body = BASES[path][1] | ({"stream": True} if stream else {})
     raw = json.dumps(_with_hole(body, field), ensure_ascii=False).replace(json.dumps(HOLE), value)
     r = http.post(path, content=raw.encode("utf-8", "surrogatepass"), headers={"content-type": "application/json"})
     seen[r.status_code] = seen.get(r.status_code, 0) + 1
-    _check(r, f"{path} {field}={value[:80]}")
+    _check(r, f"{path} {field}={value[:80]}", path)
 
 
 def test_every_field_with_every_kind_of_value(http):
