@@ -1,6 +1,6 @@
 """`pdserve up` as a user runs it: embedded Redis, a local Ray cluster with a prefill and a
 decode actor, the router; an OpenAI request; a Redis that refuses clients without its password; Ctrl-C
-leaves no process behind."""
+leaves no process behind; a Responses API conversation stored in its Redis."""
 import os
 import re
 import signal
@@ -46,6 +46,7 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
             [tok.encode(tok.apply_chat_template(msgs))], SamplingParams(max_tokens=24, temperature=0))[0]
         assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
         isolation_under_ray(port, model)
+        responses_under_ray(client, model)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert 'role="prefill"' in metrics and 'role="decode"' in metrics
         for role in ("prefill", "decode"):  # each worker reports its preemptions by cause
@@ -118,6 +119,17 @@ def isolation_under_ray(port: int, model: str) -> None:
     metrics = httpx.get(url + "/metrics").text
     assert 'pdserve_class_wait_seconds_count{priority="high",tenant="team-a"} 1.0' in metrics
     assert 'pdserve_class_wait_seconds_count{priority="low",tenant="default"} 1.0' in metrics
+
+
+def responses_under_ray(client, model: str) -> None:
+    """A Responses API conversation through `pdserve up`: stored in its Redis, continued by id
+    without resending it, its history from the cache."""
+    first = client.responses.create(model=model, input="My name is Ada.", max_output_tokens=8, temperature=0)
+    follow = client.responses.create(model=model, previous_response_id=first.id, input="What is my name?",
+                                     max_output_tokens=8, temperature=0)
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+    assert client.responses.retrieve(follow.id).output_text == follow.output_text
 
 
 def long_stream(port: int, i: int) -> None:
