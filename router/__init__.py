@@ -4,5 +4,6 @@ In: OpenAI requests (`app.py`, `protocol.py`). Out: JSON or SSE responses (`resp
 The `Router` (`router.py`) admits a request as generations (`generation.py`), routed
 (`cluster.py`, `policies.py`) to decode workers over gRPC with a prefill worker chosen by the
 global prefix index (`prefix_index.py`), which follows the workers' KV events in Redis
-(`discovery.py`).
+(`discovery.py`). The Responses API (`responses_endpoint.py`) runs as a chat request and
+keeps conversations in Redis (`response_store.py`).
 """
