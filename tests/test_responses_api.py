@@ -1,7 +1,7 @@
 """The Responses API (`/v1/responses`) through the official `openai` SDK, against an
 in-process cluster serving the real default model: one prefill and two decode workers that
 the router alternates between (round robin, so a conversation staying on one is the session
-affinity's doing), its registry and stored responses in a real Redis, and two API keys (two
+affinity's doing; a prompt they hold all but 64 tokens of, they prefill themselves), its registry and stored responses in a real Redis, and two API keys (two
 tenants)."""
 import json
 
@@ -34,7 +34,7 @@ def redis_server():
 @pytest.fixture(scope="module")
 def cluster(smollm, redis_server):
     loaded, tok = smollm
-    cfg = local_config(64 << 20, decode=2, router={"routing": "round_robin", "decode_local_prefill": 256},
+    cfg = local_config(64 << 20, decode=2, router={"routing": "round_robin", "decode_local_prefill": 64},
                        registry=RegistryConfig(redis_url=redis_server.url, cluster_name="resp"),
                        security=SecurityConfig(api_keys=KEYS))
     c = LocalCluster(loaded, tok, cfg).start()
@@ -103,13 +103,15 @@ def test_function_call_round_trip(ada):
 
 
 def test_function_call_streams_its_arguments(ada):
-    events = list(ada.responses.create(model=MODEL, input="Weather in Rome?", tools=[WEATHER],
-                                       tool_choice={"type": "function", "name": "get_weather"},
-                                       max_output_tokens=40, stream=True))
+    # the SDK's stream helper: it rebuilds the response from the events and checks their ids
+    with ada.responses.stream(model=MODEL, input="Weather in Rome?", tools=[WEATHER], max_output_tokens=40,
+                              tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
     kinds = [e.type for e in events]
     assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
-    assert json.loads(done.arguments)["city"] and events[-1].response.output[0].arguments == done.arguments
+    assert json.loads(done.arguments)["city"] and final.output[0].arguments == done.arguments
 
 
 class City(BaseModel):
