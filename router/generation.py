@@ -26,7 +26,8 @@ from .errors import APIError
 from .metrics import RouterMetrics
 from .policies import NoWorkerError
 
-ENDPOINTS = {"cmpl": "completions", "chatcmpl": "chat.completions"}  # a trace's root span, by id prefix
+# a trace's root span, by id prefix
+ENDPOINTS = {"cmpl": "completions", "chatcmpl": "chat.completions", "resp": "responses"}
 
 # a decode worker that died or restarted, as opposed to a request it refused
 _WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
