@@ -91,6 +91,11 @@ class Router:
                 "on_stall": self.metrics.stalled_streams.inc}
 
     # ---- admission ----------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        """Generations (choices) admitted and not done."""
+        return self.admission.inflight
+
     async def _enter(self, ctx: RequestContext, places: int) -> None:
         """Take `places` of the router's places in flight (one per choice), waiting in its
         queue behind more urgent requests (router/admission.py); 429 if it is full, or after

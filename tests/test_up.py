@@ -119,6 +119,9 @@ def isolation_under_ray(port: int, model: str) -> None:
     metrics = httpx.get(url + "/metrics").text
     assert 'pdserve_class_wait_seconds_count{priority="high",tenant="team-a"} 1.0' in metrics
     assert 'pdserve_class_wait_seconds_count{priority="low",tenant="default"} 1.0' in metrics
+    # each went through the router's queue (its places were free: no wait), by priority band
+    assert 'pdserve_router_queue_requests{priority="high"} 0.0' in metrics
+    assert 'pdserve_router_queue_requests{priority="low"} 0.0' in metrics
 
 
 def responses_under_ray(client, model: str) -> None:

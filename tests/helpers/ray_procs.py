@@ -65,15 +65,15 @@ def engine_stats(url: str, role: str, token: str = CHAOS_TOKEN) -> dict[str, tup
     """Each `role` worker's registry entry and its Stats, asked of the worker itself: a Stats
     call is answered between engine steps, so what it says is the engine as it is now (the
     router's view is a poll old, and a fast CPU prefills a whole prompt, or ends a short
-    stream, between two of its polls)."""
+    stream, between two of its polls). Its wait stretches with the machine's `slowness`."""
     stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
-    out = {}
+    out, timeout = {}, 10 * slowness()  # a step of a long prompt on a loaded machine takes a while
     for w in get_workers(url).values():
         if w["role"] == role:
             with grpc.insecure_channel(w["address"]) as ch:
                 try:
-                    out[w["worker_id"]] = (w, stub(ch).Stats(stats_request(token), timeout=10))
-                except grpc.RpcError:  # restarting, or slower than 10 s on a loaded machine: not seen now
+                    out[w["worker_id"]] = (w, stub(ch).Stats(stats_request(token), timeout=timeout))
+                except grpc.RpcError:  # restarting: not seen now
                     continue
     return out
 
