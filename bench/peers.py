@@ -3,7 +3,9 @@ one after another on this machine, each with the same workloads of `pdserve benc
 
 Systems: pdserve disaggregated (1 prefill + 1 decode worker), pdserve aggregated (one worker
 that prefills and decodes), the same with weight-only int8 weights, the transformers baseline (`pdserve baseline-server`), and, when
-installed, llama.cpp's server (`llama-cpp-python`) and vLLM; missing ones are skipped.
+installed, llama.cpp's own `llama-server` (`make llama-cpp`, bench/llama_peer.py; else
+`llama-cpp-python`'s server) and vLLM; missing ones are skipped. Every row names its numerics
+(`NUMERICS`).
 Each system is started, timed until it answers a completion (time to ready), measured, and
 stopped (SIGINT to the process started here, then SIGKILL after a grace period).
 
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from pdserve.engine.config import QUANTIZATIONS
 
-from . import vllm_peer
+from . import llama_peer, vllm_peer
 from .metrics import cpu_description, format_table
 from .serving import add_bench_serving_args, bench
 
@@ -45,6 +47,23 @@ WORKLOADS: dict[str, tuple[list[str], dict[int, int | None]]] = {
     "multi-turn": (["--workload", "multi-turn", "--api", "chat", "--num-conversations", "8", "--num-turns", "3",
                     "--input-len", "60:140", "--output-len", "64", "--system-prompt-len", "200"], {8: None}),
 }
+
+
+# what each system computes with: the peer table sets int8-activation rows beside fp32 ones
+NUMERICS = {
+    "pdserve": "auto: Q4_1 weights x int8 activations", "pdserve-aggregated": "auto: Q4_1 weights x int8 activations",
+    "pdserve-exact": "exact: fp32 math on the Q4_1 weights", "pdserve-aggregated-int8": "int8 weights x fp32",
+    "llama.cpp": "Q4_1 weights x Q8_1 activations", "transformers": "fp32 (dequantized Q4_1)",
+    "vllm-bf16": "bf16 (dequantized Q4_1)",
+    "vllm-fp32": "fp32 (dequantized Q4_1)",
+}
+
+
+def numerics(name: str) -> str:
+    """What `name` computes with on this CPU (vLLM's default dtype is chosen per CPU)."""
+    if name == "vllm":
+        return f"{vllm_peer.best_dtype()} (dequantized Q4_1)".replace("float32", "fp32").replace("bfloat16", "bf16")
+    return NUMERICS.get(name, "-")
 
 
 def phases(slo_ttft: float, slo_tpot: float) -> dict[str, list[str]]:
@@ -74,11 +93,17 @@ def systems(args, port: int) -> dict[str, tuple[list[str], dict] | None]:
         # weight-only int8 (perplexity +0.5%): the fast single-stream configuration
         "pdserve-aggregated-int8": (py + ["up", "--port", str(port), "--mode", "aggregated", "--kv-cache-memory",
                                           args.kv_cache_memory, "--quantization", "int8"], {}),
+        # the same with the reference model's math: fp32 activations on the dequantized weights
+        "pdserve-exact": (py + ["up", "--port", str(port), "--kv-cache-memory", args.kv_cache_memory,
+                                "--quantization", "exact"], {}),
         "transformers": (py + ["baseline-server", "--port", str(port), "--max-batch", "32"], {}),
         "llama.cpp": None, "vllm": None, "vllm-bf16": None, "vllm-fp32": None,
     }
     from pdserve.engine.model.weights import default_model_path
-    if importlib.util.find_spec("llama_cpp") is not None:
+    server = llama_peer.command(port, default_model_path(), len(os.sched_getaffinity(0)))
+    if server:
+        out["llama.cpp"] = (server, {})
+    elif importlib.util.find_spec("llama_cpp") is not None:
         out["llama.cpp"] = ([sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path()),
                              "--port", str(port), "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096",
                              # by default a new request cancels the one in flight: queue them instead
@@ -170,7 +195,7 @@ def headline(merged: dict, ready: dict, roof: dict | None = None) -> dict:
             # requests that ended before their max_tokens (a server ignoring ignore_eos):
             # their throughput is not comparable and the table says so
             short += m.get("output_len_mismatches", 0)
-        out[name] = {"ready_s": ready[name], "failed": failed, "short_outputs": short, "points": points}
+        out[name] = {"numerics": numerics(name), "ready_s": ready[name], "failed": failed, "short_outputs": short, "points": points}
     return out
 
 
@@ -182,10 +207,10 @@ def reference(head: dict) -> str:
 def markdown(head: dict, prefix: dict | None) -> str:
     ref = reference(head)
     phases = list(dict.fromkeys(p for h in head.values() for p in h["points"]))
-    lines = ["| system | ready (s) | failed |", "|---|---|---|"]
+    lines = ["| system | numerics | ready (s) | failed |", "|---|---|---|---|"]
     for name, h in head.items():
         short = f" ({h['short_outputs']} outputs shorter than asked)" if h.get("short_outputs") else ""
-        lines.append(f"| {name}{short} | {h['ready_s']:.0f} | {h['failed']} |")
+        lines.append(f"| {name}{short} | {h.get('numerics', '-')} | {h['ready_s']:.0f} | {h['failed']} |")
     lines += ["", "| load point | system | out tok/s | TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) | goodput (req/s) "
               "| of the fp32 roof |", "|---|---|---|---|---|---|---|---|"]
     for phase in phases:
@@ -214,7 +239,7 @@ def markdown(head: dict, prefix: dict | None) -> str:
 
 
 def add_bench_peers_args(p) -> None:
-    p.add_argument("--systems", default="vllm,pdserve,pdserve-aggregated,transformers,llama.cpp",
+    p.add_argument("--systems", default="vllm,llama.cpp,pdserve,pdserve-exact,pdserve-aggregated,transformers",
                    help="systems to compare, in order (missing ones are skipped) (default: %(default)s)")
     p.add_argument("--port", type=int, default=8300, help="port each system serves on in turn")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pdserve's KV cache per worker (default: %(default)s)")

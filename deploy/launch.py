@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import tempfile
 import threading
@@ -20,6 +21,25 @@ from ray.exceptions import GetTimeoutError, RayError
 from pdserve.config import ClusterConfig, PoolConfig, WorkerConfig
 
 from .worker_host import HostedWorker, load_worker_model
+
+log = logging.getLogger("pdserve.deploy")
+
+
+def _restore_priority() -> None:
+    """Run at nice 0 where Ray started this worker lower (its default is 15, which starves a
+    serving worker beside any ordinary process). Lowering niceness needs CAP_SYS_NICE; without
+    it the worker says how to start the Ray nodes instead."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice <= 0:
+        return
+    try:  # Linux keeps a niceness per thread: every thread Ray started, and those to come from this one
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+    except PermissionError:
+        log.warning("this worker runs at nice %d (Ray's worker_niceness) and may not raise its priority: "
+                    "start the Ray nodes with RAY_worker_niceness=0, or the worker gets a few percent of a "
+                    "busy core", nice)
 
 
 @ray.remote
@@ -36,6 +56,7 @@ class WorkerActor:
         if config.core_share_dir:  # the workers of one node share cores: nodes may share a filesystem
             config = replace(config, core_share_dir=f"{config.core_share_dir}-{ray.get_runtime_context().get_node_id()}")
         self.config = config
+        _restore_priority()
         if config.engine.num_threads:
             torch.set_num_threads(config.engine.num_threads)
 

