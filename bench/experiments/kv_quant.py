@@ -22,9 +22,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from quantization import PROMPTS, agreement  # a sibling script
 
 from pdserve.bench.engine import bench_pdserve_decode
+from pdserve.bench.quality import PROMPTS, agreement
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.engine.core.engine import LLMEngine
