@@ -260,6 +260,10 @@ class EngineConfig:
     """Speculative decoding: up to this many tokens proposed per request and step, checked
     by the model in the same step (0: off). Without a `speculative_model`: prompt lookup
     (greedy requests guess from n-grams of their own prompt and output)."""
+    speculative_max_batch: int = 4
+    """... only in steps that decode at most this many requests (0: any batch). Checking
+    guesses costs extra rows in every step: prompt lookup measured 1.3-3x at one stream and
+    0.6-0.8x at 8 (bench/NOTES.md), where the step is no longer bound by reading weights."""
     speculative_model: str = ""
     """The draft model that proposes (engine/sampling/draft.py): "self" (this model's own weights,
     quantized as `speculative_quantization` says) or a GGUF file / Hugging Face directory
@@ -300,6 +304,8 @@ class EngineConfig:
             raise ValueError("speculative_model needs speculative_tokens > 0 (how many tokens the draft proposes)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative_max_batch < 0:
+            raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
         if self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
         if self.max_model_len < 0:

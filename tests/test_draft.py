@@ -30,9 +30,9 @@ def int8_copy(seed: int = 0) -> LoadedModel:
 
 
 def engine(draft=None, k: int = 4, kv_bytes: int = 4 << 20, kv: str = "auto", loaded=None, seeded: bool = True,
-           **cfg) -> LLMEngine:
+           max_batch: int = 0, **cfg) -> LLMEngine:
     """`seeded`: the draft starts from the target's KV of the prompt (else it computes its own)."""
-    config = EngineConfig(speculative_tokens=k if draft is not None else 0,
+    config = EngineConfig(speculative_tokens=k if draft is not None else 0, speculative_max_batch=max_batch,
                           cache=CacheConfig(kv_cache_memory=kv_bytes, kv_cache_dtype=kv),
                           scheduler=SchedulerConfig(**cfg))
     e = LLMEngine(loaded or tiny_llama(0), config, draft=draft)
@@ -48,6 +48,17 @@ def clean(e: LLMEngine) -> None:
         assert not e.speculator._seqs and not e.speculator._q
         e.speculator.blocks.check_invariants()
     e.blocks.check_invariants()
+
+
+def test_a_draft_that_sat_out_large_steps_catches_up():
+    """Steps decoding more than --speculative-max-batch requests run no draft; once fewer
+    decode, the draft computes the tokens it missed and proposes: output as without it."""
+    ps = prompts(4, seed=5, lo=5, hi=40)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 10, 30, 40)]
+    want = engine().generate(ps, params)
+    spec = engine(int8_copy(), max_batch=2)
+    assert spec.generate(ps, params) == want and spec.speculator.proposed > 0
+    clean(spec)
 
 
 def test_rejection_sampling_emits_the_targets_distribution():

@@ -19,9 +19,9 @@ def test_propose_takes_the_latest_longest_match():
 
 
 def engine(loaded, spec: int, kv_bytes: int = 4 << 20, max_seqs: int = 64, tokenizer=None,
-           kv: str = "auto") -> LLMEngine:
+           kv: str = "auto", max_batch: int = 0) -> LLMEngine:
     cache = CacheConfig(kv_cache_memory=kv_bytes, kv_cache_dtype=kv)
-    return LLMEngine(loaded, EngineConfig(speculative_tokens=spec, cache=cache,
+    return LLMEngine(loaded, EngineConfig(speculative_tokens=spec, cache=cache, speculative_max_batch=max_batch,
                                           scheduler=SchedulerConfig(max_num_seqs=max_seqs)), tokenizer)
 
 
@@ -49,6 +49,22 @@ def test_tiny_model_greedy_identical(kv_bytes, kv):
     again = spec.generate(prompts[:2], params[:2])  # prefix cache hits with speculation
     assert again == want[:2] and clean(spec)
     spec.blocks.check_invariants()
+
+
+def test_speculation_stays_off_in_steps_decoding_more_than_its_batch():
+    """Beyond --speculative-max-batch decoding requests a step checks no guesses (same output);
+    a lone request is speculated."""
+    loaded = tiny_llama(0)
+    pattern = [17, 42, 99, 7, 300, 12]
+    prompts = [pattern * 4 + [i + 3] for i in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = engine(loaded, 0).generate(prompts, params)
+    spec = engine(loaded, 4, max_batch=2)
+    assert spec.generate(prompts, params) == want and spec.speculator.proposed == 0
+    assert spec.generate(prompts[:1], params) == want[:1] and spec.speculator.proposed > 0
+    assert clean(spec)
+    with pytest.raises(ValueError, match="speculative_max_batch"):
+        EngineConfig(speculative_max_batch=-1)
 
 
 @pytest.mark.slow

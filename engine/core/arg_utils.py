@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-tokens", type=int, default=0,
                    help="speculative decoding: propose up to N tokens per request and step, checked in one "
                         "forward pass (0: off); without --speculative-model, by prompt lookup (greedy requests)")
+    g.add_argument("--speculative-max-batch", type=int, default=EngineConfig.speculative_max_batch,
+                   help="speculate only in steps decoding at most N requests (0: any) (default: %(default)s)")
     g.add_argument("--speculative-model", default="",
                    help="draft model that proposes: self (this model's weights, quantized by "
                         "--speculative-quantization) or a GGUF file / HF directory with the same tokenizer")
@@ -58,6 +60,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, max_model_len=args.max_model_len, num_threads=args.threads, device=args.device,
         speculative_tokens=args.speculative_tokens, speculative_model=args.speculative_model,
+        speculative_max_batch=args.speculative_max_batch,
         speculative_quantization=args.speculative_quantization or "", tensor_parallel_size=args.tp,
         quantization=args.quantization, attention=args.attention, grammar_budget_s=args.grammar_budget,
         grammar_step_budget_ms=args.grammar_step_budget_ms,

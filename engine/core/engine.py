@@ -84,6 +84,13 @@ class LLMEngine(KVTransferHooks):
         fused = getattr(loaded.model.model.layers[0].mlp, "gate_up_weight", None) is not None
         loaded.model.use_native_ops(isinstance(loaded.model.backend, NativeAttentionBackend) and fused)
 
+    def _speculates(self, sched) -> bool:
+        """Whether this step checks guesses: a speculator runs and the step decodes at most
+        `speculative_max_batch` requests (beyond that the extra rows cost more than they save)."""
+        limit = self.config.speculative_max_batch
+        return self.speculator is not None and (
+            not limit or sum(1 for c in sched.chunks if c.num_new_tokens == 1) <= limit)
+
     def _speculator(self, draft: LoadedModel | None):
         config = self.config
         budget = config.scheduler.max_num_batched_tokens
@@ -222,7 +229,7 @@ class LLMEngine(KVTransferHooks):
         self.last_step_progress = sched.num_tokens > 0 or bool(sched.preempted)
         if not sched.chunks:
             return []
-        guesses = self.speculator.extend(sched, self._hold) if self.speculator is not None else {}
+        guesses = self.speculator.extend(sched, self._hold) if self._speculates(sched) else {}
         masks = None if guesses else self._start_masks(sched.chunks)
         completed, logits = self.runner.execute(sched.chunks, self._layer_hook(sched.chunks), frozenset(guesses))
         for c in sched.chunks:
