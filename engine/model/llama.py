@@ -18,6 +18,7 @@ from torch import nn
 from pdserve.engine.kernels import native
 from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.model import native_step
 from pdserve.engine.model.quant import W4A8Linear, WeightOnlyLinear, make_linear
 
 
@@ -221,6 +222,7 @@ class LlamaForCausalLM(nn.Module):
     # [vocab_start, vocab_start + its embedding's rows) of the embedding and the LM head
     tp = None
     vocab_start = 0
+    native_decode = None  # the C decode step's weights (engine/model/native_step.py), when the model qualifies
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
         super().__init__()
@@ -278,6 +280,8 @@ class LlamaForCausalLM(nn.Module):
         self.native_ops = on
         for layer in self.model.layers:
             layer.mlp.native = on and not layer.mlp.gelu
+        # decode-only steps then run all layers in one C call where the model is the common case
+        self.native_decode = native_step.prepare(self) if on else None
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -286,6 +290,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,). kv_caches: per layer (K, V) paged tensors.
         after_layer(i): called once layer i has written its K/V (layer-wise KV streaming).
         Returns the final normed hidden states, (T, hidden)."""
+        if self.native_ops and native_step.usable(self, kv_caches, meta, after_layer):
+            return native_step.forward(self, input_ids, positions, kv_caches, meta)
         h = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:

@@ -46,8 +46,9 @@ int w4a8_available(void) {
  *   d (M/4, K/16, 4) fp32: scale of each 16 activations per row
  *   s (M/4, K/32, 4) fp32: exact sum of each 32 (a weight group) per row */
 
-/* Row `row` (0..3) of quad `qi`: x (K fp32) -> its lanes of q, d, s; round to nearest. */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int row) {
+/* Row `row` (0..3) of quad `qi`: x (K fp32) -> its lanes of q, d, s; round to nearest.
+ * Not static: step.c's nibble-weight matmul quantizes its activations with it. */
+void w4a8_quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int row) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t g = 0; g < K / 32; g++) {
@@ -156,14 +157,14 @@ int w4a8_matmul(const float *x, const uint8_t *wq, const float *dw, const float 
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++)
-            quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
+            w4a8_quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t blocks = N / 8;
         columns(xq, dx, sx, wq, dw, mw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
     }
 #else
     for (int64_t i = 0; i < M; i++)
-        quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
+        w4a8_quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
     columns(xq, dx, sx, wq, dw, mw, y, M, N, K, 0, N / 8);
 #endif
     free(xq);

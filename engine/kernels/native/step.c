@@ -1,0 +1,239 @@
+/* step.c - every decoder layer of a Llama-family decode step in one call
+ *
+ * A decode-only step (each of the M rows is the one new token of a different request) ran
+ * as ~9 ctypes calls per layer plus torch glue (allocations, views, index_copy_): at one row
+ * on SmolLM2-135M that Python was a third of the step. Here the layer loop is C and each op
+ * is the kernel the Python path calls (add_rms_norm_f32, w4a8_matmul, rope_f32,
+ * paged_decode_attention_f32, silu_mul_f32) or, for the matmuls, w4a8n_matmul below, which
+ * reads half the weight bytes for bitwise w4a8_matmul's result; on the same inputs in the
+ * same order, so a row's result is bitwise the Python path's. The KV store is the fp32 cache's copy of the
+ * new rows (what index_copy_ does there).
+ *
+ * The common case only: no q/k/v bias, no qk-norm, no sliding window, no query scale,
+ * SwiGLU, fp32 paged KV cache, W4A8 weights (w4a8.c's layout) for all four matrices;
+ * engine/model/native_step.py checks a model once and falls back otherwise.
+ *
+ * Per-layer pointers (engine/kernels/native/step.py builds them once per model), STEP_PTRS
+ * of them per layer, in this order:
+ *   input norm weight, post-attention norm weight,
+ *   qkv q/d/m, o q/d/m, gate_up q/d/m, down q/d/m (w4a8.pack's d, m and its q as nibbles, below),
+ *   K cache, V cache (num_blocks, bs, KVH, hd) fp32, in a second array (per KV cache)
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
+
+#define STEP_PTRS 14
+
+int w4a8_matmul(const float *x, const uint8_t *wq, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
+                int64_t K, int nt);
+void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int nthreads);
+void rope_f32(float *x, int64_t T, int64_t stride, int heads, int hd, const float *cos_t, const float *sin_t,
+              const int64_t *positions, int nthreads);
+void add_rms_norm_f32(float *h, const float *delta, const float *w, float *out, int64_t T, int64_t D, float eps,
+                      int nthreads);
+int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, const int64_t *tables,
+                               const int64_t *lens, const int64_t *skips, float *out, int B, int H, int KVH, int D,
+                               int bs, int max_blocks, float scale, int nthreads, int kv_fmt);
+
+int decode_step_ptrs(void) { return STEP_PTRS; }
+
+/* ---- Q4_1 x int8 with nibble-packed weights ----------------------------------------------
+ * w4a8.c holds one byte per 4-bit weight (its vpmaddubsw reads bytes). A decode step is
+ * bound by reading the weights, so here two of its 32-byte vectors share one: k-quads 2p and
+ * 2p+1 of a column block in the low and high nibbles (w4a8_nibbles below; 0.5 byte per
+ * weight plus the scales), split back into w4a8.c's vectors with a shift and two masks.
+ * Everything else is w4a8.c's arithmetic in its order (the integer sums, then the fp32
+ * scaling per half group and the minimum per group), so y is bitwise w4a8_matmul's.
+ *   wn uint8 (N/8, K/8, 32): byte [c, p, 4j + e] = q[c, 2p, j, e] | q[c, 2p + 1, j, e] << 4 */
+#ifdef __AVX2__
+#include <immintrin.h>
+
+void w4a8_quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int row);
+
+/* One row quad x one column block; R = 1 (only the quad's first row is real: the others'
+ * sums are skipped, row 0's are computed as for R = 4) or 4. */
+static inline __attribute__((always_inline)) void tile_nib(const int8_t *xq, const float *dx, const float *sx,
+                                                           int64_t K, const uint8_t *wn, const float *dw,
+                                                           const float *mw, float *y, int64_t N, int rows,
+                                                           const int R) {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (int64_t g = 0; g < K / 32; g++, wn += 128, xq += 128, dx += 8, sx += 4) {
+        const __m256 dv = _mm256_loadu_ps(dw + g * 8), mv = _mm256_loadu_ps(mw + g * 8);
+        for (int h = 0; h < 2; h++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wn + h * 64));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wn + h * 64 + 32));
+            const __m256i wv[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                                   _mm256_and_si256(v1, low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
+            const int8_t *xp = xq + h * 64;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+            for (int t = 0; t < 4; t++) {
+                a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16))));
+                if (R == 1) continue;
+                a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16 + 4))));
+                a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16 + 8))));
+                a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16 + 12))));
+            }
+            const float *d = dx + h * 4;
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d)), acc0);
+            if (R == 1) continue;
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 1)), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a2, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 2)), acc2);
+            acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a3, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 3)), acc3);
+        }
+        acc0 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx), acc0);
+        if (R == 1) continue;
+        acc1 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 1), acc1);
+        acc2 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 2), acc2);
+        acc3 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 3), acc3);
+    }
+    _mm256_storeu_ps(y, acc0);
+    if (rows > 1) _mm256_storeu_ps(y + N, acc1);
+    if (rows > 2) _mm256_storeu_ps(y + 2 * N, acc2);
+    if (rows > 3) _mm256_storeu_ps(y + 3 * N, acc3);
+}
+
+/* Column blocks [c0, c1) for every row quad (w4a8.c's `columns`, 64 rows a pass). */
+static void columns_nib(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wn, const float *dw,
+                        const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1) {
+    const int64_t G = K / 32, quads = (M + 3) / 4;
+    for (int64_t r0 = 0; r0 < quads; r0 += 16) {
+        const int64_t r1 = r0 + 16 < quads ? r0 + 16 : quads;
+        for (int64_t c = c0; c < c1; c++)
+            for (int64_t r = r0; r < r1; r++) {
+                const int rows = M - 4 * r < 4 ? (int)(M - 4 * r) : 4;
+                const int8_t *xr = xq + r * 4 * K;
+                const float *dr = dx + r * 8 * G, *sr = sx + r * 4 * G;
+                if (rows == 1)
+                    tile_nib(xr, dr, sr, K, wn + c * K * 4, dw + c * G * 8, mw + c * G * 8, y + 4 * r * N + c * 8, N, 1, 1);
+                else
+                    tile_nib(xr, dr, sr, K, wn + c * K * 4, dw + c * G * 8, mw + c * G * 8, y + 4 * r * N + c * 8, N, rows, 4);
+            }
+    }
+}
+#endif
+
+/* w4a8_matmul with nibble-packed weights wn (above); same arguments otherwise, same result. */
+int w4a8n_matmul(const float *x, const uint8_t *wn, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
+                 int64_t K, int nt) {
+#ifdef __AVX2__
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t G = K / 32, Mp = (M + 3) / 4 * 4;
+    int8_t *xq = aligned_alloc(64, ((size_t)(Mp * K) + 63) & ~(size_t)63);
+    float *dx = calloc((size_t)(Mp * G * 3), sizeof(float));
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
+    float *sx = dx + 2 * Mp * G;
+    if (Mp > M) memset(xq + (Mp - 4) * K, 0, (size_t)(4 * K));
+#pragma omp parallel num_threads(nt < 1 ? 1 : nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++)
+            w4a8_quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t blocks = N / 8;
+        columns_nib(xq, dx, sx, wn, dw, mw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
+    }
+    free(xq);
+    free(dx);
+    return 0;
+#else
+    (void)x; (void)wn; (void)dw; (void)mw; (void)y; (void)M; (void)N; (void)K; (void)nt;
+    return -1;
+#endif
+}
+
+/* The model's shape, as engine/kernels/native/step.py fills it (field order matters). */
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_blocks;
+    float eps, scale;
+} step_dims;
+
+/* The step's scratch, one allocation: each buffer is (M, width) fp32. */
+typedef struct {
+    float *x, *qkv, *q, *att, *a, *gu, *act, *delta;
+} step_bufs;
+
+static float *alloc_bufs(step_bufs *b, const step_dims *d, int64_t M) {
+    const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
+    const int64_t widths[8] = {H, wqkv, nq, nq, H, 2 * d->inter, d->inter, H};
+    int64_t total = 0;
+    for (int i = 0; i < 8; i++) total += M * widths[i];
+    float *base = malloc(sizeof(float) * (size_t)total), *p = base;
+    if (!base) return NULL;
+    float **slots[8] = {&b->x, &b->qkv, &b->q, &b->att, &b->a, &b->gu, &b->act, &b->delta};
+    for (int i = 0; i < 8; i++) {
+        *slots[i] = p;
+        p += M * widths[i];
+    }
+    return base;
+}
+
+/* The new K and V rows (after RoPE, in the fused qkv rows) into their cache slots, and q
+ * into its own contiguous (M, heads, hd) buffer, as the attention kernel reads it. */
+static void store_kv(const step_dims *d, const float *qkv, float *q, float *kc, float *vc, const int64_t *slots,
+                     int64_t M) {
+    const int64_t nq = d->heads * d->head_dim, nk = d->kv_heads * d->head_dim, wqkv = nq + 2 * nk;
+    for (int64_t t = 0; t < M; t++) {
+        const float *row = qkv + t * wqkv;
+        memcpy(q + t * nq, row, sizeof(float) * (size_t)nq);
+        memcpy(kc + slots[t] * nk, row + nq, sizeof(float) * (size_t)nk);
+        memcpy(vc + slots[t] * nk, row + nq + nk, sizeof(float) * (size_t)nk);
+    }
+}
+
+/* One layer: h += delta (the previous layer's MLP output; NULL for the first), attention,
+ * h += its output, and the MLP's output into b->delta. Returns 0, or -1 without memory. */
+static int layer(const step_dims *d, void *const *w, float *kc, float *vc, float *h, const float *delta,
+                 step_bufs *b, const int64_t *positions, const float *cos_t, const float *sin_t,
+                 const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt) {
+    const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
+    add_rms_norm_f32(h, delta, w[0], b->x, M, H, d->eps, nt);
+    if (w4a8n_matmul(b->x, w[2], w[3], w[4], b->qkv, M, wqkv, H, nt)) return -1;
+    rope_f32(b->qkv, M, wqkv, (int)(d->heads + d->kv_heads), (int)d->head_dim, cos_t, sin_t, positions, nt);
+    store_kv(d, b->qkv, b->q, kc, vc, slots, M);
+    if (paged_decode_attention_f32(b->q, kc, vc, tables, lens, NULL, b->att, (int)M, (int)d->heads,
+                                   (int)d->kv_heads, (int)d->head_dim, (int)d->block_size, (int)d->max_blocks,
+                                   d->scale, nt, 0))
+        return -1;
+    if (w4a8n_matmul(b->att, w[5], w[6], w[7], b->a, M, H, nq, nt)) return -1;
+    add_rms_norm_f32(h, b->a, w[1], b->x, M, H, d->eps, nt);
+    if (w4a8n_matmul(b->x, w[8], w[9], w[10], b->gu, M, 2 * d->inter, H, nt)) return -1;
+    silu_mul_f32(b->gu, b->act, M, d->inter, nt);
+    return w4a8n_matmul(b->act, w[11], w[12], w[13], b->delta, M, H, d->inter, nt);
+}
+
+/* All layers of a decode-only step, then the final norm:
+ *   h (M, hidden)       the embeddings in; the residual stream (before the last MLP's add) out
+ *   out (M, hidden)     the final normed hidden states
+ *   weights             layers * STEP_PTRS pointers (above); kv: layers * 2 (K, V)
+ *   positions (M,)      int64, inside the cos/sin tables (max_positions, head_dim)
+ *   slots (M,)          int64 flat cache slots of the new tokens
+ *   tables (M, max_blocks), lens (M,) int64: each row's blocks and context length, checked
+ *                       (native.paged_attention_tables)
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
+                      float *out, const int64_t *positions, const float *cos_t, const float *sin_t,
+                      const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt) {
+    if (M <= 0) return 0;
+    step_bufs b;
+    float *base = alloc_bufs(&b, d, M);
+    if (!base) return -1;
+    int rc = 0;
+    for (int64_t i = 0; i < d->layers && !rc; i++)
+        rc = layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h, i ? b.delta : NULL, &b, positions, cos_t,
+                   sin_t, slots, tables, lens, M, nt);
+    if (!rc) add_rms_norm_f32(h, b.delta, final_w, out, M, d->hidden, d->eps, nt);
+    free(base);
+    return rc;
+}

@@ -1,0 +1,150 @@
+"""A whole decode step's decoder layers in one C call (step.c): the Llama family's common
+case with W4A8 weights and an fp32 paged KV cache.
+
+The matmuls read nibble-packed weights (`nibbles`: half of w4a8.c's bytes, the same result).
+`StepWeights(dims, layers, final_norm)` holds the per-layer pointer array (built once per
+model: the tensors it points into are kept alive with it); `kv_pointers(kv_caches)` the
+per-layer K/V pointers (once per KV cache); `run(...)` one step, checking what varies per step
+(positions, slots, tables) and nothing it was given at construction.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import _bad, load
+
+_fn = _nib = None
+_F32, _I64 = torch.float32, torch.int64
+PTRS = 14  # pointers per layer (step.c STEP_PTRS)
+
+
+class _Dims(ctypes.Structure):
+    """step.c's step_dims, field for field."""
+    _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
+                                              "block_size", "max_blocks")] + [("eps", ctypes.c_float),
+                                                                               ("scale", ctypes.c_float)]
+
+
+def _bound():
+    global _fn, _nib
+    if _fn is None:
+        lib = load()
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.decode_step_ptrs.restype = ctypes.c_int
+        if lib.decode_step_ptrs() != PTRS:
+            raise RuntimeError("step.c and step.py disagree on the per-layer pointers")
+        lib.decode_step_llama.argtypes = [ctypes.POINTER(_Dims), p, p, p, p, p, p, p, p, p, p, p, i64, ctypes.c_int]
+        lib.decode_step_llama.restype = ctypes.c_int
+        lib.w4a8n_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
+        lib.w4a8n_matmul.restype = ctypes.c_int
+        _fn, _nib = lib.decode_step_llama, lib.w4a8n_matmul
+    return _fn
+
+
+def nibbles(q: torch.Tensor) -> torch.Tensor:
+    """w4a8.pack's one-byte-per-weight q (N/8, K/4, 8, 4) as step.c's nibbles (N/8, K/8, 32):
+    k-quads 2p and 2p + 1 of a column block in the low and high nibbles of one vector."""
+    pairs = q.reshape(q.shape[0], q.shape[1] // 2, 2, 32)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+
+
+def nibble_matmul(x: torch.Tensor, wn: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """w4a8.matmul(x, q, d, m) bitwise, from `nibbles(q)`: y (M, N) fp32 for x fp32 (M, K)."""
+    _bound()
+    nb, pairs, width = wn.shape
+    n, k = nb * 8, pairs * 8
+    if wn.dtype is not torch.uint8 or width != 32 or not wn.is_contiguous() or d.shape != (nb, k // 32, 8) \
+            or m.shape != d.shape or not (d.is_contiguous() and m.is_contiguous()) or k % 32:
+        raise _bad("expected nibbles (N/8, K/8, 32) and w4a8.pack's d, m", wn, d, m)
+    if x.dtype is not _F32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
+        raise _bad(f"expected contiguous x fp32 (M, {k})", x)
+    y = torch.empty(x.shape[0], n, dtype=_F32)
+    if _nib(x.data_ptr(), wn.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), x.shape[0], n, k,
+            torch.get_num_threads()):
+        raise RuntimeError("w4a8n matmul: needs AVX2 and memory for the quantized activations")
+    return y
+
+
+@dataclass
+class LayerWeights:
+    """One layer's tensors as the step reads them: the two RMSNorm weights (hidden,) fp32 and
+    each matrix as (nibbles(q), d, m) of w4a8.pack's (q, d, m)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: tuple
+    o: tuple
+    gate_up: tuple
+    down: tuple
+
+
+class StepWeights:
+    """The model's constants for `run`: its shape and every layer's weight pointers."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+                 layers: list[LayerWeights], final_norm: torch.Tensor):
+        _bound()
+        self.layers, self.final_norm = layers, final_norm  # kept alive: the array points into them
+        self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
+        self.inter, self.eps = inter, eps
+        ptrs = []
+        for lw in layers:
+            tensors = [lw.input_norm, lw.post_norm, *lw.qkv, *lw.o, *lw.gate_up, *lw.down]
+            for t in tensors:
+                if not (t.is_contiguous() and t.is_cpu):
+                    raise _bad("step weights must be contiguous CPU tensors", t)
+            ptrs += [t.data_ptr() for t in tensors]
+        self.array = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._kv_key = self._kv_array = None
+
+    def kv_pointers(self, kv_caches: list) -> ctypes.Array:
+        """Every layer's (K, V) pointers, cached while the same list of the same tensors is passed
+        (the runner passes one list for the engine's life)."""
+        key = (id(kv_caches), len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
+        if key != self._kv_key:
+            ptrs = [t.data_ptr() for kv in kv_caches for t in kv]
+            self._kv_array, self._kv_key, self._kv_list = (ctypes.c_void_p * len(ptrs))(*ptrs), key, kv_caches
+        return self._kv_array
+
+
+def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The final normed hidden states (M, hidden) of a decode-only step; h (M, hidden) fp32, the
+    embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) fp32 contiguous
+    (num_blocks, block_size, kv_heads, head_dim); positions and slots (M,) int64 inside the
+    cos/sin tables and the cache; tables (M, max_blocks) and lens (M,) as
+    native.paged_attention_tables returns them for this cache."""
+    fn = _bound()
+    M = h.shape[0]
+    k0 = kv_caches[0][0]
+    nb, bs = k0.shape[0], k0.shape[1]
+    if h.dtype is not _F32 or h.shape != (M, w.hidden) or not h.is_contiguous() or len(kv_caches) != len(w.layers):
+        raise _bad(f"expected contiguous fp32 h (M, {w.hidden}) and one (K, V) per layer", h)
+    if k0.dtype is not _F32 or k0.shape[2:] != (w.kv_heads, w.head_dim):
+        raise _bad("expected fp32 caches (num_blocks, block_size, kv_heads, head_dim)", k0)
+    _check_rows(M, positions, slots, tables, lens, cos.shape[0], nb * bs)
+    dims = _Dims(len(w.layers), w.hidden, w.heads, w.kv_heads, w.head_dim, w.inter, bs, tables.shape[1], w.eps,
+                 w.head_dim ** -0.5)
+    out = torch.empty_like(h)
+    if M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
+                out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads()):
+        raise MemoryError("decode step: no memory for its scratch buffers")
+    return out
+
+
+def _check_rows(M: int, positions, slots, tables, lens, max_pos: int, num_slots: int) -> None:
+    """The per-step inputs: int64 contiguous, one per row, positions and slots in range (the
+    tables and lens come checked from native.paged_attention_tables)."""
+    for t in (positions, slots, lens):
+        if t.dtype is not _I64 or t.shape != (M,) or not t.is_contiguous():
+            raise _bad(f"positions, slots and lens must be contiguous int64 ({M},)", t)
+    if tables.dtype is not _I64 or tables.dim() != 2 or tables.shape[0] != M or not tables.is_contiguous():
+        raise _bad(f"tables must be contiguous int64 ({M}, max_blocks)", tables)
+    if M:
+        lo, hi = torch.aminmax(torch.stack((positions, slots)), dim=1)
+        if int(lo[0]) < 0 or int(hi[0]) >= max_pos or int(lo[1]) < 0 or int(hi[1]) >= num_slots:
+            raise _bad("every position must lie in the RoPE tables and every slot in the cache", positions, slots)

@@ -1,0 +1,85 @@
+"""The decode step without Python in the layer loop: `LlamaForCausalLM.forward` hands a
+decode-only step (every row one new token of its request) to one C call over all layers
+(engine/kernels/native/step.c), when the model is the common Llama case that call computes.
+
+`prepare(model)` decides once (when native ops are switched on) whether the model qualifies
+and builds the per-layer pointer array; `usable(model, kv_caches, meta, after_layer)` is the
+per-step check; `forward(...)` runs the step. A row's result is bitwise the Python path's:
+the C loop calls the same kernels on the same inputs in the same order.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.kernels import native
+from pdserve.engine.kernels.attention import AttentionMetadata, NativeAttentionBackend
+from pdserve.engine.model.quant import W4A8Linear
+
+
+def why_not(model) -> str | None:
+    """Why the native step cannot run this model (None: it can). Checked once per model."""
+    cfg = model.config
+    if model.lm_head.weight.device.type != "cpu" or model.lm_head.weight.dtype != torch.float32:
+        return "not an fp32 CPU model"
+    if cfg.qkv_bias or cfg.qk_norm or cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim:
+        return "q/k/v biases, qk-norm or a query scale"
+    if cfg.hidden_activation == "gelu_pytorch_tanh":
+        return "GeGLU, not SwiGLU"
+    for layer in model.model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not hasattr(layer, "input_layernorm"):
+            return "not a Llama decoder layer"
+        if attn.window or attn.q_scale or attn.qk_norm or attn.qkv_bias is not None or mlp.gelu:
+            return "sliding window, query scale, qk-norm, bias or GeGLU in a layer"
+        if not all(isinstance(lin, W4A8Linear) for lin in (attn.qkv_linear, attn.o_linear, mlp.gate_up_linear,
+                                                           mlp.down_linear)):
+            return "not every matrix on W4A8 weights"
+    if cfg.head_dim % 2 or cfg.num_attention_heads % cfg.num_key_value_heads:
+        return "odd head_dim or query heads not a multiple of the KV heads"
+    return None
+
+
+def prepare(model):
+    """The model's `step.StepWeights`, or None when the native step cannot run it (`why_not`,
+    or the kernels are not built here)."""
+    if why_not(model) is not None:
+        return None
+    try:
+        from pdserve.engine.kernels.native import step
+        cfg = model.config
+        nib = lambda lin: (step.nibbles(lin.packed[0]), *lin.packed[1:])  # noqa: E731
+        layers = [step.LayerWeights(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                                    nib(layer.self_attn.qkv_linear), nib(layer.self_attn.o_linear),
+                                    nib(layer.mlp.gate_up_linear), nib(layer.mlp.down_linear))
+                  for layer in model.model.layers]
+        eps = {layer.input_layernorm.eps for layer in model.model.layers} | {
+            layer.post_attention_layernorm.eps for layer in model.model.layers} | {model.model.norm.eps}
+        if len(eps) != 1:
+            return None
+        return step.StepWeights(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                cfg.intermediate_size, eps.pop(), layers, model.model.norm.weight.data)
+    except native.NativeKernelUnavailable:
+        return None
+
+
+def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer) -> bool:
+    """Whether this step runs natively: a prepared model, no tensor parallelism, no per-layer
+    hook, decode rows only, the C attention backend and an fp32 cache."""
+    return (model.native_decode is not None and model.tp is None and after_layer is None and not meta.prefills
+            and meta.num_decode_tokens > 0 and isinstance(model.backend, NativeAttentionBackend)
+            and kv_caches[0][0].dtype is torch.float32)
+
+
+def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+            meta: AttentionMetadata) -> torch.Tensor:
+    """The final normed hidden states of a decode-only step (rows as `meta` orders them)."""
+    from pdserve.engine.kernels.native import step
+    st = meta.backend_state
+    tables, lens = st.get("tables"), st.get("lens")
+    if tables is None or tables.dtype is not torch.int64:  # the backend did not prepare this step
+        tables, lens = native.paged_attention_tables(meta.decode_block_tables, meta.decode_seq_lens,
+                                                     meta.block_size)
+    h = model.embed(input_ids).contiguous()
+    rotary = model.rotary
+    return step.run(model.native_decode, h, kv_caches, positions.to(torch.int64).contiguous(), rotary.cos,
+                    rotary.sin, meta.slot_mapping.to(torch.int64).contiguous(), tables, lens)

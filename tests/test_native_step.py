@@ -1,0 +1,208 @@
+"""The decode step in one C call (engine/kernels/native/step.c, engine/model/native_step.py):
+on the real default model at "auto" (W4A8 weights, fp32 KV) a decode-only step gives bitwise
+the Python path's hidden states and K/V (tolerance 0: the C loop calls the same kernels on
+the same inputs), so greedy tokens agree over many steps, through the engine too; a model or
+a step it does not cover runs the Python path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.kernels import native
+from pdserve.engine.kernels.attention import AttentionMetadata, NativeAttentionBackend, PrefillSpan
+from pdserve.engine.kernels.native import step, w4a8
+from pdserve.engine.model import native_step
+from pdserve.engine.model.tiny import tiny_llama
+
+from conftest import assert_engine_clean
+
+pytestmark = pytest.mark.skipif(not native.available() or not w4a8.available(),
+                                reason="the native step needs the native build with AVX2")
+
+BS = 16
+
+
+@pytest.fixture
+def model(smollm):
+    """The default model with the C attention backend and native ops (restored afterwards:
+    the session's other tests share it)."""
+    m = smollm[0].model
+    backend, ops = m.backend, m.native_ops
+    m.backend = NativeAttentionBackend()
+    m.use_native_ops(True)
+    assert m.native_decode is not None, native_step.why_not(m)
+    yield m
+    m.backend = backend
+    m.use_native_ops(ops)
+
+
+@pytest.fixture
+def step_calls(monkeypatch):
+    """How many steps ran natively (step.run is the one C call)."""
+    calls = []
+    real = step.run
+
+    def spy(*args, **kw):
+        calls.append(args[1].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(step, "run", spy)
+    return calls
+
+
+def _forward(m, ids, pos, layers, meta, native_on: bool):
+    saved = m.native_decode
+    m.native_decode = saved if native_on else None
+    try:
+        m.backend.prepare(meta)
+        with torch.inference_mode():
+            return m(ids, pos, layers, meta)
+    finally:
+        m.native_decode = saved
+
+
+def _prefill(m, prompts: list[list[int]], kv: torch.Tensor, tables: list[list[int]]) -> None:
+    """Every prompt's K/V into the cache by the Python path (one prefill span each)."""
+    layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+    for prompt, table in zip(prompts, tables):
+        n = len(prompt)
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
+        meta = AttentionMetadata(slots, 0, torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                 [PrefillSpan(0, n, 0, table)], BS)
+        _forward(m, torch.tensor(prompt), torch.arange(n), layers, meta, native_on=False)
+
+
+def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+    """A decode-only step: each row's new token at position lens[i] - 1."""
+    slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for n, t in zip(lens, tables)])
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(slots, len(lens), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             torch.tensor(lens), [], BS)
+
+
+@pytest.mark.parametrize("prompt_lens", [[13], [5, 16, 31]])
+def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens):
+    """Both paths decode from the same prefilled cache, each in its own copy; every step's
+    hidden states and every layer's K/V are bitwise equal, so every greedy token is. The
+    lengths cross block boundaries (16-token blocks) during the 32 steps."""
+    cfg, steps = model.config, 32
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 10000, (n,), generator=g).tolist() for n in prompt_lens]
+    per = (max(prompt_lens) + steps + BS - 1) // BS
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 1 + per * len(prompts), BS, cfg.num_key_value_heads, cfg.head_dim)
+    _prefill(model, prompts, kv, tables)
+    caches = {on: kv.clone() for on in (False, True)}
+    layers = {on: [(c[i, 0], c[i, 1]) for i in range(c.shape[0])] for on, c in caches.items()}
+    tokens = {on: [p[-1] for p in prompts] for on in (False, True)}
+    lens = list(prompt_lens)
+    for _ in range(steps):
+        lens = [n + 1 for n in lens]
+        hidden = {}
+        for on in (False, True):
+            meta = _decode_meta(lens, tables)
+            ids, pos = torch.tensor(tokens[on]), torch.tensor([n - 1 for n in lens])
+            hidden[on] = _forward(model, ids, pos, layers[on], meta, on)
+            with torch.inference_mode():
+                tokens[on] = model.compute_logits(hidden[on]).argmax(-1).tolist()
+        assert torch.equal(hidden[True], hidden[False]), (hidden[True] - hidden[False]).abs().max()
+        assert tokens[True] == tokens[False]
+    assert torch.equal(caches[True], caches[False])
+    assert caches[True].abs().sum() > 0 and step_calls == [len(prompts)] * steps  # the native step did run
+
+
+def _greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    return eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def test_the_engine_gives_the_same_tokens_with_the_native_step_on_and_off(smollm, step_calls):
+    """End to end through LLMEngine: prompts of different lengths, decoded together (the
+    decode-only steps run natively, the steps with a prefill in Python), then every KV block
+    is back."""
+    loaded, tok = smollm
+    backend, ops = loaded.model.backend, loaded.model.native_ops
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
+               for c in ("Write a haiku about rivers.", "What is 17 times 3?", "Name three primes.")]
+    outs = {}
+    try:
+        for on in (True, False):
+            eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok)
+            assert loaded.model.native_decode is not None
+            if not on:
+                loaded.model.native_decode = None
+            outs[on] = _greedy(eng, prompts)
+            assert_engine_clean(eng)
+    finally:
+        loaded.model.backend = backend
+        loaded.model.use_native_ops(ops)
+    assert outs[True] == outs[False] and all(len(o) == 24 for o in outs[True])
+    assert step_calls and max(step_calls) == len(prompts)
+
+
+def test_an_ineligible_model_or_step_falls_back_to_the_python_path(smollm, make_engine, step_calls):
+    """The tiny fp32 test model has no W4A8 matrices: no native step, the engine still runs.
+    An 8-bit KV cache on the default model: every step in Python (tokens as without the C step
+    there, as the reference path computes them)."""
+    tiny = tiny_llama(0)
+    eng = make_engine(tiny=True, loaded=tiny)
+    assert tiny.model.native_ops and tiny.model.native_decode is None
+    assert native_step.why_not(tiny.model) == "not every matrix on W4A8 weights"
+    assert len(_greedy(eng, [[1, 2, 3, 4, 5]], 8)[0]) == 8
+    loaded, tok = smollm
+    backend, ops = loaded.model.backend, loaded.model.native_ops
+    try:
+        eng8 = make_engine(tiny=False, loaded=loaded, tokenizer=tok, kv_cache_memory=16 << 20,
+                           kv_cache_dtype="int8")
+        got = _greedy(eng8, [[1, 2, 3, 4, 5, 6, 7]], 8)
+        loaded.model.native_decode = None
+        assert _greedy(eng8, [[1, 2, 3, 4, 5, 6, 7]], 8) == got
+    finally:
+        loaded.model.backend = backend
+        loaded.model.use_native_ops(ops)
+    assert step_calls == []
+
+
+def test_a_step_with_a_prefill_a_hook_or_tensor_parallelism_is_not_native(model):
+    meta = _decode_meta([5], [[1]])
+    layers = [(torch.zeros(2, BS, 3, 64), torch.zeros(2, BS, 3, 64))]
+    assert native_step.usable(model, layers, meta, None)
+    assert not native_step.usable(model, layers, meta, after_layer=lambda i: None)
+    prefill = AttentionMetadata(meta.slot_mapping, 1, meta.decode_block_tables, meta.decode_seq_lens,
+                                [PrefillSpan(1, 3, 0, [1])], BS)
+    assert not native_step.usable(model, layers, prefill, None)
+    assert not native_step.usable(model, [(k.to(torch.int8), v.to(torch.int8)) for k, v in layers], meta, None)
+    model.tp = object()
+    try:
+        assert not native_step.usable(model, layers, meta, None)
+    finally:
+        del model.tp
+
+
+def test_bad_rows_are_refused_before_the_c_call(model):
+    """A slot outside the cache or a position outside the RoPE tables raises, naming them."""
+    cfg = model.config
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 2, BS, cfg.num_key_value_heads, cfg.head_dim)
+    layers = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_hidden_layers)]
+    h = torch.zeros(1, cfg.hidden_size)
+    tables, lens = torch.tensor([[1]]), torch.tensor([3])
+    rot = model.rotary
+    with pytest.raises(ValueError, match="every slot in the cache"):
+        step.run(model.native_decode, h, layers, torch.tensor([2]), rot.cos, rot.sin, torch.tensor([2 * BS]),
+                 tables, lens)
+    with pytest.raises(ValueError, match="RoPE tables"):
+        step.run(model.native_decode, h, layers, torch.tensor([rot.cos.shape[0]]), rot.cos, rot.sin,
+                 torch.tensor([BS + 2]), tables, lens)
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (8, 32), (3072, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 32, 65])
+def test_the_nibble_weights_give_bitwise_the_w4a8_kernels_result(n, k, rows):
+    """step.c's matmul reads half the bytes (two 4-bit weights a byte) for exactly w4a8.c's sums."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    q, d, m = w4a8.pack(*native.quantize_q4_1(torch.randn(n, k, generator=g) * 0.05))
+    x = torch.randn(rows, k, generator=g) * 3
+    x[0, :16] = 0.0
+    assert torch.equal(step.nibble_matmul(x, step.nibbles(q), d, m), w4a8.matmul(x, q, d, m))
