@@ -51,3 +51,12 @@ class EngineStats:
     """Running requests preempted for blocks another running request needed."""
     preempted_priority: int = 0
     """Running requests preempted for a waiting request of a higher priority."""
+    kv_host_bytes: int = 0
+    """KV bytes kept in the host tier now (engine/kv/tiers.py), and below: the disk tier's,
+    prompt tokens copied back from each tier, blocks stored into each, disk entries refused."""
+    kv_disk_bytes: int = 0
+    kv_host_hits: int = 0
+    kv_disk_hits: int = 0
+    kv_host_stored: int = 0
+    kv_disk_stored: int = 0
+    kv_disk_refused: int = 0

@@ -193,8 +193,19 @@ class CacheConfig:
     "int8" or "fp8" (e4m3; one byte per element plus an fp32 scale per token and KV head:
     3.76x the blocks of fp32 for SmolLM2). Attention reads every format in place and
     computes in fp32."""
+    kv_host_memory: int = -1
+    """Bytes of the host tier under the pool (engine/kv/tiers.py): evicted prefix blocks are
+    kept there and copied back on a hit. -1: a quarter of the host's available memory at
+    start, at most 8 GiB (nothing is taken until blocks are evicted); 0: off."""
+    kv_disk_memory: int = 0
+    """Bytes of the disk tier under the host tier (0: off), in a private directory under
+    `kv_disk_dir` (default: the system's temporary directory), removed when the engine stops."""
+    kv_disk_dir: str = ""
 
     def __post_init__(self):
+        if self.kv_host_memory < -1 or self.kv_disk_memory < 0:
+            raise ValueError(f"kv_host_memory must be >= -1 and kv_disk_memory >= 0, got {self.kv_host_memory}, "
+                             f"{self.kv_disk_memory}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -156,7 +156,7 @@ class StatsRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted", "preempted_memory", "preempted_priority", "address")
+    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted", "preempted_memory", "preempted_priority", "address", "kv_host_bytes", "kv_disk_bytes", "kv_host_hits", "kv_disk_hits", "kv_host_stored", "kv_disk_stored", "kv_disk_refused")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,13 @@ class WorkerStats(_message.Message):
     PREEMPTED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_STORED_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_STORED_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_REFUSED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -209,7 +216,14 @@ class WorkerStats(_message.Message):
     preempted_memory: int
     preempted_priority: int
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., preempted_memory: _Optional[int] = ..., preempted_priority: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    kv_host_bytes: int
+    kv_disk_bytes: int
+    kv_host_hits: int
+    kv_disk_hits: int
+    kv_host_stored: int
+    kv_disk_stored: int
+    kv_disk_refused: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., preempted_memory: _Optional[int] = ..., preempted_priority: _Optional[int] = ..., address: _Optional[str] = ..., kv_host_bytes: _Optional[int] = ..., kv_disk_bytes: _Optional[int] = ..., kv_host_hits: _Optional[int] = ..., kv_disk_hits: _Optional[int] = ..., kv_host_stored: _Optional[int] = ..., kv_disk_stored: _Optional[int] = ..., kv_disk_refused: _Optional[int] = ...) -> None: ...
 
 class BlockSnapshot(_message.Message):
     __slots__ = ("block_hashes", "seq", "proof", "worker_id", "role", "address")

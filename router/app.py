@@ -277,5 +277,10 @@ def worker_view(cluster) -> list[dict]:
         out.append({"worker_id": w.worker_id, "role": w.role, "address": w.address,
                     "healthy": bool(cluster.healthy.get(w.worker_id)),
                     "running": s.running if s else None, "waiting": s.waiting if s else None,
-                    "kv_usage": s.kv_usage if s else None, "refused": s.refused if s else None})
+                    "kv_usage": s.kv_usage if s else None, "refused": s.refused if s else None,
+                    "kv_tiers": {"host": {"bytes": s.kv_host_bytes, "hit_tokens": s.kv_host_hits,
+                                          "stored_blocks": s.kv_host_stored},
+                                 "disk": {"bytes": s.kv_disk_bytes, "hit_tokens": s.kv_disk_hits,
+                                          "stored_blocks": s.kv_disk_stored, "refused": s.kv_disk_refused}}
+                    if s else None})
     return sorted(out, key=lambda w: w["worker_id"])

@@ -79,6 +79,15 @@ PDSERVE_SERIES = (
            "another running request needed) or priority (a waiting request of a higher priority)", "counter",
            lambda s: [(("memory",), float(s.preempted_memory)), (("priority",), float(s.preempted_priority))],
            ("cause",)),
+    Series("pdserve_kv_tier_bytes", "KV bytes a worker keeps in each tier under its KV pool", "gauge",
+           lambda s: [(("host",), float(s.kv_host_bytes)), (("disk",), float(s.kv_disk_bytes))], ("tier",)),
+    Series("pdserve_kv_tier_hits_tokens", "Prompt tokens copied back into the KV pool from each tier (prefix "
+           "hits there)", "counter",
+           lambda s: [(("host",), float(s.kv_host_hits)), (("disk",), float(s.kv_disk_hits))], ("tier",)),
+    Series("pdserve_kv_tier_stored_blocks", "Evicted blocks stored in each tier", "counter",
+           lambda s: [(("host",), float(s.kv_host_stored)), (("disk",), float(s.kv_disk_stored))], ("tier",)),
+    Series("pdserve_kv_tier_refused_entries", "Disk-tier entries that failed their check (torn or altered): "
+           "dropped and recomputed", "counter", field("kv_disk_refused")),
     Series("pdserve_decode_prefills", "Prompts a decode worker took, by where they were prefilled (remote: a "
            "prefill worker; local: itself)", "counter",
            lambda s: [] if s.role == "prefill" else [(("remote",), float(s.remote_prefills)),

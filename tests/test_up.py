@@ -52,6 +52,9 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
         assert 'role="prefill"' in metrics and 'role="decode"' in metrics
         for role in ("prefill", "decode"):  # each worker reports its preemptions by cause
             assert re.search(rf'^pdserve_preemptions_total{{cause="priority",role="{role}"', metrics, re.M), metrics
+            # the host KV tier is on by default (sized from free memory) on every worker
+            assert [line for line in metrics.splitlines() if line.startswith("pdserve_kv_tier_hits_tokens_total{")
+                    and f'role="{role}"' in line and 'tier="host"' in line], metrics
         deadline = time.time() + 5  # every KV block back in its pool, in both actor processes
         while time.time() < deadline:
             usage = [line for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()

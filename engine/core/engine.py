@@ -29,6 +29,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.sampling.grammar import disallowed_rows, grammar_state
 from pdserve.engine.sampling.speculative import NgramSpeculator
+from pdserve.engine.kv.tiers import kv_tiers, tier_stats
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.common.tokens import check_token_ids
 from pdserve.engine.model.weights import LoadedModel, load_for_config
@@ -58,6 +59,8 @@ class LLMEngine(KVTransferHooks):
         self.blocks = BlockManager(self.kv_cache.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching, config.cache.cache_namespace,
                                    event_listener)
+        if tp is None:  # a tensor-parallel group's ranks each hold a slice of every block
+            self.blocks.tiers = kv_tiers(config.cache, self.kv_cache.kv)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         # Triton kernels on CUDA, the C kernel on CPU (the model is shared between engines;
         # backends keep no state beyond the step's metadata)
@@ -126,6 +129,8 @@ class LLMEngine(KVTransferHooks):
             self._mask_pool = None
         if self.tp is not None:
             self.tp.stop()
+        if self.blocks.tiers is not None:
+            self.blocks.tiers.close()
 
     @classmethod
     def from_config(cls, config: EngineConfig, event_listener: EventListener | None = None) -> "LLMEngine":
@@ -355,4 +360,4 @@ class LLMEngine(KVTransferHooks):
             max_model_len=self.max_model_len, kv_cache_dtype=self.kv_cache.format.name,
             speculation="" if spec is None else spec.kind, spec_proposed=spec.proposed if spec else 0,
             spec_accepted=spec.accepted if spec else 0, preempted_memory=sched.preemptions["memory"],
-            preempted_priority=sched.preemptions["priority"])
+            preempted_priority=sched.preemptions["priority"], **tier_stats(blocks))

@@ -1,0 +1,166 @@
+"""KV tiers under the pool (engine/kv/tiers.py): evicted prefix blocks kept in host memory and
+on disk, copied back on a prefix hit, token-exact against an engine without tiers; a torn
+disk entry is refused; every block and every tier entry is accounted for."""
+
+import pytest
+import torch
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.kv.tiers import TieredStore, host_tier_bytes
+from pdserve.engine.model.tiny import tiny_llama
+from tests.conftest import assert_engine_clean
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def pool(blocks: int = 4) -> torch.Tensor:
+    return torch.randn(2, 2, blocks, 16, 2, 8)  # (layers, K/V, blocks, block_size, kv heads, head_dim)
+
+
+def test_host_tier_keeps_evicted_blocks_lru_and_spills_to_disk(tmp_path):
+    kv = pool()
+    t = TieredStore(kv, host_bytes=2 * kv[:, :, 0].numel() * 4, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    want = [kv[:, :, b].clone() for b in range(3)]
+    for b in range(3):
+        t.store(100 + b, b)
+    assert t.host.entries == 2 and t.host.dropped == 1 and t.disk.entries == 1  # the oldest went to disk
+    kv.zero_()
+    assert t.load(100, 3) == "disk" and torch.equal(kv[:, :, 3], want[0])
+    assert t.load(102, 3) == "host" and torch.equal(kv[:, :, 3], want[2])
+    assert t.load(999, 3) is None and not t.has(999)
+    t.close()
+    assert not any(tmp_path.iterdir()), "the disk tier's directory is removed"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_a_torn_or_altered_disk_entry_is_refused_not_read(tmp_path, damage):
+    kv = pool()
+    t = TieredStore(kv, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    t.store(7, 0)
+    path = next(p for p in next(tmp_path.iterdir()).iterdir())
+    raw = path.read_bytes()
+    path.write_bytes({"truncate": raw[:-5], "flip": raw[:-1] + bytes([raw[-1] ^ 1]), "empty": b""}[damage])
+    before = kv[:, :, 1].clone()
+    assert t.load(7, 1) is None and torch.equal(kv[:, :, 1], before)
+    assert t.disk.refused == 1 and t.disk.entries == 0 and not path.exists()
+    t.close()
+
+
+def test_host_tier_size_from_available_memory():
+    assert host_tier_bytes(0) == 0 and host_tier_bytes(123) == 123
+    assert 0 < host_tier_bytes(-1) <= 8 << 30
+    with pytest.raises(ValueError, match="kv_host_memory"):
+        CacheConfig(kv_host_memory=-2)
+
+
+def engine(loaded, host: int, disk: int = 0, disk_dir: str = "", blocks: int = 10) -> LLMEngine:
+    probe = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=1 << 20, kv_host_memory=0)))
+    cache = CacheConfig(kv_cache_memory=blocks * probe.kv_cache.bytes_per_block, kv_host_memory=host,
+                        kv_disk_memory=disk, kv_disk_dir=disk_dir)
+    return LLMEngine(loaded, EngineConfig(cache=cache))
+
+
+def sessions(n: int = 4, length: int = 64) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(5, 250, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_evicted_prefixes_come_back_from_a_tier_token_exact(tmp_path, tier):
+    """Four 64-token prompts through a 10-block pool: each evicts the last one's blocks.
+    Sent again, each finds its prefix in the tier: the same tokens as an engine without tiers
+    (and as computing it), counted as hits of that tier, and every block back."""
+    loaded = tiny_llama(0)
+    prompts = sessions()
+    plain = engine(loaded, host=0)
+    want = [plain.generate([p], GREEDY)[0] for p in prompts]
+    tiered = engine(loaded, host=1 << 20 if tier == "host" else 0, disk=(1 << 20) if tier == "disk" else 0,
+                    disk_dir=str(tmp_path))
+    first = [tiered.generate([p], GREEDY)[0] for p in prompts]
+    hits_before = tiered.blocks.prefix_hits
+    again = [tiered.generate([p + [9, 9]], GREEDY)[0] for p in prompts]
+    assert first == want
+    assert again == [plain.generate([p + [9, 9]], GREEDY)[0] for p in prompts]
+    stats = tiered.stats()
+    got = stats.kv_host_hits if tier == "host" else stats.kv_disk_hits
+    assert got >= 3 * 64 and tiered.blocks.prefix_hits - hits_before >= got  # whole prefixes came back
+    assert (stats.kv_host_stored if tier == "host" else stats.kv_disk_stored) > 0
+    assert plain.stats().kv_host_hits == 0 and plain.blocks.tiers is None
+    assert_engine_clean(tiered)
+    assert_engine_clean(plain)
+    tiered.shutdown()
+    assert not any(tmp_path.iterdir()), "the disk tier is removed with its engine"
+
+
+def test_tiers_under_batches_and_preemption_stay_exact():
+    """Many prompts sharing prefixes, batched in a pool too small for them all (preemption),
+    twice: outputs equal the tierless engine's, and the block accounting holds."""
+    loaded = tiny_llama(0)
+    base = sessions(3, 48)
+    prompts = [b + [i] * 20 for b in base for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = engine(loaded, host=0, blocks=14).generate(prompts, params)
+    tiered = engine(loaded, host=1 << 20, blocks=14)
+    assert tiered.generate(prompts, params) == want
+    assert tiered.generate(prompts[::-1], params) == want[::-1]
+    assert tiered.stats().kv_host_hits > 0
+    assert_engine_clean(tiered)
+    assert tiered.blocks.reset_prefix_cache() and tiered.blocks.tiers.host.entries == 0
+
+
+@pytest.mark.slow
+def test_real_model_prefix_back_from_the_host_tier(smollm):
+    loaded, tok = smollm
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Tell me about {x}. " * 8}]))
+             for x in ("the sea", "mountains", "rivers", "deserts")]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    small = CacheConfig(kv_cache_memory=12 * 16 * 30 * 2 * 3 * 64 * 4, kv_host_memory=0)
+    plain = LLMEngine(loaded, EngineConfig(cache=small), tok)
+    tiered = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=small.kv_cache_memory,
+                                                              kv_host_memory=64 << 20)), tok)
+    for e in (plain, tiered):
+        for c in chats:
+            e.generate([c], params)
+    assert [tiered.generate([c], params)[0] for c in chats] == [plain.generate([c], params)[0] for c in chats]
+    assert tiered.stats().kv_host_hits > 0  # copied back, not recomputed
+    assert_engine_clean(tiered)
+
+
+@pytest.mark.slow
+def test_cluster_workers_report_their_tiers(smollm):
+    """Through a cluster whose prefill worker's pool holds one prompt: a prompt sent again is
+    copied back from that worker's host tier, the answer is unchanged, and /admin/workers and
+    /metrics show the tier's bytes and hits."""
+    import time
+
+    import httpx
+
+    from pdserve.deploy.local import LocalCluster
+    from tests.helpers.clusters import MODEL, local_config
+
+    loaded, tok = smollm
+    cache = CacheConfig(kv_cache_memory=12 * 737_280, kv_host_memory=32 << 20)  # 12 blocks of SmolLM2 fp32 KV
+    c = LocalCluster(loaded, tok, local_config(engine=EngineConfig(cache=cache))).start()
+    body = lambda x: {"model": MODEL, "prompt": f"Tell me about {x}. " * 16, "max_tokens": 6, "temperature": 0}  # noqa: E731
+    try:
+        first = [httpx.post(c.url + "/v1/completions", json=body(x), timeout=120).json() for x in ("seas", "hills", "woods")]
+        again = httpx.post(c.url + "/v1/completions", json=body("seas"), timeout=120).json()
+        assert again["choices"][0]["text"] == first[0]["choices"][0]["text"]
+        deadline = time.monotonic() + 30  # the router's view is one stats poll old
+        while time.monotonic() < deadline:
+            view = {w["role"]: w for w in httpx.get(c.url + "/admin/workers").json()["workers"]}
+            if (view["prefill"].get("kv_tiers") or {}).get("host", {}).get("hit_tokens", 0) > 0:
+                break
+            time.sleep(0.2)
+        tiers = view["prefill"]["kv_tiers"]
+        assert tiers["host"]["hit_tokens"] >= 64 and tiers["host"]["bytes"] > 0 and tiers["host"]["stored_blocks"] > 0
+        metrics = httpx.get(c.url + "/metrics").text
+        assert [x for x in metrics.splitlines() if x.startswith("pdserve_kv_tier_hits_tokens_total{")
+                and 'role="prefill"' in x and 'tier="host"' in x and float(x.split()[-1]) >= 64], metrics
+        engines = c.engines()
+    finally:
+        c.stop()
+    for e in engines:
+        assert_engine_clean(e)
