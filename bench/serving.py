@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .metrics import (
@@ -38,6 +38,7 @@ from .workloads import (
     Vocabulary,
     arrival_offsets,
     load_trace,
+    agentic_workload,
     multi_turn_workload,
     parse_range,
     random_workload,
@@ -64,7 +65,8 @@ def add_bench_serving_args(p) -> None:
                    "tokenizer when the model id names SmolLM2, else words), words, or a GGUF/HF tokenizer path")
     e.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "trace", "noisy-neighbour"),
+    w.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "agentic", "trace",
+                                          "noisy-neighbour"),
                    default="random", help="noisy-neighbour: one tenant floods beside another's chats (bench/noisy.py)")
     w.add_argument("--num-requests", type=int, default=None, help="requests per load point (default: random 100; "
                    "the others their natural size: groups × prompts, conversations × turns, the trace)")
@@ -77,6 +79,8 @@ def add_bench_serving_args(p) -> None:
     w.add_argument("--question-len", type=int, default=64, help="shared-prefix: question tokens after the system prompt (default: %(default)s)")
     w.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations (default: %(default)s)")
     w.add_argument("--num-turns", type=int, default=4, help="multi-turn: user turns per conversation (default: %(default)s)")
+    w.add_argument("--think-time", type=float, default=1.0,
+                   help="agentic: seconds between a reply and the next tool result (default: %(default)s)")
     w.add_argument("--trace", default="", help="trace: JSONL with timestamp (s), input_len, output_len[, prompt, hash_ids]")
     w.add_argument("--trace-block-size", type=int, default=512, help="trace: tokens per hash_ids entry (default: %(default)s)")
     add_noisy_args(w)
@@ -142,6 +146,9 @@ def build_workload(args, vocab: Vocabulary, seed: int, trace_records: list[dict]
             n = math.ceil(args.num_requests / args.num_turns)
         s = multi_turn_workload(vocab, n, args.num_turns, parse_range(args.input_len), out_len,
                                 args.system_prompt_len, seed)
+    elif args.workload == "agentic":  # --num-conversations sessions; --input-len: each tool result
+        s = agentic_workload(vocab, args.num_conversations, args.num_turns, args.system_prompt_len,
+                             parse_range(args.input_len), out_len, args.think_time, seed)
     else:
         s = trace_workload(vocab, trace_records or [], seed, args.trace_block_size, args.api)
     return cap_requests(s, args.num_requests)
@@ -155,7 +162,7 @@ def cap_requests(sessions: list[Session], n: int | None) -> list[Session]:
     for s in sessions:
         if left <= 0:
             break
-        out.append(s if len(s.turns) <= left else Session(s.turns[:left], s.api, s.system, s.arrival, s.group))
+        out.append(s if len(s.turns) <= left else replace(s, turns=s.turns[:left]))
         left -= len(out[-1].turns)
     return out
 
@@ -235,6 +242,8 @@ async def run_load_point(client, url: str, model: str, sessions: list[Session], 
                                for t in s.turns[k + 1:])
                 return
             history += [{"role": "user", "content": turn.prompt}, {"role": "assistant", "content": reply}]
+            if s.think_s and k + 1 < len(s.turns):  # the agent runs its tool (holding no seat)
+                await asyncio.sleep(s.think_s)
 
     await asyncio.gather(*(session(s, o) for s, o in zip(sessions, offsets)))
     sent = [r for r in results if r.e2e is not None]

@@ -61,6 +61,8 @@ class Session:
     system: str = ""
     arrival: float | None = None
     group: int | None = None
+    think_s: float = 0.0
+    """Seconds between a reply and the session's next turn (an agent running its tool)."""
 
 
 @dataclass
@@ -152,6 +154,25 @@ def multi_turn_workload(vocab: Vocabulary, num_conversations: int, num_turns: in
             i, o = rng.randint(*input_len), rng.randint(*output_len)
             turns.append(Turn(vocab.text(rng, i).lstrip(), i, o))
         out.append(Session(tuple(turns), "chat", system=system, group=c))
+    return out
+
+
+def agentic_workload(vocab: Vocabulary, num_sessions: int, num_turns: int, system_len: int,
+                     result_len: tuple[int, int], output_len: tuple[int, int], think_s: float,
+                     seed: int) -> list[Session]:
+    """Agent sessions: a system prompt of tool definitions, a task, then turns that each append
+    a tool's result to the whole history resent so far (the agent's calls are the server's own
+    replies), `think_s` apart: each request reuses nearly all of its input."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(num_sessions):
+        system = "Tools: " + vocab.text(rng, max(system_len - 2, 1)).lstrip()
+        turns = []
+        for k in range(num_turns):
+            n = rng.randint(*result_len)
+            head = "Task:" if k == 0 else "Tool result:"
+            turns.append(Turn(head + vocab.text(rng, n), n + 2, rng.randint(*output_len)))
+        out.append(Session(tuple(turns), "chat", system=system, group=c, think_s=think_s))
     return out
 
 
