@@ -5,6 +5,10 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 
+TIERS = ("device", "host", "disk")
+"""Where a worker holds a block: its KV pool ("device"), or a tier under it (engine/kv/tiers.py)."""
+
+
 @dataclass(frozen=True)
 class BlockStored:
     seq: int
@@ -12,6 +16,7 @@ class BlockStored:
     parent_hash: int
     token_ids: tuple[int, ...]
     block_id: int
+    tier: str = "device"
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,7 @@ class BlockRemoved:
     seq: int
     block_hash: int
     block_id: int
+    tier: str = "device"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pdserve.common.aio import stop_tasks
-from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.common.kv_events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 from .urls import connect, describe_error
 
@@ -43,10 +43,11 @@ class EventPublisher:
 
     @staticmethod
     def encode(e: KVEvent) -> dict:
+        tier = {"tier": e.tier} if getattr(e, "tier", "device") != "device" else {}
         if isinstance(e, BlockStored):
-            return {"seq": e.seq, "type": "stored", "hash": e.block_hash, "parent": e.parent_hash}
+            return {"seq": e.seq, "type": "stored", "hash": e.block_hash, "parent": e.parent_hash} | tier
         if isinstance(e, BlockRemoved):
-            return {"seq": e.seq, "type": "removed", "hash": e.block_hash}
+            return {"seq": e.seq, "type": "removed", "hash": e.block_hash} | tier
         return {"seq": e.seq, "type": "cleared"}
 
     async def flush(self) -> None:
@@ -98,10 +99,13 @@ def decode_event(fields: dict) -> KVEvent:
         raise ValueError(f"not a KV event: {e!r}") from None
     if not all(0 <= n < 2**64 for n in numbers):
         raise ValueError("not a KV event: numbers outside [0, 2**64)")
+    tier = f.get("tier", "device")
+    if tier not in TIERS:
+        raise ValueError(f"not a KV event: tier {tier!r}")
     if kind == "stored" and "hash" in f:
-        return BlockStored(seq, int(f["hash"]), int(f.get("parent", 0)), (), -1)
+        return BlockStored(seq, int(f["hash"]), int(f.get("parent", 0)), (), -1, tier)
     if kind == "removed" and "hash" in f:
-        return BlockRemoved(seq, int(f["hash"]), -1)
+        return BlockRemoved(seq, int(f["hash"]), -1, tier)
     if kind == "cleared":
         return AllBlocksCleared(seq)
     raise ValueError(f"not a KV event: type {kind!r}")

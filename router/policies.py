@@ -108,7 +108,7 @@ class PrefixAware(LeastLoaded):
         # its events come after its prefill: until then, the next prompts with this prefix
         # should find it here (30 s: the default KV hand-off timeout, past which it failed)
         until = self.index.expect(w.worker_id, block_hashes, ttl_s=30.0)
-        return PrefillChoice(w.worker_id, held.get(w.worker_id, 0) * block_size, until)
+        return PrefillChoice(w.worker_id, int(held.get(w.worker_id, 0) * block_size), until)
 
 
     def pick_decode(self, workers, block_hashes=()) -> str:

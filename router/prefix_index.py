@@ -5,6 +5,10 @@ gap (a lost or reordered event). A worker with a gap is marked for resync: its e
 distrusted until a snapshot of its cached hashes replaces them (`reset_worker`).
 Pure Python; the router feeds it from Redis Streams.
 
+A worker also reports the blocks it keeps in the tiers under its pool (events of tier "host"
+or "disk"): `match` counts them too, each at its tier's weight (`TIER_WEIGHTS`: copying a
+block back is cheaper than computing it, dearer than having it in the pool).
+
 Events arrive after the prefill that caused them, so the router also records where it just
 sent a prompt (`expect`): until that worker's events confirm the blocks, or a deadline passes,
 they count as held there. Without it, the prompts of one new prefix that arrive before the
@@ -18,10 +22,16 @@ from collections import defaultdict, deque
 from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
+TIER_WEIGHTS = {"device": 1.0, "host": 0.9, "disk": 0.5}
+"""What a block held in each place is worth to a prompt, in blocks it need not compute."""
+
+
 class PrefixIndex:
     def __init__(self):
         self._holders: dict[int, set[str]] = defaultdict(set)  # block hash -> workers
         self._blocks: dict[str, set[int]] = defaultdict(set)   # worker -> block hashes
+        self._lower: dict[int, dict[str, set[str]]] = defaultdict(dict)  # hash -> worker -> its lower tiers
+        self._lower_blocks: dict[str, set[int]] = defaultdict(set)  # worker -> hashes it keeps in a tier
         self._seq: dict[str, int] = {}
         self.needs_resync: set[str] = set()
         # hash -> worker -> deadlines, one per prompt in flight that expects it there
@@ -38,7 +48,9 @@ class PrefixIndex:
             self.needs_resync.add(worker_id)
             return False
         self._seq[worker_id] = event.seq
-        if isinstance(event, BlockStored):
+        if getattr(event, "tier", "device") != "device":
+            self._apply_tier(worker_id, event)
+        elif isinstance(event, BlockStored):
             self._holders[event.block_hash].add(worker_id)
             self._blocks[worker_id].add(event.block_hash)
             self._unexpect(worker_id, event.block_hash)  # confirmed: the event stands for it now
@@ -47,6 +59,24 @@ class PrefixIndex:
         elif isinstance(event, AllBlocksCleared):
             self._clear(worker_id)
         return True
+
+    def _apply_tier(self, worker_id: str, event: KVEvent) -> None:
+        tiers = self._lower[event.block_hash].setdefault(worker_id, set())
+        if isinstance(event, BlockStored):
+            tiers.add(event.tier)
+            self._lower_blocks[worker_id].add(event.block_hash)
+            return
+        tiers.discard(event.tier)
+        if not tiers:
+            self._drop_lower(worker_id, event.block_hash)
+
+    def _drop_lower(self, worker_id: str, h: int) -> None:
+        held = self._lower.get(h)
+        if held is not None:
+            held.pop(worker_id, None)
+            if not held:
+                del self._lower[h]
+        self._lower_blocks[worker_id].discard(h)
 
     def reset_worker(self, worker_id: str, block_hashes, seq: int) -> None:
         """Replace a worker's entries with a snapshot taken at event number `seq`."""
@@ -86,23 +116,27 @@ class PrefixIndex:
         for h in block_hashes:
             self._forget(worker_id, h, deadline)
 
-    def match(self, block_hashes: list[int], now: float | None = None) -> dict[str, int]:
-        """For each worker in sync, how many leading blocks of the prompt it holds (or is
-        expected to hold: see `expect`)."""
+    def match(self, block_hashes: list[int], now: float | None = None) -> dict[str, float]:
+        """For each worker in sync, the leading blocks of the prompt it holds (or is expected
+        to hold: see `expect`), in its pool or in a tier under it, each counted at its
+        place's weight (`TIER_WEIGHTS`; 1 each when all are in the pool)."""
         now = time.monotonic() if now is None else now
-        counts: dict[str, int] = {}
-        alive = {w for w, blocks in self._blocks.items() if blocks} | set(self._expecting)
+        counts: dict[str, float] = {}
+        alive = ({w for w, blocks in self._blocks.items() if blocks} | set(self._expecting)
+                 | {w for w, blocks in self._lower_blocks.items() if blocks})
         alive -= self.needs_resync
-        for i, h in enumerate(block_hashes):
+        for h in block_hashes:
             expected = self._expected.get(h)
             held = self._holders.get(h, set())
             if expected:
                 held = held | {w for w, deadlines in expected.items() if max(deadlines) > now}
-            alive &= held
+            lower = self._lower.get(h, {})
+            alive &= held | lower.keys()
             if not alive:
                 break
             for w in alive:
-                counts[w] = i + 1
+                weight = 1.0 if w in held else max(TIER_WEIGHTS[t] for t in lower[w])
+                counts[w] = counts.get(w, 0.0) + weight
         return counts
 
     def num_blocks(self, worker_id: str) -> int:
@@ -143,6 +177,9 @@ class PrefixIndex:
         for h in list(self._blocks.get(worker_id, ())):
             self._drop(worker_id, h)
         self._blocks.pop(worker_id, None)
+        for h in list(self._lower_blocks.get(worker_id, ())):
+            self._drop_lower(worker_id, h)
+        self._lower_blocks.pop(worker_id, None)
         if worker_id in self._expecting:
             for _, w, h in self._expiry:
                 if w == worker_id:

@@ -164,3 +164,44 @@ def test_cluster_workers_report_their_tiers(smollm):
         c.stop()
     for e in engines:
         assert_engine_clean(e)
+
+
+def test_tier_moves_are_kv_events_and_the_prefix_index_weighs_them():
+    """An evicted block is announced as stored in the host tier (and removed from the pool),
+    a block the host tier drops as removed from it; the router's index counts a prefix kept
+    in a worker's host tier at TIER_WEIGHTS["host"], below one in a pool, above none; the
+    events survive the Redis encoding."""
+    from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from pdserve.engine.core.block_manager import BlockManager
+    from pdserve.registry.events import EventPublisher, decode_event
+    from pdserve.router.prefix_index import TIER_WEIGHTS, PrefixIndex
+
+    events = []
+    bm = BlockManager(2, 16, listener=events.append)
+    kv = pool(2)
+    bm.tiers = TieredStore(kv, host_bytes=kv[:, :, 0].numel() * 4)  # one block
+    a, b, c = ([i] * 16 + [0] for i in (1, 2, 3))
+    for rid, toks in (("a", a), ("b", b), ("c", c)):  # c evicts a (to host), then b pushes a out of host
+        assert bm.allocate(rid, 17 if rid == "a" else 16)
+        bm.cache_full_blocks(rid, toks, 16)
+        bm.free(rid)
+    ha = bm.match_prefix(a, count=False).hashes  # a comes back from... nowhere: dropped from host
+    kinds = [(type(e).__name__, e.tier) for e in events]
+    assert ("BlockStored", "host") in kinds and ("BlockRemoved", "host") in kinds and ha == ()
+    for e in events:
+        back = decode_event(EventPublisher.encode(e))
+        assert (type(back), back.seq, back.block_hash, back.tier) == (type(e), e.seq, e.block_hash, e.tier)
+    with pytest.raises(ValueError, match="tier"):
+        decode_event({"seq": "1", "type": "stored", "hash": "5", "tier": "tape"})
+
+    index = PrefixIndex()
+    index.apply("pool", BlockStored(1, 11, 0, (), -1))
+    index.apply("pool", BlockStored(2, 12, 0, (), -1))
+    index.apply("tier", BlockStored(1, 11, 0, (), -1, "host"))
+    index.apply("tier", BlockStored(2, 12, 0, (), -1, "host"))
+    got = index.match([11, 12, 13])
+    assert got["pool"] == 2 and got["tier"] == pytest.approx(2 * TIER_WEIGHTS["host"])
+    index.apply("tier", BlockRemoved(3, 12, -1, "host"))
+    assert index.match([11, 12])["tier"] == pytest.approx(TIER_WEIGHTS["host"])
+    index.apply("tier", AllBlocksCleared(4))
+    assert "tier" not in index.match([11, 12])

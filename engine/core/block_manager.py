@@ -61,8 +61,25 @@ class BlockManager:
         self._event_seq = 0
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0     # tokens found cached (in the pool or copied back from a tier)
-        self.tiers = None  # engine/kv/tiers.py TieredStore: where evicted cached blocks go
+        self._tiers = None  # engine/kv/tiers.py TieredStore: where evicted cached blocks go
         self.tier_hits: dict[str, int] = {}  # tier -> tokens copied back from it
+
+    @property
+    def tiers(self):
+        return self._tiers
+
+    @tiers.setter
+    def tiers(self, store) -> None:
+        """Put `store` (or None) under the pool; its changes become KV events of their tier."""
+        self._tiers = store
+        if store is not None:
+            store.on_change = self._tier_event
+
+    def _tier_event(self, h: int, tier: str, held: bool) -> None:
+        if held:
+            self._emit(lambda s: BlockStored(s, h, 0, (), -1, tier))
+        else:
+            self._emit(lambda s: BlockRemoved(s, h, -1, tier))
 
     # ---- accounting -------------------------------------------------------------------
     @property

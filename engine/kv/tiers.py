@@ -57,6 +57,9 @@ class TieredStore:
         self.disk_capacity = disk_bytes if disk_dir else 0
         self._disk: OrderedDict[int, Path] = OrderedDict()
         self._dir = Path(tempfile.mkdtemp(prefix="pdserve-kv-", dir=disk_dir)) if self.disk_capacity else None
+        # on_change(hash, tier, held): a block entered (True) or left (False) a tier; the block
+        # manager turns it into KV events, so the router's prefix index knows the tiers too
+        self.on_change = lambda h, tier, held: None
 
     def has(self, h: int) -> bool:
         return h in self._host or h in self._disk
@@ -71,10 +74,12 @@ class TieredStore:
             return
         self._host[h] = self.kv[:, :, bid].clone()
         self.host.stored += 1
+        self.on_change(h, "host", True)
         self._account_host()
         while len(self._host) * self.block_bytes > self.host_capacity:
             old, data = self._host.popitem(last=False)
             self.host.dropped += 1
+            self.on_change(old, "host", False)
             if old not in self._disk:
                 self._to_disk(old, data)
             self._account_host()
@@ -115,10 +120,12 @@ class TieredStore:
         os.replace(tmp, self._path(h))  # atomic: a reader sees the whole file or the old one
         self._disk[h] = self._path(h)
         self.disk.stored += 1
+        self.on_change(h, "disk", True)
         while len(self._disk) * self.block_bytes > self.disk_capacity:
-            _, path = self._disk.popitem(last=False)
+            old, path = self._disk.popitem(last=False)
             path.unlink(missing_ok=True)
             self.disk.dropped += 1
+            self.on_change(old, "disk", False)
         self.disk.entries, self.disk.bytes = len(self._disk), len(self._disk) * self.block_bytes
 
     def _from_disk(self, h: int) -> torch.Tensor | None:
@@ -144,10 +151,11 @@ class TieredStore:
         path = self._disk.pop(h, None)
         if path is not None:
             path.unlink(missing_ok=True)
+            self.on_change(h, "disk", False)
         self.disk.entries, self.disk.bytes = len(self._disk), len(self._disk) * self.block_bytes
 
     def clear(self) -> None:
-        """Drop every entry of both tiers."""
+        """Drop every entry of both tiers (silently: the caller announces it, or stops)."""
         self._host.clear()
         self._account_host()
         for path in self._disk.values():
