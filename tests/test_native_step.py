@@ -83,12 +83,15 @@ def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
                              torch.tensor(lens), [], BS)
 
 
+@pytest.mark.parametrize("one_region", [True, False])
 @pytest.mark.parametrize("prompt_lens", [[13], [5, 16, 31]])
-def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens):
+def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens, one_region):
     """Both paths decode from the same prefilled cache, each in its own copy; every step's
     hidden states and every layer's K/V are bitwise equal, so every greedy token is. The
-    lengths cross block boundaries (16-token blocks) during the 32 steps."""
+    lengths cross block boundaries (16-token blocks) during the 32 steps. Both of step.c's
+    schedules: one OpenMP team for the step, or a region per op."""
     cfg, steps = model.config, 32
+    model.native_decode.one_region = one_region
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 10000, (n,), generator=g).tolist() for n in prompt_lens]
     per = (max(prompt_lens) + steps + BS - 1) // BS
@@ -112,6 +115,7 @@ def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step
         assert tokens[True] == tokens[False]
     assert torch.equal(caches[True], caches[False])
     assert caches[True].abs().sum() > 0 and step_calls == [len(prompts)] * steps  # the native step did run
+    model.native_decode.one_region = True
 
 
 def _greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:

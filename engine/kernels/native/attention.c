@@ -306,40 +306,45 @@ static void attend_generic(const float *q, const char *kc, const char *vc, const
     memcpy(out, acc, sizeof(float) * G * D);
 }
 
+/* Work item w = (sequence w / KVH, KV head w % KVH): its G query heads' outputs. Not static:
+ * step.c's one-region decode step runs the items itself. Returns 0, or -1 without scratch memory. */
+int paged_attention_item(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                         const int64_t *skips, float *out, int w, int H, int KVH, int D, int bs, int max_blocks,
+                         float scale, int kv_fmt) {
+    const int G = H / KVH, b = w / KVH, kh = w % KVH;
+    /* per item: a few KB, far cheaper than the attention it serves */
+    float *scratch = malloc(sizeof(float) * ((size_t)G * lens[b] + (size_t)G * D + (size_t)bs * D));
+    if (!scratch) return -1;
+    const float *qi = q + ((size_t)b * H + (size_t)kh * G) * D;
+    float *oi = out + ((size_t)b * H + (size_t)kh * G) * D;
+    const int64_t *table = tables + (size_t)b * max_blocks, skip = skips ? skips[b] : 0;
+#ifdef __AVX2__
+    if (D == 64 && kv_fmt == KV_F32)
+        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, KV_F32);
+    else if (D == 64 && kv_fmt == KV_BF16)
+        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, KV_BF16);
+    else if (D == 64 && kv_fmt == KV_INT8)
+        attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
+                        KV_INT8);
+    else if (D == 64 && kv_fmt == KV_FP8)
+        attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
+                        KV_FP8);
+    else
+#endif
+        attend_generic(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, D, bs, scale, scratch,
+                       scratch + (size_t)G * lens[b], scratch + (size_t)G * lens[b] + (size_t)G * D, kv_fmt);
+    free(scratch);
+    return 0;
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated. kv_fmt: the caches' format (KV_*). */
 int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, const int64_t *tables,
                                const int64_t *lens, const int64_t *skips, float *out, int B, int H, int KVH, int D,
                                int bs, int max_blocks, float scale, int nthreads, int kv_fmt) {
-    const int G = H / KVH;
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
-    for (int w = 0; w < B * KVH; w++) {
-        int b = w / KVH, kh = w % KVH;
-        /* per item: a few KB, far cheaper than the attention it serves */
-        float *scratch = malloc(sizeof(float) * ((size_t)G * lens[b] + (size_t)G * D + (size_t)bs * D));
-        if (!scratch) {
-            failed = 1;
-            continue;
-        }
-        const float *qi = q + ((size_t)b * H + (size_t)kh * G) * D;
-        float *oi = out + ((size_t)b * H + (size_t)kh * G) * D;
-        const int64_t *table = tables + (size_t)b * max_blocks, skip = skips ? skips[b] : 0;
-#ifdef __AVX2__
-        if (D == 64 && kv_fmt == KV_F32)
-            attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, KV_F32);
-        else if (D == 64 && kv_fmt == KV_BF16)
-            attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, KV_BF16);
-        else if (D == 64 && kv_fmt == KV_INT8)
-            attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
-                            KV_INT8);
-        else if (D == 64 && kv_fmt == KV_FP8)
-            attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
-                            KV_FP8);
-        else
-#endif
-            attend_generic(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, D, bs, scale, scratch,
-                           scratch + (size_t)G * lens[b], scratch + (size_t)G * lens[b] + (size_t)G * D, kv_fmt);
-        free(scratch);
-    }
+    for (int w = 0; w < B * KVH; w++)
+        failed |= paged_attention_item(q, kc, vc, tables, lens, skips, out, w, H, KVH, D, bs, max_blocks, scale,
+                                       kv_fmt) != 0;
     return failed ? -1 : 0;
 }

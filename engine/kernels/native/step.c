@@ -42,6 +42,10 @@ int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, c
                                const int64_t *lens, const int64_t *skips, float *out, int B, int H, int KVH, int D,
                                int bs, int max_blocks, float scale, int nthreads, int kv_fmt);
 
+int paged_attention_item(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                         const int64_t *skips, float *out, int w, int H, int KVH, int D, int bs, int max_blocks,
+                         float scale, int kv_fmt);
+
 int decode_step_ptrs(void) { return STEP_PTRS; }
 
 /* ---- Q4_1 x int8 with nibble-packed weights ----------------------------------------------
@@ -213,6 +217,109 @@ static int layer(const step_dims *d, void *const *w, float *kc, float *vc, float
     return w4a8n_matmul(b->act, w[11], w[12], w[13], b->delta, M, H, d->inter, nt);
 }
 
+#ifdef __AVX2__
+/* ---- the same step in one parallel region ------------------------------------------------
+ * One team for the whole step, 5 barriers a layer (after each matmul and after attention)
+ * instead of 5 fork/joins plus the matmuls' inner barriers. What every thread needs whole
+ * (the residual stream h, its norm, the quantized activations, SwiGLU's product) each thread
+ * computes itself into its own buffers: at decode sizes that is cheaper than a barrier, and
+ * it is the same arithmetic, so the result is bitwise the per-op path's. A matmul's columns
+ * and attention's (row, KV head) items are split between the threads; an item ropes, stores
+ * and attends its own heads (no other item reads its new K/V: each row's new slot is its own). */
+typedef struct {
+    float *h, *x, *act, *dx; /* (M, hidden) twice, (M, inter), the quantized activations' scales */
+    int8_t *xq;
+} team_bufs;
+
+/* x (M, K) into the quantized form columns_nib reads (quads of rows; missing rows zero). */
+static void quantize_all(const float *x, int64_t M, int64_t K, team_bufs *p) {
+    const int64_t G = K / 32, Mp = (M + 3) / 4 * 4;
+    float *sx = p->dx + 2 * Mp * G;
+    if (Mp > M) {
+        memset(p->xq + (Mp - 4) * K, 0, (size_t)(4 * K));
+        memset(p->dx + (Mp - 4) * 2 * G, 0, sizeof(float) * (size_t)(8 * G));
+        memset(sx + (Mp - 4) * G, 0, sizeof(float) * (size_t)(4 * G));
+    }
+    for (int64_t i = 0; i < M; i++)
+        w4a8_quantize_row(x + i * K, K, p->xq + i / 4 * 4 * K, p->dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
+}
+
+/* y (M, N) = x @ W.T for this thread's share of the column blocks; then the team waits. */
+static void team_matmul(const float *x, void *const *w, float *y, int64_t M, int64_t N, int64_t K, team_bufs *p) {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    const int64_t G = K / 32, Mp = (M + 3) / 4 * 4, blocks = N / 8;
+    quantize_all(x, M, K, p);
+    columns_nib(p->xq, p->dx, p->dx + 2 * Mp * G, w[0], w[1], w[2], y, M, N, K, blocks * t / T,
+                blocks * (t + 1) / T);
+#pragma omp barrier
+}
+
+/* Attention item (row b, KV head kh): RoPE of its G query heads and its K head in place in
+ * qkv, the K/V rows into the cache, q into the attention kernel's layout, then attend. */
+static int team_item(const step_dims *d, int w, float *qkv, float *q, float *att, float *kc, float *vc,
+                     const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
+                     const int64_t *tables, const int64_t *lens) {
+    const int64_t hd = d->head_dim, KVH = d->kv_heads, G = d->heads / KVH, nq = d->heads * hd, nk = KVH * hd;
+    const int64_t b = w / KVH, kh = w % KVH;
+    float *row = qkv + b * (nq + 2 * nk), *qh = row + kh * G * hd, *kr = row + nq + kh * hd;
+    rope_f32(qh, 1, 0, (int)G, (int)hd, cos_t, sin_t, positions + b, 1);
+    rope_f32(kr, 1, 0, 1, (int)hd, cos_t, sin_t, positions + b, 1);
+    memcpy(kc + (slots[b] * KVH + kh) * hd, kr, sizeof(float) * (size_t)hd);
+    memcpy(vc + (slots[b] * KVH + kh) * hd, kr + nk, sizeof(float) * (size_t)hd);
+    memcpy(q + b * nq + kh * G * hd, qh, sizeof(float) * (size_t)(G * hd));
+    return paged_attention_item(q, kc, vc, tables, lens, NULL, att, w, (int)d->heads, (int)KVH, (int)hd,
+                                (int)d->block_size, (int)d->max_blocks, d->scale, 0);
+}
+
+/* One layer on the team (layer()'s steps); `delta` is the shared previous MLP output. */
+static int team_layer(const step_dims *d, void *const *w, float *kc, float *vc, step_bufs *s, team_bufs *p,
+                      int first, const int64_t *positions, const float *cos_t, const float *sin_t,
+                      const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M) {
+    const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
+    int failed = 0;
+    add_rms_norm_f32(p->h, first ? NULL : s->delta, w[0], p->x, M, H, d->eps, 1);
+    team_matmul(p->x, w + 2, s->qkv, M, wqkv, H, p);
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < (int)(M * d->kv_heads); it++)
+        failed |= team_item(d, it, s->qkv, s->q, s->att, kc, vc, positions, cos_t, sin_t, slots, tables, lens);
+    team_matmul(s->att, w + 5, s->a, M, H, nq, p);
+    add_rms_norm_f32(p->h, s->a, w[1], p->x, M, H, d->eps, 1);
+    team_matmul(p->x, w + 8, s->gu, M, 2 * d->inter, H, p);
+    silu_mul_f32(s->gu, p->act, M, d->inter, 1);
+    team_matmul(p->act, w + 11, s->delta, M, H, d->inter, p);
+    return failed;
+}
+
+/* decode_step_llama's work on one team; returns 0, or -1 without memory. */
+static int team_step(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
+                     float *out, step_bufs *s, const int64_t *positions, const float *cos_t, const float *sin_t,
+                     const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt) {
+    const int64_t H = d->hidden, Mp = (M + 3) / 4 * 4, nq = d->heads * d->head_dim;
+    const int64_t kmax = H > nq ? (H > d->inter ? H : d->inter) : (nq > d->inter ? nq : d->inter);
+    const size_t floats = (size_t)(2 * M * H + M * d->inter + Mp * (kmax / 32) * 3), bytes = (size_t)(Mp * kmax);
+    const size_t per = (floats * sizeof(float) + bytes + 63) & ~(size_t)63;
+    char *all = aligned_alloc(64, per * (size_t)nt);
+    int failed = 0;
+    if (!all) return -1;
+#pragma omp parallel num_threads(nt) reduction(| : failed)
+    {
+        char *mine = all + per * (size_t)omp_get_thread_num();
+        team_bufs p = {(float *)mine, (float *)mine + M * H, (float *)mine + 2 * M * H,
+                       (float *)mine + 2 * M * H + M * d->inter, (int8_t *)(mine + floats * sizeof(float))};
+        memcpy(p.h, h, sizeof(float) * (size_t)(M * H));
+        for (int64_t i = 0; i < d->layers; i++)
+            failed |= team_layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], s, &p, i == 0, positions,
+                                 cos_t, sin_t, slots, tables, lens, M);
+        if (omp_get_thread_num() == 0) {
+            add_rms_norm_f32(p.h, s->delta, final_w, out, M, H, d->eps, 1);
+            memcpy(h, p.h, sizeof(float) * (size_t)(M * H));
+        }
+    }
+    free(all);
+    return failed ? -1 : 0;
+}
+#endif
+
 /* All layers of a decode-only step, then the final norm:
  *   h (M, hidden)       the embeddings in; the residual stream (before the last MLP's add) out
  *   out (M, hidden)     the final normed hidden states
@@ -221,15 +328,25 @@ static int layer(const step_dims *d, void *const *w, float *kc, float *vc, float
  *   slots (M,)          int64 flat cache slots of the new tokens
  *   tables (M, max_blocks), lens (M,) int64: each row's blocks and context length, checked
  *                       (native.paged_attention_tables)
+ *   one_region          1: the whole step on one OpenMP team (team_step), 0: each op its own region
  * Returns 0, or -1 when scratch memory could not be allocated. */
 int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
                       float *out, const int64_t *positions, const float *cos_t, const float *sin_t,
-                      const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt) {
+                      const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
+                      int one_region) {
     if (M <= 0) return 0;
     step_bufs b;
     float *base = alloc_bufs(&b, d, M);
     if (!base) return -1;
     int rc = 0;
+#ifdef __AVX2__
+    if (one_region) {
+        rc = team_step(d, weights, kv, final_w, h, out, &b, positions, cos_t, sin_t, slots, tables, lens, M,
+                       nt < 1 ? 1 : nt);
+        free(base);
+        return rc;
+    }
+#endif
     for (int64_t i = 0; i < d->layers && !rc; i++)
         rc = layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h, i ? b.delta : NULL, &b, positions, cos_t,
                    sin_t, slots, tables, lens, M, nt);

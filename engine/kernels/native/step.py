@@ -36,7 +36,8 @@ def _bound():
         lib.decode_step_ptrs.restype = ctypes.c_int
         if lib.decode_step_ptrs() != PTRS:
             raise RuntimeError("step.c and step.py disagree on the per-layer pointers")
-        lib.decode_step_llama.argtypes = [ctypes.POINTER(_Dims), p, p, p, p, p, p, p, p, p, p, p, i64, ctypes.c_int]
+        lib.decode_step_llama.argtypes = [ctypes.POINTER(_Dims), p, p, p, p, p, p, p, p, p, p, p, i64, ctypes.c_int,
+                                          ctypes.c_int]
         lib.decode_step_llama.restype = ctypes.c_int
         lib.w4a8n_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
         lib.w4a8n_matmul.restype = ctypes.c_int
@@ -99,6 +100,7 @@ class StepWeights:
             ptrs += [t.data_ptr() for t in tensors]
         self.array = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._kv_key = self._kv_array = None
+        self.one_region = True  # the whole step on one OpenMP team (step.c team_step); False: a region per op
 
     def kv_pointers(self, kv_caches: list) -> ctypes.Array:
         """Every layer's (K, V) pointers, cached while the same list of the same tensors is passed
@@ -131,7 +133,7 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     out = torch.empty_like(h)
     if M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                 out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads()):
+                tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region)):
         raise MemoryError("decode step: no memory for its scratch buffers")
     return out
 
