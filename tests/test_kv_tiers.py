@@ -205,3 +205,24 @@ def test_tier_moves_are_kv_events_and_the_prefix_index_weighs_them():
     assert index.match([11, 12])["tier"] == pytest.approx(TIER_WEIGHTS["host"])
     index.apply("tier", AllBlocksCleared(4))
     assert "tier" not in index.match([11, 12])
+
+
+def test_a_prefix_is_copied_back_only_for_a_prompt_that_fits_now():
+    """A waiting prompt whose blocks are not all free gets nothing copied back (it would be
+    evicted again before it runs, at every step); once they are free, its prefix comes back."""
+    from pdserve.engine.core.block_manager import BlockManager
+
+    bm = BlockManager(3, 16)
+    kv = pool(3)
+    bm.tiers = TieredStore(kv, host_bytes=1 << 20)
+    prompt = [7] * 32 + [1]
+    assert bm.allocate("a", 33)
+    bm.cache_full_blocks("a", prompt, 32)
+    bm.free("a")
+    assert bm.allocate("x", 48)  # three other blocks: a's two cached ones go to the host tier
+    bm.free("x")
+    assert bm.allocate("busy", 16)  # one block in use: the prompt's three do not fit
+    assert bm.match_prefix(prompt, count=False).num_tokens == 0 and bm.tier_hits == {}
+    bm.free("busy")
+    assert bm.match_prefix(prompt).num_tokens == 32 and bm.tier_hits == {"host": 32}
+    bm.check_invariants()

@@ -122,7 +122,7 @@ class BlockManager:
             chunk = token_ids[b * bs:(b + 1) * bs]
             h = hash_block(parent, chunk, self.namespace)
             bid = self._cached.get(h)
-            if bid is None and self.tiers is not None and self.tiers.has(h):
+            if bid is None and self.tiers is not None and self.tiers.has(h) and self._fits(token_ids, ids):
                 bid = self._restore(h, parent, chunk, ids)
             if bid is None:
                 break
@@ -133,6 +133,14 @@ class BlockManager:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += len(ids) * bs
         return PrefixMatch(tuple(ids), tuple(hashes), len(ids) * bs)
+
+    def _fits(self, token_ids: list[int], ids: list[int]) -> bool:
+        """Whether the free queue holds every block the prompt still needs after the match
+        `ids` (restored blocks among them): only then are blocks copied back, for a request
+        that can start now. A waiting request whose prompt does not fit would otherwise copy
+        its prefix back at every step, and other work would evict it again in between."""
+        reuse = sum(1 for bid in ids if self.blocks[bid].ref_count == 0)
+        return len(self._free) - reuse >= -(-len(token_ids) // self.block_size) - len(ids)
 
     def _restore(self, h: int, parent: int, chunk: list[int], keep: list[int]) -> int | None:
         """A free block holding the lower tiers' KV of hash `h`, cached again and last in the

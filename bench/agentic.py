@@ -1,0 +1,85 @@
+"""The agentic benchmark of the KV tiers: `python -m pdserve.bench.agentic`.
+
+Agent sessions (`pdserve bench --workload agentic`: tools, a task, then tool results appended
+to the whole history, a think time between turns) against `pdserve up` with a KV pool that
+holds a fraction of the sessions' histories, run in one go with the KV tiers off
+(`--kv-host-memory 0`: an evicted history is computed again) and on (the default host tier:
+it is copied back). Each configuration gets its own seed (no reuse across them). Reports TTFT
+p50/p99, requests/s and the prefix and tier hit rates; writes bench/agentic-results.json with
+the CPU it ran on.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from .metrics import cpu_description
+from .peers import Server, bench_args
+from .serving import bench
+
+CONFIGS = {"tiers off": ["--kv-host-memory", "0"], "tiers on (default)": []}
+
+
+def tier_hits(url: str) -> dict[str, float]:
+    """Prompt tokens copied back from each KV tier, summed over the workers (/metrics)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("pdserve_kv_tier_hits_tokens_total{"):
+            tier = line.split('tier="')[1].split('"')[0]
+            out[tier] = out.get(tier, 0.0) + float(line.split()[-1])
+    return out
+
+
+def workload(args, seed: int) -> list[str]:
+    return ["--workload", "agentic", "--num-conversations", str(args.sessions), "--num-turns", str(args.turns),
+            "--system-prompt-len", str(args.system_len), "--input-len", args.result_len, "--output-len",
+            str(args.output_len), "--think-time", str(args.think), "--max-concurrency", str(args.sessions),
+            "--seed", str(seed), "--temperature", "0"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kv-cache-memory", default="96MiB", help="each worker's KV pool (default: %(default)s)")
+    p.add_argument("--sessions", type=int, default=6)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system-len", type=int, default=400)
+    p.add_argument("--result-len", default="100:200")
+    p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--think", type=float, default=1.0)
+    p.add_argument("--port", type=int, default=8310)
+    p.add_argument("--output", default="bench/agentic-results.json")
+    args = p.parse_args(argv)
+    out_dir = Path(args.output).parent
+    res = {"cpu": cpu_description(), "args": vars(args), "runs": {}}
+    for i, (name, flags) in enumerate(CONFIGS.items()):
+        cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(args.port), "--kv-cache-memory",
+               args.kv_cache_memory, *flags]
+        srv = Server(name.split()[0] + "-" + name.split()[1], cmd, args.port, out_dir / "logs")
+        try:
+            srv.wait_ready(600)
+            out, _, _ = asyncio.run(bench(bench_args(workload(args, 4000 + 100 * i), out_dir), [(name, srv.url)]))
+            tiers = tier_hits(srv.url)
+        finally:
+            srv.stop()
+        run = out["endpoints"][name]["runs"][0]
+        m = run["metrics"]
+        res["runs"][name] = {"flags": flags, "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
+                             "request_s": m["request_throughput"], "failed": m["failed"],
+                             "prefix_cache": run.get("prefix_cache"), "tier_hit_tokens": tiers}
+        print(f"{name}: TTFT p50 {m['ttft_ms']['p50']:.0f} ms, p99 {m['ttft_ms']['p99']:.0f} ms, "
+              f"{m['request_throughput']:.2f} req/s, prefix hit rate "
+              f"{(run.get('prefix_cache') or {}).get('hit_rate')}, tier hits (tokens) {tiers}", flush=True)
+    off, on = res["runs"]["tiers off"], res["runs"]["tiers on (default)"]
+    res["ttft_p50_ratio_off_over_on"] = off["ttft_p50_ms"] / on["ttft_p50_ms"]
+    print(f"TTFT p50 without tiers / with: {res['ttft_p50_ratio_off_over_on']:.2f}x")
+    Path(args.output).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
