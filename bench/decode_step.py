@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -112,6 +113,7 @@ def run(rows: list[int], ctx: int, repeats: int, itl_tokens: int) -> dict:
     from pdserve.engine.kernels.attention import NativeAttentionBackend
     from pdserve.engine.model.weights import load_model
 
+    load_before = os.getloadavg()
     loaded = load_model(quantization="auto")
     model, cfg = loaded.model, loaded.config
     model.backend = NativeAttentionBackend()
@@ -136,6 +138,7 @@ def run(rows: list[int], ctx: int, repeats: int, itl_tokens: int) -> dict:
            for name, on in (("old", False), ("native", True))}
     print(f"engine ITL at one stream: old {itl['old']:.2f} ms, native {itl['native']:.2f} ms", flush=True)
     return {"cpu": cpu_description(), "threads": torch.get_num_threads(),
+            "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
             "numerics": "auto: Q4_1 layer weights on W4A8 (int8 activations per 16), fp32 KV cache, "
                         "LM head as shipped",
             "context_tokens": ctx, "repeats": repeats,
@@ -154,8 +157,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256, help="tokens in each row's context")
     p.add_argument("--repeats", type=int, default=15, help="timed steps per path and row count (median)")
     p.add_argument("--itl-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=0, help="torch (and so the kernels') threads; 0: torch's default")
     p.add_argument("--output", default=str(OUT))
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     result = run([int(r) for r in a.rows.split(",")], a.context, a.repeats, a.itl_tokens)
     Path(a.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.output}")

@@ -1,13 +1,13 @@
 /* step.c - every decoder layer of a Llama-family decode step in one call
  *
  * A decode-only step (each of the M rows is the one new token of a different request) ran
- * as ~9 ctypes calls per layer plus torch glue (allocations, views, index_copy_): at one row
- * on SmolLM2-135M that Python was a third of the step. Here the layer loop is C and each op
- * is the kernel the Python path calls (add_rms_norm_f32, w4a8_matmul, rope_f32,
- * paged_decode_attention_f32, silu_mul_f32) or, for the matmuls, w4a8n_matmul below, which
- * reads half the weight bytes for bitwise w4a8_matmul's result; on the same inputs in the
- * same order, so a row's result is bitwise the Python path's. The KV store is the fp32 cache's copy of the
- * new rows (what index_copy_ does there).
+ * as ~9 ctypes calls per layer plus torch glue (allocations, views, index_copy_). Here the
+ * layer loop is C, and each op is the kernel the Python path calls (add_rms_norm_f32,
+ * rope_f32, paged attention, silu_mul_f32) on the same inputs in the same order, the matmuls
+ * w4a8n_matmul below (bitwise w4a8_matmul's result from half its weight bytes), and the KV
+ * store the fp32 cache's copy of the new rows (what index_copy_ does there): a row's result
+ * is bitwise the Python path's. Two schedules, the same result: a parallel region per op
+ * (layer), or the whole step on one OpenMP team (team_step, the default).
  *
  * The common case only: no q/k/v bias, no qk-norm, no sliding window, no query scale,
  * SwiGLU, fp32 paged KV cache, W4A8 weights (w4a8.c's layout) for all four matrices;

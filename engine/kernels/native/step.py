@@ -2,10 +2,12 @@
 case with W4A8 weights and an fp32 paged KV cache.
 
 The matmuls read nibble-packed weights (`nibbles`: half of w4a8.c's bytes, the same result).
-`StepWeights(dims, layers, final_norm)` holds the per-layer pointer array (built once per
-model: the tensors it points into are kept alive with it); `kv_pointers(kv_caches)` the
-per-layer K/V pointers (once per KV cache); `run(...)` one step, checking what varies per step
-(positions, slots, tables) and nothing it was given at construction.
+`StepWeights(hidden, heads, ..., layers, final_norm)` holds the model's shape and the
+per-layer pointer array (built once per model: the tensors it points into are kept alive
+with it), and `one_region`, which of step.c's two schedules runs (the same result);
+`kv_pointers(kv_caches)` the per-layer K/V pointers (once per KV cache); `run(...)` one step,
+checking what varies per step (positions, slots, tables) and nothing it was given at
+construction.
 """
 from __future__ import annotations
 
@@ -99,17 +101,20 @@ class StepWeights:
                     raise _bad("step weights must be contiguous CPU tensors", t)
             ptrs += [t.data_ptr() for t in tensors]
         self.array = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        self._kv_key = self._kv_array = None
+        self._kv_cached = None  # (key, pointer array, the list) of the last KV cache
         self.one_region = True  # the whole step on one OpenMP team (step.c team_step); False: a region per op
 
     def kv_pointers(self, kv_caches: list) -> ctypes.Array:
         """Every layer's (K, V) pointers, cached while the same list of the same tensors is passed
         (the runner passes one list for the engine's life)."""
         key = (id(kv_caches), len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
-        if key != self._kv_key:
-            ptrs = [t.data_ptr() for kv in kv_caches for t in kv]
-            self._kv_array, self._kv_key, self._kv_list = (ctypes.c_void_p * len(ptrs))(*ptrs), key, kv_caches
-        return self._kv_array
+        cached = self._kv_cached  # one read: engines sharing the model may step from other threads
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        ptrs = [t.data_ptr() for kv in kv_caches for t in kv]
+        array = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._kv_cached = (key, array, kv_caches)  # the list kept alive: its id stays its own
+        return array
 
 
 def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tensor, cos: torch.Tensor,
