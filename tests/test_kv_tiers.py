@@ -226,3 +226,15 @@ def test_a_prefix_is_copied_back_only_for_a_prompt_that_fits_now():
     bm.free("busy")
     assert bm.match_prefix(prompt).num_tokens == 32 and bm.tier_hits == {"host": 32}
     bm.check_invariants()
+    # with chunked prefill a request starts with one chunk: the prefix plus that chunk must fit
+    bm = BlockManager(4, 16)
+    bm.tiers = TieredStore(pool(4), host_bytes=1 << 20)
+    bm.admit_tokens = 16
+    long_prompt = [7] * 32 + [1] * 40  # 5 blocks: never all free at once here
+    assert bm.allocate("a", 33)
+    bm.cache_full_blocks("a", long_prompt, 32)
+    bm.free("a")
+    assert bm.allocate("x", 64)
+    bm.free("x")
+    assert bm.allocate("busy", 16)  # 3 free: two to copy back and one for the first chunk
+    assert bm.match_prefix(long_prompt).num_tokens == 32 and bm.tier_hits == {"host": 32}

@@ -63,6 +63,7 @@ class BlockManager:
         self.prefix_hits = 0     # tokens found cached (in the pool or copied back from a tier)
         self._tiers = None  # engine/kv/tiers.py TieredStore: where evicted cached blocks go
         self.tier_hits: dict[str, int] = {}  # tier -> tokens copied back from it
+        self.admit_tokens = 0  # the scheduler's step budget: a request starts with one chunk
 
     @property
     def tiers(self):
@@ -135,12 +136,15 @@ class BlockManager:
         return PrefixMatch(tuple(ids), tuple(hashes), len(ids) * bs)
 
     def _fits(self, token_ids: list[int], ids: list[int]) -> bool:
-        """Whether the free queue holds every block the prompt still needs after the match
-        `ids` (restored blocks among them): only then are blocks copied back, for a request
-        that can start now. A waiting request whose prompt does not fit would otherwise copy
-        its prefix back at every step, and other work would evict it again in between."""
+        """Whether the request can start now with its prefix copied back: the free queue
+        holds this block, and then its first chunk's (`admit_tokens`; 0: the whole prompt's).
+        A request that cannot start would otherwise copy its prefix back at every step, and
+        running requests evict it again in between."""
         reuse = sum(1 for bid in ids if self.blocks[bid].ref_count == 0)
-        return len(self._free) - reuse >= -(-len(token_ids) // self.block_size) - len(ids)
+        rest = -(-len(token_ids) // self.block_size) - len(ids)
+        if self.admit_tokens:
+            rest = min(rest, 1 + -(-self.admit_tokens // self.block_size))
+        return len(self._free) - reuse >= rest
 
     def _restore(self, h: int, parent: int, chunk: list[int], keep: list[int]) -> int | None:
         """A free block holding the lower tiers' KV of hash `h`, cached again and last in the

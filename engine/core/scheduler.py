@@ -52,6 +52,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
         self.config = config
         self.blocks = blocks
+        blocks.admit_tokens = config.max_num_batched_tokens  # copy a prefix back for one chunk's start
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
