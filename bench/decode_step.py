@@ -76,6 +76,7 @@ def step_times(model, rows: int, ctx: int, repeats: int) -> dict:
                 for name in times:
                     model.native_decode = None if name == "old" else native_decode
                     native_decode.one_region = name == "native"
+                    native_decode.team_rows = rows  # "native": one team at every row count here
                     m = meta()
                     t = time.perf_counter()
                     model.backend.prepare(m)
@@ -83,7 +84,7 @@ def step_times(model, rows: int, ctx: int, repeats: int) -> dict:
                     if r >= 2:  # the first rounds warm up
                         times[name].append(time.perf_counter() - t)
     finally:
-        model.native_decode, native_decode.one_region = native_decode, True
+        model.native_decode, native_decode.one_region, native_decode.team_rows = native_decode, True, 4
     return {**{name: statistics.median(ts) * 1e3 for name, ts in times.items()},
             **{f"{name}_best": min(ts) * 1e3 for name, ts in times.items()}}
 

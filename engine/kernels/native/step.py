@@ -103,6 +103,9 @@ class StepWeights:
         self.array = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._kv_cached = None  # (key, pointer array, the list) of the last KV cache
         self.one_region = True  # the whole step on one OpenMP team (step.c team_step); False: a region per op
+        # ... for steps of up to this many rows: measured (bench/decode-step-results.json) one
+        # team 7.9 vs 8.7 ms at 1 row, 21.4 vs 22.5 at 4; a region per op 48.6 vs 49.9 at 8, 161 vs 192 at 32
+        self.team_rows = 4
 
     def kv_pointers(self, kv_caches: list) -> ctypes.Array:
         """Every layer's (K, V) pointers, cached while the same list of the same tensors is passed
@@ -138,7 +141,7 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     out = torch.empty_like(h)
     if M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                 out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region)):
+                tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and M <= w.team_rows)):
         raise MemoryError("decode step: no memory for its scratch buffers")
     return out
 
