@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "sender_id", "model_fingerprint", "dtype", "layout", "layer_start", "layer_end", "dest_block_ids", "num_tokens", "payload_bytes", "checksum", "first_token", "cluster_token", "token_offset", "kv_scales")
+    __slots__ = ("request_id", "sender_id", "model_fingerprint", "dtype", "layout", "layer_start", "layer_end", "dest_block_ids", "num_tokens", "payload_bytes", "checksum", "first_token", "cluster_token", "token_offset", "kv_scales", "block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class KVHeader(_message.Message):
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     model_fingerprint: str
@@ -38,7 +39,8 @@ class KVHeader(_message.Message):
     cluster_token: str
     token_offset: int
     kv_scales: str
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., first_token: _Optional[int] = ..., cluster_token: _Optional[str] = ..., token_offset: _Optional[int] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., first_token: _Optional[int] = ..., cluster_token: _Optional[str] = ..., token_offset: _Optional[int] = ..., kv_scales: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -57,3 +59,23 @@ class KVPushReply(_message.Message):
     error: str
     bytes_received: int
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class KVPullRequest(_message.Message):
+    __slots__ = ("request_id", "puller_id", "cluster_token", "model_fingerprint", "block_hashes", "dest_block_ids", "token_offset", "block_size")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PULLER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    puller_id: str
+    cluster_token: str
+    model_fingerprint: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_offset: int
+    block_size: int
+    def __init__(self, request_id: _Optional[str] = ..., puller_id: _Optional[str] = ..., cluster_token: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., token_offset: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

@@ -39,12 +39,23 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVPushReply.FromString,
                 _registered_method=True)
+        self.Pull = channel.unary_stream(
+                '/pdserve.kv.KVTransfer/Pull',
+                request_serializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVPullRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pull(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +68,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.FromString,
                     response_serializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVPushReply.SerializeToString,
+            ),
+            'Pull': grpc.unary_stream_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVPullRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +102,33 @@ class KVTransfer:
             '/pdserve.kv.KVTransfer/Push',
             pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.SerializeToString,
             pdserve_dot_protos_dot_kv__transfer__pb2.KVPushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.kv.KVTransfer/Pull',
+            pdserve_dot_protos_dot_kv__transfer__pb2.KVPullRequest.SerializeToString,
+            pdserve_dot_protos_dot_kv__transfer__pb2.KVChunk.FromString,
             options,
             channel_credentials,
             insecure,

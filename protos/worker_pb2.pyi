@@ -70,7 +70,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_address", "prefill_worker_id", "cluster_token", "resume_token_ids", "local_prefill_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_address", "prefill_worker_id", "cluster_token", "resume_token_ids", "local_prefill_tokens", "peer_address", "peer_worker_id", "peer_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,9 @@ class GenerateRequest(_message.Message):
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -87,7 +90,10 @@ class GenerateRequest(_message.Message):
     cluster_token: str
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     local_prefill_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cluster_token: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., local_prefill_tokens: _Optional[int] = ...) -> None: ...
+    peer_address: str
+    peer_worker_id: str
+    peer_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cluster_token: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., local_prefill_tokens: _Optional[int] = ..., peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., peer_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "prefilled_remotely", "prompt_logprobs", "kv_bytes", "timing")
@@ -156,7 +162,7 @@ class StatsRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted", "preempted_memory", "preempted_priority", "address", "kv_host_bytes", "kv_disk_bytes", "kv_host_hits", "kv_disk_hits", "kv_host_stored", "kv_disk_stored", "kv_disk_refused")
+    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted", "preempted_memory", "preempted_priority", "address", "kv_host_bytes", "kv_disk_bytes", "kv_host_hits", "kv_disk_hits", "kv_host_stored", "kv_disk_stored", "kv_disk_refused", "peer_pulls", "peer_blocks_pulled", "peer_bytes_pulled", "peer_pull_failures", "peer_pull_skipped", "peer_blocks_served", "peer_bytes_served")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +196,13 @@ class WorkerStats(_message.Message):
     KV_HOST_STORED_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_STORED_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULLS_FIELD_NUMBER: _ClassVar[int]
+    PEER_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    PEER_BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULL_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PEER_BLOCKS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    PEER_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -223,7 +236,14 @@ class WorkerStats(_message.Message):
     kv_host_stored: int
     kv_disk_stored: int
     kv_disk_refused: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., preempted_memory: _Optional[int] = ..., preempted_priority: _Optional[int] = ..., address: _Optional[str] = ..., kv_host_bytes: _Optional[int] = ..., kv_disk_bytes: _Optional[int] = ..., kv_host_hits: _Optional[int] = ..., kv_disk_hits: _Optional[int] = ..., kv_host_stored: _Optional[int] = ..., kv_disk_stored: _Optional[int] = ..., kv_disk_refused: _Optional[int] = ...) -> None: ...
+    peer_pulls: int
+    peer_blocks_pulled: int
+    peer_bytes_pulled: int
+    peer_pull_failures: int
+    peer_pull_skipped: int
+    peer_blocks_served: int
+    peer_bytes_served: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., preempted_memory: _Optional[int] = ..., preempted_priority: _Optional[int] = ..., address: _Optional[str] = ..., kv_host_bytes: _Optional[int] = ..., kv_disk_bytes: _Optional[int] = ..., kv_host_hits: _Optional[int] = ..., kv_disk_hits: _Optional[int] = ..., kv_host_stored: _Optional[int] = ..., kv_disk_stored: _Optional[int] = ..., kv_disk_refused: _Optional[int] = ..., peer_pulls: _Optional[int] = ..., peer_blocks_pulled: _Optional[int] = ..., peer_bytes_pulled: _Optional[int] = ..., peer_pull_failures: _Optional[int] = ..., peer_pull_skipped: _Optional[int] = ..., peer_blocks_served: _Optional[int] = ..., peer_bytes_served: _Optional[int] = ...) -> None: ...
 
 class BlockSnapshot(_message.Message):
     __slots__ = ("block_hashes", "seq", "proof", "worker_id", "role", "address")
@@ -242,7 +262,7 @@ class BlockSnapshot(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., proof: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_address", "dest_block_ids", "timeout_s", "cluster_token", "skip_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_address", "dest_block_ids", "timeout_s", "cluster_token", "skip_tokens", "peer_address", "peer_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +271,8 @@ class PrefillRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -259,7 +281,9 @@ class PrefillRequest(_message.Message):
     timeout_s: float
     cluster_token: str
     skip_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_address: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., cluster_token: _Optional[str] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
+    peer_address: str
+    peer_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_address: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., cluster_token: _Optional[str] = ..., skip_tokens: _Optional[int] = ..., peer_address: _Optional[str] = ..., peer_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "logprob", "num_cached_tokens", "finished", "finish_reason", "timing", "prompt_logprobs")
