@@ -300,8 +300,13 @@ class EngineConfig:
     "int8" or "q4_1" (weight-only: 3.5x faster matmuls at one row, fp32 math), "fp16"
     (weight-only), "w8a8" (int8 activations per row, AVX-512 VNNI only: ~5% worse
     perplexity), or "none"."""
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig())
+    """LoRA adapters on this engine's model (engine/model/lora.py): how many resident, their
+    largest rank, the ones loaded at start."""
 
     def __post_init__(self):
+        if self.lora.max_loras and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters with tensor parallelism are not supported yet: use --tp 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention not in ("auto", "torch", "native", "triton"):
@@ -323,3 +328,33 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if not (self.grammar_budget_s >= 0 and self.grammar_step_budget_ms >= 0):
             raise ValueError("grammar_budget_s and grammar_step_budget_ms must be >= 0")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (PEFT format) served on the base model; see docs/lora.md."""
+
+    max_loras: int = 0
+    """Adapters resident (loaded onto the model) at once; beyond it the least recently used
+    one no request is using is dropped, and loaded again from its directory when a request
+    names it. 0: LoRA off (requests naming an adapter are refused)."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have (a larger one is refused at load)."""
+    modules: tuple[tuple[str, str], ...] = ()
+    """Adapters loaded when the engine starts: (name, adapter directory) pairs, as vLLM's
+    `--lora-modules name=path`."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "modules", tuple((str(n), str(p)) for n, p in self.modules))
+        if self.max_loras < 0:
+            raise ValueError(f"lora.max_loras must be >= 0, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"lora.max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.modules and not self.max_loras:
+            raise ValueError("lora.modules needs lora.max_loras > 0 (LoRA is off)")
+        if len(self.modules) > self.max_loras:
+            raise ValueError(f"lora.modules names {len(self.modules)} adapters, more than lora.max_loras "
+                             f"({self.max_loras}) can hold")
+        names = [n for n, _ in self.modules]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"lora.modules needs distinct, non-empty names, got {names}")
