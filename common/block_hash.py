@@ -24,13 +24,23 @@ def hash_block(parent: int, tokens: Sequence[int], namespace: str = "") -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def root_hash(cache_salt: str = "") -> int:
+def root_hash(cache_salt: str = "", lora: str = "") -> int:
     """The parent hash of a prompt's first block. A request's cache salt (tenant isolation)
     changes it, so its whole chain: prompts with different salts share no block, and a
-    tenant cannot learn from its cache hits (TTFT) what another one sent."""
-    if not cache_salt:
-        return ROOT_HASH
-    h = hashlib.blake2b(b"pdserve cache salt\x00" + cache_salt.encode(), digest_size=8)
+    tenant cannot learn from its cache hits (TTFT) what another one sent. So does its LoRA
+    adapter's identity (`LoRAAdapter.identity`: name and weights digest): KV computed under
+    an adapter differs from the base's and another adapter's, so they share no block either.
+    The base model with no salt keeps ROOT_HASH."""
+    if not lora:
+        if not cache_salt:
+            return ROOT_HASH
+        h = hashlib.blake2b(b"pdserve cache salt\x00" + cache_salt.encode(), digest_size=8)
+        return int.from_bytes(h.digest(), "little")
+    # its own prefix (never a salt-only input) and the salt's length, so no salt and adapter
+    # pair reads as another
+    salt = cache_salt.encode()
+    h = hashlib.blake2b(b"pdserve cache salt+lora\x00" + struct.pack("<Q", len(salt)) + salt + lora.encode(),
+                        digest_size=8)
     return int.from_bytes(h.digest(), "little")
 
 

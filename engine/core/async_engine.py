@@ -97,6 +97,17 @@ class AsyncEngine:
     async def stats(self) -> EngineStats:
         return await self.run(methodcaller("stats"))
 
+    async def load_lora(self, name: str, path: str):
+        """Load a LoRA adapter on the engine thread (between two steps); returns its LoRAInfo."""
+        return await self.run(methodcaller("load_lora", name=name, path=path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self.run(methodcaller("unload_lora", name=name))
+
+    async def loras(self) -> list:
+        """The engine's adapters (LoRAInfo each), as the engine thread sees them."""
+        return await self.run(lambda e: e.loras.adapters())
+
     async def cached_blocks(self) -> tuple[list[int], int]:
         """The cached blocks' hashes and the KV-event number they agree with."""
         return await self.run(methodcaller("cached_blocks"))

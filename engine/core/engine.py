@@ -3,6 +3,8 @@
 add_request() validates and queues; step() schedules, runs the model once, samples, applies
 stop conditions and returns what each request produced. Finished and aborted requests free
 their blocks immediately (unless the caller asked to hold them for a KV export).
+A request may run under a LoRA adapter (`add_request(..., lora=name)`, adapters loaded by
+`load_lora` or `EngineConfig.lora.modules`; engine/core/lora_registry.py, docs/lora.md).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from pdserve.engine.kernels.attention import NativeAttentionBackend, default_backend
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.kv_hooks import KVTransferHooks
+from pdserve.engine.core.lora_registry import LoRAInfo, LoRARegistry
 from pdserve.engine.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling.draft import DraftSpeculator, load_draft
@@ -70,6 +73,9 @@ class LLMEngine(KVTransferHooks):
         self.max_model_len = min(loaded.config.max_position_embeddings,
                                  self.kv_cache.num_blocks * config.cache.block_size)
         self.speculator = self._speculator(draft)
+        self.loras = LoRARegistry(config.lora, loaded.model, loaded.config, _DTYPES[config.dtype], config.device)
+        for name, path in config.lora.modules:
+            self.loras.load(name, path)
         self.eos_token_id = tokenizer.eos_token_id if tokenizer else loaded.config.eos_token_id
         self._rng = random.Random(config.seed)  # seeds for requests that give none
         self._ids = itertools.count()
@@ -139,7 +145,8 @@ class LLMEngine(KVTransferHooks):
         return cls(loaded, config, Tokenizer.from_model_path(loaded.path), event_listener)
 
     # ---- requests -----------------------------------------------------------------------
-    def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+    def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      lora: str | None = None) -> Request:
         if request_id in self.scheduler.requests or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params.validate(self.model_config.vocab_size)
@@ -165,30 +172,39 @@ class LLMEngine(KVTransferHooks):
                 code="context_length_exceeded")
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
-        req = Request(request_id, ids, params, max_tokens, self.eos_token_id, generator=gen)
+        grammar = None
         if params.structured is not None:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
-            req.grammar = grammar_state(self.tokenizer.grammar_compiler(self.model_config.vocab_size), params.structured)
-        if self.tokenizer is not None and self.config.detokenize:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
-        elif params.stop:
+            grammar = grammar_state(self.tokenizer.grammar_compiler(self.model_config.vocab_size), params.structured)
+        detokenize = self.tokenizer is not None and self.config.detokenize
+        if params.stop and not detokenize:
             raise InvalidRequestError("stop strings need an engine that detokenizes; use stop_token_ids", param="stop")
+        # the adapter last: nothing after it raises, so a refused request holds none
+        adapter = self.loras.acquire(lora) if lora is not None else None
+        req = Request(request_id, ids, params, max_tokens, self.eos_token_id, generator=gen, lora=adapter)
+        req.grammar = grammar
+        if detokenize:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
         return req
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    hold_kv: bool = False, resume: list[int] | None = None) -> None:
+                    hold_kv: bool = False, resume: list[int] | None = None, lora: str | None = None) -> None:
         """Queue a request. With `hold_kv`, its blocks outlive it until `release_kv` (the
         prefill worker exports them after the first token). `resume`: tokens this request
         already produced elsewhere (a migration): they count against max_tokens and for
         penalties, and a seeded request continues its random stream after them, so the
-        rest equals an uninterrupted run."""
-        req = self._make_request(request_id, prompt, params or SamplingParams())
+        rest equals an uninterrupted run. `lora`: the name of a loaded LoRA adapter to run
+        it under (`load_lora`; None: the base model): LoRANotFoundError if unknown,
+        LoRACapacityError if every resident adapter is busy and this one is not resident."""
+        req = self._make_request(request_id, prompt, params or SamplingParams(), lora)
         if resume:
             try:
                 self._resume(req, list(resume))
             except InvalidRequestError:
                 self._detok.pop(request_id, None)
+                if req.lora is not None:
+                    self.loras.release(req.lora)
                 raise
         if hold_kv:
             self._hold.add(request_id)
@@ -205,6 +221,16 @@ class LLMEngine(KVTransferHooks):
             req.append_output(t)
             if not req.params.greedy:  # one draw per sampled token, as the sampler makes
                 draw(req)
+
+    def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Load (or replace, when idle) the PEFT adapter in directory `path` as `name`; see
+        engine/core/lora_registry.py for the errors."""
+        self.loras.load(name, path)
+        return next(i for i in self.loras.adapters() if i.name == name)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (LoRAInUseError while requests use it)."""
+        self.loras.unload(name)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now. False if unknown."""
@@ -323,6 +349,8 @@ class LLMEngine(KVTransferHooks):
         hold = req.request_id in self._hold and status not in (RequestStatus.FINISHED_ABORTED,
                                                                 RequestStatus.FINISHED_ERROR)
         self.scheduler.finish(req, status, free_blocks=not hold)
+        if req.lora is not None:
+            self.loras.release(req.lora)
         self._hold.discard(req.request_id)
         self._detok.pop(req.request_id, None)
         self._layer_streams.pop(req.request_id, None)

@@ -54,11 +54,15 @@ class Request:
     grammar: object | None = None  # structured.GrammarState of a constrained request
     # logprobs of prompt tokens 1.. (token 0 has none), filled as the prompt is computed
     prompt_logprobs: list | None = None
+    # the LoRA adapter it runs under (engine/model/lora.LoRAAdapter, held from admission to
+    # finish: engine/core/lora_registry.py); None: the base model
+    lora: object | None = None
 
     def __post_init__(self):
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
-        self.cache_root = root_hash(self.params.cache_salt)  # its blocks' hash chain starts here
+        # its blocks' hash chain starts here: under its salt and its adapter
+        self.cache_root = root_hash(self.params.cache_salt, self.lora.identity if self.lora is not None else "")
 
     @property
     def priority(self) -> int:

@@ -12,6 +12,7 @@ from pdserve.engine.kernels.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVCache
 from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.lora_batch import LoRABatch
 from pdserve.engine.core.scheduler import ScheduledChunk
 
 
@@ -81,11 +82,23 @@ class ModelRunner:
             self.tp.step(input_ids, positions, meta, [(lo, hi) for _, _, lo, hi in passes], sampled,
                          getattr(after_layer, "tp_plan", None))
         self.model.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)
+        lora = self._lora_batch(ordered)
+        if lora is None:
+            hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)
+        else:  # only LlamaForCausalLM's forward takes a LoRA batch (the registry refuses others)
+            hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer, lora=lora)
         for req, first, lo, hi in passes:
             self._prompt_logprobs(req, hidden[lo:hi], first)
         logits = self.model.compute_logits(hidden if sampled is None else hidden[sampled])
         return [c for c in ordered if c.completes], logits
+
+    def _lora_batch(self, ordered: list[ScheduledChunk]) -> LoRABatch | None:
+        """Which rows run under which adapter (rows laid out as `_build` does); None: no adapter."""
+        spans, row = [], 0
+        for c in ordered:
+            spans.append((row, row + c.num_new_tokens, c.request.lora))
+            row += c.num_new_tokens
+        return LoRABatch.of_spans(spans, row, self.device)
 
     def _prompt_passes(self, rows_per_pass: int = 64) -> list[tuple]:
         """The prompt-logprob passes of this step, (request, position of its first row, first

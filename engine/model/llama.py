@@ -19,6 +19,7 @@ from pdserve.engine.kernels import native
 from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import native_step
+from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
 from pdserve.engine.model.quant import W4A8Linear, WeightOnlyLinear, make_linear
 
 
@@ -124,12 +125,15 @@ class LlamaAttention(nn.Module):
         self.o_linear = make_linear(self.o_proj.weight.data, quantization, packed)
 
     def forward(self, x, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend, lora: LoRALayer | None = None) -> torch.Tensor:
+        """`lora`: the step's adapters at this layer (engine/model/lora_batch.py), on a fused model."""
         T = x.shape[0]
         if self.qkv_weight is not None:
             qkv = self.qkv_linear(x)
             if self.qkv_bias is not None:
                 qkv += self.qkv_bias
+            if lora is not None:  # before the norms and RoPE, which act on the projection's output
+                lora.add("qkv", x, qkv)
             if self.qk_norm:
                 self._norm_qk(qkv)
             q, k, v = rope.qkv(qkv, self.n_heads, self.n_kv, self.hd)
@@ -143,8 +147,10 @@ class LlamaAttention(nn.Module):
             q = q * self.q_scale
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.window)  # (T, n_heads, hd)
         out = out.reshape(T, self.n_heads * self.hd)
-        out = self.o_proj(out) if self.o_linear is None else self.o_linear(out)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        y = self.o_proj(out) if self.o_linear is None else self.o_linear(out)
+        if lora is not None:
+            lora.add("o", out, y)
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
@@ -175,21 +181,27 @@ class LlamaMLP(nn.Module):
         self.gate_up_linear = make_linear(w, quantization, packed)
         self.down_linear = make_linear(self.down_proj.weight.data, quantization, packed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._partial(x)
+    def forward(self, x: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
+        out = self._partial(x, lora)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _partial(self, x: torch.Tensor) -> torch.Tensor:
+    def _partial(self, x: torch.Tensor, lora: LoRALayer | None) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate_up = self.gate_up_linear(x)
+            if lora is not None:
+                lora.add("gate_up", x, gate_up)
             if self.native:
                 act = native.silu_mul(gate_up)
-                return self.down_linear(act)
+                return self._down(act, lora)
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
-        return self.down_proj(act) if self.down_linear is None else self.down_linear(act)
+        return self.down_proj(act) if self.down_linear is None else self._down(act, lora)
+
+    def _down(self, act: torch.Tensor, lora: LoRALayer | None) -> torch.Tensor:
+        y = self.down_linear(act)
+        return y if lora is None else lora.add("down", act, y)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -200,9 +212,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, rope, kv, meta, backend):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, rope, kv, meta, backend, lora: LoRALayer | None = None):
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv, meta, backend, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
 
 
 class LlamaModel(nn.Module):
@@ -286,32 +298,35 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, after_layer=None) -> torch.Tensor:
+                meta: AttentionMetadata, after_layer=None, lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids, positions: (T,). kv_caches: per layer (K, V) paged tensors.
         after_layer(i): called once layer i has written its K/V (layer-wise KV streaming).
+        lora: which rows run under which adapter (None: all on the base model).
         Returns the final normed hidden states, (T, hidden)."""
-        if self.native_ops and native_step.usable(self, kv_caches, meta, after_layer):
+        # the C decode step has no LoRA: a step with an adapter row takes the Python path
+        if self.native_ops and lora is None and native_step.usable(self, kv_caches, meta, after_layer):
             return native_step.forward(self, input_ids, positions, kv_caches, meta)
         h = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:
-            return self._forward_fused_norms(h, rope, kv_caches, meta, after_layer)
+            return self._forward_fused_norms(h, rope, kv_caches, meta, after_layer, lora)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            h = layer(h, rope, kv, meta, self.backend)
+            h = layer(h, rope, kv, meta, self.backend, None if lora is None else lora.layer(i))
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(h)
 
-    def _forward_fused_norms(self, h, rope, kv_caches, meta, after_layer) -> torch.Tensor:
+    def _forward_fused_norms(self, h, rope, kv_caches, meta, after_layer, lora=None) -> torch.Tensor:
         """The layers with each residual add fused into the RMSNorm that follows it (one C
         pass, native.add_rms_norm): the MLP's output is added by the next layer's input norm,
         the last one by the final norm. h, the residual stream, is updated in place."""
         delta = None
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+            at = None if lora is None else lora.layer(i)
             a = layer.self_attn(native.add_rms_norm(h, delta, norm_in.weight, norm_in.eps), rope, kv, meta,
-                                self.backend)
-            delta = layer.mlp(native.add_rms_norm(h, a, norm_post.weight, norm_post.eps))
+                                self.backend, at)
+            delta = layer.mlp(native.add_rms_norm(h, a, norm_post.weight, norm_post.eps), at)
             if after_layer is not None:
                 after_layer(i)
         return native.add_rms_norm(h, delta, self.model.norm.weight, self.model.norm.eps)

@@ -77,6 +77,7 @@ class _Seq:
 
     params = _Plain()
     num_prompt_tokens = 0
+    lora = None  # the draft runs its own model, without the target request's adapter
 
     def __init__(self, req):
         self.req, self.request_id, self.num_computed_tokens = req, req.request_id, 0
@@ -114,7 +115,9 @@ class DraftSpeculator:
     @staticmethod
     def eligible(req) -> bool:
         p = req.params  # penalties, logprobs and constraints would need every position's own state
-        return not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None and req.grammar is None
+        # a request under a LoRA adapter: the draft has no adapter, its guesses are the base's
+        return (not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None and req.grammar is None
+                and req.lora is None)
 
     def release(self, request_id: str) -> None:
         """The target request is gone: free its draft KV."""

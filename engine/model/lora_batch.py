@@ -1,0 +1,72 @@
+"""A step's LoRA: which rows of the flat batch run under which adapter, and the updates.
+
+Rows of different adapters and of the base share one step (the base linear layers run once
+over all rows); for each adapter present, its rows are gathered, `(x[rows] @ A.T) @ B.T` is
+computed and added back into the base output at those rows (`index_add_`): one gather, two
+small matmuls and one scatter per adapter and fused matrix, whatever the number of requests
+or tokens (the segmented form of punica's / S-LoRA's gathered matmul, in torch ops). When one
+adapter has every row of the step, the gather and scatter are skipped.
+
+The runner builds a `LoRABatch` per step (None when no row has an adapter: the model then
+runs exactly as without LoRA, the C decode step included); `LlamaForCausalLM.forward` hands
+each decoder layer `batch.layer(i)`.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.model.lora import LoRAAdapter
+
+
+class LoRALayer:
+    """The step's adapters at one decoder layer."""
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]], index: int):
+        self.groups, self.index = groups, index
+
+    def add(self, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y += each adapter's update of fused matrix `fused` ("qkv", "o", "gate_up", "down")
+        at its rows, in place; x is that matrix's input (T, in), y its output (T, out)."""
+        for adapter, rows in self.groups:
+            m = adapter.layers[self.index].get(fused)
+            if m is None:
+                continue
+            if rows is None:
+                y.addmm_(x @ m.a.T, m.b.T)  # (T, r) @ (r, out)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ m.a.T) @ m.b.T)
+        return y
+
+
+class LoRABatch:
+    """Per adapter present in a step, the rows it runs on (None: every row)."""
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]]):
+        self.groups = groups
+
+    @classmethod
+    def of_spans(cls, spans: list[tuple[int, int, LoRAAdapter | None]], num_rows: int,
+                 device: str | torch.device = "cpu") -> "LoRABatch | None":
+        """From the step's (first row, end row, adapter or None for the base) spans; None if no
+        span has an adapter."""
+        by_id: dict[int, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
+        for lo, hi, adapter in spans:
+            if adapter is not None and hi > lo:
+                by_id.setdefault(adapter.id, (adapter, []))[1].append((lo, hi))
+        if not by_id:
+            return None
+        groups = []
+        for adapter, ranges in by_id.values():
+            if sum(hi - lo for lo, hi in ranges) == num_rows:
+                groups.append((adapter, None))
+            else:  # one arange per request's span, not a Python loop over tokens
+                rows = torch.cat([torch.arange(lo, hi) for lo, hi in ranges]).to(device)
+                groups.append((adapter, rows))
+        return cls(groups)
+
+    def layer(self, index: int) -> LoRALayer:
+        return LoRALayer(self.groups, index)
+
+    @property
+    def adapters(self) -> list[LoRAAdapter]:
+        return [a for a, _ in self.groups]

@@ -1,0 +1,62 @@
+"""LoRA reference material for tests: a small random Llama saved as a Hugging Face directory,
+PEFT adapters with random non-zero weights made on it (saved in PEFT's format), and what
+transformers + peft generate with them (greedy tokens and their logprobs)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def save_small_llama(path: Path, seed: int = 0, **fields) -> Path:
+    """transformers' LlamaForCausalLM with peaked random weights (greedy far from ties), saved."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(SMALL | fields))).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "embed" in name else p.shape[-1] ** -0.5))
+    model.save_pretrained(path)
+    return path
+
+
+def make_adapter(base: Path, out: Path, seed: int, r: int = 8, alpha: float = 16, targets=None,
+                 scale: float = 1.0, **lora_fields):
+    """A PEFT LoRA adapter on the model saved at `base` with random non-zero A and B (each
+    ~ N(0, scale^2 / fan_in)), saved at `out`; returns the peft model (eval), the reference."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets or ALL_TARGETS),
+                             init_lora_weights=False, **lora_fields)
+    pm = peft.get_peft_model(model, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale * p.shape[-1] ** -0.5)
+    pm.save_pretrained(str(out))
+    return pm.eval()
+
+
+def reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """`n` greedy tokens after `prompt` and each one's logprob, by transformers (+ peft when
+    `model` is a peft model; wrap in `model.disable_adapter()` for its base)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):  # one full forward per token: the reference needs no KV cache of its own
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    out = ids[len(prompt):]
+    return out, [float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(out)]
