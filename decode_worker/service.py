@@ -21,6 +21,7 @@ from pdserve.common.block_hash import root_hash
 from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.grpc_transport import GrpcKVServer
+from pdserve.kv_transfer.peer import PeerPuller, PullCounters, serve_pulls
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
@@ -63,6 +64,7 @@ class DecodeServicer(WorkerServicer, pb_grpc.DecodeServiceServicer):
         t_admit, t_first, tokens = time.perf_counter(), 0.0, 0
         try:
             remote = await w.admit(request, prompt, params, context, span)
+            t_added = time.perf_counter()
             kv_bytes, timing = w.request_kv_bytes.pop(rid, 0), w.request_timing.pop(rid, None)
             async for out in w.engine.stream(rid, q):
                 if out.error:  # a budget it passed (its grammar's mask time): ended, with the reason
@@ -72,6 +74,8 @@ class DecodeServicer(WorkerServicer, pb_grpc.DecodeServiceServicer):
                     t_first = time.perf_counter()
                     if not remote:
                         w.trace_local_prefill(span, t_admit, t_first, out)
+                        w.peer.observe_prefill(out.num_prompt_tokens - out.num_cached_tokens,
+                                               t_first - t_added - out.queue_s)
                 finished = out.finished
                 tokens += len(out.new_token_ids)
                 yield output_to_proto(out, prefilled_remotely=remote, kv_bytes=kv_bytes, timing=timing)
@@ -142,6 +146,8 @@ class DecodeWorker:
         self._channels: list[grpc.aio.Channel] = []
         self._reaper: asyncio.Task | None = None
         self.address = self.kv_address = ""
+        self.pulls = PullCounters()  # prefix blocks pulled from peers, and served to them
+        self.peer = PeerPuller(engine, self.worker_id, transfer, security, self.pulls)
 
     def forget(self, request_id: str) -> None:
         """Drop an aborted request's KV lease (its blocks go with the engine's abort)."""
@@ -151,7 +157,7 @@ class DecodeWorker:
         """This worker's counters in its Stats."""
         return dict(remote_prefills=self.remote_prefills, local_prefills=self.local_prefills,
                     transfer_failures=self.transfer_failures, refused=self.refused, queue_limit=self.max_queue,
-                    kv_bytes=self.kv_bytes_received)
+                    kv_bytes=self.kv_bytes_received, **self.pulls.stats())
 
     # ---- admission ------------------------------------------------------------------------
     async def admit(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams, context,
@@ -178,6 +184,8 @@ class DecodeWorker:
                 if self.transfer.policy == "fail":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV hand-off failed: {e}")
         self.local_prefills += 1
+        if params.prompt_logprobs is None:  # cached tokens have no logits: such a prompt computes them all
+            await self.peer.pull(rid, prompt, params.cache_salt, request.peer_address, request.peer_blocks)
         await self.engine.add_request(rid, prompt, params, resume=resume)
         return False
 
@@ -233,7 +241,8 @@ class DecodeWorker:
                 reply = await self._prefill_stub(prefill_address).Prefill(pb.PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, params=request.params,
                     kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer.timeout_s,
-                    skip_tokens=skip, cluster_token=self.cluster_token),
+                    skip_tokens=skip, cluster_token=self.cluster_token, peer_address=request.peer_address,
+                    peer_blocks=request.peer_blocks),
                     timeout=self.transfer.timeout_s, metadata=self.tracer.metadata(call))
             finally:
                 call.end()
@@ -306,6 +315,7 @@ class DecodeWorker:
         self.kv_address = await self._kv_server.start()
         self._server = grpc.aio.server()
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self._server)
+        serve_pulls(self._server, self, self.pulls)
         port = add_port(self._server, f"{host}:{port}", self.tls)
         await self._server.start()
         self.address = f"{host}:{port}"
@@ -319,4 +329,5 @@ class DecodeWorker:
         self._server = self._kv_server = None
         for ch in self._channels:
             await ch.close()
+        await self.peer.close()
         self.engine.stop()

@@ -10,6 +10,7 @@ KV_TRANSPORTS = ("grpc", "ucx")
 KV_WIRE_DTYPES = ("auto", "bf16", "fp8", "int8")
 KV_DTYPE_MISMATCH = ("convert", "refuse")
 TRANSFER_POLICIES = ("recompute", "fail")
+PEER_PULLS = ("auto", "always", "off")
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,26 @@ class TransferConfig:
     kv_dtype_mismatch: str = "convert"
     """KV arriving in another format than the decode cache's: convert it as it lands, or
     refuse the push (the transfer policy then recomputes or fails the request)."""
+    peer_pull: str = "auto"
+    """A worker the router names a peer for (one holding more of the prompt's prefix) pulls
+    those blocks from it: "auto" when the pull is expected to be faster than computing them
+    (measured transfer rate vs measured prefill rate, per request), "always", or "off"."""
+    peer_timeout_s: float = 5.0
+    """How long a peer pull may take before the worker gives up and computes the prefix."""
+    peer_gbps: float = 0.5
+    """The transfer rate (GB/s) a worker assumes for peer pulls until it has measured one."""
+    peer_prefill_tokens_per_s: float = 2000.0
+    """The prefill rate (tokens/s) a worker assumes until it has measured its own."""
 
     def __post_init__(self):
         one_of("kv transport", self.transport, KV_TRANSPORTS)
         one_of("kv wire dtype", self.wire_dtype, KV_WIRE_DTYPES)
         one_of("kv dtype mismatch", self.kv_dtype_mismatch, KV_DTYPE_MISMATCH)
         one_of("transfer policy", self.policy, TRANSFER_POLICIES)
+        one_of("peer pull", self.peer_pull, PEER_PULLS)
+        at_least("peer pull timeout", self.peer_timeout_s, 0.001)
+        at_least("peer pull GB/s prior", self.peer_gbps, 1e-6)
+        at_least("peer prefill tokens/s prior", self.peer_prefill_tokens_per_s, 1e-3)
         at_least("kv layer group", self.layer_group, 0)
         at_least("local prefill threshold", self.local_prefill_threshold, 0)
         at_least("transfer timeout", self.timeout_s, 0.001)

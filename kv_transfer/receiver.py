@@ -34,6 +34,7 @@ class Lease:
     first_token_index: int = 0             # the blocks hold tokens [first_token_index, num_tokens)
     layers_done: set[int] = field(default_factory=set)
     buffer: torch.Tensor | None = None     # filled layer range by layer range
+    block_hashes: tuple[int, ...] | None = None  # a peer pull's: the header must name exactly these
 
 
 @dataclass
@@ -60,11 +61,14 @@ class KVReceiver:
         self._ready: list[Arrival] = []
 
     def expect(self, request_id: str, dest_block_ids: list[int], num_tokens: int, timeout_s: float,
-               senders: set[str] | None = None, first_token_index: int = 0) -> Lease:
+               senders: set[str] | None = None, first_token_index: int = 0,
+               block_hashes: list[int] | None = None) -> Lease:
         """Lease `dest_block_ids` for the KV of tokens [first_token_index, num_tokens) (the
-        tokens before are this worker's cached prefix)."""
+        tokens before are this worker's cached prefix). `block_hashes` (a peer pull): the
+        content hashes the blocks must hold, which the arriving header must name exactly."""
         lease = Lease(request_id, list(dest_block_ids), num_tokens, self.clock() + timeout_s,
-                      frozenset(senders) if senders else None, first_token_index)
+                      frozenset(senders) if senders else None, first_token_index,
+                      block_hashes=tuple(block_hashes) if block_hashes is not None else None)
         self._leases[request_id] = lease
         return lease
 
@@ -128,6 +132,9 @@ class KVReceiver:
                                   f"[{h.layer_start}, {h.layer_end}) does not fit this cache {self.layout}")
         if list(h.dest_block_ids) != lease.dest_block_ids or h.num_tokens != lease.num_tokens:
             raise KVTransferError(f"KV push for {h.request_id!r}: blocks/tokens do not match the lease")
+        if lease.block_hashes is not None and tuple(h.block_hashes) != lease.block_hashes:
+            raise KVTransferError(f"KV pull for {h.request_id!r}: the blocks' hashes are not the prompt's "
+                                  f"(another prefix or cache salt)")
         # the payload starts at the sender's block boundary at or before the first token awaited
         first = lease.first_token_index
         if h.token_offset % src_bs or not first - src_bs < h.token_offset <= first:

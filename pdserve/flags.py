@@ -199,6 +199,12 @@ def _add_transfer_args(p: argparse.ArgumentParser) -> None:
                    help="KV arriving in another format than the decode cache's: convert it, or refuse the push")
     p.add_argument("--transfer-policy", choices=TRANSFER_POLICIES, default=_T.policy,
                    help="when a KV hand-off fails: prefill on the decode worker, or fail the request")
+    p.add_argument("--kv-peer-pull", choices=("auto", "always", "off"), default=_T.peer_pull,
+                   help="a worker pulls a prompt's prefix blocks from a peer the router names (one holding more "
+                        "of it, in its pool or a tier): auto (when faster than computing them, by measured "
+                        "transfer and prefill rates), always, or off")
+    p.add_argument("--kv-peer-timeout", type=float, default=_T.peer_timeout_s,
+                   help="seconds a peer pull may take before the worker computes the prefix instead")
 
 
 def add_router_cmd_args(p: argparse.ArgumentParser) -> None:
@@ -249,7 +255,8 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
     """The KV hand-off's settings (`pdserve worker` has no --local-prefill-threshold: the default)."""
     return TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group, policy=args.transfer_policy,
                           local_prefill_threshold=getattr(args, "local_prefill_threshold", _T.local_prefill_threshold),
-                          wire_dtype=args.kv_wire_dtype, kv_dtype_mismatch=args.kv_dtype_mismatch)
+                          wire_dtype=args.kv_wire_dtype, kv_dtype_mismatch=args.kv_dtype_mismatch,
+                          peer_pull=args.kv_peer_pull, peer_timeout_s=args.kv_peer_timeout)
 
 
 def _router_config(args: argparse.Namespace) -> RouterConfig:

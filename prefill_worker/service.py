@@ -17,6 +17,7 @@ from pdserve.engine.kv import formats as kv_format
 from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.kv_transfer.base import KVSender
+from pdserve.kv_transfer.peer import PeerPuller, PullCounters, serve_pulls
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
 from pdserve.kv_transfer.config import TransferConfig
@@ -58,6 +59,9 @@ class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
         # one token here; below min_tokens it must not be EOS or a stop token id (masked, so kept)
         params = dataclasses.replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1),
                                      stop_token_ids=asked.stop_token_ids if asked.min_tokens else [])
+        if asked.prompt_logprobs is None:  # a peer's blocks of the prompt's prefix, if the router named one
+            await w.peer.pull(rid, prompt, asked.cache_salt, request.peer_address, request.peer_blocks)
+        t_pulled = time.perf_counter()
         bs = w.engine.engine.blocks.block_size
         # the decode worker holds the prompt's first skip_tokens (its cached prefix): send the
         # KV from the block holding the first token it awaits, in this worker's block size
@@ -116,6 +120,7 @@ class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
                 await w.engine.stop_kv_stream(rid)
         w.stream_pushes += len(pushes)
         w.prefills += 1
+        w.peer.observe_prefill(len(prompt) - first.num_cached_tokens, t_computed - t_pulled - first.queue_s)
         timing = pb.HandoffTiming(prefill_queue_s=first.queue_s, kv_push_s=time.perf_counter() - t_computed,
                                   prefill_compute_s=max(t_computed - t_start - first.queue_s, 0.0))
         w.tracer.record("prefill.queue", span, t_start, t_start + first.queue_s)
@@ -165,6 +170,8 @@ class PrefillWorker:
         self.transfer_failures = 0
         self._server: grpc.aio.Server | None = None
         self.address = ""
+        self.pulls = PullCounters()  # prefix blocks pulled from peers, and served to them
+        self.peer = PeerPuller(engine, self.worker_id, transfer, security, self.pulls)
 
     def forget(self, request_id: str) -> None:
         """Nothing of an aborted request is kept outside the engine here."""
@@ -172,12 +179,14 @@ class PrefillWorker:
     def counters(self) -> dict:
         """This worker's counters in its Stats."""
         return dict(remote_prefills=self.prefills, transfer_failures=self.transfer_failures, refused=self.refused,
-                    queue_limit=self.max_queue, kv_bytes=self.kv_bytes, kv_seconds=self.kv_seconds)
+                    queue_limit=self.max_queue, kv_bytes=self.kv_bytes, kv_seconds=self.kv_seconds,
+                    **self.pulls.stats())
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self.engine.start()
         self._server = grpc.aio.server()
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self._server)
+        serve_pulls(self._server, self, self.pulls)
         port = add_port(self._server, f"{host}:{port}", self.tls)
         await self._server.start()
         self.address = f"{host}:{port}"
@@ -188,4 +197,5 @@ class PrefillWorker:
             await self._server.stop(1.0)
             self._server = None
         await self.sender.close()
+        await self.peer.close()
         self.engine.stop()

@@ -282,5 +282,9 @@ def worker_view(cluster) -> list[dict]:
                                           "stored_blocks": s.kv_host_stored},
                                  "disk": {"bytes": s.kv_disk_bytes, "hit_tokens": s.kv_disk_hits,
                                           "stored_blocks": s.kv_disk_stored, "refused": s.kv_disk_refused}}
-                    if s else None})
+                    if s else None,
+                    "peer_pulls": {"pulls": s.peer_pulls, "blocks_pulled": s.peer_blocks_pulled,
+                                   "bytes_pulled": s.peer_bytes_pulled, "failures": s.peer_pull_failures,
+                                   "skipped": s.peer_pull_skipped, "blocks_served": s.peer_blocks_served,
+                                   "bytes_served": s.peer_bytes_served} if s else None})
     return sorted(out, key=lambda w: w["worker_id"])

@@ -22,7 +22,7 @@ from pdserve.protos.convert import params_to_proto
 from pdserve.protos.security import (ReplyCheck, TLSConfig, WorkerIdentity, check_reply, open_channel, service_role,
                                      stats_request)
 
-from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy, prefill_on_decode
+from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy, pick_peer, prefill_on_decode
 from .prefix_index import PrefixIndex
 from .tenancy import SessionAffinity
 
@@ -53,6 +53,8 @@ class Route:
     decode_expected_until: float = 0.0  # ... and by the decode worker
     settled: bool = False  # its first token came (or it moved on with tokens already streamed)
     priority: int = 0  # its request's (lower is more urgent)
+    peer: WorkerEndpoint | None = None  # holds more of the prompt's prefix than the worker computing it
+    peer_blocks: int = 0  # the prompt's leading blocks the peer holds (it may pull them: kv_transfer/peer.py)
 
 
 class ClusterClient:
@@ -238,12 +240,20 @@ class ClusterClient:
         if prefill is None:
             self.pending_prefill[decode_id] = self.pending_prefill.get(decode_id, 0) + len(prompt)
             return Route(self.workers[decode_id], None, 0, len(prompt), holds_stream=True, block_hashes=hashes,
-                         decode_expected_until=decode_until, priority=priority)
+                         decode_expected_until=decode_until, priority=priority, **self._peer(hashes, decode_id))
         todo = max(len(prompt) - prefill.cached_tokens, 0)
         self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
         return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,
                      holds_stream=True, block_hashes=hashes, expected_until=prefill.expected_until,
-                     decode_expected_until=decode_until, priority=priority)
+                     decode_expected_until=decode_until, priority=priority,
+                     **self._peer(hashes, prefill.worker_id))
+
+    def _peer(self, hashes: list[int], target: str) -> dict:
+        """Route's peer fields: who `target` (the worker computing the prompt) may pull the
+        prompt's prefix from, by the prefix index's view of every worker's pool and tiers."""
+        healthy = {wid for wid in self.workers if self.healthy.get(wid)}
+        choice = pick_peer(self.index.holders(hashes), target, healthy)
+        return {"peer": self.workers[choice.worker_id], "peer_blocks": choice.blocks} if choice else {}
 
     def _prefill_here(self, prefill: PrefillChoice, prefill_pool: list[WorkerLoad], decode_pool: list[WorkerLoad],
                       decode_id: str, prompt_len: int) -> bool:
@@ -310,7 +320,9 @@ class ClusterClient:
                                  prefill_address=route.prefill.address if route.prefill else "",
                                  prefill_worker_id=route.prefill.worker_id if route.prefill else "",
                                  cluster_token=self.cluster_token, resume_token_ids=resume or [],
-                                 local_prefill_tokens=self.local_prefill_tokens)
+                                 local_prefill_tokens=self.local_prefill_tokens,
+                                 peer_address=route.peer.address if route.peer else "",
+                                 peer_worker_id=route.peer.worker_id if route.peer else "", peer_blocks=route.peer_blocks)
         call = self._stub(route.decode).Generate(req, metadata=metadata or None)
         try:
             async for msg in call:

@@ -150,6 +150,28 @@ def prefill_on_decode(prefill_backlog: int, decode_backlog: int, todo: int, limi
                            and DECODE_PREFILL_SLOWDOWN * (decode_backlog + todo) < prefill_backlog)
 
 
+@dataclass(frozen=True)
+class PeerChoice:
+    """A peer the worker computing a prompt may pull its prefix's blocks from."""
+
+    worker_id: str
+    blocks: int  # the prompt's leading blocks it holds
+
+
+def pick_peer(holders: dict[str, tuple[int, float]], target: str, healthy: set[str],
+              min_gain: int = 1) -> PeerChoice | None:
+    """The peer for a prompt that `target` computes: of the healthy workers holding at least
+    `min_gain` more of its leading blocks than `target` (`holders`: blocks and their tier
+    worth, from `PrefixIndex.holders`), the one whose blocks are worth most (a pool beats a
+    host tier beats a disk tier), then the most blocks, then the id; None: no one has more."""
+    mine = holders.get(target, (0, 0.0))[0]
+    best = None
+    for wid, (n, worth) in sorted(holders.items()):
+        if wid != target and wid in healthy and n >= mine + min_gain and (best is None or (worth, n) > best[1]):
+            best = (wid, (worth, n))
+    return PeerChoice(best[0], best[1][1]) if best else None
+
+
 def make_policy(name: str, index: PrefixIndex):
     if name == "prefix_aware":
         return PrefixAware(index)

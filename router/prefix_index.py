@@ -13,6 +13,10 @@ Events arrive after the prefill that caused them, so the router also records whe
 sent a prompt (`expect`): until that worker's events confirm the blocks, or a deadline passes,
 they count as held there. Without it, the prompts of one new prefix that arrive before the
 first one's events scatter over the workers, each computing and caching its own copy.
+
+For peer prefix pulls, `holders` scores each worker by what its events say it holds now (not
+what is only expected there: a pull needs the blocks to exist): the prompt's leading blocks
+and their worth at the same tier weights (a pull from a peer's disk tier costs it a read).
 """
 from __future__ import annotations
 
@@ -138,6 +142,22 @@ class PrefixIndex:
                 weight = 1.0 if w in held else max(TIER_WEIGHTS[t] for t in lower[w])
                 counts[w] = counts.get(w, 0.0) + weight
         return counts
+
+    def holders(self, block_hashes: list[int]) -> dict[str, tuple[int, float]]:
+        """For each worker in sync: how many of the prompt's leading blocks its events say it
+        holds (in its pool or a tier under it), and their worth at `TIER_WEIGHTS`."""
+        out: dict[str, tuple[int, float]] = {}
+        alive: set[str] | None = None
+        for h in block_hashes:
+            pool, lower = self._holders.get(h, set()), self._lower.get(h, {})
+            here = (pool | lower.keys()) - self.needs_resync
+            alive = here if alive is None else alive & here
+            if not alive:
+                break
+            for w in alive:
+                n, worth = out.get(w, (0, 0.0))
+                out[w] = (n + 1, worth + (1.0 if w in pool else max(TIER_WEIGHTS[t] for t in lower[w])))
+        return out
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))

@@ -88,6 +88,16 @@ PDSERVE_SERIES = (
            lambda s: [(("host",), float(s.kv_host_stored)), (("disk",), float(s.kv_disk_stored))], ("tier",)),
     Series("pdserve_kv_tier_refused_entries", "Disk-tier entries that failed their check (torn or altered): "
            "dropped and recomputed", "counter", field("kv_disk_refused")),
+    Series("pdserve_kv_peer_pulls", "Peer prefix pulls by outcome: done (blocks installed), failed (peer gone, "
+           "refused, corrupted or late: the prefix computed instead), skipped (computing was expected to be faster)",
+           "counter", lambda s: [(("done",), float(s.peer_pulls)), (("failed",), float(s.peer_pull_failures)),
+                                 (("skipped",), float(s.peer_pull_skipped))], ("outcome",)),
+    Series("pdserve_kv_peer_blocks", "KV blocks a worker pulled from peers, and served to pulling peers", "counter",
+           lambda s: [(("pulled",), float(s.peer_blocks_pulled)), (("served",), float(s.peer_blocks_served))],
+           ("direction",)),
+    Series("pdserve_kv_peer_bytes", "KV bytes a worker pulled from peers, and served to pulling peers", "counter",
+           lambda s: [(("pulled",), float(s.peer_bytes_pulled)), (("served",), float(s.peer_bytes_served))],
+           ("direction",)),
     Series("pdserve_decode_prefills", "Prompts a decode worker took, by where they were prefilled (remote: a "
            "prefill worker; local: itself)", "counter",
            lambda s: [] if s.role == "prefill" else [(("remote",), float(s.remote_prefills)),

@@ -106,6 +106,10 @@ class BlockManager:
     def owners(self) -> list[str]:
         return list(self._owned)
 
+    def cached_block(self, h: int) -> int | None:
+        """The pool block caching hash `h` (in use or free), or None."""
+        return self._cached.get(h)
+
     # ---- prefix cache -----------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], count: bool = True, root: int = ROOT_HASH) -> PrefixMatch:
         """Longest run of cached full blocks at the start of `token_ids`. At least one token

@@ -100,6 +100,13 @@ class TieredStore:
         self.disk.loaded += 1
         return "disk"
 
+    def peek(self, h: int) -> torch.Tensor | None:
+        """The KV kept under `h` (host tier, else disk), without moving it into the pool: a
+        peer pulling the block gets a copy. None when it is not kept, or its disk entry failed
+        its check (dropped as in `load`)."""
+        data = self._host.get(h)
+        return data if data is not None else self._from_disk(h)
+
     def _account_host(self) -> None:
         self.host.entries, self.host.bytes = len(self._host), len(self._host) * self.block_bytes
 
