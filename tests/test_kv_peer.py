@@ -228,3 +228,34 @@ def test_auto_skips_a_pull_that_costs_more_than_computing(make_engine):
             assert p.b.pulls.skipped == 1 and p.b.pulls.pulls == 0 and p.engines[1].blocks.owners() == []
             return got
     assert asyncio.run(go()) == want
+
+
+def test_a_prefill_worker_pulls_the_prefix_the_router_named_for_it(make_engine):
+    """Disaggregated: the decode worker passes the router's peer on to the prefill worker,
+    which pulls the prefix from it, computes the rest and hands the KV off as usual."""
+    from tests.helpers.workers import Cluster
+
+    prompt = PREFIX + [2, 7, 1, 8]
+    want = reference(make_engine, prompt)
+
+    async def go():
+        peer = DecodeWorker(AsyncEngine(make_engine()), "peer", transfer=ALWAYS)
+        await peer.start()
+        try:
+            async with Cluster(make_engine) as c:
+                c.prefill.peer.transfer = ALWAYS
+                async with grpc.aio.insecure_channel(peer.address) as ch:  # the peer caches the prefix
+                    req = pb.GenerateRequest(request_id="warm", prompt_token_ids=PREFIX, params=params_to_proto(GREEDY))
+                    [m async for m in pb_grpc.DecodeServiceStub(ch).Generate(req)]
+                req = pb.GenerateRequest(request_id="r", prompt_token_ids=prompt, params=params_to_proto(GREEDY),
+                                         prefill_address=c.prefill.address, peer_address=peer.address,
+                                         peer_worker_id="peer", peer_blocks=6)
+                got = [t async for m in c.stub.Generate(req) for t in m.token_ids]
+                assert c.prefill.pulls.blocks_pulled == 6 and peer.pulls.blocks_served == 6
+                assert c.decode.remote_prefills == 1
+                for e in (c.prefill_engine, c.decode_engine):
+                    assert_tiers_accounted(e)
+                return got
+        finally:
+            await peer.stop()
+    assert asyncio.run(go()) == want
