@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import native
-from pdserve.engine.kernels.native import w4a8
+from pdserve.engine.kernels.native import q8a16, w4a8
 from pdserve.engine.model.quant import W4A8Linear, WeightOnlyLinear, make_linear
 
 pytestmark = pytest.mark.skipif(not native.available() or not w4a8.available(),
@@ -88,9 +88,7 @@ def test_auto_runs_q4_1_grids_on_int8_activations_and_exact_keeps_fp32_math():
     assert isinstance(auto, W4A8Linear) and isinstance(exact, WeightOnlyLinear)
     assert torch.equal(auto(x), w4a8.matmul(x, *auto.packed))
     torch.testing.assert_close(exact(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    # a Q8_0 grid (the LM head), a matrix with no whole blocks of 8 outputs, or no grid at all
-    q8 = native.dequantize_q8_0(*native.quantize_q8_0(torch.randn(64, 96)))
-    assert isinstance(make_linear(q8, "auto"), WeightOnlyLinear)
+    # a matrix with no whole blocks of 8 outputs, or no grid at all (Q8_0 grids: tests/test_q8a16.py)
     odd = native.dequantize_q4_1(*_grid(12, 96))
     assert isinstance(make_linear(odd, "auto"), WeightOnlyLinear)
     assert not isinstance(make_linear(torch.randn(64, 96), "auto"), (W4A8Linear, WeightOnlyLinear))
@@ -105,8 +103,12 @@ def test_without_avx2_auto_falls_back_to_exact(tmp_path, monkeypatch):
     for name in native.BOUND:
         monkeypatch.setattr(native, name, None)
     monkeypatch.setattr(w4a8, "_fn", None)
+    monkeypatch.setattr(q8a16, "_fn", None)
     assert not w4a8.available()
     with pytest.raises(RuntimeError, match="AVX2"):
         w4a8.matmul(torch.randn(1, 32), *w4a8.pack(*_grid(8, 32)))
     w = native.dequantize_q4_1(*_grid(64, 96))
     assert isinstance(make_linear(w, "auto"), WeightOnlyLinear)
+    q8 = native.dequantize_q8_0(*native.quantize_q8_0(torch.randn(64, 96)))
+    assert isinstance(make_linear(q8, "auto"), WeightOnlyLinear)  # the LM head, too
+    assert not q8a16.available()

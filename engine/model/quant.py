@@ -20,9 +20,10 @@ weight-only quantization pays (SmolLM2-135M: 540 MB of fp32 weights per step, 13
 - `W4A8Linear`: a Q4_1 grid with each 16 activations of a row in int8 (own scale), integer
   products (engine/kernels/native/w4a8.c), as GGUF runtimes compute a Q4_1 model (with one scale per
   32 there): 1.6-2x the fp32 matmul rate from 4 rows up on AVX2.
-- "auto" (the default): "exact", except that Q4_1 grids run as `W4A8Linear` at every batch
-  size where the CPU has AVX2 (one kernel for every M keeps a row's result independent of
-  its batch). Quality against fp32 is measured in bench/NOTES.md.
+- `Q8A16Linear`: a Q8_0 grid (the LM head GGUF checkpoints ship) with int16 activations.
+- "auto" (the default): "exact", except that Q4_1 and Q8_0 grids run as `W4A8Linear` and
+  `Q8A16Linear` at every batch size where the CPU has AVX2 (one kernel for every M keeps a row's
+  result independent of its batch). Quality against fp32 is measured in bench/NOTES.md.
 
 Every kernel is batch invariant: a row's result does not depend on the other rows in the
 batch, so a request's greedy output is the same alone or batched.
@@ -149,6 +150,22 @@ class W4A8Linear:
         return self.kernel(x.contiguous(), *self.packed, checked=True)
 
 
+class Q8A16Linear:
+    """An exact Q8_0 grid (a GGUF's LM head) with each 32 activations of a row in int16 (own
+    scale), integer products (engine/kernels/native/q8a16.c): one kernel for every M (a row's logits
+    do not depend on its batch), at one row at the memory roof where the fp32 activations'
+    kernel took 1.9x as long; int8 activations there cost 1.7% perplexity, int16 ones nothing
+    measurable. Holds one byte per weight, no fp32 copy."""
+
+    def __init__(self, packed: tuple):
+        from pdserve.engine.kernels.native import q8a16
+        self.packed = q8a16.pack(*packed)
+        self.kernel = q8a16.matmul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x.contiguous(), *self.packed)
+
+
 def w4a8_fits(w: torch.Tensor) -> bool:
     """Whether `W4A8Linear` runs this (out, in) matrix here: AVX2 and whole blocks of 8 outputs."""
     from pdserve.engine.kernels.native import w4a8
@@ -221,8 +238,8 @@ def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True
     on_cpu = w.device.type == "cpu"
     if quantization in ("auto", "exact"):
         grid = exact_grid(w)
-        if grid is not None and quantization == "auto" and grid[0] == "q4_1" and w4a8_fits(w):
-            return W4A8Linear(grid[1])
+        if grid is not None and quantization == "auto" and w4a8_fits(w):
+            return W4A8Linear(grid[1]) if grid[0] == "q4_1" else Q8A16Linear(grid[1])
         if grid is not None:
             return WeightOnlyLinear(w, grid[0], exact=grid[1])
         quantization = "none"

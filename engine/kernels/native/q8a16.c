@@ -1,0 +1,139 @@
+/* q8a16.c - Q8_0 weights x int16 activations: y = x @ dequant(W).T, for a GGUF's Q8_0 LM head
+ *
+ * The LM head is the step's largest matrix (SmolLM2: 49152 x 576, 32 MB in Q8_0). With fp32
+ * activations (woq.c) converting each weight to fp32 costs more than reading it: 3.5 ms a row
+ * where the read takes 1.9. Here each 32 activations of a row are rounded to int16 with their
+ * own scale (max |x| / 32767: a relative error of 1.5e-5 of the largest, where int8's 1/254
+ * raised SmolLM2's perplexity 1.7%) and multiplied against the int8 weights with vpmaddwd:
+ * 16 multiply-adds per instruction, exact in int32 (a pair sums to at most 2 x 127 x 32767,
+ * a group of 32 to at most 16 such pairs, 1.3e8 < 2^31). Per group the integer sum is scaled
+ * by d_w * d_x.
+ *
+ * Weight layout (engine/kernels/native/q8a16.py `pack`), output columns in blocks of 8 (N % 8 == 0):
+ *   q int8 (N/8, K/2, 8, 2): column block c, k-pair t, column j, elements 2t, 2t+1
+ *   d fp32 (N/8, K/32, 8): the group's scale per column
+ * so one 16-byte load sign-extends to 8 columns x 2 weights, and a broadcast of a row's two
+ * activations against it gives 8 columns' partial sums in one vpmaddwd.
+ * Batch invariant: a row's result depends only on that row (same quantization and summation
+ * order whatever M, the row's place in a tile, or the thread count).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#ifdef __AVX2__
+/* One row: x (K fp32) -> q (K int16) and d (K/32 scales); round to nearest even. */
+static void quantize_row(const float *x, int64_t K, int16_t *q, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < K / 32; g++) {
+        const float *xg = x + g * 32;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int u = 0; u < 4; u++) {
+            v[u] = _mm256_loadu_ps(xg + 8 * u);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[u]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        d[g] = amax / 32767.f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+        for (int u = 0; u < 4; u += 2) {
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], inv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[u + 1], inv));
+            /* packs works per 128-bit lane: the permute restores element order */
+            __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+            _mm256_storeu_si256((__m256i *)(q + g * 32 + 8 * u), p);
+        }
+    }
+}
+
+/* Rows x 8 columns (one column block), R rows (1..4) of the quantized x. */
+static inline __attribute__((always_inline)) void tile(const int R, const int16_t *xq, const float *dx, int64_t K,
+                                                       const int8_t *wq, const float *dw, float *y, int64_t N) {
+    const int64_t G = K / 32;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < G; g++) {
+        __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        const int8_t *w = wq + g * 256;
+        for (int t = 0; t < 16; t++) {
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + t * 16)));
+            for (int r = 0; r < R; r++)
+                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(
+                                                   *(const int32_t *)(xq + r * K + g * 32 + 2 * t))));
+        }
+        const __m256 dv = _mm256_loadu_ps(dw + g * 8);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * G + g])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * N, acc[r]);
+}
+
+/* Column blocks [c0, c1) for every row; rows in fours, the weights of a block read from cache
+ * after the first four. */
+static void columns(const int16_t *xq, const float *dx, const int8_t *wq, const float *dw, float *y, int64_t M,
+                    int64_t N, int64_t K, int64_t c0, int64_t c1) {
+    const int64_t G = K / 32;
+    for (int64_t c = c0; c < c1; c++)
+        for (int64_t r = 0; r < M; r += 4) {
+            const int64_t R = M - r < 4 ? M - r : 4;
+            const int16_t *x = xq + r * K;
+            const float *d = dx + r * G;
+            const int8_t *w = wq + c * K * 8;
+            float *out = y + r * N + c * 8;
+            if (R == 4) tile(4, x, d, K, w, dw + c * G * 8, out, N);
+            else if (R == 3) tile(3, x, d, K, w, dw + c * G * 8, out, N);
+            else if (R == 2) tile(2, x, d, K, w, dw + c * G * 8, out, N);
+            else tile(1, x, d, K, w, dw + c * G * 8, out, N);
+        }
+}
+#endif /* __AVX2__ */
+
+int q8a16_available(void) {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y (M, N) = x (M, K) @ W.T, W in the layout above; K % 32 == 0, N % 8 == 0. Returns 0, or -1
+ * without AVX2 or scratch memory. */
+int q8a16_matmul(const float *x, const int8_t *wq, const float *dw, float *y, int64_t M, int64_t N, int64_t K,
+                 int nt) {
+#ifdef __AVX2__
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t G = K / 32;
+    int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
+    float *dx = malloc((size_t)(M * G) * sizeof(float));
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
+    if (nt < 1) nt = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, xq + i * K, dx + i * G);
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t blocks = N / 8;
+        columns(xq, dx, wq, dw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
+    }
+#else
+    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, xq + i * K, dx + i * G);
+    columns(xq, dx, wq, dw, y, M, N, K, 0, N / 8);
+#endif
+    free(xq);
+    free(dx);
+    return 0;
+#else
+    (void)x; (void)wq; (void)dw; (void)y; (void)M; (void)N; (void)K; (void)nt;
+    return -1;
+#endif
+}
