@@ -73,6 +73,8 @@ def test_lru_bound_drops_the_least_recently_used_idle_adapter(engine, dirs):
     for name in "ab":
         eng.load_lora(name, str(dirs / name))
     eng.add_request("r", [5, 6, 7], PARAMS, lora="a")  # a: most recently used, and in use
+    assert eng.scheduler.requests["r"].cache_root == eng.cache_root("", "a") != eng.cache_root()
+    identity = eng.loras.identity("b")
     eng.load_lora("c", str(dirs / "c"))  # drops b, the idle one
     assert [(i.name, i.resident) for i in eng.loras.adapters()] == [("a", True), ("c", True), ("b", False)]
     assert eng.loras.evictions == 1
@@ -81,6 +83,7 @@ def test_lru_bound_drops_the_least_recently_used_idle_adapter(engine, dirs):
     loads = eng.loras.loads
     eng.add_request("s", [5, 6, 7], PARAMS, lora="b")
     assert eng.loras.loads == loads + 1 and not eng.loras.get("a") and eng.loras.get("b").id > 3
+    assert eng.loras.get("b").identity == identity  # the same files: its cached blocks still match
     finish(eng)
 
 

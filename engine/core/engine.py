@@ -21,6 +21,7 @@ from pdserve.engine.core.lora_registry import LoRAInfo, LoRARegistry
 from pdserve.engine.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling.draft import DraftSpeculator, load_draft
+from pdserve.common.block_hash import root_hash
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_events import EventListener
 from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
@@ -231,6 +232,11 @@ class LLMEngine(KVTransferHooks):
     def unload_lora(self, name: str) -> None:
         """Forget adapter `name` (LoRAInUseError while requests use it)."""
         self.loras.unload(name)
+
+    def cache_root(self, cache_salt: str = "", lora: str | None = None) -> int:
+        """The root of the block hashes of a request with this salt and adapter name here
+        (what a worker or a KV peer looks a prompt's cached blocks up under)."""
+        return root_hash(cache_salt, self.loras.identity(lora) if lora is not None else "")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now. False if unknown."""

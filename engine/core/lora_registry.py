@@ -8,6 +8,18 @@ recently used idle adapter's weights but remembers its directory: a later reques
 loads it again (a new id; the same identity if the files did not change, so its cached
 blocks still match). When every resident adapter is in use, another cannot come in:
 `LoRACapacityError`, until a request finishes.
+
+How a worker serves adapters (the plumbing of issue 30 that is not written yet):
+- at start, `EngineConfig(lora=LoRAConfig(max_loras=N, max_lora_rank=R, modules=((name, dir), ...)))`
+  loads the `--lora-modules`; at run time the admin API calls `AsyncEngine.load_lora(name, dir)` /
+  `unload_lora(name)` on every worker of the base model (`loras()` lists them, with identities);
+- a request names its adapter with `add_request(..., lora=name)` (the API's `model` field when it
+  names an adapter); prefill and decode workers must both be given it (a decode worker runs the
+  request's decode steps under it, so the prefill worker's KV must come from the same adapter:
+  the hand-off should carry `identity(name)` and the receiver refuse another);
+- a worker looking a prompt's blocks up itself (a local prefix check, a KV peer pull) starts the
+  chain at `LLMEngine.cache_root(cache_salt, lora=name)`, and the router's prefix index needs
+  the identities the workers report to compute the same hashes.
 """
 from __future__ import annotations
 
@@ -47,7 +59,7 @@ class LoRAInfo:
     users: int        # unfinished requests using it
     id: int = 0       # of its resident copy (0: not resident)
     rank: int = 0
-    identity: str = ""
+    identity: str = ""  # as of its latest load (LoRAAdapter.identity)
 
 
 class LoRARegistry:
@@ -60,6 +72,7 @@ class LoRARegistry:
         self._paths: dict[str, Path] = {}
         self._resident: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self._users: dict[str, int] = {}
+        self._identities: dict[str, str] = {}  # of each known adapter's latest load (kept when dropped)
         self._ids = itertools.count(1)
         self.loads = self.evictions = 0
 
@@ -102,6 +115,7 @@ class LoRARegistry:
         del self._paths[name]
         self._resident.pop(name, None)
         self._users.pop(name, None)
+        self._identities.pop(name, None)
 
     def acquire(self, name: str) -> LoRAAdapter:
         """The resident adapter `name` for a new request (loaded again if it was dropped),
@@ -121,6 +135,13 @@ class LoRARegistry:
         assert n > 0, f"adapter {adapter.name!r} released more often than acquired"
         self._users[adapter.name] = n - 1
 
+    def identity(self, name: str) -> str:
+        """Adapter `name`'s identity (`LoRAAdapter.identity`, as of its latest load: the root
+        of its requests' block hashes); LoRANotFoundError if unknown."""
+        if name not in self._paths:
+            raise self._not_found(name)
+        return self._identities[name]
+
     def get(self, name: str) -> LoRAAdapter | None:
         """The resident adapter `name`, or None (no load, no use counted)."""
         return self._resident.get(name)
@@ -131,7 +152,7 @@ class LoRARegistry:
         for name in list(self._resident) + [n for n in self._paths if n not in self._resident]:
             a = self._resident.get(name)
             out.append(LoRAInfo(name, str(self._paths[name]), a is not None, self._users.get(name, 0),
-                                a.id if a else 0, a.rank if a else 0, a.identity if a else ""))
+                                a.id if a else 0, a.rank if a else 0, self._identities[name]))
         return out
 
     @property
@@ -153,6 +174,7 @@ class LoRARegistry:
             self.evictions += 1
         adapter.id = next(self._ids)
         self._resident[name] = adapter
+        self._identities[name] = adapter.identity
         self.loads += 1
         assert len(self._resident) <= self.config.max_loras
         return adapter
