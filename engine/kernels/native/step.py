@@ -27,7 +27,9 @@ class _Dims(ctypes.Structure):
     """step.c's step_dims, field for field."""
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
                                               "block_size", "max_blocks")] + [("eps", ctypes.c_float),
-                                                                               ("scale", ctypes.c_float)]
+                                                                               ("scale", ctypes.c_float),
+                                                                               ("max_positions", ctypes.c_int64),
+                                                                               ("num_slots", ctypes.c_int64)]
 
 
 def _bound():
@@ -135,26 +137,25 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
         raise _bad(f"expected contiguous fp32 h (M, {w.hidden}) and one (K, V) per layer", h)
     if k0.dtype is not _F32 or k0.shape[2:] != (w.kv_heads, w.head_dim):
         raise _bad("expected fp32 caches (num_blocks, block_size, kv_heads, head_dim)", k0)
-    _check_rows(M, positions, slots, tables, lens, cos.shape[0], nb * bs)
+    _check_rows(M, positions, slots, tables, lens)
     dims = _Dims(len(w.layers), w.hidden, w.heads, w.kv_heads, w.head_dim, w.inter, bs, tables.shape[1], w.eps,
-                 w.head_dim ** -0.5)
+                 w.head_dim ** -0.5, cos.shape[0], nb * bs)
     out = torch.empty_like(h)
-    if M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
-                out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and M <= w.team_rows)):
+    rc = M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
+                  out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                  tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and M <= w.team_rows))
+    if rc == -2:
+        raise _bad("every position must lie in the RoPE tables and every slot in the cache", positions, slots)
+    if rc:
         raise MemoryError("decode step: no memory for its scratch buffers")
     return out
 
 
-def _check_rows(M: int, positions, slots, tables, lens, max_pos: int, num_slots: int) -> None:
-    """The per-step inputs: int64 contiguous, one per row, positions and slots in range (the
-    tables and lens come checked from native.paged_attention_tables)."""
+def _check_rows(M: int, positions, slots, tables, lens) -> None:
+    """The per-step inputs: int64 contiguous, one per row (the tables and lens come checked
+    from native.paged_attention_tables; positions and slots are range-checked in C)."""
     for t in (positions, slots, lens):
         if t.dtype is not _I64 or t.shape != (M,) or not t.is_contiguous():
             raise _bad(f"positions, slots and lens must be contiguous int64 ({M},)", t)
     if tables.dtype is not _I64 or tables.dim() != 2 or tables.shape[0] != M or not tables.is_contiguous():
         raise _bad(f"tables must be contiguous int64 ({M}, max_blocks)", tables)
-    if M:
-        lo, hi = torch.aminmax(torch.stack((positions, slots)), dim=1)
-        if int(lo[0]) < 0 or int(hi[0]) >= max_pos or int(lo[1]) < 0 or int(hi[1]) >= num_slots:
-            raise _bad("every position must lie in the RoPE tables and every slot in the cache", positions, slots)
