@@ -4,9 +4,11 @@ Agent sessions (`pdserve bench --workload agentic`: tools, a task, then tool res
 to the whole history, a think time between turns) against `pdserve up` with a KV pool that
 holds a fraction of the sessions' histories, run in one go with the KV tiers off
 (`--kv-host-memory 0`: an evicted history is computed again) and on (the default host tier:
-it is copied back). Each configuration gets its own seed (no reuse across them). Reports TTFT
-p50/p99, requests/s and the prefix and tier hit rates; writes bench/agentic-results.json with
-the CPU it ran on.
+it is copied back), then with 2 aggregated workers (each prefills its own prompts) with peer
+prefix pulls off and on (`--kv-peer-pull`: a worker the router sends a session to pulls the
+history another worker holds instead of computing it). Each configuration gets its own seed
+(no reuse across them). Reports TTFT p50/p99, requests/s, the prefix and tier hit rates and
+the blocks pulled; writes bench/agentic-results.json with the CPU it ran on.
 """
 from __future__ import annotations
 
@@ -20,19 +22,27 @@ from .metrics import cpu_description
 from .peers import Server, bench_args
 from .serving import bench
 
-CONFIGS = {"tiers off": ["--kv-host-memory", "0"], "tiers on (default)": []}
+TWO_WORKERS = ["--mode", "aggregated", "--decode", "2"]
+CONFIGS = {"tiers off": ["--kv-host-memory", "0"], "tiers on (default)": [],
+           "2 workers, peer pulls off": TWO_WORKERS + ["--kv-peer-pull", "off"],
+           "2 workers, peer pulls on (default)": TWO_WORKERS}
 
 
-def tier_hits(url: str) -> dict[str, float]:
-    """Prompt tokens copied back from each KV tier, summed over the workers (/metrics)."""
+def metric_sums(url: str, name: str, label: str) -> dict[str, float]:
+    """The counter `name` summed over the workers, by the value of its label `label` (/metrics)."""
     import httpx
 
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("pdserve_kv_tier_hits_tokens_total{"):
-            tier = line.split('tier="')[1].split('"')[0]
-            out[tier] = out.get(tier, 0.0) + float(line.split()[-1])
+        if line.startswith(name + "{"):
+            key = line.split(f'{label}="')[1].split('"')[0]
+            out[key] = out.get(key, 0.0) + float(line.split()[-1])
     return out
+
+
+def tier_hits(url: str) -> dict[str, float]:
+    """Prompt tokens copied back from each KV tier, summed over the workers."""
+    return metric_sums(url, "pdserve_kv_tier_hits_tokens_total", "tier")
 
 
 def workload(args, seed: int) -> list[str]:
@@ -53,30 +63,39 @@ def main(argv=None) -> int:
     p.add_argument("--think", type=float, default=1.0)
     p.add_argument("--port", type=int, default=8310)
     p.add_argument("--output", default="bench/agentic-results.json")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="which of them to run, comma-separated")
     args = p.parse_args(argv)
     out_dir = Path(args.output).parent
     res = {"cpu": cpu_description(), "args": vars(args), "runs": {}}
     for i, (name, flags) in enumerate(CONFIGS.items()):
+        if name not in args.configs.split(","):
+            continue
         cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(args.port), "--kv-cache-memory",
                args.kv_cache_memory, *flags]
-        srv = Server(name.split()[0] + "-" + name.split()[1], cmd, args.port, out_dir / "logs")
+        srv = Server("agentic-" + "-".join(name.replace(",", "").split()[:4]), cmd, args.port, out_dir / "logs")
         try:
             srv.wait_ready(600)
             out, _, _ = asyncio.run(bench(bench_args(workload(args, 4000 + 100 * i), out_dir), [(name, srv.url)]))
             tiers = tier_hits(srv.url)
+            peer = {"blocks": metric_sums(srv.url, "pdserve_kv_peer_blocks_total", "direction"),
+                    "pulls": metric_sums(srv.url, "pdserve_kv_peer_pulls_total", "outcome")}
         finally:
             srv.stop()
         run = out["endpoints"][name]["runs"][0]
         m = run["metrics"]
         res["runs"][name] = {"flags": flags, "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
                              "request_s": m["request_throughput"], "failed": m["failed"],
-                             "prefix_cache": run.get("prefix_cache"), "tier_hit_tokens": tiers}
+                             "prefix_cache": run.get("prefix_cache"), "tier_hit_tokens": tiers, "peer": peer}
         print(f"{name}: TTFT p50 {m['ttft_ms']['p50']:.0f} ms, p99 {m['ttft_ms']['p99']:.0f} ms, "
               f"{m['request_throughput']:.2f} req/s, prefix hit rate "
-              f"{(run.get('prefix_cache') or {}).get('hit_rate')}, tier hits (tokens) {tiers}", flush=True)
-    off, on = res["runs"]["tiers off"], res["runs"]["tiers on (default)"]
-    res["ttft_p50_ratio_off_over_on"] = off["ttft_p50_ms"] / on["ttft_p50_ms"]
-    print(f"TTFT p50 without tiers / with: {res['ttft_p50_ratio_off_over_on']:.2f}x")
+              f"{(run.get('prefix_cache') or {}).get('hit_rate')}, tier hits (tokens) {tiers}, peer {peer}",
+              flush=True)
+    for key, off, on in (("ttft_p50_ratio_off_over_on", "tiers off", "tiers on (default)"),
+                         ("peer_ttft_p50_ratio_off_over_on", "2 workers, peer pulls off",
+                          "2 workers, peer pulls on (default)")):
+        if off in res["runs"] and on in res["runs"]:
+            res[key] = res["runs"][off]["ttft_p50_ms"] / res["runs"][on]["ttft_p50_ms"]
+            print(f"TTFT p50 {off} / {on}: {res[key]:.2f}x")
     Path(args.output).write_text(json.dumps(res, indent=1))
     return 0
 

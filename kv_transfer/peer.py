@@ -123,8 +123,10 @@ class PeerPuller:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A prefill here computed `tokens` prompt tokens in `seconds`."""
-        self.prefill_rate.observe(tokens, seconds)
+        """A prefill here computed `tokens` prompt tokens in `seconds`. One of fewer than two
+        blocks' tokens is left out: its time is the step's overhead, not a rate."""
+        if tokens >= 2 * self.block_size:
+            self.prefill_rate.observe(tokens, seconds)
 
     async def pull(self, request_id: str, prompt: list[int], cache_salt: str, peer_address: str,
                    peer_blocks: int) -> int:
