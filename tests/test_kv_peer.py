@@ -76,6 +76,30 @@ def test_the_router_names_the_peer_holding_most_of_the_prefix():
     assert "a" not in index.holders([1, 2, 3])  # out of sync: not trusted
 
 
+def test_the_route_names_a_peer_for_the_worker_that_computes_the_prompt():
+    """The prefill worker computes the prompt: its peer is whoever holds more of the prefix (here
+    the decode worker, whose events say it holds 3 blocks); a worker computing its own prompt
+    (no prefill pool) gets the other decode worker; a salted prompt's blocks are others."""
+    from pdserve.common.block_hash import hash_blocks
+    from pdserve.router.cluster import ClusterClient, WorkerEndpoint
+
+    prompt = list(range(60))
+    hashes = hash_blocks(prompt, 16)
+    c = ClusterClient(routing="least_loaded", block_size=16)
+    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
+    c.healthy = {"p0": True, "d0": True}
+    for i, h in enumerate(hashes):
+        c.index.apply("d0", BlockStored(i + 1, h, 0, (), i))
+    route = c.route(prompt)
+    assert route.prefill.worker_id == "p0" and route.peer.worker_id == "d0" and route.peer_blocks == 3
+    assert c.route(prompt, cache_salt="x").peer is None
+    c.set_workers([WorkerEndpoint("d0", "decode", "a:2"), WorkerEndpoint("d1", "decode", "a:3")])
+    c.healthy = {"d0": True, "d1": True}
+    c.decode_streams = {"d0": 3}  # d0 is busy: the prompt goes to d1, which may pull from d0
+    route = c.route(prompt)
+    assert route.decode.worker_id == "d1" and route.prefill is None and route.peer.address == "a:2"
+
+
 # ---- real workers ------------------------------------------------------------------------------
 def assert_tiers_accounted(engine) -> None:
     """Every tier entry accounted for: what each tier holds is what it stored less what it dropped."""
