@@ -6,4 +6,8 @@ worker imports (`LLMEngine.import_kv`). `wire.py` is the format (a `KVHeader` + 
 chunks), `receiver.py` the decode side's leases and checks, `grpc_transport.py`, `local.py` and
 `ucx_transport.py` the transports behind the `KVSender` interface (`base.py`), and
 `senders.py` picks one by the receiver's address scheme.
+
+Peer prefix pulls (`peer.py`): a worker pulls the KV of a prompt's prefix from another worker
+the router names (`KVTransfer.Pull` on that worker's service address, answered as a push and
+checked by the same receiver), when `pull_decision.py` expects it to beat computing it.
 """
