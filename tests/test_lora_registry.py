@@ -201,3 +201,12 @@ def test_the_update_lands_on_its_own_slice(dirs):
     for proj, cols in (("q", slice(0, nq)), ("v", slice(nq + nk, None))):
         want = x[:2] @ t[key.format(proj, "A")].T @ t[key.format(proj, "B")].T * (8 / 4)  # alpha / r
         torch.testing.assert_close(y[:2, cols], want, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_config_reads_back_from_json():
+    """A tensor-parallel rank rebuilds the EngineConfig from asdict's JSON (engine/parallel/tp.py)."""
+    from dataclasses import asdict
+
+    cfg = EngineConfig(lora=LoRAConfig(max_loras=2, max_lora_rank=8, modules=(("a", "/adapters/a"),)))
+    back = json.loads(json.dumps(asdict(cfg)))
+    assert EngineConfig(**(back | {"cache": cfg.cache, "scheduler": cfg.scheduler})) == cfg
