@@ -13,7 +13,8 @@ fused matrix an adapter keeps one `LoRAModule`: the A matrices of its targeted s
 (sum of ranks, in) and one B (out, sum of ranks) holding each slice's B, scaled, in its rows
 and columns (zero elsewhere), so an update is two matmuls whatever the slices.
 engine/model/lora_batch.py applies them to a step's rows, engine/core/lora_registry.py keeps
-the resident ones.
+the resident ones (its docstring says how a worker loads adapters and passes one per request:
+`LLMEngine.load_lora(name, dir)`, then `add_request(..., lora=name)`; docs/lora.md).
 
 A bad adapter fails with a named `LoRAError`: `LoRAFilesMissingError`, `LoRAUnsupportedError`
 (a module or PEFT feature this engine does not run), `LoRAShapeError` (made for another base)
