@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 from .metrics import cpu_description
@@ -63,12 +64,15 @@ def main(argv=None) -> int:
     p.add_argument("--think", type=float, default=1.0)
     p.add_argument("--port", type=int, default=8310)
     p.add_argument("--output", default="bench/agentic-results.json")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="which of them to run, comma-separated")
+    p.add_argument("--configs", default=";".join(CONFIGS),
+                   help="which of them to run, separated by ';' (the others' runs already in --output are kept)")
     args = p.parse_args(argv)
     out_dir = Path(args.output).parent
     res = {"cpu": cpu_description(), "args": vars(args), "runs": {}}
+    if Path(args.output).exists() and set(args.configs.split(";")) != set(CONFIGS):
+        res["runs"] = json.loads(Path(args.output).read_text()).get("runs", {})
     for i, (name, flags) in enumerate(CONFIGS.items()):
-        if name not in args.configs.split(","):
+        if name not in args.configs.split(";"):
             continue
         cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(args.port), "--kv-cache-memory",
                args.kv_cache_memory, *flags]
@@ -83,7 +87,8 @@ def main(argv=None) -> int:
             srv.stop()
         run = out["endpoints"][name]["runs"][0]
         m = run["metrics"]
-        res["runs"][name] = {"flags": flags, "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
+        res["runs"][name] = {"flags": flags, "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                             "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
                              "request_s": m["request_throughput"], "failed": m["failed"],
                              "prefix_cache": run.get("prefix_cache"), "tier_hit_tokens": tiers, "peer": peer}
         print(f"{name}: TTFT p50 {m['ttft_ms']['p50']:.0f} ms, p99 {m['ttft_ms']['p99']:.0f} ms, "
