@@ -50,6 +50,7 @@ class PullCounters:
     blocks_pulled: int = 0
     bytes_pulled: int = 0
     failures: int = 0
+    misses: int = 0  # the peer no longer held the blocks (the router's view lags its KV events)
     skipped: int = 0
     blocks_served: int = 0
     bytes_served: int = 0
@@ -57,7 +58,8 @@ class PullCounters:
     def stats(self) -> dict[str, int]:
         return dict(peer_pulls=self.pulls, peer_blocks_pulled=self.blocks_pulled, peer_bytes_pulled=self.bytes_pulled,
                     peer_pull_failures=self.failures, peer_pull_skipped=self.skipped,
-                    peer_blocks_served=self.blocks_served, peer_bytes_served=self.bytes_served)
+                    peer_blocks_served=self.blocks_served, peer_bytes_served=self.bytes_served,
+                    peer_pull_misses=self.misses)
 
 
 class PeerKVServicer(pb_grpc.KVTransferServicer):
@@ -148,6 +150,9 @@ class PeerPuller:
             self.transfer_rate.observe(nbytes, time.perf_counter() - t0)
             installed = await self.engine.run_always(partial(install_pull, slot=slot, kv=kv, prompt=prompt, root=root))
         except (KVTransferError, grpc.aio.AioRpcError, TimeoutError) as e:
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.NOT_FOUND:
+                self.counters.misses += 1
+                return 0
             self.counters.failures += 1
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e) or repr(e)
             log.warning("peer pull of %s from %s failed, computing it instead: %s", request_id, peer_address, why)

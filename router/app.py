@@ -285,6 +285,7 @@ def worker_view(cluster) -> list[dict]:
                     if s else None,
                     "peer_pulls": {"pulls": s.peer_pulls, "blocks_pulled": s.peer_blocks_pulled,
                                    "bytes_pulled": s.peer_bytes_pulled, "failures": s.peer_pull_failures,
-                                   "skipped": s.peer_pull_skipped, "blocks_served": s.peer_blocks_served,
+                                   "misses": s.peer_pull_misses, "skipped": s.peer_pull_skipped,
+                                   "blocks_served": s.peer_blocks_served,
                                    "bytes_served": s.peer_bytes_served} if s else None})
     return sorted(out, key=lambda w: w["worker_id"])

@@ -89,9 +89,11 @@ PDSERVE_SERIES = (
     Series("pdserve_kv_tier_refused_entries", "Disk-tier entries that failed their check (torn or altered): "
            "dropped and recomputed", "counter", field("kv_disk_refused")),
     Series("pdserve_kv_peer_pulls", "Peer prefix pulls by outcome: done (blocks installed), failed (peer gone, "
-           "refused, corrupted or late: the prefix computed instead), skipped (computing was expected to be faster)",
+           "refused, corrupted or late: the prefix computed instead), missed (the peer no longer held the blocks: "
+           "computed), skipped (computing was expected to be faster)",
            "counter", lambda s: [(("done",), float(s.peer_pulls)), (("failed",), float(s.peer_pull_failures)),
-                                 (("skipped",), float(s.peer_pull_skipped))], ("outcome",)),
+                                 (("missed",), float(s.peer_pull_misses)), (("skipped",), float(s.peer_pull_skipped))],
+           ("outcome",)),
     Series("pdserve_kv_peer_blocks", "KV blocks a worker pulled from peers, and served to pulling peers", "counter",
            lambda s: [(("pulled",), float(s.peer_blocks_pulled)), (("served",), float(s.peer_blocks_served))],
            ("direction",)),
