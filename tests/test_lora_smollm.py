@@ -64,7 +64,9 @@ def test_equal_to_transformers_and_peft_alone_and_batched(adapter, smollm):
     assert_engine_clean(eng)
 
 
-def test_the_c_decode_step_only_without_adapter_rows(adapter, smollm, monkeypatch):
+def test_the_c_decode_step_runs_adapter_rows_with_the_python_paths_bits(adapter, smollm, monkeypatch):
+    """Decode steps with adapter rows run in the one C call (the LoRA updates by the C routine the
+    Python path calls too): logprobs bitwise those of the Python path, tokens batched as alone."""
     from pdserve.engine.kernels import native
     from pdserve.engine.kernels.native import step, w4a8
 
@@ -76,22 +78,47 @@ def test_the_c_decode_step_only_without_adapter_rows(adapter, smollm, monkeypatc
     assert eng.runner.model.native_decode is not None
     calls, steps = [], []
     real_run, real_batch = step.run, eng.runner._lora_batch
-    monkeypatch.setattr(step, "run", lambda *a, **k: calls.append(1) or real_run(*a, **k))
-    eng.runner._lora_batch = lambda ordered: steps.append((len(calls), real_batch(ordered))) or steps[-1][1]
+    monkeypatch.setattr(step, "run", lambda *a, **k: calls.append(k.get("lora", a[9] if len(a) > 9 else None))
+                        or real_run(*a, **k))
+    eng.runner._lora_batch = lambda ordered: steps.append(real_batch(ordered)) or steps[-1]
     prompt = tok.encode("The capital of France is")
-    short, long = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 10))
-    eng.add_request("a", prompt, short, lora="ad")
-    eng.add_request("b", prompt, long)
-    batched = {"a": [], "b": []}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            batched[o.request_id] += o.new_token_ids
-    steps.append((len(calls), None))
-    ran_c = [after > before for (before, _), (after, _) in zip(steps, steps[1:])]
-    had_lora = [lora is not None for _, lora in steps[:-1]]
-    assert not any(c and lo for c, lo in zip(ran_c, had_lora)), "a step with an adapter row ran the C decode step"
-    assert any(ran_c), "the base's decode steps after the adapter's request finished should run the C step"
+    short, long = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0) for n in (4, 10))
+    batched = generate(eng, [("a", prompt, "ad"), ("b", prompt, None)], short) | generate(
+        eng, [("c", prompt, None)], long)
+    assert any(c is not None for c in calls), "no decode step with an adapter row ran the C step"
+    assert any(c is None for c in calls), "the base-only steps should run the C step too"
     del eng.runner._lora_batch
-    alone = generate(eng, [("a", prompt, "ad")], short) | generate(eng, [("b", prompt, None)], long)
-    assert batched == {rid: tokens for rid, (tokens, _) in alone.items()}
+    alone = generate(eng, [("a", prompt, "ad")], short) | generate(eng, [("b", prompt, None)], short)
+    assert {k: batched[k] for k in ("a", "b")} == alone  # tokens and logprobs, bitwise
+    saved, eng.runner.model.native_decode = eng.runner.model.native_decode, None  # the Python path
+    try:
+        python_path = generate(eng, [("a", prompt, "ad"), ("b", prompt, None)], short)
+    finally:
+        eng.runner.model.native_decode = saved
+    assert python_path == {k: batched[k] for k in ("a", "b")}
+    assert_engine_clean(eng)
+
+
+def test_both_c_step_schedules_give_adapter_rows_the_same_bits(adapter, smollm):
+    """One OpenMP team (up to 4 rows) or a region per op: the same tokens and logprobs for a
+    batch of adapter and base rows (the LoRA routine splits columns or rows, never a sum)."""
+    from pdserve.engine.kernels import native
+    from pdserve.engine.kernels.native import w4a8
+
+    if not native.available() or not w4a8.available():
+        pytest.skip("the native step needs the native build with AVX2")
+    loaded, tok = smollm
+    eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20),
+                                         lora=LoRAConfig(max_loras=1, modules=(("ad", str(adapter[0])),))), tok)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+    jobs = [(f"r{i}", tok.encode(f"Question {i}: what is the capital of France?"), "ad" if i % 2 else None)
+            for i in range(3)]
+    w = eng.runner.model.native_decode
+    team = generate(eng, jobs, params)
+    w.team_rows = 0  # every step on a region per op
+    try:
+        per_op = generate(eng, jobs, params)
+    finally:
+        w.team_rows = 4
+    assert team == per_op
     assert_engine_clean(eng)

@@ -303,9 +303,10 @@ class LlamaForCausalLM(nn.Module):
         after_layer(i): called once layer i has written its K/V (layer-wise KV streaming).
         lora: which rows run under which adapter (None: all on the base model).
         Returns the final normed hidden states, (T, hidden)."""
-        # the C decode step has no LoRA: a step with an adapter row takes the Python path
-        if self.native_ops and lora is None and native_step.usable(self, kv_caches, meta, after_layer):
-            return native_step.forward(self, input_ids, positions, kv_caches, meta)
+        if lora is not None:
+            lora.native = self.native_ops
+        if self.native_ops and native_step.usable(self, kv_caches, meta, after_layer, lora):
+            return native_step.forward(self, input_ids, positions, kv_caches, meta, lora)
         h = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:

@@ -5,7 +5,9 @@ over all rows); for each adapter present, its rows are gathered, `(x[rows] @ A.T
 computed and added back into the base output at those rows (`index_add_`): one gather, two
 small matmuls and one scatter per adapter and fused matrix, whatever the number of requests
 or tokens (the segmented form of punica's / S-LoRA's gathered matmul, in torch ops). When one
-adapter has every row of the step, the gather and scatter are skipped.
+adapter has every row of the step, the gather and scatter are skipped. On a model that runs
+its C kernels (`native`), fp32 CPU updates are computed row by row by the C routine the C
+decode step calls (engine/kernels/native/lora.c), so both paths give a row the same bits.
 
 The runner builds a `LoRABatch` per step (None when no row has an adapter: the model then
 runs exactly as without LoRA, the C decode step included); `LlamaForCausalLM.forward` hands
@@ -15,14 +17,15 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.kernels.native import lora as native_lora
 from pdserve.engine.model.lora import LoRAAdapter
 
 
 class LoRALayer:
     """The step's adapters at one decoder layer."""
 
-    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]], index: int):
-        self.groups, self.index = groups, index
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]], index: int, native: bool = False):
+        self.groups, self.index, self.native = groups, index, native
 
     def add(self, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += each adapter's update of fused matrix `fused` ("qkv", "o", "gate_up", "down")
@@ -31,7 +34,9 @@ class LoRALayer:
             m = adapter.layers[self.index].get(fused)
             if m is None:
                 continue
-            if rows is None:
+            if self.native and native_lora.usable(x, y, m.a):  # the C decode step's routine: the same bits
+                native_lora.rows_add(x, y, m.a, native_lora.bt_of(m), rows)
+            elif rows is None:
                 y.addmm_(x @ m.a.T, m.b.T)  # (T, r) @ (r, out)
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ m.a.T) @ m.b.T)
@@ -43,6 +48,7 @@ class LoRABatch:
 
     def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]]):
         self.groups = groups
+        self.native = False  # fp32 CPU updates by the C routine (set where the model runs its C kernels)
 
     @classmethod
     def of_spans(cls, spans: list[tuple[int, int, LoRAAdapter | None]], num_rows: int,
@@ -65,7 +71,7 @@ class LoRABatch:
         return cls(groups)
 
     def layer(self, index: int) -> LoRALayer:
-        return LoRALayer(self.groups, index)
+        return LoRALayer(self.groups, index, self.native)
 
     @property
     def adapters(self) -> list[LoRAAdapter]:

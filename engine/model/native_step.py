@@ -2,6 +2,9 @@
 decode-only step (every row one new token of its request) to one C call over all layers
 (engine/kernels/native/step.c), when the model is the common Llama case that call computes.
 
+LoRA adapters ride along: their updates are added in the C loop by the routine the Python
+path calls for them (engine/kernels/native/lora.c).
+
 `prepare(model)` decides once (when native ops are switched on) whether the model qualifies
 and builds the per-layer pointer array; `usable(model, kv_caches, meta, after_layer)` is the
 per-step check; `forward(...)` runs the step. A row's result is bitwise the Python path's:
@@ -62,18 +65,27 @@ def prepare(model):
         return None
 
 
-def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer) -> bool:
+def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer, lora=None) -> bool:
     """Whether this step runs natively: a prepared model, no tensor parallelism, no per-layer
-    hook, decode rows only, the C attention backend and an fp32 cache."""
+    hook, decode rows only, the C attention backend and an fp32 cache; LoRA adapters (a
+    lora_batch.LoRABatch) with fp32 CPU weights."""
     return (model.native_decode is not None and model.tp is None and after_layer is None and not meta.prefills
             and meta.num_decode_tokens > 0 and isinstance(model.backend, NativeAttentionBackend)
-            and kv_caches[0][0].dtype is torch.float32)
+            and kv_caches[0][0].dtype is torch.float32
+            and (lora is None or all(_fp32_cpu(a) for a in lora.adapters)))
+
+
+def _fp32_cpu(adapter) -> bool:
+    m = next((m for layer in adapter.layers for m in layer.values()), None)
+    return m is None or (m.a.dtype is torch.float32 and m.a.is_cpu)
 
 
 def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-            meta: AttentionMetadata) -> torch.Tensor:
-    """The final normed hidden states of a decode-only step (rows as `meta` orders them)."""
+            meta: AttentionMetadata, lora=None) -> torch.Tensor:
+    """The final normed hidden states of a decode-only step (rows as `meta` orders them);
+    `lora`: the rows' adapters (lora_batch.LoRABatch) or None."""
     from pdserve.engine.kernels.native import step
+    from pdserve.engine.kernels.native.lora import StepLoRA
     st = meta.backend_state
     tables, lens = st.get("tables"), st.get("lens")
     if tables is None or tables.dtype is not torch.int64:  # the backend did not prepare this step
@@ -82,4 +94,5 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: 
     h = model.embed(input_ids).contiguous()
     rotary = model.rotary
     return step.run(model.native_decode, h, kv_caches, positions.to(torch.int64).contiguous(), rotary.cos,
-                    rotary.sin, meta.slot_mapping.to(torch.int64).contiguous(), tables, lens)
+                    rotary.sin, meta.slot_mapping.to(torch.int64).contiguous(), tables, lens,
+                    None if lora is None else StepLoRA.of(lora.groups, h.shape[0]))

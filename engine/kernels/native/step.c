@@ -9,6 +9,9 @@
  * is bitwise the Python path's. Two schedules, the same result: a parallel region per op
  * (layer), or the whole step on one OpenMP team (team_step, the default).
  *
+ * LoRA adapters (lora.c) add their updates to the four matrices' outputs, per row, where the
+ * Python path adds them (before RoPE, before SwiGLU), with the routine that path calls.
+ *
  * The common case only: no q/k/v bias, no qk-norm, no sliding window, no query scale,
  * SwiGLU, fp32 paged KV cache, W4A8 weights (w4a8.c's layout) for all four matrices;
  * engine/model/native_step.py checks a model once and falls back otherwise.
@@ -47,6 +50,56 @@ int paged_attention_item(const float *q, const void *kc, const void *vc, const i
                          float scale, int kv_fmt);
 
 int decode_step_ptrs(void) { return STEP_PTRS; }
+
+void lora_shrink(const float *x, int64_t K, const float *a, int64_t r, float *t);
+void lora_expand(const float *t, int64_t r, const float *bt, int64_t N, float *y, int64_t n0, int64_t n1);
+
+/* A step's LoRA adapters (lora.c; NULL: none). Adapter s: ab[(layer * 4 + m) * 2] its A (r, in)
+ * and [.. + 1] its B transposed (r, out) of fused matrix m (0 qkv, 1 o, 2 gate_up, 3 down),
+ * ranks[layer * 4 + m] r (0: not updated); row_slot (M,) each row's adapter, -1 the base. */
+typedef struct {
+    void *const *ab;
+    const int64_t *ranks;
+} lora_adapter;
+typedef struct {
+    int64_t n_adapters, max_rank;
+    const lora_adapter *adapters;
+    const int32_t *row_slot;
+} step_lora;
+
+/* y (M, N) += each adapter row's update of matrix m at `layer`, output columns [n0, n1); t: a
+ * scratch of max_rank floats. Every caller computes a row the same way (lora.c). */
+static void lora_cols(const step_lora *L, int64_t layer, int m, const float *x, int64_t K, float *y, int64_t N,
+                      int64_t M, int64_t n0, int64_t n1, float *t) {
+    for (int64_t i = 0; i < M; i++) {
+        const int32_t s = L->row_slot[i];
+        if (s < 0) continue;
+        const lora_adapter *ad = L->adapters + s;
+        const int64_t r = ad->ranks[layer * 4 + m];
+        if (!r) continue;
+        lora_shrink(x + i * K, K, ad->ab[(layer * 4 + m) * 2], r, t);
+        lora_expand(t, r, ad->ab[(layer * 4 + m) * 2 + 1], N, y + i * N, n0, n1);
+    }
+}
+
+/* lora_cols over every column, the rows split between nt threads (the per-op schedule). */
+static int lora_all(const step_lora *L, int64_t layer, int m, const float *x, int64_t K, float *y, int64_t N,
+                    int64_t M, int nt) {
+    if (!L) return 0;
+    int failed = 0;
+#pragma omp parallel num_threads(nt < 1 ? 1 : nt) reduction(| : failed)
+    {
+        float *t = malloc(sizeof(float) * (size_t)(L->max_rank > 0 ? L->max_rank : 1));
+        if (!t) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++) {
+            const step_lora one = {L->n_adapters, L->max_rank, L->adapters, L->row_slot + i};
+            if (t) lora_cols(&one, layer, m, x + i * K, K, y + i * N, N, 1, 0, N, t);
+        }
+        free(t);
+    }
+    return failed ? -1 : 0;
+}
 
 /* ---- Q4_1 x int8 with nibble-packed weights ----------------------------------------------
  * w4a8.c holds one byte per 4-bit weight (its vpmaddubsw reads bytes). A decode step is
@@ -201,10 +254,12 @@ static void store_kv(const step_dims *d, const float *qkv, float *q, float *kc, 
  * h += its output, and the MLP's output into b->delta. Returns 0, or -1 without memory. */
 static int layer(const step_dims *d, void *const *w, float *kc, float *vc, float *h, const float *delta,
                  step_bufs *b, const int64_t *positions, const float *cos_t, const float *sin_t,
-                 const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt) {
+                 const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
+                 const step_lora *L, int64_t li) {
     const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
     add_rms_norm_f32(h, delta, w[0], b->x, M, H, d->eps, nt);
     if (w4a8n_matmul(b->x, w[2], w[3], w[4], b->qkv, M, wqkv, H, nt)) return -1;
+    if (lora_all(L, li, 0, b->x, H, b->qkv, wqkv, M, nt)) return -1;
     rope_f32(b->qkv, M, wqkv, (int)(d->heads + d->kv_heads), (int)d->head_dim, cos_t, sin_t, positions, nt);
     store_kv(d, b->qkv, b->q, kc, vc, slots, M);
     if (paged_decode_attention_f32(b->q, kc, vc, tables, lens, NULL, b->att, (int)M, (int)d->heads,
@@ -212,10 +267,13 @@ static int layer(const step_dims *d, void *const *w, float *kc, float *vc, float
                                    d->scale, nt, 0))
         return -1;
     if (w4a8n_matmul(b->att, w[5], w[6], w[7], b->a, M, H, nq, nt)) return -1;
+    if (lora_all(L, li, 1, b->att, nq, b->a, H, M, nt)) return -1;
     add_rms_norm_f32(h, b->a, w[1], b->x, M, H, d->eps, nt);
     if (w4a8n_matmul(b->x, w[8], w[9], w[10], b->gu, M, 2 * d->inter, H, nt)) return -1;
+    if (lora_all(L, li, 2, b->x, H, b->gu, 2 * d->inter, M, nt)) return -1;
     silu_mul_f32(b->gu, b->act, M, d->inter, nt);
-    return w4a8n_matmul(b->act, w[11], w[12], w[13], b->delta, M, H, d->inter, nt);
+    if (w4a8n_matmul(b->act, w[11], w[12], w[13], b->delta, M, H, d->inter, nt)) return -1;
+    return lora_all(L, li, 3, b->act, d->inter, b->delta, H, M, nt);
 }
 
 #ifdef __AVX2__
@@ -230,6 +288,7 @@ static int layer(const step_dims *d, void *const *w, float *kc, float *vc, float
 typedef struct {
     float *h, *x, *act, *dx; /* (M, hidden) twice, (M, inter), the quantized activations' scales */
     int8_t *xq;
+    float *lt; /* max_rank floats: a row's LoRA intermediate */
 } team_bufs;
 
 /* x (M, K) into the quantized form columns_nib reads (quads of rows; missing rows zero). */
@@ -255,6 +314,16 @@ static void team_matmul(const float *x, void *const *w, float *y, int64_t M, int
 #pragma omp barrier
 }
 
+/* The step's LoRA updates of y (M, N) for this thread's share of the columns; then the team
+ * waits (nothing when no row has an adapter). */
+static void team_lora(const step_lora *L, int64_t li, int m, const float *x, int64_t K, float *y, int64_t N,
+                      int64_t M, team_bufs *p) {
+    if (!L) return;
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    lora_cols(L, li, m, x, K, y, N, M, N * t / T, N * (t + 1) / T, p->lt);
+#pragma omp barrier
+}
+
 /* Attention item (row b, KV head kh): RoPE of its G query heads and its K head in place in
  * qkv, the K/V rows into the cache, q into the attention kernel's layout, then attend. */
 static int team_item(const step_dims *d, int w, float *qkv, float *q, float *att, float *kc, float *vc,
@@ -275,30 +344,37 @@ static int team_item(const step_dims *d, int w, float *qkv, float *q, float *att
 /* One layer on the team (layer()'s steps); `delta` is the shared previous MLP output. */
 static int team_layer(const step_dims *d, void *const *w, float *kc, float *vc, step_bufs *s, team_bufs *p,
                       int first, const int64_t *positions, const float *cos_t, const float *sin_t,
-                      const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M) {
+                      const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M,
+                      const step_lora *L, int64_t li) {
     const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
     int failed = 0;
     add_rms_norm_f32(p->h, first ? NULL : s->delta, w[0], p->x, M, H, d->eps, 1);
     team_matmul(p->x, w + 2, s->qkv, M, wqkv, H, p);
+    team_lora(L, li, 0, p->x, H, s->qkv, wqkv, M, p);
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < (int)(M * d->kv_heads); it++)
         failed |= team_item(d, it, s->qkv, s->q, s->att, kc, vc, positions, cos_t, sin_t, slots, tables, lens);
     team_matmul(s->att, w + 5, s->a, M, H, nq, p);
+    team_lora(L, li, 1, s->att, nq, s->a, H, M, p);
     add_rms_norm_f32(p->h, s->a, w[1], p->x, M, H, d->eps, 1);
     team_matmul(p->x, w + 8, s->gu, M, 2 * d->inter, H, p);
+    team_lora(L, li, 2, p->x, H, s->gu, 2 * d->inter, M, p);
     silu_mul_f32(s->gu, p->act, M, d->inter, 1);
     team_matmul(p->act, w + 11, s->delta, M, H, d->inter, p);
+    team_lora(L, li, 3, p->act, d->inter, s->delta, H, M, p);
     return failed;
 }
 
 /* decode_step_llama's work on one team; returns 0, or -1 without memory. */
 static int team_step(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
                      float *out, step_bufs *s, const int64_t *positions, const float *cos_t, const float *sin_t,
-                     const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt) {
+                     const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
+                     const step_lora *L) {
     const int64_t H = d->hidden, Mp = (M + 3) / 4 * 4, nq = d->heads * d->head_dim;
     const int64_t kmax = H > nq ? (H > d->inter ? H : d->inter) : (nq > d->inter ? nq : d->inter);
     const size_t floats = (size_t)(2 * M * H + M * d->inter + Mp * (kmax / 32) * 3), bytes = (size_t)(Mp * kmax);
-    const size_t per = (floats * sizeof(float) + bytes + 63) & ~(size_t)63;
+    const size_t lfloats = L && L->max_rank > 0 ? (size_t)L->max_rank : 0;
+    const size_t per = ((floats + lfloats) * sizeof(float) + bytes + 63) & ~(size_t)63;
     char *all = aligned_alloc(64, per * (size_t)nt);
     int failed = 0;
     if (!all) return -1;
@@ -306,11 +382,12 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
     {
         char *mine = all + per * (size_t)omp_get_thread_num();
         team_bufs p = {(float *)mine, (float *)mine + M * H, (float *)mine + 2 * M * H,
-                       (float *)mine + 2 * M * H + M * d->inter, (int8_t *)(mine + floats * sizeof(float))};
+                       (float *)mine + 2 * M * H + M * d->inter, (int8_t *)(mine + floats * sizeof(float)),
+                       (float *)(mine + floats * sizeof(float) + bytes)};
         memcpy(p.h, h, sizeof(float) * (size_t)(M * H));
         for (int64_t i = 0; i < d->layers; i++)
             failed |= team_layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], s, &p, i == 0, positions,
-                                 cos_t, sin_t, slots, tables, lens, M);
+                                 cos_t, sin_t, slots, tables, lens, M, L, i);
         if (omp_get_thread_num() == 0) {
             add_rms_norm_f32(p.h, s->delta, final_w, out, M, H, d->eps, 1);
             memcpy(h, p.h, sizeof(float) * (size_t)(M * H));
@@ -330,12 +407,13 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
  *   tables (M, max_blocks), lens (M,) int64: each row's blocks and context length, checked
  *                       (native.paged_attention_tables)
  *   one_region          1: the whole step on one OpenMP team (team_step), 0: each op its own region
+ *   lora                the rows' LoRA adapters (step_lora above), or NULL
  * Returns 0, -1 when scratch memory could not be allocated, or -2 (nothing run) when a position
  * or slot lies outside the tables or the cache. */
 int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
                       float *out, const int64_t *positions, const float *cos_t, const float *sin_t,
                       const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
-                      int one_region) {
+                      int one_region, const step_lora *lora) {
     if (M <= 0) return 0;
     for (int64_t i = 0; i < M; i++) /* checked here: in torch ops this cost 0.5 ms a step */
         if (positions[i] < 0 || positions[i] >= d->max_positions || slots[i] < 0 || slots[i] >= d->num_slots)
@@ -347,14 +425,14 @@ int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv,
 #ifdef __AVX2__
     if (one_region) {
         rc = team_step(d, weights, kv, final_w, h, out, &b, positions, cos_t, sin_t, slots, tables, lens, M,
-                       nt < 1 ? 1 : nt);
+                       nt < 1 ? 1 : nt, lora);
         free(base);
         return rc;
     }
 #endif
     for (int64_t i = 0; i < d->layers && !rc; i++)
         rc = layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h, i ? b.delta : NULL, &b, positions, cos_t,
-                   sin_t, slots, tables, lens, M, nt);
+                   sin_t, slots, tables, lens, M, nt, lora, i);
     if (!rc) add_rms_norm_f32(h, b.delta, final_w, out, M, d->hidden, d->eps, nt);
     free(base);
     return rc;

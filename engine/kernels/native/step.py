@@ -41,7 +41,7 @@ def _bound():
         if lib.decode_step_ptrs() != PTRS:
             raise RuntimeError("step.c and step.py disagree on the per-layer pointers")
         lib.decode_step_llama.argtypes = [ctypes.POINTER(_Dims), p, p, p, p, p, p, p, p, p, p, p, i64, ctypes.c_int,
-                                          ctypes.c_int]
+                                          ctypes.c_int, p]
         lib.decode_step_llama.restype = ctypes.c_int
         lib.w4a8n_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
         lib.w4a8n_matmul.restype = ctypes.c_int
@@ -123,12 +123,13 @@ class StepWeights:
 
 
 def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tensor, cos: torch.Tensor,
-        sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, lora=None) -> torch.Tensor:
     """The final normed hidden states (M, hidden) of a decode-only step; h (M, hidden) fp32, the
     embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) fp32 contiguous
     (num_blocks, block_size, kv_heads, head_dim); positions and slots (M,) int64 inside the
     cos/sin tables and the cache; tables (M, max_blocks) and lens (M,) as
-    native.paged_attention_tables returns them for this cache."""
+    native.paged_attention_tables returns them for this cache; lora: a lora.StepLoRA for these
+    rows, or None."""
     fn = _bound()
     M = h.shape[0]
     k0 = kv_caches[0][0]
@@ -143,7 +144,8 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     out = torch.empty_like(h)
     rc = M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                   out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                  tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and M <= w.team_rows))
+                  tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and M <= w.team_rows),
+                  None if lora is None else ctypes.addressof(lora))
     if rc == -2:
         raise _bad("every position must lie in the RoPE tables and every slot in the cache", positions, slots)
     if rc:
