@@ -65,7 +65,7 @@ def llama_cpp_greedy(prompts: list[list[int]]) -> list[list[int]] | None:
                 time.sleep(0.5)
         out = []
         for ids in prompts:
-            r = httpx.post(url + "/completion", timeout=120, json={
+            r = httpx.post(url + "/completion", timeout=900, json={  # llama.cpp spins: slow beside other work
                 "prompt": ids, "n_predict": GREEDY_TOKENS, "temperature": 0, "top_k": 1, "cache_prompt": False,
                 "return_tokens": True})
             r.raise_for_status()
