@@ -17,7 +17,6 @@ import grpc
 
 from pdserve.common.aio import stop_tasks
 from pdserve.engine.core.async_engine import AsyncEngine
-from pdserve.common.block_hash import root_hash
 from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.grpc_transport import GrpcKVServer
@@ -31,6 +30,7 @@ from pdserve.protos.security import SecurityConfig, add_port, open_channel
 from pdserve.protos.servicer import WorkerServicer
 from pdserve.protos.status import refuse_invalid, refuse_when_full, refused_by
 from pdserve.protos.tracing import NO_SPAN, OFF, Tracer
+from pdserve.kv_transfer.adapters import AdapterServicer
 
 TAKEN_HERE = "taken here"  # _destination_blocks: added for a local prefill of its few uncached tokens
 
@@ -44,7 +44,7 @@ class PrefillWorkerFull(Exception):
         self.worker_id = worker_id
 
 
-class DecodeServicer(WorkerServicer, pb_grpc.DecodeServiceServicer):
+class DecodeServicer(AdapterServicer, WorkerServicer, pb_grpc.DecodeServiceServicer):
     role = "decode"
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -165,7 +165,8 @@ class DecodeWorker:
         """Start the request (`params`: its parameters as read here); returns True if its
         prompt was prefilled remotely. A migrated request (`resume_token_ids`: tokens it
         already produced) is recomputed here, and so is a prompt of which at most
-        `local_prefill_tokens` are not in this worker's cache."""
+        `local_prefill_tokens` are not in this worker's cache. It runs under the adapter
+        `request.lora` names ("": the base model), here and on the prefill worker."""
         rid, resume, local_tail = request.request_id, list(request.resume_token_ids), request.local_prefill_tokens
         prefill_address = request.prefill_address
         # a prompt's logprobs come back from the prefill worker with its KV
@@ -185,11 +186,12 @@ class DecodeWorker:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV hand-off failed: {e}")
         self.local_prefills += 1
         if params.prompt_logprobs is None:  # cached tokens have no logits: such a prompt computes them all
-            await self.peer.pull(rid, prompt, params.cache_salt, request.peer_address, request.peer_blocks)
-        await self.engine.add_request(rid, prompt, params, resume=resume)
+            await self.peer.pull(rid, prompt, params.cache_salt, request.peer_address, request.peer_blocks,
+                                 request.lora)
+        await self.engine.add_request(rid, prompt, params, resume=resume, lora=request.lora or None)
         return False
 
-    async def _destination_blocks(self, rid, prompt, params, local_tail: int = 0):
+    async def _destination_blocks(self, rid, prompt, params, local_tail: int = 0, lora: str | None = None):
         """Blocks for the prompt's KV, waiting (up to the transfer timeout) while the batch
         holds them all: under KV pressure a request queues for blocks here rather than having
         its prompt computed on this decode worker, where it would stall every stream.
@@ -199,19 +201,20 @@ class DecodeWorker:
         deadline = time.monotonic() + self.transfer.timeout_s
         while True:
             dest = await self.engine.run(partial(self._take_blocks, rid=rid, prompt=prompt, params=params,
-                                                 local_tail=local_tail))
+                                                 local_tail=local_tail, lora=lora))
             if dest is not None or time.monotonic() >= deadline:
                 return dest
             await asyncio.sleep(0.05)  # blocks come back as running requests finish
 
     @staticmethod
-    def _take_blocks(e, rid: str, prompt: list[int], params: SamplingParams, local_tail: int):
-        """On the engine thread: the destination blocks, None if none are free, or TAKEN_HERE."""
+    def _take_blocks(e, rid: str, prompt: list[int], params: SamplingParams, local_tail: int, lora: str | None):
+        """On the engine thread: the destination blocks, None if none are free, or TAKEN_HERE
+        (the prefix looked up under the request's adapter, as its blocks are hashed)."""
         if local_tail and len(prompt) - e.blocks.match_prefix(
-                prompt, count=False, root=root_hash(params.cache_salt)).num_tokens <= local_tail:
-            e.add_request(rid, prompt, params)
+                prompt, count=False, root=e.cache_root(params.cache_salt, lora)).num_tokens <= local_tail:
+            e.add_request(rid, prompt, params, lora=lora)
             return TAKEN_HERE
-        return e.add_remote_request(rid, prompt, params)
+        return e.add_remote_request(rid, prompt, params, lora=lora)
 
     async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params: SamplingParams,
                               local_tail: int = 0, span=NO_SPAN) -> bool | None:
@@ -219,9 +222,9 @@ class DecodeWorker:
         `_destination_blocks`); None: no blocks free in time (the caller prefills it here,
         queued). Raises KVTransferError on failure after releasing the destination blocks.
         The prefill worker gets the request's parameters as the router sent them."""
-        rid, prefill_address = request.request_id, request.prefill_address
+        rid, prefill_address, lora = request.request_id, request.prefill_address, request.lora or None
         t_wait = time.perf_counter()
-        dest = await self._destination_blocks(rid, prompt, params, local_tail)
+        dest = await self._destination_blocks(rid, prompt, params, local_tail, lora)
         t_dest = time.perf_counter()
         blocks_wait_s = t_dest - t_wait
         self.tracer.record("decode.blocks_wait", span, t_wait, t_dest,
@@ -232,7 +235,10 @@ class DecodeWorker:
             return None
         bs = self.engine.engine.blocks.block_size
         skip = (-(-len(prompt) // bs) - len(dest)) * bs  # tokens of the cached prefix, shared here
-        self.receiver.expect(rid, dest, len(prompt), self.transfer.timeout_s, first_token_index=skip)
+        # held by the request from here, so its identity cannot change before the KV lands
+        identity = await self.engine.run(lambda e: e.loras.identity(lora)) if lora else ""
+        self.receiver.expect(rid, dest, len(prompt), self.transfer.timeout_s, first_token_index=skip,
+                             lora_identity=identity)
         call = self.tracer.start("prefill.call", span, kind="client",
                                  attributes={"pdserve.prefill_worker": request.prefill_worker_id,
                                              "pdserve.cached_tokens": skip})
@@ -242,7 +248,7 @@ class DecodeWorker:
                     request_id=rid, prompt_token_ids=prompt, params=request.params,
                     kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer.timeout_s,
                     skip_tokens=skip, cluster_token=self.cluster_token, peer_address=request.peer_address,
-                    peer_blocks=request.peer_blocks),
+                    peer_blocks=request.peer_blocks, lora=request.lora),
                     timeout=self.transfer.timeout_s, metadata=self.tracer.metadata(call))
             finally:
                 call.end()

@@ -10,4 +10,8 @@ chunks), `receiver.py` the decode side's leases and checks, `grpc_transport.py`,
 Peer prefix pulls (`peer.py`): a worker pulls the KV of a prompt's prefix from another worker
 the router names (`KVTransfer.Pull` on that worker's service address, answered as a push and
 checked by the same receiver), when `pull_decision.py` expects it to beat computing it.
+
+LoRA adapters (`adapters.py`): the workers' LoadLoRA / UnloadLoRA and the adapters in their
+Stats; a push's header names the adapter its KV was computed under and the receiver refuses
+another than its request's.
 """

@@ -23,11 +23,12 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
+from operator import methodcaller
 
 import grpc
 
 from pdserve.common.block_hash import root_hash
-from pdserve.common.errors import KVTransferError
+from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.engine.kv.peer import PULL_OWNER, PullSlot, export_by_hash, install_pull, reserve_pull
 from pdserve.protos import kv_transfer_pb2 as pb
 from pdserve.protos import kv_transfer_pb2_grpc as pb_grpc
@@ -131,14 +132,21 @@ class PeerPuller:
             self.prefill_rate.observe(tokens, seconds)
 
     async def pull(self, request_id: str, prompt: list[int], cache_salt: str, peer_address: str,
-                   peer_blocks: int) -> int:
+                   peer_blocks: int, lora: str = "") -> int:
         """Pull the prompt's leading `peer_blocks` blocks that are not cached here from the peer
         at `peer_address` into this worker's prefix cache, if that is expected to be faster
         than computing them; returns the blocks installed (0: the prompt computes them). A
-        failure is counted and logged, never raised; a cancel leaves no block taken."""
+        failure is counted and logged, never raised; a cancel leaves no block taken. `lora`:
+        the request's adapter ("": the base model): the hashes chain from its identity here,
+        as they do on the peer, so only blocks computed under the same adapter match."""
         if self.transfer.peer_pull == "off" or not peer_address or peer_blocks <= 0:
             return 0
-        root, installed = root_hash(cache_salt), 0
+        installed = 0
+        try:
+            root = await self.engine.run(methodcaller("cache_root", cache_salt, lora or None)) if lora \
+                else root_hash(cache_salt)
+        except InvalidRequestError:  # an adapter unknown here: the request itself is refused
+            return 0
         try:
             slot = await self.engine.run(partial(reserve_pull, request_id=request_id, prompt=prompt, root=root,
                                                  peer_blocks=peer_blocks))

@@ -35,6 +35,7 @@ class Lease:
     layers_done: set[int] = field(default_factory=set)
     buffer: torch.Tensor | None = None     # filled layer range by layer range
     block_hashes: tuple[int, ...] | None = None  # a peer pull's: the header must name exactly these
+    lora_identity: str = ""                # the adapter the KV must be computed under ("": the base model)
 
 
 @dataclass
@@ -62,13 +63,16 @@ class KVReceiver:
 
     def expect(self, request_id: str, dest_block_ids: list[int], num_tokens: int, timeout_s: float,
                senders: set[str] | None = None, first_token_index: int = 0,
-               block_hashes: list[int] | None = None) -> Lease:
+               block_hashes: list[int] | None = None, lora_identity: str = "") -> Lease:
         """Lease `dest_block_ids` for the KV of tokens [first_token_index, num_tokens) (the
         tokens before are this worker's cached prefix). `block_hashes` (a peer pull): the
-        content hashes the blocks must hold, which the arriving header must name exactly."""
+        content hashes the blocks must hold, which the arriving header must name exactly.
+        `lora_identity`: the LoRA adapter (name@digest) the request runs under here; KV computed
+        under another adapter, or the base model, is refused (it is not this request's KV)."""
         lease = Lease(request_id, list(dest_block_ids), num_tokens, self.clock() + timeout_s,
                       frozenset(senders) if senders else None, first_token_index,
-                      block_hashes=tuple(block_hashes) if block_hashes is not None else None)
+                      block_hashes=tuple(block_hashes) if block_hashes is not None else None,
+                      lora_identity=lora_identity)
         self._leases[request_id] = lease
         return lease
 
@@ -111,6 +115,10 @@ class KVReceiver:
             raise KVTransferError(f"KV push for {h.request_id!r} arrived after its lease expired")
         if lease.senders is not None and h.sender_id not in lease.senders:
             raise KVTransferError(f"KV push for {h.request_id!r} from unexpected sender {h.sender_id!r}")
+        if h.lora_identity != lease.lora_identity:
+            raise KVTransferError(f"KV push for {h.request_id!r} was computed under adapter "
+                                  f"{h.lora_identity or '(base model)'!r}, not this request's "
+                                  f"{lease.lora_identity or '(base model)'!r}")
         if h.model_fingerprint != self.fingerprint:
             raise KVTransferError(f"KV push for {h.request_id!r}: model fingerprint {h.model_fingerprint!r} "
                                   f"does not match this worker's {self.fingerprint!r}")

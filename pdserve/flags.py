@@ -28,10 +28,10 @@ from pdserve.config import (
     WorkerConfig,
 )
 from pdserve.engine.core.arg_utils import engine_config
-from pdserve.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, parse_size
+from pdserve.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig, parse_size
 from pdserve.protos.security import TLSConfig
 
-_R, _P, _T, _A = RouterConfig(), PoolConfig(), TransferConfig(), AutoscaleConfig()
+_R, _P, _T, _A, _L = RouterConfig(), PoolConfig(), TransferConfig(), AutoscaleConfig(), LoRAConfig()
 _W = WorkerConfig(role="decode", worker_id="")
 
 
@@ -129,8 +129,33 @@ def _add_registry_args(p: argparse.ArgumentParser, name_required: bool = False) 
                    help="the cluster's registry namespace" + ("" if name_required else " (default: random)"))
 
 
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter every worker loads at start, selected by a request's `model: NAME` "
+                        "(repeatable, as vLLM's flag; needs --max-loras)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help=f"LoRA adapters resident per worker, least recently used dropped first (default: "
+                        f"{_L.max_loras}, LoRA off; with --lora-modules: at least their number)")
+    p.add_argument("--max-lora-rank", type=int, default=_L.max_lora_rank,
+                   help="the largest adapter rank accepted (default: %(default)s)")
+
+
+def lora_config(args: argparse.Namespace) -> LoRAConfig:
+    """The workers' LoRA adapters: --lora-modules name=path (repeatable), --max-loras (at least
+    the modules' number when they are given without it), --max-lora-rank."""
+    modules = []
+    for item in args.lora_modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+        modules.append((name.strip(), path.strip()))
+    max_loras = args.max_loras if args.max_loras is not None else max(len(modules), _L.max_loras)
+    return LoRAConfig(max_loras=max_loras, max_lora_rank=args.max_lora_rank, modules=tuple(modules))
+
+
 def add_up_args(p: argparse.ArgumentParser) -> None:
     add_router_args(p)
+    _add_lora_args(p)
     p.add_argument("--prefill", type=int, default=_P.replicas, help="prefill workers (default: %(default)s)")
     p.add_argument("--decode", type=int, default=_P.replicas, help="decode workers (default: %(default)s)")
     p.add_argument("--mode", choices=MODES, default=MODES[0],
@@ -218,6 +243,7 @@ def add_router_cmd_args(p: argparse.ArgumentParser) -> None:
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=ROLES, required=True)
+    _add_lora_args(p)
     p.add_argument("--worker-id", required=True, help="unique in the cluster, e.g. prefill-host3")
     p.add_argument("--host", default="127.0.0.1", help="bind and advertise address of its services")
     p.add_argument("--redis-url", default=_env("PDSERVE_REDIS_URL"), help="the cluster's registry (env PDSERVE_REDIS_URL)")
@@ -294,7 +320,7 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
     if not security.cluster_token:
         security = replace(security, cluster_token=secrets.token_urlsafe(24))
     return ClusterConfig(
-        mode=args.mode, engine=engine_config(args), router=_router_config(args),
+        mode=args.mode, engine=replace(engine_config(args), lora=lora_config(args)), router=_router_config(args),
         prefill=_pool(args, "prefill", args.prefill), decode=_pool(args, "decode", args.decode),
         transfer=transfer_config(args),
         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name or uuid.uuid4().hex[:8]),
@@ -324,7 +350,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     if not args.redis_url:
         raise ValueError("pdserve worker needs the cluster's registry: --redis-url (or PDSERVE_REDIS_URL)")
     return WorkerConfig(role=args.role, worker_id=args.worker_id, host=args.host, max_queue=args.max_queue,
-                        engine=engine_config(args),
+                        engine=replace(engine_config(args), lora=lora_config(args)),
                         transfer=transfer_config(args), drain_timeout_s=args.drain_timeout,
                         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name),
                         security=security_config(args), tracing=tracing_config(args))

@@ -26,9 +26,10 @@ from pdserve.protos.security import SecurityConfig, add_port
 from pdserve.protos.servicer import WorkerServicer
 from pdserve.protos.status import refuse_invalid, refuse_when_full
 from pdserve.protos.tracing import OFF, Tracer
+from pdserve.kv_transfer.adapters import AdapterServicer
 
 
-class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
+class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceServicer):
     role = "prefill"
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
@@ -59,8 +60,13 @@ class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
         # one token here; below min_tokens it must not be EOS or a stop token id (masked, so kept)
         params = dataclasses.replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1),
                                      stop_token_ids=asked.stop_token_ids if asked.min_tokens else [])
+        lora = request.lora or None  # its adapter: the KV pushed is computed under it, and says so
+        try:
+            identity = await w.engine.run(lambda e: e.loras.identity(lora)) if lora else ""
+        except InvalidRequestError as e:  # an adapter unknown here
+            await refuse_invalid(context, e)
         if asked.prompt_logprobs is None:  # a peer's blocks of the prompt's prefix, if the router named one
-            await w.peer.pull(rid, prompt, asked.cache_salt, request.peer_address, request.peer_blocks)
+            await w.peer.pull(rid, prompt, asked.cache_salt, request.peer_address, request.peer_blocks, request.lora)
         t_pulled = time.perf_counter()
         bs = w.engine.engine.blocks.block_size
         # the decode worker holds the prompt's first skip_tokens (its cached prefix): send the
@@ -73,7 +79,7 @@ class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
                 kv = await asyncio.to_thread(kv_format.convert, kv, w.wire_format)
             await w.sender.push(request.kv_address, rid, kv, dest_block_ids=list(request.dest_block_ids),
                                 num_tokens=len(prompt), first_token=first_token, token_offset=first_block * bs,
-                                layer_start=layer_start, model_fingerprint=w.fingerprint,
+                                layer_start=layer_start, model_fingerprint=w.fingerprint, lora_identity=identity,
                                 timeout_s=request.timeout_s or 30.0)
             t_end, nbytes = time.perf_counter(), kv.numel() * kv.element_size()
             w.kv_seconds += t_end - t
@@ -91,7 +97,7 @@ class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
             first = None
             try:  # held from the moment the request finishes, even if cancelled before the loop ends
                 try:
-                    async for out in w.engine.generate(rid, prompt, params, hold_kv=True):
+                    async for out in _generate(w.engine, rid, prompt, params, lora):
                         if out.error:
                             raise InvalidRequestError(out.error, param="response_format",
                                                       code="grammar_budget_exceeded")
@@ -133,6 +139,22 @@ class PrefillServicer(WorkerServicer, pb_grpc.PrefillServiceServicer):
             reply.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
         reply.prompt_logprobs.extend(logprob_to_proto(lp) for lp in first.prompt_logprobs or [])
         return reply
+
+
+async def _generate(engine: AsyncEngine, rid: str, prompt: list[int], params, lora: str | None):
+    """`AsyncEngine.generate(..., hold_kv=True)` under adapter `lora`: a request that is left
+    early (or refused) is aborted, its blocks and adapter given back."""
+    q = engine.open_stream(rid)
+    streaming = False
+    try:
+        await engine.add_request(rid, prompt, params, hold_kv=True, lora=lora)
+        streaming = True
+        async for out in engine.stream(rid, q):
+            yield out
+    finally:
+        if not streaming:
+            engine.abort_soon(rid)
+        engine.close_stream(rid)
 
 
 class PrefillWorker:

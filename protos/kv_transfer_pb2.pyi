@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "sender_id", "model_fingerprint", "dtype", "layout", "layer_start", "layer_end", "dest_block_ids", "num_tokens", "payload_bytes", "checksum", "first_token", "cluster_token", "token_offset", "kv_scales", "block_hashes")
+    __slots__ = ("request_id", "sender_id", "model_fingerprint", "dtype", "layout", "layer_start", "layer_end", "dest_block_ids", "num_tokens", "payload_bytes", "checksum", "first_token", "cluster_token", "token_offset", "kv_scales", "block_hashes", "lora_identity")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class KVHeader(_message.Message):
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     model_fingerprint: str
@@ -40,7 +41,8 @@ class KVHeader(_message.Message):
     token_offset: int
     kv_scales: str
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., first_token: _Optional[int] = ..., cluster_token: _Optional[str] = ..., token_offset: _Optional[int] = ..., kv_scales: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_identity: str
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., first_token: _Optional[int] = ..., cluster_token: _Optional[str] = ..., token_offset: _Optional[int] = ..., kv_scales: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., lora_identity: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data")

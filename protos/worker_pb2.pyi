@@ -70,7 +70,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_address", "prefill_worker_id", "cluster_token", "resume_token_ids", "local_prefill_tokens", "peer_address", "peer_worker_id", "peer_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_address", "prefill_worker_id", "cluster_token", "resume_token_ids", "local_prefill_tokens", "peer_address", "peer_worker_id", "peer_blocks", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class GenerateRequest(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -93,7 +94,8 @@ class GenerateRequest(_message.Message):
     peer_address: str
     peer_worker_id: str
     peer_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cluster_token: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., local_prefill_tokens: _Optional[int] = ..., peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., peer_blocks: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., cluster_token: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., local_prefill_tokens: _Optional[int] = ..., peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., peer_blocks: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "prefilled_remotely", "prompt_logprobs", "kv_bytes", "timing")
@@ -162,7 +164,7 @@ class StatsRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted", "preempted_memory", "preempted_priority", "address", "kv_host_bytes", "kv_disk_bytes", "kv_host_hits", "kv_disk_hits", "kv_host_stored", "kv_disk_stored", "kv_disk_refused", "peer_pulls", "peer_blocks_pulled", "peer_bytes_pulled", "peer_pull_failures", "peer_pull_skipped", "peer_blocks_served", "peer_bytes_served", "peer_pull_misses")
+    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "kv_usage", "prefix_queries", "prefix_hits", "remote_prefills", "local_prefills", "transfer_failures", "refused", "queue_limit", "kv_bytes", "kv_seconds", "max_model_len", "proof", "kv_cache_dtype", "speculation", "spec_proposed", "spec_accepted", "preempted_memory", "preempted_priority", "address", "kv_host_bytes", "kv_disk_bytes", "kv_host_hits", "kv_disk_hits", "kv_host_stored", "kv_disk_stored", "kv_disk_refused", "peer_pulls", "peer_blocks_pulled", "peer_bytes_pulled", "peer_pull_failures", "peer_pull_skipped", "peer_blocks_served", "peer_bytes_served", "peer_pull_misses", "loras", "max_loras", "metrics_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +206,9 @@ class WorkerStats(_message.Message):
     PEER_BLOCKS_SERVED_FIELD_NUMBER: _ClassVar[int]
     PEER_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     PEER_PULL_MISSES_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -245,7 +250,40 @@ class WorkerStats(_message.Message):
     peer_blocks_served: int
     peer_bytes_served: int
     peer_pull_misses: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., preempted_memory: _Optional[int] = ..., preempted_priority: _Optional[int] = ..., address: _Optional[str] = ..., kv_host_bytes: _Optional[int] = ..., kv_disk_bytes: _Optional[int] = ..., kv_host_hits: _Optional[int] = ..., kv_disk_hits: _Optional[int] = ..., kv_host_stored: _Optional[int] = ..., kv_disk_stored: _Optional[int] = ..., kv_disk_refused: _Optional[int] = ..., peer_pulls: _Optional[int] = ..., peer_blocks_pulled: _Optional[int] = ..., peer_bytes_pulled: _Optional[int] = ..., peer_pull_failures: _Optional[int] = ..., peer_pull_skipped: _Optional[int] = ..., peer_blocks_served: _Optional[int] = ..., peer_bytes_served: _Optional[int] = ..., peer_pull_misses: _Optional[int] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoRAAdapterInfo]
+    max_loras: int
+    metrics_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefills: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., refused: _Optional[int] = ..., queue_limit: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_cache_dtype: _Optional[str] = ..., speculation: _Optional[str] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., preempted_memory: _Optional[int] = ..., preempted_priority: _Optional[int] = ..., address: _Optional[str] = ..., kv_host_bytes: _Optional[int] = ..., kv_disk_bytes: _Optional[int] = ..., kv_host_hits: _Optional[int] = ..., kv_disk_hits: _Optional[int] = ..., kv_host_stored: _Optional[int] = ..., kv_disk_stored: _Optional[int] = ..., kv_disk_refused: _Optional[int] = ..., peer_pulls: _Optional[int] = ..., peer_blocks_pulled: _Optional[int] = ..., peer_bytes_pulled: _Optional[int] = ..., peer_pull_failures: _Optional[int] = ..., peer_pull_skipped: _Optional[int] = ..., peer_blocks_served: _Optional[int] = ..., peer_bytes_served: _Optional[int] = ..., peer_pull_misses: _Optional[int] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+
+class LoRAAdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "identity", "resident", "users")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    USERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    identity: str
+    resident: bool
+    users: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., identity: _Optional[str] = ..., resident: _Optional[bool] = ..., users: _Optional[int] = ...) -> None: ...
+
+class LoRARequest(_message.Message):
+    __slots__ = ("cluster_token", "lora_name", "lora_path")
+    CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    cluster_token: str
+    lora_name: str
+    lora_path: str
+    def __init__(self, cluster_token: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoRAReply(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoRAAdapterInfo
+    def __init__(self, adapter: _Optional[_Union[LoRAAdapterInfo, _Mapping]] = ...) -> None: ...
 
 class BlockSnapshot(_message.Message):
     __slots__ = ("block_hashes", "seq", "proof", "worker_id", "role", "address")
@@ -264,7 +302,7 @@ class BlockSnapshot(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., proof: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_address", "dest_block_ids", "timeout_s", "cluster_token", "skip_tokens", "peer_address", "peer_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_address", "dest_block_ids", "timeout_s", "cluster_token", "skip_tokens", "peer_address", "peer_blocks", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +313,7 @@ class PrefillRequest(_message.Message):
     SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -285,7 +324,8 @@ class PrefillRequest(_message.Message):
     skip_tokens: int
     peer_address: str
     peer_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_address: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., cluster_token: _Optional[str] = ..., skip_tokens: _Optional[int] = ..., peer_address: _Optional[str] = ..., peer_blocks: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_address: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., cluster_token: _Optional[str] = ..., skip_tokens: _Optional[int] = ..., peer_address: _Optional[str] = ..., peer_blocks: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "logprob", "num_cached_tokens", "finished", "finish_reason", "timing", "prompt_logprobs")

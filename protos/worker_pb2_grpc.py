@@ -54,6 +54,16 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.worker.DecodeService/LoadLoRA',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.LoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.LoRAReply.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.worker.DecodeService/UnloadLoRA',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.LoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.LoRAReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -83,6 +93,18 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +127,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.CachedBlocks,
                     request_deserializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.LoRARequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.LoRAReply.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.LoRARequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.LoRAReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +257,60 @@ class DecodeService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.DecodeService/LoadLoRA',
+            pdserve_dot_protos_dot_worker__pb2.LoRARequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.LoRAReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.DecodeService/UnloadLoRA',
+            pdserve_dot_protos_dot_worker__pb2.LoRARequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.LoRAReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -255,6 +341,16 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.worker.PrefillService/LoadLoRA',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.LoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.LoRAReply.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.worker.PrefillService/UnloadLoRA',
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.LoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.LoRAReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -284,6 +380,18 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -306,6 +414,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.CachedBlocks,
                     request_deserializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.LoRARequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.LoRAReply.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.LoRARequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.LoRAReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +534,60 @@ class PrefillService:
             '/pdserve.worker.PrefillService/CachedBlocks',
             pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
             pdserve_dot_protos_dot_worker__pb2.BlockSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.PrefillService/LoadLoRA',
+            pdserve_dot_protos_dot_worker__pb2.LoRARequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.LoRAReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.PrefillService/UnloadLoRA',
+            pdserve_dot_protos_dot_worker__pb2.LoRARequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.LoRAReply.FromString,
             options,
             channel_credentials,
             insecure,

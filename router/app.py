@@ -1,5 +1,6 @@
-"""The HTTP front end (FastAPI): the OpenAI endpoints over a `Router`, models, tokenize,
-health, Prometheus metrics and the admin endpoints (workers, pools), behind API keys."""
+"""The HTTP front end (FastAPI): the OpenAI endpoints over a `Router`, models (the base and its
+LoRA adapters), tokenize, health, Prometheus metrics and the admin endpoints (workers, pools,
+adapter loads), behind API keys."""
 from __future__ import annotations
 
 import asyncio
@@ -8,13 +9,14 @@ import hmac
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from pdserve.common.aio import stop_tasks
 from pdserve.common.checks import MAX_JSON_DEPTH, json_depth
 from pdserve.common.errors import InvalidRequestError
 
+from . import adapters
 from .errors import APIError, ErrorBoundary, api_error_of, http_error, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .control import PoolControl, scale_sizes
@@ -153,6 +155,33 @@ def add_admin_routes(app: FastAPI, control: PoolControl | None, authorized) -> N
             raise APIError(503, str(e), "server_error", code="scale_failed") from e
 
 
+def add_adapter_routes(app: FastAPI, router: Router, authorized) -> None:
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({"lora_name", "lora_path"}),
+    admin-authenticated: applied to every worker of the pools (router/adapters.py)."""
+    async def body(request: Request) -> dict:
+        refuse_cross_site(request)
+        try:
+            data = await request.json()
+        except ValueError as e:
+            raise APIError(400, f"the body is not JSON: {e}", param="body") from e
+        if not isinstance(data, dict) or not all(isinstance(data.get(k, ""), str) for k in ("lora_name", "lora_path")):
+            raise APIError(400, "the body is {\"lora_name\": str, \"lora_path\": str}", param="body")
+        return data
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorized)])
+    async def load_lora_adapter(request: Request):
+        data = await body(request)
+        name = data.get("lora_name", "")
+        if name == router.model_name:
+            raise APIError(400, f"{name!r} is the base model's name", param="lora_name", code="invalid_adapter")
+        return PlainTextResponse(await router.adapters.load(name, data.get("lora_path", "")))
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorized)])
+    async def unload_lora_adapter(request: Request):
+        data = await body(request)
+        return PlainTextResponse(await router.adapters.unload(data.get("lora_name", "")))
+
+
 def add_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     """Every error, ours or the framework's, answered in the OpenAI shape: the handlers below
     for the ones raised on purpose, `ErrorBoundary` (outermost) for every other exception;
@@ -228,17 +257,19 @@ def create_app(router: Router) -> FastAPI:
     async def chat(req: ChatCompletionRequest, request: Request):
         return await while_connected(request, router.chat(req, wants_timing(request), context(req, request)))
 
-    def model_card() -> dict:
-        return {"id": router.model_name, "object": "model", "created": int(router.started), "owned_by": "pdserve"}
+    def model_cards() -> list[dict]:
+        return adapters.model_cards(router.model_name, int(router.started), router.cluster.adapters())
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": model_cards()}
 
     @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
     async def model(model: str):
         router.check_model(model)
-        return model_card()
+        return next(c for c in model_cards() if c["id"] == model)
+
+    add_adapter_routes(app, router, authorized)
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])
     async def tokenize(req: TokenizeRequest):

@@ -22,7 +22,9 @@ from pdserve.protos.convert import params_to_proto
 from pdserve.protos.security import (ReplyCheck, TLSConfig, WorkerIdentity, check_reply, open_channel, service_role,
                                      stats_request)
 
-from .policies import NoWorkerError, PrefillChoice, WorkerLoad, make_policy, pick_peer, prefill_on_decode
+from .adapters import resident_on, served_adapters
+from .policies import (NoWorkerError, PrefillChoice, WorkerLoad, make_policy, pick_peer, prefer_adapter,
+                       prefill_on_decode)
 from .prefix_index import PrefixIndex
 from .tenancy import SessionAffinity
 
@@ -205,23 +207,37 @@ class ClusterClient:
                  if w.role != "prefill" and self.healthy.get(w.worker_id)]
         return bool(loads) and all(s is not None and (s.kv_usage >= kv_limit or s.waiting > 0) for s in loads)
 
+    def adapters(self) -> dict[str, pb.LoRAAdapterInfo]:
+        """The LoRA adapters the healthy workers serve, by name."""
+        return served_adapters(self.stats, self.healthy)
+
+    def _lora_root(self, cache_salt: str, lora: str) -> int:
+        """The block-hash root of a request under adapter `lora` ("": the base), as the
+        workers compute it (their reported identity of the adapter)."""
+        info = self.adapters().get(lora) if lora else None
+        return root_hash(cache_salt, info.identity if info else f"{lora}@?" if lora else "")
+
     def route(self, prompt: list[int], exclude: frozenset[str] = frozenset(), cache_salt: str = "",
-              session: str = "", priority: int = 0) -> Route:
+              session: str = "", priority: int = 0, lora: str = "") -> Route:
         """Pick workers for `prompt`; `exclude`: workers that just failed or refused it;
         `cache_salt`: the request's (its blocks are looked up under it, as the workers do);
         `session`: its conversation, kept on one decode worker until that one is saturated;
         `priority`: its request's (a prompt is never lent to a decode worker streaming for more
-        urgent requests: their tokens would wait for it).
+        urgent requests: their tokens would wait for it); `lora`: its adapter (its blocks hash
+        under the adapter's identity, and workers holding the adapter loaded are preferred).
         Raises NoWorkerError if no decode worker is left, or if every prefill worker is
         excluded (refused: its queue is full; prefilling on the decode pool instead would
         defeat the limit)."""
         prefill: PrefillChoice | None = None
         prefill_pool = self._loads({"prefill"})
-        decode_pool = [w for w in self._loads({"decode", "aggregated"}) if w.worker_id not in exclude]
+        holders = resident_on(self.stats, lora) if lora else set()
+        decode_pool = prefer_adapter([w for w in self._loads({"decode", "aggregated"}) if w.worker_id not in exclude],
+                                     holders)
         candidates = [w for w in prefill_pool if w.worker_id not in exclude]
         if prefill_pool and not candidates:
             raise NoWorkerError("every prefill worker refused the request")
-        hashes = hash_blocks(prompt, self.block_size, self.namespace, parent=root_hash(cache_salt))
+        candidates = prefer_adapter(candidates, holders)
+        hashes = hash_blocks(prompt, self.block_size, self.namespace, parent=self._lora_root(cache_salt, lora))
         decode_id = self.affinity.pick(session, decode_pool, lambda: self.policy.pick_decode(decode_pool, hashes))
         # the prompt's blocks land there (KV import or local prefill) before its events say so
         decode_until = self.index.expect(decode_id, hashes, ttl_s=30.0) if self.policy.follows_prefixes else 0.0
@@ -312,17 +328,20 @@ class ClusterClient:
             self.decode_priorities.pop(wid, None)
 
     async def generate(self, route: Route, request_id: str, prompt: list[int], params,
-                       resume: list[int] | None = None, metadata: tuple = ()) -> AsyncIterator[pb.GenerateResponse]:
+                       resume: list[int] | None = None, metadata: tuple = (),
+                       lora: str = "") -> AsyncIterator[pb.GenerateResponse]:
         """Stream a request's outputs from its decode worker; closing the iterator early
         cancels the call, which aborts the request on the worker. `resume`: tokens already
-        streamed (a migration from a failed worker); `metadata`: the call's (trace context)."""
+        streamed (a migration from a failed worker); `metadata`: the call's (trace context);
+        `lora`: the adapter it runs under ("": the base model)."""
         req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params),
                                  prefill_address=route.prefill.address if route.prefill else "",
                                  prefill_worker_id=route.prefill.worker_id if route.prefill else "",
                                  cluster_token=self.cluster_token, resume_token_ids=resume or [],
                                  local_prefill_tokens=self.local_prefill_tokens,
                                  peer_address=route.peer.address if route.peer else "",
-                                 peer_worker_id=route.peer.worker_id if route.peer else "", peer_blocks=route.peer_blocks)
+                                 peer_worker_id=route.peer.worker_id if route.peer else "", peer_blocks=route.peer_blocks,
+                                 lora=lora)
         call = self._stub(route.decode).Generate(req, metadata=metadata or None)
         try:
             async for msg in call:

@@ -56,14 +56,15 @@ class Delta:
 class Generation:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, metrics: RouterMetrics,
                  prompt: list[int], params: SamplingParams, prefix: str = "cmpl", timeout_s: float = 0.0,
-                 on_done=None, tracer: Tracer = OFF, session: str = "", on_first=None, arrival: float | None = None):
+                 on_done=None, tracer: Tracer = OFF, session: str = "", on_first=None, arrival: float | None = None,
+                 lora: str = ""):
         """arrival: when its request arrived (time.perf_counter(); default: now): its queue
         time, TTFT and deadline count from there, for every choice of the request alike.
         timeout_s > 0: the request fails with 504 (and is aborted) if it is not done by then.
         on_done: called once when the request ends, however it ends; on_first: once, when its
         first token arrives (with the time to it). tracer: the request's trace (a root span
         here, the workers' spans under it). session: its conversation (kept on one decode
-        worker until that one is saturated)."""
+        worker until that one is saturated). lora: the adapter it runs under ("": the base model)."""
         self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -80,7 +81,7 @@ class Generation:
         self.ttft = 0.0
         self.timeout_s = timeout_s
         self._on_done, self._on_first = on_done, on_first
-        self.session = session
+        self.session, self.lora = session, lora
         self.generated: list[int] = []   # token ids streamed so far (replayed on migration)
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.., when asked for
         self.route = None
@@ -111,7 +112,7 @@ class Generation:
             try:
                 self.route = self.cluster.route(self.prompt, exclude=frozenset(refused),
                                                 cache_salt=self.params.cache_salt, session=self.session,
-                                                priority=self.params.priority)
+                                                priority=self.params.priority, lora=self.lora)
             except NoWorkerError as e:
                 if refused:
                     self.metrics.rejected.labels("pool_full").inc()
@@ -125,7 +126,7 @@ class Generation:
                 self.metrics.queue.observe(self.t_routed - self.t_arrival)
                 self.tracer.record("router.admission", self.span, self.t_arrival, self.t_routed)
             self._stream = self.cluster.generate(self.route, self.request_id, self.prompt, self.params,
-                                                 metadata=self._trace_call())
+                                                 metadata=self._trace_call(), lora=self.lora)
             try:
                 self._first = await self._next()
                 self.cluster.settle(self.route, self._first.prefilled_remotely)
@@ -196,7 +197,7 @@ class Generation:
         try:
             self.route = self.cluster.route(self.prompt, exclude=frozenset(self._failed),
                                              cache_salt=self.params.cache_salt, session=self.session,
-                                             priority=self.params.priority)
+                                             priority=self.params.priority, lora=self.lora)
             if self.generated:  # recomputed (prompt + tokens so far) on its decode worker; else its
                 self.cluster.settle(self.route, prefilled_remotely=False)  # first token settles it
         except NoWorkerError as no:
@@ -206,7 +207,7 @@ class Generation:
         self.metrics.migrations.inc()
         self._stream = self.cluster.generate(self.route, f"{self.request_id}-m{self.migrations}", self.prompt,
                                              self.params, resume=self.generated,
-                                             metadata=self._trace_call(failed))
+                                             metadata=self._trace_call(failed), lora=self.lora)
 
     async def _next_from_worker(self):
         """The next worker message, within the request's deadline."""

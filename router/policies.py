@@ -123,6 +123,15 @@ class PrefixAware(LeastLoaded):
         return min(near, key=lambda w: (-held.get(w.worker_id, 0), _decode_load(w))).worker_id
 
 
+def prefer_adapter(workers: list[WorkerLoad], holders: set[str]) -> list[WorkerLoad]:
+    """The workers to route a LoRA adapter's request among: the healthy ones that hold its
+    weights loaded (`holders`) and are not short of KV, when there are any (another worker would
+    load the weights first, and may drop another adapter for them); all of them otherwise, and
+    for a base-model request (no holders)."""
+    loaded = [w for w in workers if w.healthy and w.worker_id in holders and w.kv_usage < KV_PRESSURE]
+    return loaded or workers
+
+
 DECODE_PREFILL_SLOWDOWN = 3
 """How many times longer a prompt takes on a busy decode worker than on a prefill worker: its
 prefill chunks share the core with its streams' decode steps. Measured on the 2-core CPU of

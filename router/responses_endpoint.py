@@ -47,7 +47,7 @@ class ResponsesEndpoint:
         """Run one response; a JSON response object, or its event stream."""
         arrival = time.perf_counter()
         req.check_supported()
-        self.router.check_model(req.model)
+        ctx = replace(ctx, lora=self.router.check_model(req.model))
         prev = await self._previous(req, ctx.tenant)
         rid, msg_id, created = new_id("resp"), new_id("msg"), now()
         session = prev.session if prev else rid

@@ -22,6 +22,7 @@ from pdserve.common.tokens import check_token_ids
 from pdserve.protos.tracing import OFF, Tracer
 
 from . import responses
+from .adapters import AdapterAdmin, resolve_model
 from .admission import AdmissionQueue, QueueRefusal
 from .cluster import ClusterClient, WorkerEndpoint
 from .control import PoolControl
@@ -53,6 +54,7 @@ class Router:
         self.admission = AdmissionQueue(config.max_inflight, config.queue_size, config.queue_timeout_s)
         self.started = time.time()  # the model card's `created`
         self.control = control
+        self.adapters = AdapterAdmin(cluster)  # runtime loads and unloads of LoRA adapters
         self.tenants = TenantLimits(config.tenant_max_inflight, config.tenant_max_queued_tokens)
 
     @classmethod
@@ -77,6 +79,7 @@ class Router:
             if self.discovery is not None:
                 await self.discovery.sync()
             await self.cluster.refresh()
+            await self.adapters.reconcile()
             await asyncio.sleep(self.refresh_interval_s)
 
     async def close(self) -> None:
@@ -155,17 +158,16 @@ class Router:
         params = replace(params, priority=ctx.priority, tenant=ctx.tenant)
         return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
                           timeout_s=self.config.request_timeout_s, on_done=done, tracer=self.tracer,
-                          session=ctx.session, on_first=first, arrival=arrival)
+                          session=ctx.session, on_first=first, arrival=arrival, lora=ctx.lora)
 
     def _band(self, priority: int) -> str:
         if priority >= self.config.sheddable_priority:
             return "sheddable"
         return "high" if priority < 0 else "default" if priority == 0 else "low"
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str) -> str:
+        """The LoRA adapter `model` names ("": the base model); 404 naming the served ones."""
+        return resolve_model(model, self.model_name, self.cluster.adapters())
 
     def _check_fits(self, choices: int, param: str) -> None:
         """A request needing more generations than the router ever admits at once can never
@@ -307,12 +309,12 @@ class Router:
         ctx: its priority, tenant and session (default: the body's priority)."""
         arrival = time.perf_counter()
         req.check_supported()
-        self.check_model(req.model)
+        ctx = replace(ctx or RequestContext(req.priority), lora=self.check_model(req.model))
         prompts = await self._encode_prompts(req)
         gens = await self._start_batch(prompts, req.sampling_params(self.tokenizer.vocab_size), req.n, "cmpl",
-                                       ctx or RequestContext(req.priority), arrival)
+                                       ctx, arrival)
         base = {"id": gens[0].request_id, "object": "text_completion", "created": gens[0].created,
-                "model": self.model_name}
+                "model": req.model}
         want_lp = req.logprobs is not None
         ids_of = [ids for ids in prompts for _ in range(req.n)]  # choice i's prompt
         echo_of = [e for ids in prompts for e in [self.tokenizer.decode(ids) if req.echo else ""] * req.n]
@@ -350,14 +352,14 @@ class Router:
         """timing, ctx: as for `completions`."""
         arrival = time.perf_counter()
         req.check_supported()
-        self.check_model(req.model)
+        ctx = replace(ctx or RequestContext(req.priority), lora=self.check_model(req.model))
         specs = req.tool_specs()
         ids = await self._chat_ids(req)
         self._check_length(ids, "the conversation", "messages")
         gens = await self._start_choices(ids, req.sampling_params(self.tokenizer.vocab_size), req.n, "chatcmpl",
-                                         ctx or RequestContext(req.priority), arrival)
+                                         ctx, arrival)
         base = {"id": gens[0].request_id, "object": "chat.completion", "created": gens[0].created,
-                "model": self.model_name}
+                "model": req.model}
         want_lp = req.logprobs
         calls_possible = bool(specs) and req.tool_choice != "none"
 

@@ -28,6 +28,8 @@ class RequestContext:
     """Lower is served sooner (vLLM's `priority`); the gateway's header wins over the body's field."""
     tenant: str = ""
     session: str = ""
+    lora: str = ""
+    """The LoRA adapter its `model` names ("": the base model)."""
 
     @classmethod
     def of(cls, headers: Mapping[str, str], body_priority: int = 0, user: str | None = None,

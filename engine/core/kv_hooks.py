@@ -57,13 +57,17 @@ class KVTransferHooks:
         self.blocks.free(request_id)
         return True
 
-    def add_remote_request(self, request_id: str, prompt: list[int], params: SamplingParams | None = None) -> list[int] | None:
-        """Admit a request whose prompt KV will be imported. Returns the block ids to fill:
-        those after the prefix this engine already caches (shared, not sent again); None if
-        the blocks are not free now (retry later)."""
-        req = self._make_request(request_id, prompt, params or SamplingParams())
+    def add_remote_request(self, request_id: str, prompt: list[int], params: SamplingParams | None = None,
+                           lora: str | None = None) -> list[int] | None:
+        """Admit a request whose prompt KV will be imported, under LoRA adapter `lora` (None:
+        the base model; its cached prefix is looked up under the adapter's identity). Returns
+        the block ids to fill: those after the prefix this engine already caches (shared, not
+        sent again); None if the blocks are not free now (retry later)."""
+        req = self._make_request(request_id, prompt, params or SamplingParams(), lora)
         if not self.scheduler.add_remote(req):
             self._detok.pop(request_id, None)
+            if req.lora is not None:  # it never ran: give its adapter back
+                self.loras.release(req.lora)
             return None
         return self.blocks.block_table(request_id)[req.num_cached_tokens // self.blocks.block_size:]
 
