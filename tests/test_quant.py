@@ -167,6 +167,7 @@ def test_auto_is_the_default_and_costs_little_perplexity(smollm, quantized):
     assert EngineConfig().quantization == "auto" and loaded.fingerprint == f"{fp32.fingerprint}+w4a8"
     assert loaded.model.int8_activation_matrices() == 4 * len(loaded.model.model.layers)
     assert type(loaded.model.lm_head_linear).__name__ == "Q8A16Linear"  # the head as shipped, int16 activations
+    assert loaded.model.quantized_matrices() == 4 * len(loaded.model.model.layers) + 1
     ids = tok.encode(TEXT)[:384]
     cache = CacheConfig(kv_cache_memory=32 << 20, enable_prefix_caching=False)
     ref = _nll(LLMEngine(fp32, EngineConfig(quantization="none", cache=cache), tok), ids)

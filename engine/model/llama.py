@@ -20,7 +20,7 @@ from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import native_step
 from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
-from pdserve.engine.model.quant import W4A8Linear, WeightOnlyLinear, make_linear
+from pdserve.engine.model.quant import Q8A16Linear, W4A8Linear, WeightOnlyLinear, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
 
     def quantized_matrices(self) -> int:
         """How many of the fused matrices run on a quantized kernel."""
-        return sum(1 for lin in self._linears() if isinstance(lin, (WeightOnlyLinear, W4A8Linear)))
+        return sum(1 for lin in self._linears() if isinstance(lin, (WeightOnlyLinear, W4A8Linear, Q8A16Linear)))
 
     def int8_activation_matrices(self) -> int:
         """How many of the fused matrices quantize their activations to int8 (W4A8Linear)."""
