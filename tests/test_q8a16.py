@@ -82,3 +82,15 @@ def test_auto_runs_q8_0_grids_on_int8_activations_and_exact_keeps_fp32_math():
     torch.testing.assert_close(auto(x), F.linear(x, w), rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(exact(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert not hasattr(auto, "dequantized")  # one byte per weight: no fp32 copy of the head
+
+
+def test_the_decode_step_benchmark_times_both_heads():
+    """bench/decode_step.py's LM-head rows: both kernels on the same Q8_0 weights, per row count."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.decode_step import head_times
+    w = native.dequantize_q8_0(*_grid(64, 96))
+    model = SimpleNamespace(lm_head=SimpleNamespace(weight=SimpleNamespace(data=w)))
+    out = head_times(model, [1, 3], repeats=2, bw=10e9)
+    assert set(out) == {"1", "3"}
+    assert all(v["int16_act_ms"] > 0 and v["fp32_act_ms"] > 0 and v["roof_fraction_int16_act"] > 0 for v in out.values())
