@@ -16,6 +16,7 @@ from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parallel.cores import CoreShare
 from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.model_files import served_model_name
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.engine.parallel.tp import ModelSource
 from pdserve.engine.model.weights import LoadedModel, load_for_config, resolve_model_path
@@ -24,6 +25,8 @@ from pdserve.prefill_worker.service import PrefillWorker
 from pdserve.protos.tracing import Tracer
 from pdserve.registry.events import EventPublisher
 from pdserve.registry.membership import WorkerRecord, WorkerRegistration
+
+from .model_server_metrics import ModelServerMetrics
 
 log = logging.getLogger("pdserve.worker")
 
@@ -72,6 +75,7 @@ class HostedWorker:
             self.worker = DecodeWorker(engine, worker_id=c.worker_id, max_queue=c.max_queue, transfer=transfer,
                                        security=security, tracer=tracer)
         self.registration: WorkerRegistration | None = None
+        self.metrics: ModelServerMetrics | None = None  # its own /metrics, from start() (unless metrics_port -1)
 
     @property
     def registry_error(self) -> str:
@@ -85,8 +89,13 @@ class HostedWorker:
     async def start(self) -> WorkerRecord:
         c = self.config
         address = await self.worker.start(c.host)
+        if c.metrics_port >= 0:
+            self.metrics = ModelServerMetrics(self.worker.engine, served_model_name(self.engine.loaded.path),
+                                              address.rpartition(":")[0], c.metrics_port)
+            self.worker.metrics_port = await asyncio.to_thread(self.metrics.start)
         record = WorkerRecord(worker_id=c.worker_id, role=c.role, address=address,
-                              kv_address=getattr(self.worker, "kv_address", ""), incarnation=uuid.uuid4().hex)
+                              kv_address=getattr(self.worker, "kv_address", ""), incarnation=uuid.uuid4().hex,
+                              metrics_port=self.metrics.port if self.metrics else 0)
         if self.publisher is not None:
             await self.publisher.reset_stream()
             self.publisher.start()
@@ -146,6 +155,8 @@ class HostedWorker:
             self._watchdog = None
         if self.registration is not None:
             await self.registration.stop()
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)
         await self.worker.stop()
         self.engine.shutdown()
         if self.cores is not None:  # the engine thread has stopped with the worker

@@ -174,6 +174,10 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     """On Ctrl-C or SIGTERM (`pdserve worker`): how long requests in flight get to finish
     before it stops (the router then migrates the streams left)."""
+    metrics_port: int = 0
+    """Port of the worker's own Prometheus /metrics (the model-server series a Kubernetes
+    endpoint picker scores pods by: deploy/model_server_metrics.py), on its host: 0 any free
+    port (advertised in the registry and on /admin/workers), -1 none."""
     core_share_dir: str = ""
     """Workers given the same directory on one host lend each other their cores while idle
     (engine/parallel/cores.py); "": this worker keeps its own threads."""

@@ -244,6 +244,8 @@ def add_router_cmd_args(p: argparse.ArgumentParser) -> None:
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=ROLES, required=True)
     _add_lora_args(p)
+    p.add_argument("--metrics-port", type=int, default=_W.metrics_port,
+                   help="port of this worker's own /metrics (vllm:* model-server series): 0 any free one, -1 none")
     p.add_argument("--worker-id", required=True, help="unique in the cluster, e.g. prefill-host3")
     p.add_argument("--host", default="127.0.0.1", help="bind and advertise address of its services")
     p.add_argument("--redis-url", default=_env("PDSERVE_REDIS_URL"), help="the cluster's registry (env PDSERVE_REDIS_URL)")
@@ -352,5 +354,6 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(role=args.role, worker_id=args.worker_id, host=args.host, max_queue=args.max_queue,
                         engine=replace(engine_config(args), lora=lora_config(args)),
                         transfer=transfer_config(args), drain_timeout_s=args.drain_timeout,
+                        metrics_port=args.metrics_port,
                         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name),
                         security=security_config(args), tracing=tracing_config(args))

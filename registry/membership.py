@@ -29,6 +29,7 @@ class WorkerRecord:
     address: str       # gRPC service
     kv_address: str = ""
     incarnation: str = ""  # differs on every start: a restarted worker's events start again at 1
+    metrics_port: int = 0  # its own Prometheus /metrics (model-server series) on its address's host; 0: none
 
 
 class WorkerRegistration:
@@ -81,11 +82,14 @@ def parse_record(raw: bytes | str) -> WorkerRecord:
         raise ValueError(f"not JSON: {e}") from None
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
-    fields = {"worker_id", "role", "address", "kv_address", "incarnation"}
+    fields = {"worker_id", "role", "address", "kv_address", "incarnation", "metrics_port"}
     if set(d) - fields or not {"worker_id", "role", "address"} <= set(d):
         raise ValueError(f"fields {sorted(d)}; expected {sorted(fields)}")
-    if not all(isinstance(v, str) and len(v) <= 1024 for v in d.values()):
-        raise ValueError("every field must be a string of at most 1024 characters")
+    port = d.get("metrics_port", 0)
+    if type(port) is not int or not 0 <= port < 65536:
+        raise ValueError(f"metrics_port must be a port number, got {port!r}")
+    if not all(isinstance(v, str) and len(v) <= 1024 for k, v in d.items() if k != "metrics_port"):
+        raise ValueError("every field but metrics_port must be a string of at most 1024 characters")
     if d["role"] not in ROLES or not d["worker_id"] or not d["address"]:
         raise ValueError(f"role {d['role']!r} (one of {', '.join(ROLES)}), worker_id and address must be set")
     return WorkerRecord(**d)

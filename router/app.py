@@ -307,6 +307,9 @@ def worker_view(cluster) -> list[dict]:
         s = cluster.stats.get(w.worker_id)
         out.append({"worker_id": w.worker_id, "role": w.role, "address": w.address,
                     "healthy": bool(cluster.healthy.get(w.worker_id)),
+                    "metrics_port": s.metrics_port if s else None,
+                    "lora_adapters": [{"name": i.name, "resident": i.resident, "users": i.users} for i in s.loras]
+                    if s else None,
                     "running": s.running if s else None, "waiting": s.waiting if s else None,
                     "kv_usage": s.kv_usage if s else None, "refused": s.refused if s else None,
                     "kv_tiers": {"host": {"bytes": s.kv_host_bytes, "hit_tokens": s.kv_host_hits,

@@ -257,7 +257,7 @@ class Generation:
     def _record(self) -> None:
         self.t_done = time.perf_counter()
         self.metrics.finished(time.perf_counter() - self.t_arrival, self.ttft, self.completion_tokens,
-                              self.finish_reason or "error")
+                              self.finish_reason or "error", self.lora)
 
     def _trace_call(self, migrated_from: str = "") -> tuple:
         """A span for the call to the route's decode worker (the last one ended); the

@@ -49,6 +49,11 @@ class RouterMetrics:
         for budget in ("tenant_inflight", "tenant_tokens", "shed", "prompt_chars"):
             self.budget_refusals.labels(budget)
         self._tenants: set[str] = set()
+        self.model_name = model_name
+        self.model_requests = Counter("pdserve_model_requests", "Requests finished by the model they named (the "
+                                      "base model, or a LoRA adapter: the first 32 adapter names seen, the rest "
+                                      "as 'other') and status", ["model", "status"], registry=r)
+        self._adapters: set[str] = set()
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
         self.workers = WorkerSeries(r, PDSERVE_SERIES, ("worker", "role"), lambda wid, s: [wid, s.role])
@@ -69,6 +74,14 @@ class RouterMetrics:
             self._tenants.add(tenant)
         return (tenant or "default") if tenant in self._tenants else "other"
 
+    def model_label(self, lora: str, limit: int = 32) -> str:
+        """A bounded label set: the base model's name, the first `limit` adapters seen, "other"."""
+        if not lora:
+            return self.model_name
+        if lora not in self._adapters and len(self._adapters) < limit:
+            self._adapters.add(lora)
+        return lora if lora in self._adapters else "other"
+
     def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)
         self.vllm.ttft.observe(ttft_s)
@@ -79,7 +92,8 @@ class RouterMetrics:
         self.itl.observe(seconds)
         self.vllm.itl.observe(seconds)
 
-    def finished(self, e2e_s: float, ttft_s: float, completion_tokens: int, status: str) -> None:
+    def finished(self, e2e_s: float, ttft_s: float, completion_tokens: int, status: str, lora: str = "") -> None:
+        """A request is done (`lora`: the adapter it ran under, "": the base model)."""
         self.e2e.observe(e2e_s)
         self.vllm.e2e.observe(e2e_s)
         self.generation_tokens.inc(completion_tokens)
@@ -87,6 +101,7 @@ class RouterMetrics:
         if completion_tokens > 1:
             self.tpot.observe((e2e_s - ttft_s) / (completion_tokens - 1))
         self.requests.labels(status).inc()
+        self.model_requests.labels(self.model_label(lora), status).inc()
 
     def handoff(self, timing) -> None:
         """A remotely prefilled request's HandoffTiming (from its first response)."""

@@ -219,3 +219,36 @@ def test_load_and_unload_on_every_worker_with_clear_errors(cluster, adapters, ex
     r = httpx.post(url + "/v1/completions", headers=AUTH, json={"model": "chat", "prompt": "hi"})
     assert r.status_code == 404
     assert cluster.router.adapters.unwanted == {"chat"} and not cluster.router.adapters.wanted
+
+
+def test_each_worker_serves_the_model_server_metrics_and_the_router_counts_per_adapter(cluster):
+    import re
+    import threading
+    import time
+
+    decode = cluster.worker("decode-0")
+    view = httpx.get(cluster.url + "/admin/workers", headers=AUTH).json()["workers"]
+    assert {w["worker_id"]: w["metrics_port"] for w in view} == {
+        w.record.worker_id: w.record.metrics_port for w in cluster.workers}
+    assert all(w["metrics_port"] > 0 and [a["name"] for a in w["lora_adapters"]] == ["sql"] for w in view)
+    for w in cluster.workers:
+        text = httpx.get(f"http://127.0.0.1:{w.record.metrics_port}/metrics").text
+        for series in ("vllm:num_requests_waiting{model_name=", "vllm:num_requests_running{model_name=",
+                       "vllm:kv_cache_usage_perc{model_name=", 'vllm:cache_config_info{block_size="16"',
+                       'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}'):
+            assert series in text, (w.record.worker_id, series)
+    # a long request under the adapter: the decode worker's gauge names it while it runs
+    long = threading.Thread(target=lambda: httpx.post(cluster.url + "/v1/completions", headers=AUTH, timeout=120, json={
+        "model": "sql", "prompt": "Count to one hundred:", "max_tokens": 96, "temperature": 0, "ignore_eos": True}))
+    long.start()
+    seen, deadline = "", time.monotonic() + 60
+    while time.monotonic() < deadline and not seen:
+        text = httpx.get(f"http://127.0.0.1:{decode.record.metrics_port}/metrics").text
+        m = re.search(r'vllm:lora_requests_info\{max_lora="2",running_lora_adapters="sql"', text)
+        seen = m.group(0) if m else ""
+        time.sleep(0.05)
+    long.join()
+    assert seen
+    text = httpx.get(cluster.url + "/metrics").text
+    assert re.search(r'pdserve_model_requests_total\{model="sql",status="length"\} [1-9]', text)
+    assert re.search(rf'pdserve_model_requests_total\{{model="{MODEL}",status="length"\}} [1-9]', text)

@@ -1,0 +1,86 @@
+"""Each worker's own Prometheus `/metrics`: the model-server series of the Gateway API Inference
+Extension (what a Kubernetes endpoint picker scores a pod by) under vLLM's names, so that a
+picker written for vLLM scores pdserve's pods as they are:
+
+- `vllm:num_requests_waiting`, `vllm:num_requests_running` (gauges, label `model_name`);
+- `vllm:kv_cache_usage_perc` (gauge, 0..1 of the KV blocks in use);
+- `vllm:cache_config_info` (info gauge, 1: block_size, cache_dtype, num_gpu_blocks);
+- `vllm:lora_requests_info` (vLLM's gauge: labels `running_lora_adapters`, `waiting_lora_adapters`
+  (comma-separated adapter names), `max_lora`; its value the time of the reading).
+
+A small prometheus_client HTTP server per worker process; its port is in the worker's registry
+record (`WorkerRecord.metrics_port`) and its Stats (`/admin/workers`). Each scrape reads the
+engine on its own thread between two steps (`AsyncEngine.call`), so the numbers are one
+consistent snapshot.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+SCRAPE_TIMEOUT_S = 5.0  # a scrape waits for the step in progress (a long prefill chunk), not longer
+
+
+def _snapshot(engine) -> dict:
+    """On the engine thread: the numbers one scrape reports."""
+    sched, blocks = engine.scheduler, engine.blocks
+
+    def names(requests) -> str:
+        return ",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
+    waiting = list(sched.waiting) + list(sched.remote.values())
+    return {"running": len(sched.running), "waiting": len(waiting),
+            "kv_usage": 1.0 - blocks.num_free_blocks / max(blocks.num_blocks, 1),
+            "block_size": blocks.block_size, "num_blocks": blocks.num_blocks,
+            "cache_dtype": engine.kv_cache.format.name, "max_lora": engine.config.lora.max_loras,
+            "running_loras": names(sched.running), "waiting_loras": names(waiting)}
+
+
+class ModelServerCollector:
+    """The series above, read from one AsyncEngine at each scrape."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        s = self.engine.call(_snapshot).result(timeout=SCRAPE_TIMEOUT_S)
+        m = [self.model_name]
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests in the running batch.", s["running"]),
+                ("vllm:num_requests_waiting", "Requests waiting for a place in the batch or for their KV.",
+                 s["waiting"]),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s["kv_usage"])):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            yield g
+        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                              labels=["block_size", "cache_dtype", "num_gpu_blocks"])
+        g.add_metric([str(s["block_size"]), s["cache_dtype"], str(s["num_blocks"])], 1.0)
+        yield g
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                              labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        g.add_metric([s["running_loras"], s["waiting_loras"], str(s["max_lora"])], time.time())
+        yield g
+
+
+class ModelServerMetrics:
+    """The worker's /metrics server (start / stop); `port` once started."""
+
+    def __init__(self, engine, model_name: str, host: str = "0.0.0.0", port: int = 0):
+        """port 0: any free port (several workers on one host); the one taken is `port`."""
+        self.registry = CollectorRegistry()
+        self.registry.register(ModelServerCollector(engine, model_name))
+        self.host, self.port = host, port
+        self._server = None
+
+    def start(self) -> int:
+        self._server, _ = start_http_server(self.port, self.host, registry=self.registry)
+        self.port = self._server.server_address[1]
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
