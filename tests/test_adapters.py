@@ -82,6 +82,19 @@ def test_a_handoff_computed_under_another_adapter_is_refused():
     assert rx.take("r1") is not None
 
 
+def test_lora_flags_become_the_engine_lora_config():
+    import argparse
+
+    from pdserve.flags import lora_config
+    ns = argparse.Namespace(lora_modules=["sql=/a/sql", " chat = /a/chat "], max_loras=None, max_lora_rank=32)
+    assert lora_config(ns) == LoRAConfig(max_loras=2, max_lora_rank=32, modules=(("sql", "/a/sql"), ("chat", "/a/chat")))
+    assert lora_config(argparse.Namespace(lora_modules=[], max_loras=None, max_lora_rank=16)).max_loras == 0
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        lora_config(argparse.Namespace(lora_modules=["sql"], max_loras=4, max_lora_rank=16))
+    with pytest.raises(ValueError, match="more than lora.max_loras"):
+        lora_config(argparse.Namespace(lora_modules=["a=/a", "b=/b"], max_loras=1, max_lora_rank=16))
+
+
 # ---- through the cluster -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
