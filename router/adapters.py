@@ -85,6 +85,7 @@ class AdapterAdmin:
         self.cluster = cluster
         self.wanted: dict[str, str] = {}  # loaded at run time: name -> directory
         self.unwanted: set[str] = set()   # unloaded at run time (a worker started with it drops it)
+        self._refused: set[tuple[str, str, str]] = set()  # (worker, name, path) a reconcile failed on: not retried
 
     async def _on_all(self, method: str, name: str, path: str = "") -> list[tuple[str, object]]:
         """Call LoadLoRA / UnloadLoRA on every healthy worker: (worker id, reply or AioRpcError)."""
@@ -135,17 +136,22 @@ class AdapterAdmin:
 
     async def reconcile(self) -> None:
         """Give each healthy worker the adapters loaded at run time that it lacks (it started
-        later, or restarted), and take away those unloaded since it started."""
+        later, or restarted), and take away those unloaded since it started. A change a worker
+        refuses is logged once and not retried until that worker has been away (unhealthy)."""
         for w in list(self.cluster.workers.values()):
             s = self.cluster.stats.get(w.worker_id)
             if s is None or not self.cluster.healthy.get(w.worker_id):
+                self._refused = {r for r in self._refused if r[0] != w.worker_id}
                 continue
             has = {i.name for i in s.loras}
             todo = [("LoadLoRA", n, p) for n, p in self.wanted.items() if n not in has]
             todo += [("UnloadLoRA", n, "") for n in self.unwanted & has]
             for method, name, path in todo:
+                if (w.worker_id, name, path) in self._refused:
+                    continue
                 try:
                     await getattr(self.cluster._stub(w), method)(pb.LoRARequest(
                         cluster_token=self.cluster.cluster_token, lora_name=name, lora_path=path), timeout=60.0)
                 except grpc.aio.AioRpcError as e:
+                    self._refused.add((w.worker_id, name, path))
                     log.warning("%s of adapter %s on worker %s failed: %s", method, name, w.worker_id, e.details())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 
 import httpx
 import pytest
@@ -225,6 +226,13 @@ def test_load_and_unload_on_every_worker_with_clear_errors(cluster, adapters, ex
         assert "chat" in {i.name for i in eng.loras.adapters()}
     for text in PROMPTS:
         assert text_of(complete(cluster, "chat", text)) == decoded(cluster, expected[(text, "chat")])
+    # a worker that lost it (as one started later lacks it) is given it again by the router
+    decode = cluster.worker("decode-0")
+    cluster.run(decode.worker.engine.unload_lora("chat"))
+    deadline = time.monotonic() + 30
+    while "chat" not in {i.name for i in decode.engine.loras.adapters()} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "chat" in {i.name for i in decode.engine.loras.adapters()}
     r = httpx.post(url + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "missing"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(url + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "chat"})
@@ -237,7 +245,6 @@ def test_load_and_unload_on_every_worker_with_clear_errors(cluster, adapters, ex
 def test_each_worker_serves_the_model_server_metrics_and_the_router_counts_per_adapter(cluster):
     import re
     import threading
-    import time
 
     decode = cluster.worker("decode-0")
     view = httpx.get(cluster.url + "/admin/workers", headers=AUTH).json()["workers"]
