@@ -10,7 +10,7 @@ import httpx
 import pytest
 import redis
 
-from pdserve.config import RegistryConfig
+from pdserve.config import RegistryConfig, TransferConfig
 from pdserve.deploy.local import LocalCluster
 from pdserve.common.block_hash import hash_blocks
 from pdserve.engine.core.block_manager import BlockManager
@@ -166,8 +166,11 @@ SYSTEM = ("You are a meticulous assistant for a travel agency. Always answer in 
 
 def run_cluster(smollm, redis_url, policy, questions):
     loaded, tok = smollm
+    # peer pulls off: they would give round robin's second worker the system prompt's blocks
+    # too (tests/test_kv_peer.py); here the router's choice alone is measured
     cfg = local_config(32 << 20, prefill=2, router={"routing": policy},
-                       registry=RegistryConfig(redis_url=redis_url, cluster_name=f"c-{policy}"))
+                       registry=RegistryConfig(redis_url=redis_url, cluster_name=f"c-{policy}"),
+                       transfer=TransferConfig(peer_pull="off"))
     c = LocalCluster(loaded, tok, cfg).start()
     try:
         for q in questions:
