@@ -9,14 +9,14 @@ loads it again (a new id; the same identity if the files did not change, so its 
 blocks still match). When every resident adapter is in use, another cannot come in:
 `LoRACapacityError`, until a request finishes.
 
-How a worker serves adapters (the plumbing of issue 30 that is not written yet):
+How the workers serve adapters (docs/adapters.md):
 - at start, `EngineConfig(lora=LoRAConfig(max_loras=N, max_lora_rank=R, modules=((name, dir), ...)))`
   loads the `--lora-modules`; at run time the admin API calls `AsyncEngine.load_lora(name, dir)` /
   `unload_lora(name)` on every worker of the base model (`loras()` lists them, with identities);
 - a request names its adapter with `add_request(..., lora=name)` (the API's `model` field when it
   names an adapter); prefill and decode workers must both be given it (a decode worker runs the
   request's decode steps under it, so the prefill worker's KV must come from the same adapter:
-  the hand-off should carry `identity(name)` and the receiver refuse another);
+  the hand-off carries the adapter's identity and the receiver refuses another);
 - a worker looking a prompt's blocks up itself (a local prefix check, a KV peer pull) starts the
   chain at `LLMEngine.cache_root(cache_salt, lora=name)`, and the router's prefix index needs
   the identities the workers report to compute the same hashes.
