@@ -304,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
         lora: which rows run under which adapter (None: all on the base model).
         Returns the final normed hidden states, (T, hidden)."""
         if lora is not None:
-            lora.native = self.native_ops
+            lora.use_kernels_of(self)
         if self.native_ops and native_step.usable(self, kv_caches, meta, after_layer, lora):
             return native_step.forward(self, input_ids, positions, kv_caches, meta, lora)
         h = self.embed(input_ids)  # (T, hidden)
