@@ -39,3 +39,20 @@ def test_agentic_turns_wait_the_think_time_and_resend_everything(monkeypatch):
     assert roles[-1] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert fake.calls[-1]["messages"][3]["content"].startswith("Tool result:")
     assert all(b - a >= 0.2 for a, b in zip(sent, sent[1:]))  # the agent "runs its tool" between turns
+
+
+def test_agentic_defaults_outgrow_the_pool_and_report_per_request():
+    """bench/agentic.py's defaults: more sessions' histories than the pool holds, session
+    starts spread out; hits reported per completed request, per tier and worker role."""
+    from pdserve.bench import agentic
+
+    a = agentic.parser().parse_args([])
+    history = a.system_len + a.turns * (150 + a.output_len)  # tokens of one session's last prompt
+    pool_tokens = 192 * 2**20 // (2 * 30 * 3 * 64 * 4)  # SmolLM2's fp32 KV per token
+    assert a.kv_cache_memory == "192MiB" and a.sessions * history > 3 * pool_tokens > 2 * history
+    flags = agentic.workload(a, 1)
+    assert flags[flags.index("--request-rate") + 1] == "0.5" and flags[flags.index("--think-time") + 1] == "5.0"
+    run = {"metrics": {"completed": 4}, "prefix_cache": {"queries_tokens": 4000.0, "hits_tokens": 3000.0}}
+    got = agentic.per_request(run, {"prefill": {"host": 2000.0, "disk": 0.0}}, 8.0)
+    assert got == {"requests": 4, "queried_tokens": 1000.0, "hit_tokens": 750.0,
+                   "tier_hit_tokens": {"prefill": {"host": 500.0, "disk": 0.0}}, "peer_blocks_pulled": 2.0}

@@ -285,3 +285,42 @@ def test_a_prefill_worker_pulls_the_prefix_the_router_named_for_it(make_engine):
         finally:
             await peer.stop()
     assert asyncio.run(go()) == want
+
+
+@pytest.mark.parametrize("routing", ["round_robin", "least_loaded"])
+def test_prefix_oblivious_routing_still_names_the_holder_as_peer(make_engine, routing):
+    """Under a policy that ignores prefixes the router still follows the workers' KV events:
+    the prompt goes to the worker that lacks its prefix (round robin's turn, or the less loaded
+    one), the route names the worker holding it as peer, and the worker pulls it over real gRPC
+    instead of computing it; the tokens equal recomputing."""
+    from pdserve.router.cluster import ClusterClient, WorkerEndpoint
+
+    prompt = PREFIX + [6, 6, 6]
+    want = reference(make_engine, prompt)
+
+    async def go():
+        client = ClusterClient(routing=routing, block_size=16, cluster_token="t")
+        # each engine's KV events go straight into the router's index (Redis streams carry them in a cluster)
+        workers = [DecodeWorker(AsyncEngine(make_engine(listener=lambda ev, w=w: client.index.apply(w, ev))), w,
+                                transfer=ALWAYS, security=SecurityConfig(cluster_token="t")) for w in ("a", "b")]
+        for w in workers:
+            await w.start()
+        try:
+            client.set_workers([WorkerEndpoint(w.worker_id, "aggregated", w.address) for w in workers])
+            client.healthy = {"a": True, "b": True}
+            first = client.route(PREFIX)
+            assert first.decode.worker_id == "a" and first.peer is None  # no one holds any of it yet
+            [m async for m in client.generate(first, "first", PREFIX, GREEDY)]
+            second = client.route(prompt)  # a still counts the first stream: least loaded is b too
+            assert (second.decode.worker_id, second.peer.worker_id, second.peer_blocks) == ("b", "a", 6)
+            got = [t async for m in client.generate(second, "second", prompt, GREEDY) for t in m.token_ids]
+            for r in (first, second):
+                client.release(r)
+            assert workers[1].pulls.blocks_pulled == 6 and workers[0].pulls.blocks_served == 6
+            assert workers[1].pulls.failures == 0
+            return got
+        finally:
+            for w in workers[::-1]:
+                await w.stop()
+            await client.close()
+    assert asyncio.run(go()) == want

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.kv.tiers import TieredStore, host_tier_bytes
 from pdserve.engine.model.tiny import tiny_llama
@@ -55,11 +55,11 @@ def test_host_tier_size_from_available_memory():
         CacheConfig(kv_host_memory=-2)
 
 
-def engine(loaded, host: int, disk: int = 0, disk_dir: str = "", blocks: int = 10) -> LLMEngine:
+def engine(loaded, host: int, disk: int = 0, disk_dir: str = "", blocks: int = 10, step_tokens: int = 512) -> LLMEngine:
     probe = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=1 << 20, kv_host_memory=0)))
     cache = CacheConfig(kv_cache_memory=blocks * probe.kv_cache.bytes_per_block, kv_host_memory=host,
                         kv_disk_memory=disk, kv_disk_dir=disk_dir)
-    return LLMEngine(loaded, EngineConfig(cache=cache))
+    return LLMEngine(loaded, EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=step_tokens)))
 
 
 def sessions(n: int = 4, length: int = 64) -> list[list[int]]:
@@ -238,3 +238,58 @@ def test_a_prefix_is_copied_back_only_for_a_prompt_that_fits_now():
     bm.free("x")
     assert bm.allocate("busy", 16)  # 3 free: two to copy back and one for the first chunk
     assert bm.match_prefix(long_prompt).num_tokens == 32 and bm.tier_hits == {"host": 32}
+
+
+def test_a_waiting_prompt_is_looked_up_once_and_copied_back_once():
+    """A prompt whose history went to the host tier waits several steps behind a long request
+    that holds most of the pool: it is counted once in the prefix statistics (not at every
+    step it waits) and its 4 blocks are copied back once, when it is admitted; its tokens equal
+    the tierless engine's; every block and tier entry is accounted for."""
+    loaded = tiny_llama(0)
+    p, x, y = sessions(3)
+    long = sessions(5, 100)[4]
+    again = p + [9, 9]
+    hold = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    results = []
+    for e in (engine(loaded, host=0), engine(loaded, host=1 << 20)):
+        for prompt in (p, x, y):  # y takes p's blocks: p's history goes to the host tier (if any)
+            e.generate([prompt], GREEDY)
+        e.add_request("long", long, hold)  # 7 blocks now, 9 by its end: the 5 `again` needs are not free
+        e.add_request("again", again, GREEDY)
+        out, waited = {"long": [], "again": []}, 0
+        while e.has_unfinished_requests():
+            for o in e.step():
+                out[o.request_id].extend(o.new_token_ids)
+            waited += any(r.request_id == "again" for r in e.scheduler.waiting)
+        assert waited >= 10  # it waited for the long request's blocks
+        assert e.blocks.prefix_queries == 3 * 64 + len(long) + len(again)  # each prompt once
+        results.append(out)
+        assert_engine_clean(e)
+    assert results[1] == results[0]
+    tiers = e.blocks.tiers  # the tiered engine's
+    assert e.blocks.tier_hits == {"host": 64} and tiers.host.loaded == 4  # once, at admission
+    assert e.blocks.prefix_hits == 64
+    assert tiers.host.entries == len(tiers._host) == tiers.host.stored - tiers.host.dropped
+
+
+def test_a_kv_import_copies_a_prefix_back_only_once_its_whole_prompt_fits():
+    """A decode worker admits a request whose KV will be imported only with blocks for its whole
+    prompt, and retries until they are free: no copy-back while they are not (it would be
+    evicted again between retries); once they are, its 4 blocks come back from the host tier
+    and only the rest is left to import. (A local prompt would start with one 16-token chunk:
+    its prefix and that chunk fit in the 3 free blocks.)"""
+    e = engine(tiny_llama(0), host=1 << 20, step_tokens=16)
+    p, x, y = sessions(3)
+    for prompt in (p, x, y):  # p's history goes to the host tier
+        e.generate([prompt], GREEDY)
+    e.add_request("busy", sessions(5, 100)[4], GREEDY)
+    while e.blocks.num_used_blocks < 7:
+        e.step()  # it holds 7 of the 10 blocks: the 5 the import needs are not free
+    assert e.add_remote_request("r", p + [9, 9], GREEDY) is None
+    assert e.blocks.tiers.host.loaded == 0 and e.blocks.tier_hits == {}
+    e.abort("busy")
+    dest = e.add_remote_request("r", p + [9, 9], GREEDY)
+    assert dest is not None and len(dest) == 1  # 4 blocks copied back, one to import
+    assert e.blocks.tiers.host.loaded == 4 and e.blocks.tier_hits == {"host": 64}
+    assert e.abort("r")
+    assert_engine_clean(e)

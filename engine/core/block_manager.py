@@ -111,13 +111,15 @@ class BlockManager:
         return self._cached.get(h)
 
     # ---- prefix cache -----------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], count: bool = True, root: int = ROOT_HASH) -> PrefixMatch:
+    def match_prefix(self, token_ids: list[int], count: bool = True, root: int = ROOT_HASH,
+                     whole: bool = False) -> PrefixMatch:
         """Longest run of cached full blocks at the start of `token_ids`. At least one token
         is always left to compute (the model must produce logits for the last one).
         count=False: a look only, not counted in the hit-rate statistics. `root`: the first
         block's parent hash (`block_hash.root_hash` of the request's cache salt). Where the run
         continues in a lower tier (`tiers`), those blocks are copied back into free blocks
-        first (`_restore`), cached again, and part of the match."""
+        first (`_restore`), cached again, and part of the match, if the request can start now
+        (`_fits`); `whole`: it starts only with blocks for its whole prompt (a KV import)."""
         if not self.enable_caching:
             return PrefixMatch()
         bs = self.block_size
@@ -127,7 +129,7 @@ class BlockManager:
             chunk = token_ids[b * bs:(b + 1) * bs]
             h = hash_block(parent, chunk, self.namespace)
             bid = self._cached.get(h)
-            if bid is None and self.tiers is not None and self.tiers.has(h) and self._fits(token_ids, ids):
+            if bid is None and self.tiers is not None and self.tiers.has(h) and self._fits(token_ids, ids, whole):
                 bid = self._restore(h, parent, chunk, ids)
             if bid is None:
                 break
@@ -135,18 +137,24 @@ class BlockManager:
             hashes.append(h)
             parent = h
         if count:
-            self.prefix_queries += len(token_ids)
-            self.prefix_hits += len(ids) * bs
+            self.count_prefix(len(token_ids), len(ids) * bs)
         return PrefixMatch(tuple(ids), tuple(hashes), len(ids) * bs)
 
-    def _fits(self, token_ids: list[int], ids: list[int]) -> bool:
+    def count_prefix(self, num_tokens: int, hit_tokens: int) -> None:
+        """Count one prompt's lookup in the hit-rate statistics: `num_tokens` looked up,
+        `hit_tokens` of them found (the scheduler counts a request once, when it is admitted,
+        not at every step it waits)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += hit_tokens
+
+    def _fits(self, token_ids: list[int], ids: list[int], whole: bool = False) -> bool:
         """Whether the request can start now with its prefix copied back: the free queue
-        holds this block, and then its first chunk's (`admit_tokens`; 0: the whole prompt's).
-        A request that cannot start would otherwise copy its prefix back at every step, and
-        running requests evict it again in between."""
+        holds this block, and then its first chunk's (`admit_tokens`; 0 or `whole`: the whole
+        prompt's). A request that cannot start would otherwise copy its prefix back at every
+        step (or every retry of a KV import), and running requests evict it again in between."""
         reuse = sum(1 for bid in ids if self.blocks[bid].ref_count == 0)
         rest = -(-len(token_ids) // self.block_size) - len(ids)
-        if self.admit_tokens:
+        if self.admit_tokens and not whole:
             rest = min(rest, 1 + -(-self.admit_tokens // self.block_size))
         return len(self._free) - reuse >= rest
 

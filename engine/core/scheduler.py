@@ -85,7 +85,7 @@ class Scheduler:
             return False  # as urgent and here first (preempted ones too): they go first
         # not counted in the hit rate: the prompt is computed (and counted) where it is
         # prefilled; what this finds is KV that is not sent again
-        prefix = self.blocks.match_prefix(req.all_token_ids, count=False, root=req.cache_root)
+        prefix = self.blocks.match_prefix(req.all_token_ids, count=False, root=req.cache_root, whole=True)
         # a seat in the batch is kept for it from now: it joins when its KV lands
         if not self._room_for(req, req.num_prompt_tokens, prefix, preempt=True):
             return False
@@ -241,26 +241,28 @@ class Scheduler:
         req = self.waiting.head()
         if req is None or not self.running or req.priority >= max(r.priority for r in self.running):
             return
-        prefix = self._prefix_of(req, count=False)
+        prefix = self._prefix_of(req)
         n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget)
         self._room_for(req, prefix.num_tokens + n, prefix, preempt=True, out=out)
 
-    def _prefix_of(self, req: Request, count: bool = True) -> PrefixMatch:
-        """The cached prefix a waiting request starts from (none when it recomputes after a
-        preemption, or returns prompt logprobs: cached tokens have no logits)."""
+    def _prefix_of(self, req: Request) -> PrefixMatch:
+        """The cached prefix a waiting request starts from (none when it returns prompt
+        logprobs: cached tokens have no logits). Not counted in the hit rate here: the request
+        is counted once, when admitted (`_admit_waiting`)."""
         if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
-            return self.blocks.match_prefix(req.all_token_ids, count=count, root=req.cache_root)
+            return self.blocks.match_prefix(req.all_token_ids, count=False, root=req.cache_root)
         return PrefixMatch()
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and self.seats_taken() < self.config.max_num_seqs:
             req = self.waiting.head()
-            prefix = self._prefix_of(req)
-            if req.num_cached_tokens < 0 and req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
-                req.num_cached_tokens = prefix.num_tokens
+            prefix = self._prefix_of(req)  # looked up at every step it waits: counted once, below
             n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget, req)
             if not self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix):
                 break  # arrival order is kept: nothing behind it jumps the queue
+            if req.num_cached_tokens < 0 and req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+                req.num_cached_tokens = prefix.num_tokens  # its first admission (not a recompute)
+                self.blocks.count_prefix(len(req.all_token_ids), prefix.num_tokens)
             self.waiting.remove(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
