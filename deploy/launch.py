@@ -144,7 +144,8 @@ class Pool:
         c = self.cluster
         share = ""
         if c.share_cores and c.engine.device == "cpu" and self.tp == 1:  # a directory per cluster and host
-            share = os.path.join(tempfile.gettempdir(), f"pdserve-cores-{c.registry.cluster_name}")
+            cluster = c.registry.cluster_name.split("/")[0]  # every model's workers (cluster/model) share
+            share = os.path.join(tempfile.gettempdir(), f"pdserve-cores-{cluster}")
         worker = c.worker(self.role, worker_id, core_share_dir=share)
         threads = worker.engine.num_threads or max(1, int(self.config.num_cpus)) * self.tp
         return replace(worker, engine=replace(worker.engine, num_threads=threads))

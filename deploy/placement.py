@@ -46,9 +46,9 @@ def pool_demand(role: str, pool: PoolConfig, ranks: int, workers: int | None = N
 
 
 def cluster_demands(config: ClusterConfig) -> list[PoolDemand]:
-    """Every pool of `config` at its configured size."""
-    return [pool_demand(role, pool, pool.tp or config.engine.tensor_parallel_size)
-            for role, pool in config.pools().items()]
+    """Every pool of `config` (of each of its models) at its configured size."""
+    return [pool_demand(role, pool, pool.tp or c.engine.tensor_parallel_size)
+            for c in config.model_clusters() for role, pool in c.pools().items()]
 
 
 def local_ray_cpus(config: ClusterConfig, cores: int) -> int:

@@ -27,28 +27,41 @@ def make_logger(t0: float):
     return lambda msg: print(f"[pdserve {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, control=None, api: bool = True) -> None:
+def _routers(config: ClusterConfig, model_paths: list[Path], control):
+    """One Router per served model (config.model_clusters(), `model_paths` alike), each with
+    its model's tokenizer and workers; the first has `control`."""
+    from pdserve.common.model_files import served_model_name
+    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.router.models import ModelRouters
+    from pdserve.router.router import Router
+
+    routers = []
+    for i, (c, path) in enumerate(zip(config.model_clusters(), model_paths)):
+        if not c.router.model_name:
+            c = replace(c, router=replace(c.router, model_name=served_model_name(path)))
+        routers.append(Router.from_config(c, Tokenizer.from_model_path(path), control=control if i == 0 else None))
+    return ModelRouters(routers)
+
+
+def serve_router(config: ClusterConfig, model_paths: list[Path], log, t0: float, control=None,
+                 api: bool = True) -> None:
     """Serve the OpenAI API until Ctrl-C or SIGTERM; prints a ready `curl` line on stdout once
-    the cluster can serve. `control`: the pools this process runs (for /admin/scale and the
+    the cluster can serve. `model_paths`: each served model's file (config.model_clusters()
+    alike: one Router per model). `control`: the pools this process runs (for /admin/scale and the
     autoscaler). api=False (`pdserve up --no-router`): only /health and the admin endpoints;
     the router's view of the workers is still kept for the autoscaler (its latency signals
     stay empty: no traffic passes here, it sizes pools on queues, KV usage and refusals)."""
-    from pdserve.common.model_files import served_model_name
-    from pdserve.common.tokenizer import Tokenizer
     from pdserve.router.app import create_admin_app, create_app
-    from pdserve.router.router import Router
 
-    if not config.router.model_name:
-        config = replace(config, router=replace(config.router, model_name=served_model_name(model_path)))
     rc, cache = config.router, config.engine.cache
-    router = Router.from_config(config, Tokenizer.from_model_path(model_path), control=control)
-    client = router.cluster
-    app = create_app(router) if api else create_admin_app(control, config.security.api_keys)
+    routers = _routers(config, model_paths, control)
+    router = routers.first
+    app = create_app(routers) if api else create_admin_app(control, config.security.api_keys)
     server = uvicorn.Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="warning",
                                            timeout_graceful_shutdown=rc.shutdown_grace_s))  # Ctrl-C: then aborted
 
     async def announce():
-        while not (server.started and client.ready()):
+        while not (server.started and routers.ready()):
             await asyncio.sleep(0.1)
         if not api:
             log(f"pools ready in {time.monotonic() - t0:.1f}s: {control.sizes()}; admin endpoints on "
@@ -56,16 +69,18 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
             print(f"pools ready: {json.dumps(control.sizes())}", flush=True)
             return
         url = f"http://{rc.host}:{rc.port}"
-        log(f"ready in {time.monotonic() - t0:.1f}s: {url}/v1 (model {router.model_name!r})")
+        names = ", ".join(repr(n) for n in routers.routers)
+        log(f"ready in {time.monotonic() - t0:.1f}s: {url}/v1 (model{'s' if routers.several else ''} {names})")
+        stats = sorted((wid, s) for r in routers.routers.values() for wid, s in r.cluster.stats.items())
         log("KV caches: " + "; ".join(f"{wid} {s.kv_cache_dtype} {s.num_blocks} blocks ({s.num_blocks * cache.block_size} "
-                                      f"tokens)" for wid, s in sorted(client.stats.items())))
+                                      f"tokens)" for wid, s in stats))
         auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if config.security.api_keys else ""
         print(f"curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
               f"'{{\"model\": \"{router.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
 
     async def serve():
-        tasks = [asyncio.ensure_future(announce())] + ([] if api else [asyncio.ensure_future(router.refresh_forever())])
+        tasks = [asyncio.ensure_future(announce())] + ([] if api else [asyncio.ensure_future(routers.refresh_forever())])
         scale = config.autoscale
         if control is not None and scale.enabled:
             from .autoscale_loop import AutoscaleLoop, autoscaler_config
@@ -77,9 +92,10 @@ def serve_router(config: ClusterConfig, model_path: Path, log, t0: float, contro
             await server.serve()
         finally:
             await stop_tasks(*tasks)  # before asyncio.run's own single cancel, which a Redis call can drop
-            await asyncio.to_thread(router.tracer.shutdown)
-            if not api:  # else the app's lifespan closes it
-                await router.close()
+            for r in routers.routers.values():
+                await asyncio.to_thread(r.tracer.shutdown)
+            if not api:  # else the app's lifespan closes them
+                await routers.close()
 
     try:
         asyncio.run(serve())
@@ -96,6 +112,6 @@ def run_router(config: ClusterConfig) -> int:
     t0 = time.monotonic()
     log = make_logger(t0)
     log(f"router for cluster {config.registry.cluster_name!r} at {redact_url(config.registry.redis_url)}")
-    serve_router(config, resolve_model_path(config.engine.model or None), log, t0)
+    serve_router(config, [resolve_model_path(config.engine.model or None)], log, t0)
     log("stopped")
     return 0

@@ -105,7 +105,8 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     check_exposure(config.router, config.security)
     t0 = time.monotonic()
     log = make_logger(t0)
-    model_path = resolve_model_path(config.engine.model or None)
+    clusters = config.model_clusters()  # one per served model (one: the cluster's own engine and pools)
+    paths = [resolve_model_path(c.engine.model or None) for c in clusters]
     up, clean = _Started(), False
     interrupts = Interrupts(log).install()
     try:
@@ -121,7 +122,9 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
         _log_registry(config, up.redis, log)
         log(f"ray: {gcs}" + (f" (session files in {up.ray_temp})" if up.ray_temp else ""))
         _check_placement(config, log)
-        up.pools = [Pool(role, config) for role in config.pools()]
+        clusters = config.model_clusters()  # with the registry's URL now
+        prefix = (lambda c: f"{c.router.model_name}-") if config.models else (lambda c: "")
+        up.pools = [Pool(role, c, name_prefix=prefix(c)) for c in clusters for role in c.pools()]
         pending = [pool.launch() for pool in up.pools]  # all pools load their model at once
         for pool, refs in zip(up.pools, pending):
             for r in pool.wait(refs, log):
@@ -137,7 +140,9 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
                         log(note)
         up.supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
         up.supervisor.start()
-        serve_router(config, model_path, log, t0, control=RayPools(up.pools, log), api=api)
+        # /admin/scale and the autoscaler act on the first model's pools
+        control = RayPools(up.pools[:len(clusters[0].pools())], log)
+        serve_router(config, paths, log, t0, control=control, api=api)
         clean = True
         return 0
     except (KeyboardInterrupt, PlacementError):

@@ -10,7 +10,9 @@ environment.
     ├── registry: RegistryConfig    Redis: membership and KV events
     ├── security: SecurityConfig    API keys, the cluster token, internal TLS
     ├── tracing: TracingConfig      OpenTelemetry traces of every process
-    └── autoscale: AutoscaleConfig  pool sizes from their own signals
+    ├── autoscale: AutoscaleConfig  pool sizes from their own signals
+    └── models: ServedModel, ...    several base models, each with its own engine and pools
+                                    (none: the one model of `engine`, `prefill`, `decode`)
 
 A worker gets a `WorkerConfig`: its identity plus the branches that concern it.
 """
@@ -192,6 +194,22 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """One base model of a cluster that serves several: its name in the API, its engine (the
+    model file, its LoRA adapters, KV cache) and its own prefill and decode pools."""
+
+    name: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+
+    def __post_init__(self):
+        if not self.name or not self.name.strip() or "/" in self.name or self.name != self.name.strip():
+            raise ValueError(f"a served model's name must be non-empty, without '/' or surrounding spaces: "
+                             f"got {self.name!r}")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     mode: str = "disaggregated"
     """aggregated: decode workers that prefill themselves, no prefill pool (the baseline)."""
@@ -218,9 +236,30 @@ class ClusterConfig:
     share_cores: bool = True
     """CPU workers on one host lend their cores to each other while idle (engine/parallel/cores.py): a
     lone request's prefill and decode each run on every core."""
+    models: tuple[ServedModel, ...] = ()
+    """Several base models, each with its own engine and pools, routed by a request's `model`;
+    empty: the one model of `engine`, `prefill` and `decode` (`router.model_name` names it)."""
 
     def __post_init__(self):
         one_of("mode", self.mode, MODES)
+        names = [m.name for m in self.models]
+        adapters = [a for m in self.models for a, _ in m.engine.lora.modules]
+        for name in set(names + adapters):
+            if (names + adapters).count(name) > 1:
+                raise ValueError(f"the served model or adapter name {name!r} is given more than once: each "
+                                 "request's `model` must name one model")
+
+    def model_clusters(self) -> list["ClusterConfig"]:
+        """One cluster config per served model: its engine and pools in place of the top-level
+        ones, its name as the router's model name, and its own registry namespace
+        (cluster_name/model), where its workers register apart from the other models'. Without
+        `models`: this config alone."""
+        if not self.models:
+            return [self]
+        return [replace(self, engine=m.engine, prefill=m.prefill, decode=m.decode, models=(),
+                        router=replace(self.router, model_name=m.name),
+                        registry=replace(self.registry, cluster_name=f"{self.registry.cluster_name}/{m.name}"))
+                for m in self.models]
 
     def pools(self) -> dict[str, PoolConfig]:
         """The pools this cluster runs, by role."""

@@ -158,6 +158,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     _add_lora_args(p)
     p.add_argument("--prefill", type=int, default=_P.replicas, help="prefill workers (default: %(default)s)")
     p.add_argument("--decode", type=int, default=_P.replicas, help="decode workers (default: %(default)s)")
+    p.add_argument("--models-file", default="", metavar="FILE",
+                   help="serve several base models, each with its own pools and adapters, routed by a request's "
+                        "`model`: a TOML (or .json) file of [[model]] tables (docs/models.md); the pool and engine "
+                        "flags are every model's defaults")
     p.add_argument("--mode", choices=MODES, default=MODES[0],
                    help="aggregated: --decode workers that prefill themselves, no prefill pool")
     for pool in ("prefill", "decode"):
@@ -321,9 +325,18 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
     security = security_config(args)
     if not security.cluster_token:
         security = replace(security, cluster_token=secrets.token_urlsafe(24))
+    engine = replace(engine_config(args), lora=lora_config(args))
+    prefill, decode = _pool(args, "prefill", args.prefill), _pool(args, "decode", args.decode)
+    models = ()
+    if getattr(args, "models_file", ""):
+        from pdserve.models_file import load_models_file
+
+        if args.served_model_name or args.lora_modules:
+            raise ValueError("with --models-file, each model's name and --lora-modules go in the file "
+                             "(name = ..., lora_modules = {...})")
+        models = load_models_file(args.models_file, engine, prefill, decode)
     return ClusterConfig(
-        mode=args.mode, engine=replace(engine_config(args), lora=lora_config(args)), router=_router_config(args),
-        prefill=_pool(args, "prefill", args.prefill), decode=_pool(args, "decode", args.decode),
+        mode=args.mode, engine=engine, router=_router_config(args), prefill=prefill, decode=decode, models=models,
         transfer=transfer_config(args),
         registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name or uuid.uuid4().hex[:8]),
         security=security, tracing=tracing_config(args),

@@ -16,11 +16,12 @@ from pdserve.common.aio import stop_tasks
 from pdserve.common.checks import MAX_JSON_DEPTH, json_depth
 from pdserve.common.errors import InvalidRequestError
 
-from . import adapters
 from .errors import APIError, ErrorBoundary, api_error_of, http_error, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .control import PoolControl, scale_sizes
+from .models import ModelRouters
 from .responses_endpoint import add_responses_routes
+from .models_responses import add_model_responses_routes
 from .router import Router
 from .tenancy import RequestContext
 
@@ -155,30 +156,35 @@ def add_admin_routes(app: FastAPI, control: PoolControl | None, authorized) -> N
             raise APIError(503, str(e), "server_error", code="scale_failed") from e
 
 
-def add_adapter_routes(app: FastAPI, router: Router, authorized) -> None:
-    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({"lora_name", "lora_path"}),
-    admin-authenticated: applied to every worker of the pools (router/adapters.py)."""
+def add_adapter_routes(app: FastAPI, routers: ModelRouters, authorized) -> None:
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({"lora_name", "lora_path"},
+    and "base_model_name" when several base models are served), admin-authenticated: applied
+    to every worker of that base model's pools (router/adapters.py)."""
     async def body(request: Request) -> dict:
         refuse_cross_site(request)
         try:
             data = await request.json()
         except ValueError as e:
             raise APIError(400, f"the body is not JSON: {e}", param="body") from e
-        if not isinstance(data, dict) or not all(isinstance(data.get(k, ""), str) for k in ("lora_name", "lora_path")):
-            raise APIError(400, "the body is {\"lora_name\": str, \"lora_path\": str}", param="body")
+        keys = ("lora_name", "lora_path", "base_model_name")
+        if not isinstance(data, dict) or not all(isinstance(data.get(k, ""), str) for k in keys):
+            raise APIError(400, "the body is {\"lora_name\": str, \"lora_path\": str, \"base_model_name\": str}",
+                           param="body")
         return data
 
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorized)])
     async def load_lora_adapter(request: Request):
         data = await body(request)
         name = data.get("lora_name", "")
-        if name == router.model_name:
-            raise APIError(400, f"{name!r} is the base model's name", param="lora_name", code="invalid_adapter")
+        router = routers.for_base(data.get("base_model_name"))
+        if name in routers.routers:
+            raise APIError(400, f"{name!r} is a base model's name", param="lora_name", code="invalid_adapter")
         return PlainTextResponse(await router.adapters.load(name, data.get("lora_path", "")))
 
     @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorized)])
     async def unload_lora_adapter(request: Request):
         data = await body(request)
+        router = routers.of_adapter(data.get("lora_name", ""), data.get("base_model_name"))
         return PlainTextResponse(await router.adapters.unload(data.get("lora_name", "")))
 
 
@@ -225,8 +231,8 @@ def create_admin_app(control: PoolControl, api_keys: tuple[str, ...]) -> FastAPI
     return app
 
 
-def _lifespan(router: Router):
-    """While the app serves: keep the router's view of the workers fresh; then close it."""
+def _lifespan(router: Router | ModelRouters):
+    """While the app serves: keep the routers' view of the workers fresh; then close them."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(router.refresh_forever())
@@ -238,9 +244,13 @@ def _lifespan(router: Router):
     return lifespan
 
 
-def create_app(router: Router) -> FastAPI:
-    """The OpenAI API over `router`, with health, metrics and the admin endpoints."""
-    app = FastAPI(title="pdserve", lifespan=_lifespan(router))
+def create_app(served: Router | ModelRouters) -> FastAPI:
+    """The OpenAI API over one `Router`, or over the Routers of several base models (each
+    request to the one its `model` names: router/models.py), with health, metrics and the
+    admin endpoints."""
+    routers = served if isinstance(served, ModelRouters) else ModelRouters([served])
+    router = routers.first  # the cluster's settings (the same in every model's Router)
+    app = FastAPI(title="pdserve", lifespan=_lifespan(routers))
     add_error_handlers(app, router.config.max_body_bytes)
     authorized = api_key_auth(router.security.api_keys)
 
@@ -251,51 +261,53 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(req: CompletionRequest, request: Request):
-        return await while_connected(request, router.completions(req, wants_timing(request), context(req, request)))
+        work = routers.pick(req.model).completions(req, wants_timing(request), context(req, request))
+        return await while_connected(request, work)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(req: ChatCompletionRequest, request: Request):
-        return await while_connected(request, router.chat(req, wants_timing(request), context(req, request)))
-
-    def model_cards() -> list[dict]:
-        return adapters.model_cards(router.model_name, int(router.started), router.cluster.adapters())
+        work = routers.pick(req.model).chat(req, wants_timing(request), context(req, request))
+        return await while_connected(request, work)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
-        return {"object": "list", "data": model_cards()}
+        return {"object": "list", "data": routers.model_cards()}
 
     @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
     async def model(model: str):
-        router.check_model(model)
-        return next(c for c in model_cards() if c["id"] == model)
+        routers.pick(model).check_model(model)
+        return next(c for c in routers.model_cards() if c["id"] == model)
 
-    add_adapter_routes(app, router, authorized)
+    add_adapter_routes(app, routers, authorized)
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])
     async def tokenize(req: TokenizeRequest):
-        return await router.tokenize(req)
+        return await routers.pick(req.model).tokenize(req)
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])
     async def detokenize(req: DetokenizeRequest):
-        return await router.detokenize(req)
+        return await routers.pick(req.model).detokenize(req)
 
     @app.get("/health")
     async def health():
-        if router.cluster.ready():
-            return {"status": "ok", "workers": len(router.cluster.workers)}
-        return JSONResponse({"status": "unavailable", "workers": len(router.cluster.workers)}, status_code=503)
+        if routers.ready():
+            return {"status": "ok", "workers": routers.workers()}
+        return JSONResponse({"status": "unavailable", "workers": routers.workers()}, status_code=503)
 
     @app.get("/admin/workers", dependencies=[Depends(authorized)])
     async def workers():
-        return {"workers": worker_view(router.cluster)}
+        return {"workers": sorted((w | {"model": name} for name, r in routers.routers.items()
+                                   for w in worker_view(r.cluster)), key=lambda w: (w["model"], w["worker_id"]))}
 
     add_admin_routes(app, router.control, authorized)
-    add_responses_routes(app, router, authorized, while_connected, wants_timing)
+    if routers.several:
+        add_model_responses_routes(app, routers, authorized, while_connected, wants_timing)
+    else:
+        add_responses_routes(app, router, authorized, while_connected, wants_timing)
 
     @app.get("/metrics")
     async def metrics():
-        router.metrics.observe_workers(router.cluster.stats)
-        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(routers.render_metrics(), media_type="text/plain; version=0.0.4")
 
     return app
 
