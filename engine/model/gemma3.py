@@ -8,6 +8,13 @@ and after the MLP, the "after" ones applied to the branch before the residual ad
 is GELU-tanh gated; scores are scaled by query_pre_attn_scalar^-1/2; sliding-window layers
 and global layers interleave, each kind with its own RoPE base. The attention, the linear
 kernels and the paged cache are the Llama model's.
+
+LoRA adapters (engine/model/lora.py) update q/k/v/o/gate/up/down through the Llama layers'
+hooks: the q/k/v update lands before the q/k norms, the gate/up one before GeGLU, as PEFT
+adds them. Gemma 3 never takes the one-call C decode step (qk-norm, GeGLU and sliding windows:
+native_step.why_not), so its steps, adapter rows included, run this layer loop; the updates
+are computed by the C LoRA routine on the C kernels, by the Triton kernel on CUDA or on the
+Triton attention backend, else by torch ops (engine/model/lora_batch.py).
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from torch import nn
 from pdserve.engine.kernels.attention import AttentionBackend, TorchAttentionBackend
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, RotaryEmbedding
+from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -30,9 +38,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, h, rope, kv, meta, backend):
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv, meta, backend))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def forward(self, h, rope, kv, meta, backend, lora: LoRALayer | None = None):
+        a = self.self_attn(self.input_layernorm(h), rope, kv, meta, backend, lora)
+        h = h + self.post_attention_layernorm(a)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), lora))
 
 
 class Gemma3Model(nn.Module):
@@ -67,15 +76,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                             cfg.rope_local_theta or cfg.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
-                after_layer=None) -> torch.Tensor:
+                after_layer=None, lora: LoRABatch | None = None) -> torch.Tensor:
         """As LlamaForCausalLM.forward (the residual adds are not fused into the norms here:
-        Gemma's norms sit on the branches)."""
+        Gemma's norms sit on the branches). `lora`: which rows run under which adapter."""
+        if lora is not None:
+            lora.use_kernels_of(self)
         h = self.embed(input_ids)
         h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)  # rounded to the dtype, as HF does
         rope_global = self.rotary(positions, self.native_ops)
         rope_local = self.rotary_local(positions, self.native_ops)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            h = layer(h, rope_local if layer.self_attn.window else rope_global, kv, meta, self.backend)
+            h = layer(h, rope_local if layer.self_attn.window else rope_global, kv, meta, self.backend,
+                      None if lora is None else lora.layer(i))
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(h)

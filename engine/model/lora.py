@@ -1,4 +1,4 @@
-"""LoRA adapters in PEFT's format, loaded onto a base Llama-family model.
+"""LoRA adapters in PEFT's format, loaded onto a base Llama-family or Gemma 3 model.
 
 An adapter directory holds `adapter_config.json` (`peft_type` "LORA", `r`, `lora_alpha`,
 `use_rslora`, `target_modules`) and `adapter_model.safetensors`, whose tensors are named
@@ -6,7 +6,8 @@ An adapter directory holds `adapter_config.json` (`peft_type` "LORA", `r`, `lora
 B is (out, r), and the layer's output becomes `base(x) + x @ A.T @ B.T * scaling`, scaling
 being `lora_alpha / r` (`lora_alpha / sqrt(r)` with rsLoRA).
 
-The base model fuses q/k/v into one matrix and gate/up into another (engine/model/llama.py)
+The base model fuses q/k/v into one matrix and gate/up into another (engine/model/llama.py,
+whose attention and MLP engine/model/gemma3.py reuses)
 and runs them on quantized kernels, so the update is not merged into the weights: it is added
 to the base linear's output, each projection's update in its slice of the fused output. Per
 fused matrix an adapter keeps one `LoRAModule`: the A matrices of its targeted slices stacked
@@ -60,7 +61,7 @@ class LoRAFilesMissingError(LoRAError):
 
 class LoRAUnsupportedError(LoRAError):
     """The adapter targets a module other than the q/k/v/o/gate/up/down projections, or uses a
-    PEFT feature (DoRA, biases, per-module ranks...) or a base this engine does not run LoRA on."""
+    PEFT feature (DoRA, biases, per-module ranks...) this engine does not run."""
 
 
 class LoRAShapeError(LoRAError):
@@ -210,8 +211,6 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoRAAdapter:
     """Load the PEFT adapter in directory `path` for a base of config `cfg`, its update in
     `dtype` on `device`. Raises a `LoRAError` subclass naming what is wrong."""
-    if cfg.model_type == "gemma3":  # its layers are not called with a step's LoRA (engine/model/gemma3.py)
-        raise LoRAUnsupportedError("LoRA adapters run on llama, mistral, qwen2 and qwen3 models, not gemma3 yet")
     where = str(path)
     config, blob = read_adapter_files(path)
     r, scaling = check_config(config, where, max_rank)
