@@ -3,7 +3,8 @@
 Agent sessions (`pdserve bench --workload agentic`: tools, a task, then tool results appended
 to the whole history, a think time between turns) against `pdserve up`, run in one go with the
 KV tiers off (`--kv-host-memory 0`: an evicted history is computed again) and on (the default
-host tier: it is copied back), then with 2 aggregated workers (each prefills its own prompts)
+host tier: it is copied back), both with peer pulls off (the prefill worker would otherwise
+pull an evicted history from the decode worker's pool), then with 2 aggregated workers (each prefills its own prompts)
 with peer prefix pulls off and on (`--kv-peer-pull`: a worker the router sends a session to
 pulls the history another worker holds instead of computing it). Each configuration gets its
 own seed (no reuse across them).
@@ -37,7 +38,10 @@ from .peers import Server, bench_args
 from .serving import bench
 
 TWO_WORKERS = ["--mode", "aggregated", "--decode", "2"]
-CONFIGS = {"tiers off": ["--kv-host-memory", "0"], "tiers on (default)": [],
+# peer pulls off in both: in a disaggregated cluster the prefill worker would otherwise pull an
+# evicted history from the decode worker's pool, and the two would differ by more than the tier
+CONFIGS = {"tiers off": ["--kv-host-memory", "0", "--kv-peer-pull", "off"],
+           "tiers on (default host tier)": ["--kv-peer-pull", "off"],
            "2 workers, peer pulls off": TWO_WORKERS + ["--kv-peer-pull", "off"],
            "2 workers, peer pulls on (default)": TWO_WORKERS}
 
@@ -145,7 +149,7 @@ def main(argv=None) -> int:
               f"{(run.get('prefix_cache') or {}).get('hit_rate')}, tier hits (tokens) {tiers}, peer {peer}, "
               f"per request {res['runs'][name]['per_request']}",
               flush=True)
-    for key, off, on in (("ttft_p50_ratio_off_over_on", "tiers off", "tiers on (default)"),
+    for key, off, on in (("ttft_p50_ratio_off_over_on", "tiers off", "tiers on (default host tier)"),
                          ("peer_ttft_p50_ratio_off_over_on", "2 workers, peer pulls off",
                           "2 workers, peer pulls on (default)")):
         if off in res["runs"] and on in res["runs"]:

@@ -100,6 +100,25 @@ def test_the_route_names_a_peer_for_the_worker_that_computes_the_prompt():
     assert route.decode.worker_id == "d1" and route.prefill is None and route.peer.address == "a:2"
 
 
+def test_round_robin_routes_name_the_holder_as_peer_for_the_other_worker():
+    """Round robin alternates a prompt between two workers whatever they hold; the route that
+    lands on the worker lacking the prefix names the holder (by its events) as its peer."""
+    from pdserve.common.block_hash import hash_blocks
+    from pdserve.router.cluster import ClusterClient, WorkerEndpoint
+
+    prompt = list(range(60))
+    c = ClusterClient(routing="round_robin", block_size=16)
+    c.set_workers([WorkerEndpoint("d0", "aggregated", "a:1"), WorkerEndpoint("d1", "aggregated", "a:2")])
+    c.healthy = {"d0": True, "d1": True}
+    for i, h in enumerate(hash_blocks(prompt, 16)):
+        c.index.apply("d1", BlockStored(i + 1, h, 0, (), i, "host"))  # in d1's host tier
+    routes = [c.route(prompt) for _ in range(4)]
+    assert [r.decode.worker_id for r in routes] == ["d0", "d1", "d0", "d1"]  # prefix-oblivious
+    assert [(r.peer.worker_id, r.peer_blocks) if r.peer else None for r in routes] == [("d1", 3), None] * 2
+    c.healthy["d1"] = False
+    assert c.route(prompt).peer is None  # an unhealthy holder is not named
+
+
 # ---- real workers ------------------------------------------------------------------------------
 def assert_tiers_accounted(engine) -> None:
     """Every tier entry accounted for: what each tier holds is what it stored less what it dropped."""
