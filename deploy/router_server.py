@@ -112,6 +112,6 @@ def run_router(config: ClusterConfig) -> int:
     t0 = time.monotonic()
     log = make_logger(t0)
     log(f"router for cluster {config.registry.cluster_name!r} at {redact_url(config.registry.redis_url)}")
-    serve_router(config, [resolve_model_path(config.engine.model or None)], log, t0)
+    serve_router(config, [resolve_model_path(c.engine.model or None) for c in config.model_clusters()], log, t0)
     log("stopped")
     return 0

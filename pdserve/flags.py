@@ -243,6 +243,9 @@ def add_router_cmd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="the cluster's model file or directory (for the tokenizer)")
     p.add_argument("--block-size", type=int, default=CacheConfig().block_size,
                    help="the workers' KV block size (prefix hashing)")
+    p.add_argument("--models-file", default="", metavar="FILE",
+                   help="the models file of a cluster serving several base models (`pdserve up --models-file`): "
+                        "one router per model, each with its tokenizer and its workers")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -355,8 +358,14 @@ def router_config(args: argparse.Namespace) -> ClusterConfig:
         raise ValueError("pdserve router needs the cluster's registry: --redis-url (or PDSERVE_REDIS_URL)")
     if not args.cluster_name:
         raise ValueError("pdserve router needs the cluster's name: --cluster-name (see `pdserve up`'s log)")
-    return ClusterConfig(engine=EngineConfig(model=args.model, cache=CacheConfig(block_size=args.block_size)),
-                         router=_router_config(args), security=security_config(args), tracing=tracing_config(args),
+    engine = EngineConfig(model=args.model, cache=CacheConfig(block_size=args.block_size))
+    models = ()
+    if args.models_file:
+        from pdserve.models_file import load_models_file
+
+        models = load_models_file(args.models_file, engine, PoolConfig(), PoolConfig())
+    return ClusterConfig(engine=engine, router=_router_config(args), security=security_config(args), models=models,
+                         tracing=tracing_config(args),
                          registry=RegistryConfig(redis_url=args.redis_url, cluster_name=args.cluster_name))
 
 

@@ -26,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -36,7 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-dev", "gpu")
+OVERLAYS = ("cpu-dev", "gpu", "two-models")
 K8S_VERSION = "1.30"
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches"}
 KUBE_REF = re.compile(r"(?<!\$)\$\((\w+)\)")       # Kubernetes' expansion in command, args, env values
@@ -300,6 +301,8 @@ def test_pools_match_worker_groups(overlay):
     assert {p["name"]: p["containerPort"] for p in head["ports"]}["admin"] == int(flags["--port"])
     assert flags["--host"] == "0.0.0.0" and "PDSERVE_API_KEY" in {e["name"] for e in head["env"]}
     assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0", "no worker on the head"
+    if "--models-file" in flags:
+        return check_model_pools(objs, flags, config)
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"prefill", "decode"}
     device = flags["--device"]
@@ -326,6 +329,47 @@ def test_pools_match_worker_groups(overlay):
         assert router_flags[flag] == flags[flag], flag
     expected = {"cpu-dev": ("1", "1", "cpu"), "gpu": ("2", "2", "cuda")}[name]
     assert (flags["--prefill"], flags["--decode"], device) == expected
+
+
+def mounted_file(objs: list[dict], container: dict, template: dict, path: str) -> dict:
+    """The ConfigMap key a container reads at `path` (through a volume of its pod)."""
+    mount = next(m for m in container.get("volumeMounts", []) if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+    data = one(objs, "ConfigMap", volume["configMap"]["name"])["data"]
+    return tomllib.loads(data[path[len(mount["mountPath"]) + 1:]])
+
+
+def check_model_pools(objs: list[dict], flags: dict[str, str], config: dict) -> None:
+    """Several models (`--models-file`): the file the head and the routers read is the same
+    ConfigMap key; each model's pools ask for a custom resource that exactly one worker group
+    advertises (one per pod), as many workers as that group has pods, CPUs that fit them; model
+    files and adapters are on a volume every pod mounts."""
+    cluster = one(objs, "RayCluster")
+    head_tpl = cluster["spec"]["headGroupSpec"]["template"]
+    models = mounted_file(objs, head_tpl["spec"]["containers"][0], head_tpl, flags["--models-file"])
+    from pdserve.models_file import MODEL_KEYS, POOL_KEYS
+    groups = {next(iter(custom_resources(g["rayStartParams"]))): g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert len(groups) == len(cluster["spec"]["workerGroupSpecs"]) == 2 * len(models["model"])
+    for m in models["model"]:
+        assert set(m) <= set(MODEL_KEYS) and len(models["model"]) >= 2, m
+        for role in ("prefill", "decode"):
+            pool = m[role]
+            assert set(pool) <= set(POOL_KEYS), pool
+            g = groups.pop(pool["resource"])  # a group of its own
+            params, limits = g["rayStartParams"], g["template"]["spec"]["containers"][0]["resources"]["limits"]
+            assert custom_resources(params) == {pool["resource"]: 1}
+            assert pool["replicas"] == g["replicas"] and g["template"]["metadata"]["labels"]["pdserve.io/model"] == m["name"]
+            assert float(pool["num_cpus"]) * pool.get("tp", 1) <= float(params["num-cpus"]) <= float(limits["cpu"])
+        paths = [m["path"]] + list(m.get("lora_modules", {}).values())
+        for where, tpl in pod_templates([cluster]):  # every Ray pod reads the model files and adapters
+            mounts = [mt["mountPath"] for mt in tpl["spec"]["containers"][0].get("volumeMounts", [])]
+            assert all(p == "default" or any(p.startswith(mp + "/") for mp in mounts) for p in paths), where
+    _, router = router_container(objs)
+    router_flags = {k: KUBE_REF.sub(lambda m: config[m.group(1)], v) for k, v in flag_values(router["args"]).items()}
+    for flag in ("--cluster-name", "--models-file", "--block-size"):  # routers and pools must agree
+        assert router_flags[flag] == flags[flag], flag
+    deploy_tpl = one(objs, "Deployment", "pdserve-router")["spec"]["template"]
+    assert mounted_file(objs, router, deploy_tpl, router_flags["--models-file"]) == models
 
 
 @pytest.fixture(scope="module")

@@ -179,3 +179,12 @@ def test_the_api_over_two_models(two_routers):
     requests = families["pdserve_requests"].samples
     assert {s.labels["model"] for s in requests} == {"smollm2", "gemma"}
     assert {s.labels["model_name"] for s in families["vllm:prompt_tokens"].samples} == {"smollm2", "gemma"}
+
+
+def test_a_router_alone_reads_the_models_file_too(models_file):
+    args = parser().parse_args(["router", "--redis-url", "redis://127.0.0.1:1", "--cluster-name", "c1",
+                                "--models-file", str(models_file)])
+    clusters = flags.router_config(args).model_clusters()
+    assert [(c.registry.cluster_name, c.router.model_name) for c in clusters] == [
+        ("c1/smollm2", "smollm2"), ("c1/gemma", "gemma")]
+    assert clusters[1].engine.model == str(models_file.parent / "gemma.gguf")
