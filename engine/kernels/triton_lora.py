@@ -79,7 +79,7 @@ def table_of(adapter, device: torch.device | str) -> torch.Tensor:
     (MATRICES order) the addresses of its A and B and its rank (0: not targeted). Built once
     per adapter and device (its largest rank kept beside it); the tensors it points to are
     the adapter's own."""
-    device = torch.device(device)
+    device = _resolved(device)
     cached = getattr(adapter, "_triton_table", None)
     if cached is not None and cached.device == device:
         return cached
@@ -99,6 +99,12 @@ def table_of(adapter, device: torch.device | str) -> torch.Tensor:
     return table
 
 
+def _resolved(device: torch.device | str) -> torch.device:
+    """The device with its index ("cuda" -> "cuda:0"), as tensors on it report theirs."""
+    device = torch.device(device)
+    return device if device.type == "cpu" or device.index is not None else torch.empty(0, device=device).device
+
+
 class Segments:
     """A step's rows under adapters, grouped by adapter: `row_ids` (L,) their rows, segment s
     being row_ids[seg_starts[s]:seg_starts[s + 1]]; `tables` (S, layers, 4, 3) each segment's
@@ -106,7 +112,7 @@ class Segments:
 
     def __init__(self, groups: list, num_rows: int, device: torch.device | str):
         """From (adapter, rows or None for every row) groups over `num_rows` rows."""
-        device = torch.device(device)
+        device = _resolved(device)
         rows = [torch.arange(num_rows, device=device) if r is None else r.to(device) for _, r in groups]
         lens = [int(r.numel()) for r in rows]
         self.row_ids = torch.cat(rows).to(torch.int32) if rows else torch.empty(0, dtype=torch.int32, device=device)
