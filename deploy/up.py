@@ -81,6 +81,22 @@ def _log_registry(config: ClusterConfig, redis, log) -> None:
         "random unless given: --redis-password and --cluster-token)")
 
 
+def _start_pools(config: ClusterConfig, up: "_Started", log) -> None:
+    """Start every pool of every served model (in `up.pools`, so a cut start stops them): all
+    load their model at once; returns once every worker has started."""
+    from .launch import Pool
+
+    prefix = (lambda c: f"{c.router.model_name}-") if config.models else (lambda c: "")
+    up.pools = [Pool(role, c, prefix(c)) for c in config.model_clusters() for role in c.pools()]
+    pending = [pool.launch() for pool in up.pools]
+    for pool, refs in zip(up.pools, pending):
+        for r in pool.wait(refs, log):
+            log(f"{r['role']} worker {r['worker_id']} (pid {r['pid']}) on {r['address']}")
+            if r.get("registry_error"):
+                log(f"{r['worker_id']} cannot reach the registry yet ({r['registry_error']}); it joins the "
+                    "cluster once it can")
+
+
 @dataclass
 class _Started:
     """What this `pdserve up` has started so far: what its cleanup stops."""
@@ -99,7 +115,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     from pdserve.engine.model.weights import resolve_model_path
 
     from .interrupts import Interrupts
-    from .launch import Pool, RayPools
+    from .launch import RayPools
     from .placement import local_ray_cpus
 
     check_exposure(config.router, config.security)
@@ -122,16 +138,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
         _log_registry(config, up.redis, log)
         log(f"ray: {gcs}" + (f" (session files in {up.ray_temp})" if up.ray_temp else ""))
         _check_placement(config, log)
-        clusters = config.model_clusters()  # with the registry's URL now
-        prefix = (lambda c: f"{c.router.model_name}-") if config.models else (lambda c: "")
-        up.pools = [Pool(role, c, name_prefix=prefix(c)) for c in clusters for role in c.pools()]
-        pending = [pool.launch() for pool in up.pools]  # all pools load their model at once
-        for pool, refs in zip(up.pools, pending):
-            for r in pool.wait(refs, log):
-                log(f"{r['role']} worker {r['worker_id']} (pid {r['pid']}) on {r['address']}")
-                if r.get("registry_error"):
-                    log(f"{r['worker_id']} cannot reach the registry yet ({r['registry_error']}); it joins the "
-                        "cluster once it can")
+        _start_pools(config, up, log)
 
         def supervise():  # brings restarted actors back into service
             while not up.stopping.wait(1.0):
@@ -141,8 +148,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
         up.supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
         up.supervisor.start()
         # /admin/scale and the autoscaler act on the first model's pools
-        control = RayPools(up.pools[:len(clusters[0].pools())], log)
-        serve_router(config, paths, log, t0, control=control, api=api)
+        serve_router(config, paths, log, t0, control=RayPools(up.pools[:len(clusters[0].pools())], log), api=api)
         clean = True
         return 0
     except (KeyboardInterrupt, PlacementError):
