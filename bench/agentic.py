@@ -3,8 +3,7 @@
 Agent sessions (`pdserve bench --workload agentic`: tools, a task, then tool results appended
 to the whole history, a think time between turns) against `pdserve up`, run in one go with the
 KV tiers off (`--kv-host-memory 0`: an evicted history is computed again) and on (the default
-host tier: it is copied back), both with peer pulls off (the prefill worker would otherwise
-pull an evicted history from the decode worker's pool), then with 2 aggregated workers (each prefills its own prompts)
+host tier: it is copied back) on one aggregated worker (every turn computed in one pool), then with 2 aggregated workers (each prefills its own prompts)
 with peer prefix pulls off and on (`--kv-peer-pull`: a worker the router sends a session to
 pulls the history another worker holds instead of computing it). Each configuration gets its
 own seed (no reuse across them).
@@ -38,10 +37,13 @@ from .peers import Server, bench_args
 from .serving import bench
 
 TWO_WORKERS = ["--mode", "aggregated", "--decode", "2"]
-# peer pulls off in both: in a disaggregated cluster the prefill worker would otherwise pull an
-# evicted history from the decode worker's pool, and the two would differ by more than the tier
-CONFIGS = {"tiers off": ["--kv-host-memory", "0", "--kv-peer-pull", "off"],
-           "tiers on (default host tier)": ["--kv-peer-pull", "off"],
+# the tiers are measured on one aggregated worker: every turn of every session is computed in
+# one pool. In the default disaggregated cluster an idle decode worker prefills prompts itself,
+# so a session's turns alternate between two pools, a history is missing where a turn is
+# computed with tiers or without, and the prefill worker pulls it from the decode worker's pool
+ONE_WORKER = ["--mode", "aggregated", "--decode", "1"]
+CONFIGS = {"tiers off": ONE_WORKER + ["--kv-host-memory", "0"],
+           "tiers on (default host tier)": ONE_WORKER,
            "2 workers, peer pulls off": TWO_WORKERS + ["--kv-peer-pull", "off"],
            "2 workers, peer pulls on (default)": TWO_WORKERS}
 

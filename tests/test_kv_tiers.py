@@ -293,3 +293,42 @@ def test_a_kv_import_copies_a_prefix_back_only_once_its_whole_prompt_fits():
     assert e.blocks.tiers.host.loaded == 4 and e.blocks.tier_hits == {"host": 64}
     assert e.abort("r")
     assert_engine_clean(e)
+
+
+def test_agent_sessions_that_outgrow_the_pool_compute_their_histories_once_with_tiers():
+    """The agentic benchmark's pattern in one engine: 8 sessions, two in flight at a time, each
+    turn resending its whole history plus a tool result, in a pool of 40 blocks (about 4 of
+    the histories). Without tiers every turn recomputes its evicted history; with the host
+    tier it is copied back: the same tokens, under half the tokens computed, no preemption
+    either way, every block back."""
+    loaded = tiny_llama(0)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = []
+    for host in (0, 1 << 24):
+        e = engine(loaded, host=host, blocks=40, step_tokens=128)
+        computed, schedule = [0], e.scheduler.schedule
+
+        def counted(schedule=schedule, computed=computed):
+            out = schedule()
+            computed[0] += out.num_tokens
+            return out
+        e.scheduler.schedule = counted
+        g = torch.Generator().manual_seed(3)
+        history = [torch.randint(5, 250, (96,), generator=g).tolist() for _ in range(8)]
+        outs = []
+        for _turn in range(4):
+            for pair in range(0, 8, 2):
+                prompts = [history[s] + torch.randint(5, 250, (40,), generator=g).tolist() for s in (pair, pair + 1)]
+                got = e.generate(prompts, params)
+                outs.append(got)
+                history[pair], history[pair + 1] = (p + o for p, o in zip(prompts, got))
+        assert e.scheduler.preemptions == {"memory": 0, "priority": 0}
+        assert_engine_clean(e)
+        runs.append((outs, computed[0], e))
+    (plain, computed_off, off), (tiered, computed_on, on) = runs
+    assert tiered == plain
+    assert 2 * computed_on < computed_off
+    assert off.blocks.prefix_queries == on.blocks.prefix_queries  # each prompt counted once, both ways
+    assert on.blocks.tier_hits["host"] == on.blocks.prefix_hits - off.blocks.prefix_hits > 0
+    t = on.blocks.tiers
+    assert t.host.entries == len(t._host) == t.host.stored - t.host.dropped
