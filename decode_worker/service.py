@@ -209,9 +209,10 @@ class DecodeWorker:
     @staticmethod
     def _take_blocks(e, rid: str, prompt: list[int], params: SamplingParams, local_tail: int, lora: str | None):
         """On the engine thread: the destination blocks, None if none are free, or TAKEN_HERE
-        (the prefix looked up under the request's adapter, as its blocks are hashed)."""
+        (the prefix looked up under the request's adapter, as its blocks are hashed; copied back
+        from a KV tier only when blocks for the whole prompt are free)."""
         if local_tail and len(prompt) - e.blocks.match_prefix(
-                prompt, count=False, root=e.cache_root(params.cache_salt, lora)).num_tokens <= local_tail:
+                prompt, count=False, root=e.cache_root(params.cache_salt, lora), whole=True).num_tokens <= local_tail:
             e.add_request(rid, prompt, params, lora=lora)
             return TAKEN_HERE
         return e.add_remote_request(rid, prompt, params, lora=lora)
