@@ -205,8 +205,9 @@ def test_wheel_installs_one_package(tmp_path):
     """A non-editable build holds `pdserve/` and nothing else at the top level, with the
     data files the package reads (C kernels, .proto files)."""
     src = tmp_path / "src"  # a copy: a build writes build/ and *.egg-info/ into the tree it builds
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", ".cache", "build", "*.egg-info",
-                                                               "__pycache__", ".pytest_cache", ".hypothesis"))
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv*", ".peers", ".git", ".cache", "build", "dist",
+                                                               "*.egg-info", "__pycache__", ".pytest_cache",
+                                                               ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path), str(src)], check=True, capture_output=True, cwd=tmp_path)
     wheel, = tmp_path.glob("pdserve-*.whl")
