@@ -307,8 +307,6 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.lora, dict):  # read back from JSON (asdict), as a tensor-parallel rank does
             object.__setattr__(self, "lora", LoRAConfig(**self.lora))
-        if self.lora.max_loras and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters with tensor parallelism are not supported yet: use --tp 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention not in ("auto", "torch", "native", "triton"):

@@ -117,8 +117,6 @@ def test_lora_off_refuses_adapters(engine, dirs):
         eng.load_lora("a", str(dirs / "a"))
     with pytest.raises(LoRANotFoundError):
         eng.add_request("r", [5, 6, 7], PARAMS, lora="a")
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(tensor_parallel_size=2, lora=LoRAConfig(max_loras=1))
 
 
 def test_bad_adapters_give_named_errors(engine, dirs, tmp_path):

@@ -66,8 +66,12 @@ class LoRARegistry:
     """Adapters of one engine's model (see the module docstring)."""
 
     def __init__(self, config: LoRAConfig, model, model_config, dtype, device):
-        """`model`: the fused base model (LlamaForCausalLM) the adapters apply to."""
+        """`model`: the fused base model (LlamaForCausalLM) the adapters apply to; when it is
+        rank 0's slice of a tensor-parallel group, every rank holds its part of each resident
+        adapter (engine/parallel/lora.py)."""
         self.config, self.model, self.model_config = config, model, model_config
+        # rank 0's side of a tensor-parallel group's adapters (engine/parallel/lora.GroupAdapters)
+        self._ranks = getattr(model, "lora_ranks", None)
         self.dtype, self.device = dtype, device
         self._paths: dict[str, Path] = {}
         self._resident: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
@@ -100,6 +104,7 @@ class LoRARegistry:
                 self._paths[name] = old_path
             if old is not None:
                 self._resident[name] = old
+                self._restore(name)
             raise
         self._paths[name] = Path(path)
         return adapter
@@ -113,9 +118,11 @@ class LoRARegistry:
             raise LoRAInUseError(f"adapter {name!r} is in use by {self._users[name]} request(s): "
                                  "unload it once they finish")
         del self._paths[name]
-        self._resident.pop(name, None)
+        dropped = self._resident.pop(name, None)
         self._users.pop(name, None)
         self._identities.pop(name, None)
+        if dropped is not None:
+            self._sync()
 
     def acquire(self, name: str) -> LoRAAdapter:
         """The resident adapter `name` for a new request (loaded again if it was dropped),
@@ -168,16 +175,37 @@ class LoRARegistry:
                                     f"adapter {name!r} can load once one of them finishes")
         if self.model.model.layers[0].self_attn.qkv_weight is None:
             raise LoRAUnsupportedError("LoRA needs the fused model (LlamaForCausalLM.fuse)")
-        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype, self.device)
+        cfg, split = (self.model_config, None) if self._ranks is None else self._ranks.source()
+        adapter = load_adapter(name, path, cfg, self.config.max_lora_rank, self.dtype, self.device, split=split)
         if len(self._resident) >= self.config.max_loras:
             del self._resident[self._idle()]
             self.evictions += 1
         adapter.id = next(self._ids)
         self._resident[name] = adapter
+        try:
+            self._sync()
+        except LoRAError:  # a rank could not load it: no rank keeps it
+            del self._resident[name]
+            self._sync()
+            raise
         self._identities[name] = adapter.identity
         self.loads += 1
         assert len(self._resident) <= self.config.max_loras
         return adapter
+
+    def _sync(self) -> None:
+        """Every rank of the tensor-parallel group holds its part of exactly the resident adapters."""
+        if self._ranks is not None:
+            self._ranks.sync(list(self._resident.values()))
+
+    def _restore(self, name: str) -> None:
+        """The other ranks take back the adapter `name` a failed replacement restored here; if
+        they cannot, it stays known but not resident (a request loads it again)."""
+        try:
+            self._sync()
+        except LoRAError:
+            self._resident.pop(name)
+            self._sync()
 
     def _idle(self) -> str | None:
         """The least recently used resident adapter no request uses."""

@@ -78,11 +78,11 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self._build(ordered)
         passes = self._prompt_passes()
         sampled = None if len(sample_rows) == input_ids.shape[0] else sample_rows  # None: every row
-        if self.tp is not None:  # the other ranks run the same step, and the same logits passes
-            self.tp.step(input_ids, positions, meta, [(lo, hi) for _, _, lo, hi in passes], sampled,
-                         getattr(after_layer, "tp_plan", None))
-        self.model.backend.prepare(meta)
         lora = self._lora_batch(ordered)
+        if self.tp is not None:  # the other ranks run the same step (its rows' adapters too), and the same logits passes
+            self.tp.step(input_ids, positions, meta, [(lo, hi) for _, _, lo, hi in passes], sampled,
+                         getattr(after_layer, "tp_plan", None), lora)
+        self.model.backend.prepare(meta)
         if lora is None:
             hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)
         else:  # only LlamaForCausalLM's forward takes a LoRA batch (the registry refuses others)

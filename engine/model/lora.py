@@ -208,13 +208,18 @@ def fuse_layer(pairs: dict[str, tuple], shapes: dict[str, tuple[int, int]], scal
 
 
 def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoRAAdapter:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 split=None) -> LoRAAdapter:
     """Load the PEFT adapter in directory `path` for a base of config `cfg`, its update in
-    `dtype` on `device`. Raises a `LoRAError` subclass naming what is wrong."""
+    `dtype` on `device`. Raises a `LoRAError` subclass naming what is wrong. `split(pairs,
+    cfg)`: a tensor-parallel rank's part of the checked (layer, projection) -> (A, B) pairs
+    and its slice's config (engine/parallel/shard.shard_lora); None: the whole adapter."""
     where = str(path)
     config, blob = read_adapter_files(path)
     r, scaling = check_config(config, where, max_rank)
     pairs = read_tensors(blob, where, cfg, r)
+    if split is not None:
+        pairs, cfg = split(pairs, cfg)
     shapes = projection_shapes(cfg)
     layers = [fuse_layer({p: ab for (i, p), ab in pairs.items() if i == layer}, shapes, scaling, dtype, device)
               for layer in range(cfg.num_hidden_layers)]

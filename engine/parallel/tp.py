@@ -15,7 +15,9 @@ forward pass it broadcasts the step (token ids, positions, the attention metadat
 other ranks, which run their slice on their own cache. KV leaves and enters the group in the
 whole model's layout (`TPKVCache`): an export gathers every rank's heads, an import scatters
 them, so groups of different degrees exchange KV as any two engines do. A rank that dies
-makes the next collective fail: rank 0 raises `RankFailed` and the ranks left exit.
+makes the next collective fail: rank 0 raises `RankFailed` and the ranks left exit. LoRA
+adapters are split as the base weights; each rank holds its part of every adapter rank 0
+holds, and each step names its rows' adapters (engine/parallel/lora.py).
 
 The group is rank 0's process and the ranks it starts, and no one else: each group has a
 random secret that rank 0 hands its ranks on their stdin; the rendezvous, the ranks' proofs
@@ -36,6 +38,7 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv.cache import KVCache
 from pdserve.engine.parallel.group import Group, RankFailed, group_store
+from pdserve.engine.parallel.lora import GroupAdapters, RankAdapters, step_groups
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard, vocab_of
 from pdserve.engine.parallel.wire import PeerRefused, group_secret
 
@@ -87,6 +90,7 @@ def attach(model, group: Group, full: ModelConfig) -> None:
     spans = [vocab_of(full, group.world, r) for r in range(group.world)]
     group.widths = [v.stop - v.start for v in spans]
     model.tp, model.vocab_start = group, spans[group.rank].start
+    model.lora_ranks = GroupAdapters(group, full)  # rank 0's LoRA registry keeps the ranks' adapters with it
 
 
 def _die_with_parent() -> None:
@@ -139,12 +143,15 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
     model.backend = default_backend(config.device, getattr(torch, config.dtype), config.attention)
     model.use_native_ops(_native_ok(model))
     layers = kv.layers()
+    adapters = RankAdapters(full, config, tp, rank)
     try:
         with torch.inference_mode():
             while True:
                 cmd = group.receive(config.device)
                 if cmd[0] == "step":
-                    _follow_step(model, kv, layers, *cmd[1:])
+                    _follow_step(model, kv, layers, adapters, *cmd[1:])
+                elif cmd[0] == "lora":
+                    adapters.sync(group, cmd[1])
                 elif cmd[0] == "export":
                     kv.export_blocks(*cmd[1:])
                 elif cmd[0] == "import":
@@ -168,14 +175,20 @@ def layer_streams(streams: list[tuple[list[int], int]], n_layers: int, export):
     return after_layer
 
 
-def _follow_step(model, kv: "TPKVCache", layers, ids, pos, meta, passes, sampled, streams) -> None:
-    """Rank 0's step on this rank's slice: the forward pass with its KV exports, then the same
-    logits passes (their results live on rank 0)."""
+def _follow_step(model, kv: "TPKVCache", layers, adapters: RankAdapters, ids, pos, meta, passes, sampled, streams,
+                 lora) -> None:
+    """Rank 0's step on this rank's slice: the forward pass (its rows under their adapters, this
+    rank's parts of them) with its KV exports, then the same logits passes (their results live
+    on rank 0)."""
     model.backend.prepare(meta)
     after = None
     if streams:
         after = layer_streams(streams, len(layers), lambda _, b, r: kv.export_blocks(b, r, announce=False))
-    hidden = model(ids, pos, layers, meta, after)
+    batch = adapters.batch(lora)
+    if batch is None:
+        hidden = model(ids, pos, layers, meta, after)
+    else:
+        hidden = model(ids, pos, layers, meta, after, lora=batch)
     for lo, hi in passes:
         model.compute_logits(hidden[lo:hi])
     model.compute_logits(hidden if sampled is None else hidden[sampled])
@@ -268,12 +281,14 @@ class TensorParallel:
         return TPKVCache(self.full, self.loaded.config, self.config, self.group)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, passes: list[tuple[int, int]],
-             sampled: list[int] | None, streams: list | None = None) -> None:
+             sampled: list[int] | None, streams: list | None = None, lora=None) -> None:
         """Before rank 0's forward pass: the other ranks run the same step, with the same
-        prompt-logprob row ranges `passes`, then the sampled rows (`sampled`; None: all), and
-        the KV exports of `streams` ((blocks, every n layers)) inside it."""
+        prompt-logprob row ranges `passes`, then the sampled rows (`sampled`; None: all), the
+        KV exports of `streams` ((blocks, every n layers)) inside it, and the rows of each
+        adapter of `lora` (the step's LoRABatch, None: all rows on the base) under their parts of it."""
         if self.tp > 1:
-            self.group.broadcast(("step", input_ids, positions, meta, passes, sampled, streams or []))
+            self.group.broadcast(("step", input_ids, positions, meta, passes, sampled, streams or [],
+                                  step_groups(lora)))
 
     def dead_ranks(self) -> list[int]:
         """The ranks whose processes have exited (the group cannot step any more)."""

@@ -1,0 +1,144 @@
+"""LoRA adapters with tensor parallelism: each rank's part of an adapter (split as the base
+weights, the KV heads replicated over 4 ranks) sums to the whole update; an engine over 2
+ranks, rows of two adapters and of the base batched in one step, gives the single engine's
+greedy tokens and logprobs within float tolerance; an adapter loaded at run time reaches every
+rank (and a bad one is refused without disturbing the others); every KV block comes back and
+the ranks stop."""
+import pytest
+import torch
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.model.lora import LoRAFilesMissingError, load_adapter
+from pdserve.engine.model.weights import load_model, load_state_dict
+from pdserve.engine.parallel.shard import _rows, shard_lora
+from pdserve.engine.parallel.tp import ModelSource
+from tests.conftest import assert_engine_clean
+from tests.helpers.lora import make_adapter, save_small_llama
+
+pytest.importorskip("peft")
+
+PROMPTS = [[5, 17, 99, 250, 3, 42, 42, 7], [300, 12, 8], list(range(20, 60))]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+TOL = 1e-4  # as tests/test_tp.py: the ranks sum their partial products in another order
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The base and three adapters: all seven projections at rank 8; q, v and down at rank 4
+    with rsLoRA; k, o, gate and up at rank 4 (loaded at run time)."""
+    root = tmp_path_factory.mktemp("lora_tp")
+    base = save_small_llama(root / "base")
+    make_adapter(base, root / "ad1", seed=1)
+    make_adapter(base, root / "ad2", seed=2, r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"],
+                 use_rslora=True)
+    make_adapter(base, root / "ad3", seed=3, r=4, alpha=8, targets=["k_proj", "o_proj", "gate_proj", "up_proj"])
+    return root
+
+
+def config(root) -> EngineConfig:
+    return EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=8 << 20),
+                        lora=LoRAConfig(max_loras=3, modules=(("ad1", str(root / "ad1")), ("ad2", str(root / "ad2")))))
+
+
+@pytest.fixture(scope="module")
+def single(root):
+    return LLMEngine(load_model(root / "base", quantization="none"), config(root))
+
+
+@pytest.fixture(scope="module")
+def group(root):
+    e = LLMEngine.tensor_parallel(ModelSource(model=str(root / "base")), config(root), 2)
+    yield e
+    e.shutdown()
+    assert all(p.poll() is not None for p in e.tp.procs), "a rank outlived the engine"
+
+
+def run(eng, jobs):
+    """Add every (id, prompt, adapter) job and step to the end: {id: (tokens, logprobs)}, and
+    the adapters (None: the base) of each step's rows."""
+    for rid, prompt, lora in jobs:
+        eng.add_request(rid, prompt, PARAMS, lora=lora)
+    out, mixes, real = {rid: ([], []) for rid, _, _ in jobs}, [], eng.runner._lora_batch
+
+    def spy(ordered):
+        mixes.append({c.request.lora.name if c.request.lora else None for c in ordered})
+        return real(ordered)
+    eng.runner._lora_batch = spy
+    try:
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                out[o.request_id][0].extend(o.new_token_ids)
+                out[o.request_id][1].extend(lp.logprob for lp in o.logprobs)
+    finally:
+        del eng.runner._lora_batch
+    assert_engine_clean(eng)
+    assert eng.loras.in_use == 0
+    return out, mixes
+
+
+def assert_same(got, want):
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, f"{rid}: tokens over 2 ranks {got[rid][0]} != over 1 {tokens}"
+        diff = max(abs(a - b) for a, b in zip(got[rid][1], logprobs))
+        assert diff < TOL, f"{rid}: logprobs differ by {diff:.2e}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_ranks_parts_of_an_adapter_sum_to_its_update(root, tp):
+    """Column-parallel (qkv, gate_up): each rank's update is the whole update's rows of its
+    outputs; row-parallel (o, down): the ranks' updates of their inputs sum to the whole."""
+    _, cfg, _ = load_state_dict(root / "base")
+    whole = load_adapter("ad1", root / "ad1", cfg, 16)
+    parts = [load_adapter("ad1", root / "ad1", cfg, 16, split=lambda p, c, r=r: shard_lora(p, c, tp, r))
+             for r in range(tp)]
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    for layer in range(cfg.num_hidden_layers):
+        def update(adapter, fused, inp):
+            m = adapter.layers[layer][fused]
+            return inp @ m.a.T @ m.b.T
+        qkv, gate_up = update(whole, "qkv", x), update(whole, "gate_up", x)
+        for r, part in enumerate(parts):
+            rows = _rows(cfg, tp, r)
+            want = torch.cat([qkv[:, :q][:, rows["q_proj"]], qkv[:, q:q + kv][:, rows["k_proj"]],
+                              qkv[:, q + kv:][:, rows["v_proj"]]], dim=1)
+            torch.testing.assert_close(update(part, "qkv", x), want)
+            want = torch.cat([gate_up[:, :inter][:, rows["gate_proj"]], gate_up[:, inter:][:, rows["up_proj"]]], dim=1)
+            torch.testing.assert_close(update(part, "gate_up", x), want)
+        for fused, proj, width in (("o", "o_proj", q), ("down", "down_proj", inter)):
+            inp = torch.randn(5, width, generator=torch.Generator().manual_seed(layer))
+            summed = sum(update(p, fused, inp[:, _rows(cfg, tp, r)[proj]]) for r, p in enumerate(parts))
+            torch.testing.assert_close(summed, update(whole, fused, inp), rtol=1e-5, atol=1e-5)
+
+
+def test_two_adapters_and_the_base_batched_over_two_ranks_equal_one_rank(single, group):
+    jobs = [(f"{lora}-{i}", p, lora) for i, p in enumerate(PROMPTS) for lora in ("ad1", "ad2", None)]
+    want, _ = run(single, jobs)
+    got, mixes = run(group, jobs)
+    assert_same(got, want)
+    assert {"ad1", "ad2", None} in mixes, "the adapters and the base never shared a step"
+    assert want["ad1-0"][0] != want["None-0"][0] and want["ad2-0"][0] != want["None-0"][0]
+
+
+def test_an_adapter_loaded_at_run_time_reaches_every_rank(root, single, group, tmp_path):
+    for eng in (single, group):
+        with pytest.raises(LoRAFilesMissingError):
+            eng.load_lora("bad", str(tmp_path / "nowhere"))
+        eng.load_lora("ad3", str(root / "ad3"))
+    jobs = [("a", PROMPTS[0], "ad3"), ("b", PROMPTS[2], "ad1"), ("c", PROMPTS[1], None)]
+    want, _ = run(single, jobs)
+    got, _ = run(group, jobs)
+    assert_same(got, want)
+    # unloaded, then loaded again under another name over a full registry: the ranks follow
+    for eng in (single, group):
+        eng.unload_lora("ad3")
+        eng.load_lora("ad3-again", str(root / "ad3"))
+        eng.load_lora("ad2", str(root / "ad2"))  # a replacement (a new id) of a resident adapter
+    jobs = [("a", PROMPTS[0], "ad3-again"), ("b", PROMPTS[1], "ad2"), ("c", PROMPTS[2], "ad1")]
+    want, _ = run(single, jobs)
+    got, _ = run(group, jobs)
+    assert_same(got, want)
+    assert want["a"][0] != want["c"][0]
+    assert [i.name for i in group.loras.adapters()] == [i.name for i in single.loras.adapters()]
