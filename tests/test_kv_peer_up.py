@@ -3,15 +3,13 @@ router, so the same prompt alternates between them; the router names the worker 
 prefix (from its KV events) and the other pulls it. The answer equals the one computed, and
 /admin/workers and /metrics show the pull (blocks pulled by one worker, served by the other);
 every block is back in its pool after."""
-import signal
-import subprocess
 import time
 
 import httpx
 import pytest
 
 from pdserve.registry.embedded import free_port
-from tests.helpers.procs import Proc
+from tests.helpers.procs import Proc, stop, wait_kv_back
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -54,19 +52,7 @@ def test_up_pulls_a_prefix_from_the_peer_that_holds_it():
         assert len(pulled) == 2 and sum(float(x.split()[-1]) for x in pulled) >= 8, metrics
         assert [x for x in metrics.splitlines() if x.startswith("pdserve_kv_peer_pulls_total{")
                 and 'outcome="done"' in x and float(x.split()[-1]) >= 1], metrics
-        deadline = time.monotonic() + 10  # every KV block back in its pool, in both workers
-        while time.monotonic() < deadline:
-            usage = [x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
-                     if x.startswith("pdserve_kv_usage_ratio{")]
-            if len(usage) == 2 and all(x.endswith(" 0.0") for x in usage):
-                break
-            time.sleep(0.3)
-        assert len(usage) == 2 and all(x.endswith(" 0.0") for x in usage), usage
+        wait_kv_back(url, 2)  # every KV block back in its pool, in both workers
     finally:
-        up.p.send_signal(signal.SIGINT)
-        try:
-            rc = up.p.wait(60)
-        except subprocess.TimeoutExpired:
-            up.p.kill()
-            raise
+        rc = stop(up)
     assert rc == 0, up.text()

@@ -4,9 +4,6 @@ LoRA adapter given in the file) and Gemma 3 270M, each with its own prefill and 
 to the adapter) equals what that model's single engine produces; an unknown model is a 404
 naming every model served; an adapter loaded at run time goes to the base it names; the
 workers are listed by model; every KV block is back in its pool after."""
-import signal
-import subprocess
-import time
 
 import httpx
 import pytest
@@ -16,7 +13,7 @@ from pdserve.common.tokenizer import Tokenizer
 from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.registry.embedded import free_port
-from tests.helpers.procs import Proc
+from tests.helpers.procs import Proc, stop, wait_kv_back
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 pytest.importorskip("peft")
@@ -76,12 +73,7 @@ path = "{gemma_path}"
         assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
         yield f"http://127.0.0.1:{port}", want, {"chat": str(root / "chat")}
     finally:
-        up.p.send_signal(signal.SIGINT)
-        try:
-            rc = up.p.wait(90)
-        except subprocess.TimeoutExpired:
-            up.p.kill()
-            raise
+        rc = stop(up, 90)
     assert rc == 0, up.text()
 
 
@@ -131,12 +123,5 @@ def test_an_adapter_loaded_at_run_time_goes_to_the_base_it_names(served):
 
 def test_every_kv_block_is_back_in_its_pool(served):
     url, _, _ = served
-    deadline, usage = time.monotonic() + 15, []
-    while time.monotonic() < deadline:
-        usage = [x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
-                 if x.startswith("pdserve_kv_usage_ratio{")]
-        if len(usage) == 4 and all(x.endswith(" 0.0") for x in usage):
-            break
-        time.sleep(0.3)
-    assert len(usage) == 4 and all(x.endswith(" 0.0") for x in usage), usage
+    usage = wait_kv_back(url, 4, within_s=15)
     assert {m for m in ("smollm2", "gemma") if any(f'model="{m}"' in x for x in usage)} == {"smollm2", "gemma"}

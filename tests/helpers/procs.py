@@ -36,9 +36,10 @@ class Proc:
         return next((line for line in self.log if needle in line), None)
 
 
-def wait_kv_back(url: str, workers: int, within_s: float = 10.0) -> None:
+def wait_kv_back(url: str, workers: int, within_s: float = 10.0) -> list[str]:
     """Every KV block back in its pool: the router at `url` shows `workers` workers'
-    pdserve_kv_usage_ratio, each 0, within `within_s` (their stats refresh every ~1 s)."""
+    pdserve_kv_usage_ratio, each 0, within `within_s` (their stats refresh every ~1 s); returns
+    those lines."""
     import httpx
 
     deadline, usage = time.monotonic() + within_s, []
@@ -46,9 +47,9 @@ def wait_kv_back(url: str, workers: int, within_s: float = 10.0) -> None:
         usage = [x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
                  if x.startswith("pdserve_kv_usage_ratio{")]
         if len(usage) == workers and all(x.endswith(" 0.0") for x in usage):
-            return
+            return usage
         time.sleep(0.3)
-    assert len(usage) == workers and all(x.endswith(" 0.0") for x in usage), usage
+    raise AssertionError(f"KV blocks still taken after {within_s} s: {usage}")
 
 
 def stop(proc: Proc, within_s: float = 60.0) -> int:
