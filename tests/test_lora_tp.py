@@ -3,7 +3,8 @@ weights, the KV heads replicated over 4 ranks) sums to the whole update; an engi
 ranks, rows of two adapters and of the base batched in one step, gives the single engine's
 greedy tokens and logprobs within float tolerance; an adapter loaded at run time reaches every
 rank (and a bad one is refused without disturbing the others); every KV block comes back and
-the ranks stop."""
+the ranks stop. Through `pdserve up` under Ray, a decode pool of 3 ranks serves adapters given
+at start and loaded at run time as the single engine does."""
 import pytest
 import torch
 
@@ -142,3 +143,62 @@ def test_an_adapter_loaded_at_run_time_reaches_every_rank(root, single, group, t
     assert_same(got, want)
     assert want["a"][0] != want["c"][0]
     assert [i.name for i in group.loras.adapters()] == [i.name for i in single.loras.adapters()]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_up_serves_adapters_on_a_tensor_parallel_decode_pool(smollm, tmp_path):
+    """`pdserve up --decode-tp 3` with --lora-modules: the prefill worker (one rank) and the
+    decode worker (three) run the adapter's request as the single engine does; an adapter loaded
+    at run time reaches the decode worker's ranks; every KV block is back after."""
+    import httpx
+
+    from pdserve.engine.model.export import export_hf
+    from pdserve.registry.embedded import free_port
+    from tests.helpers.procs import Proc, stop, wait_kv_back
+
+    tok = smollm[1]
+    export_hf("", tmp_path / "hf")
+    make_adapter(tmp_path / "hf", tmp_path / "sql", seed=3, scale=0.5)
+    make_adapter(tmp_path / "hf", tmp_path / "chat", seed=5, r=4, targets=["q_proj", "v_proj"], scale=0.5)
+    paths = {"sql": str(tmp_path / "sql"), "chat": str(tmp_path / "chat")}
+    prompt, n = tok.encode("Write a short poem about the harbour at dawn."), 10
+    ref = LLMEngine(load_model(quantization="none"), EngineConfig(
+        quantization="none", cache=CacheConfig(kv_cache_memory=32 << 20),
+        lora=LoRAConfig(max_loras=2, modules=tuple(paths.items()))), tok)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    want = {}
+    for lora in ("sql", "chat", None):
+        ref.add_request(str(lora), prompt, params, lora=lora)
+    while ref.has_unfinished_requests():
+        for o in ref.step():
+            want.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert want["sql"] != want["None"] and want["chat"] != want["None"]
+    port = free_port()
+    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--decode-tp", "3", "--ray-cpus", "4",
+              "--quantization", "none", "--kv-cache-memory", "64MiB", "--lora-modules", f"sql={paths['sql']}",
+              "--max-loras", "2", "--cluster-token", "test-token", "--shutdown-grace", "3")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        line = up.p.stdout.readline()
+        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        base = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+        def complete(model):
+            r = httpx.post(url + "/v1/completions", timeout=300, json={
+                "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        assert complete("sql") == tok.decode(want["sql"], skip_special_tokens=True)
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": paths["chat"]},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+        assert complete("chat") == tok.decode(want["chat"], skip_special_tokens=True)
+        assert complete(base) == tok.decode(want["None"], skip_special_tokens=True)
+        workers = httpx.get(url + "/admin/workers", timeout=10).json()["workers"]
+        assert len(workers) == 2 and all(sorted(a["name"] for a in w["lora_adapters"]) == ["chat", "sql"]
+                                         for w in workers), workers
+        wait_kv_back(url, 2)
+    finally:
+        rc = stop(up)
+    assert rc == 0, up.text()
