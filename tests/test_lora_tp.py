@@ -132,17 +132,21 @@ def test_an_adapter_loaded_at_run_time_reaches_every_rank(root, single, group, t
     want, _ = run(single, jobs)
     got, _ = run(group, jobs)
     assert_same(got, want)
-    # unloaded, then loaded again under another name over a full registry: the ranks follow
+    # unloaded and loaded again under another name, a replacement (a new id), evictions from the
+    # full registry and loads on demand: the ranks follow
     for eng in (single, group):
         eng.unload_lora("ad3")
         eng.load_lora("ad3-again", str(root / "ad3"))
-        eng.load_lora("ad2", str(root / "ad2"))  # a replacement (a new id) of a resident adapter
+        eng.load_lora("ad2", str(root / "ad2"))
+        eng.load_lora("extra", str(root / "ad1"))  # a fourth: the least recently used idle one goes
     jobs = [("a", PROMPTS[0], "ad3-again"), ("b", PROMPTS[1], "ad2"), ("c", PROMPTS[2], "ad1")]
     want, _ = run(single, jobs)
     got, _ = run(group, jobs)
     assert_same(got, want)
     assert want["a"][0] != want["c"][0]
-    assert [i.name for i in group.loras.adapters()] == [i.name for i in single.loras.adapters()]
+    assert group.loras.evictions >= 2 and group.loras.evictions == single.loras.evictions
+    assert [(i.name, i.resident) for i in group.loras.adapters()] == [(i.name, i.resident)
+                                                                       for i in single.loras.adapters()]
 
 
 @pytest.mark.slow
