@@ -92,7 +92,15 @@ class HostedWorker:
         if c.metrics_port >= 0:
             self.metrics = ModelServerMetrics(self.worker.engine, served_model_name(self.engine.loaded.path),
                                               address.rpartition(":")[0], c.metrics_port)
-            self.worker.metrics_port = await asyncio.to_thread(self.metrics.start)
+            try:
+                self.worker.metrics_port = await asyncio.to_thread(self.metrics.start)
+            except OSError as e:  # its host serves another worker's on that port: take a free one
+                if not c.metrics_port:
+                    raise
+                log.warning("%s: metrics port %d unavailable (%s); serving /metrics on a free port",
+                            c.worker_id, c.metrics_port, e)
+                self.metrics.port = 0
+                self.worker.metrics_port = await asyncio.to_thread(self.metrics.start)
         record = WorkerRecord(worker_id=c.worker_id, role=c.role, address=address,
                               kv_address=getattr(self.worker, "kv_address", ""), incarnation=uuid.uuid4().hex,
                               metrics_port=self.metrics.port if self.metrics else 0)

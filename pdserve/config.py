@@ -236,12 +236,18 @@ class ClusterConfig:
     share_cores: bool = True
     """CPU workers on one host lend their cores to each other while idle (engine/parallel/cores.py): a
     lone request's prefill and decode each run on every core."""
+    worker_metrics_port: int = 0
+    """Port each worker serves its own Prometheus /metrics on (the model-server series a Kubernetes
+    endpoint picker scrapes pods at: deploy/model_server_metrics.py): 0 any free port, -1 none. A
+    worker whose host has the port taken already (several workers on one host) takes a free one;
+    each worker's port is in its registry record and on /admin/workers."""
     models: tuple[ServedModel, ...] = ()
     """Several base models, each with its own engine and pools, routed by a request's `model`;
     empty: the one model of `engine`, `prefill` and `decode` (`router.model_name` names it)."""
 
     def __post_init__(self):
         one_of("mode", self.mode, MODES)
+        at_least("worker_metrics_port", self.worker_metrics_port, -1)
         names = [m.name for m in self.models]
         adapters = [a for m in self.models for a, _ in m.engine.lora.modules]
         for name in set(names + adapters):
@@ -279,5 +285,6 @@ class ClusterConfig:
             engine = replace(engine, speculative_tokens=0, speculative_model="", speculative_quantization="")
         fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),
                       max_queue=pool.max_queue, engine=engine, transfer=self.transfer,
-                      registry=self.registry, security=self.security, tracing=self.tracing)
+                      registry=self.registry, security=self.security, tracing=self.tracing,
+                      metrics_port=self.worker_metrics_port)
         return WorkerConfig(role=role, worker_id=worker_id, **(fields | overrides))

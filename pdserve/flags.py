@@ -186,6 +186,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-share-cores", dest="share_cores", action="store_false",
                    help="CPU workers keep their own threads (by default workers on one host lend their cores to "
                         "each other while idle: a lone request's prefill and decode each run on every core)")
+    p.add_argument("--worker-metrics-port", type=int, default=0,
+                   help="port of each worker's own Prometheus /metrics (vLLM's model-server series, for a "
+                        "Kubernetes endpoint picker); a worker whose host has it taken takes a free one "
+                        "(default 0: any free port; -1: none)")
     p.add_argument("--max-restarts", type=int, default=_P.max_restarts,
                    help="Ray restarts a dead worker up to this many times; it re-registers (-1: always)")
     a = p.add_argument_group("autoscaling")
@@ -348,7 +352,7 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
                                   up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after,
                                   cooldown_s=args.autoscale_cooldown),
         ray_address=args.ray_address, worker_host=args.worker_host, share_cores=args.share_cores,
-        ray_cpus=args.ray_cpus, redis_password=args.redis_password)
+        ray_cpus=args.ray_cpus, redis_password=args.redis_password, worker_metrics_port=args.worker_metrics_port)
 
 
 def router_config(args: argparse.Namespace) -> ClusterConfig:

@@ -43,10 +43,10 @@ def test_up_serves_adapters_given_at_start_and_loaded_at_run_time(smollm, adapte
     while eng.has_unfinished_requests():
         for o in eng.step():
             want.setdefault(o.request_id, []).extend(o.new_token_ids)
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--kv-cache-memory", "64MiB",
               "--lora-modules", f"sql={adapters['sql']}", "--max-loras", "2", "--cluster-token", "test-token",
-              "--shutdown-grace", "3")
+              "--shutdown-grace", "3", "--worker-metrics-port", str(metrics_port))
     url = f"http://127.0.0.1:{port}"
     try:
         line = up.p.stdout.readline()
@@ -67,6 +67,8 @@ def test_up_serves_adapters_given_at_start_and_loaded_at_run_time(smollm, adapte
         assert complete("chat") == tok.decode(want["chat"], skip_special_tokens=True)
         workers = httpx.get(url + "/admin/workers", timeout=10).json()["workers"]
         assert len(workers) == 2
+        # the port asked for, on one of them; the other (the same host) took a free one
+        assert metrics_port in {w["metrics_port"] for w in workers} and len({w["metrics_port"] for w in workers}) == 2
         for w in workers:
             assert sorted(a["name"] for a in w["lora_adapters"]) == ["chat", "sql"]
             host = w["address"].rpartition(":")[0]

@@ -61,7 +61,7 @@ def test_every_up_flag_reaches_its_field(monkeypatch):
         "--autoscale-interval", "2", "--autoscale-up-after", "10", "--autoscale-down-after", "20",
         "--autoscale-cooldown", "7", "--ray-address", "ray://head:10001", "--worker-host", "auto",
         "--threads", "2", "--block-size", "32", "--kv-cache-memory", "256MiB", "--quantization", "int8",
-        "--decode-kv-cache-dtype", "bf16"))
+        "--decode-kv-cache-dtype", "bf16", "--worker-metrics-port", "9400"))
     assert c.prefill == PoolConfig(replicas=2, num_cpus=0.5, max_queue=256, max_restarts=-1, resource="pf")
     assert c.decode == PoolConfig(replicas=3, num_gpus=1.0, max_queue=5, max_restarts=-1, kv_cache_dtype="bf16")
     assert c.worker("decode", "d").engine.cache.kv_cache_dtype == "bf16"
@@ -75,6 +75,7 @@ def test_every_up_flag_reaches_its_field(monkeypatch):
     assert c.autoscale == AutoscaleConfig(enabled=True, max_replicas=6, ttft_slo_s=3.0, itl_slo_s=0.2, interval_s=2.0,
                                           up_after_s=10.0, down_after_s=20.0, cooldown_s=7.0)
     assert (c.ray_address, c.worker_host) == ("ray://head:10001", "auto")
+    assert c.worker_metrics_port == 9400 and c.worker("decode", "d").metrics_port == 9400
     assert c.engine == EngineConfig(num_threads=2, quantization="int8",
                                     cache=CacheConfig(block_size=32, kv_cache_memory=256 << 20))
 
@@ -158,6 +159,7 @@ def test_worker_command_takes_tls_and_drain_timeout_into_its_config(tmp_path):
     (lambda: PoolConfig(kv_cache_dtype="fp4"), "kv_cache_dtype must be one of"),
     (lambda: TransferConfig(wire_dtype="fp32"), "kv wire dtype must be one of"),
     (lambda: ClusterConfig(mode="split"), "mode must be one of"),
+    (lambda: ClusterConfig(worker_metrics_port=-2), "worker_metrics_port must be >= -1"),
     (lambda: WorkerConfig(role="router", worker_id="w"), "role must be one of"),
 ])
 def test_bad_values_are_refused_by_name(build, message):
