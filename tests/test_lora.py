@@ -12,7 +12,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig, Schedul
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.weights import load_model
 from tests.conftest import assert_engine_clean
-from tests.helpers.lora import make_adapter, reference, save_small_llama
+from tests.helpers.lora import make_adapter, save_small_llama, two_adapters
 
 pytest.importorskip("peft")
 
@@ -28,14 +28,7 @@ def ref(tmp_path_factory):
     with rsLoRA) and transformers' greedy tokens and logprobs for each prompt: {name: [...]}"""
     root = tmp_path_factory.mktemp("lora")
     base = save_small_llama(root / "base")
-    ad1 = make_adapter(base, root / "ad1", seed=1)
-    ad2 = make_adapter(base, root / "ad2", seed=2, r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"],
-                       use_rslora=True)
-    want = {"ad1": [reference(ad1, p, N) for p in PROMPTS], "ad2": [reference(ad2, p, N) for p in PROMPTS]}
-    with ad1.disable_adapter():
-        want[None] = [reference(ad1, p, N) for p in PROMPTS]
-    for p, a, b, c in zip(PROMPTS, want["ad1"], want["ad2"], want[None]):
-        assert a[0] != c[0] and b[0] != c[0], "the adapters must change the greedy output to be tested"
+    want, _, _ = two_adapters(base, root, PROMPTS, N)
     return root, want
 
 

@@ -15,7 +15,7 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model import native_step
 from pdserve.engine.model.weights import load_model
 from tests.conftest import assert_engine_clean
-from tests.helpers.lora import SMALL, make_adapter, reference
+from tests.helpers.lora import SMALL, peaked_random, two_adapters
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -31,15 +31,8 @@ def save_small_gemma3(path):
     """transformers' Gemma3ForCausalLM with peaked random weights (as tests/test_architectures.py
     draws them), saved. Its LM head is not tied: tied to embeddings scaled by sqrt(hidden), a
     random model only repeats its last token, whatever the adapter."""
-    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**(SMALL | GEMMA))).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "embed" in name else p.shape[-1] ** -0.5))
-    model.save_pretrained(path)
+    peaked_random(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**(SMALL | GEMMA))).eval()
+                  ).save_pretrained(path)
     return path
 
 
@@ -50,14 +43,7 @@ def ref(tmp_path_factory):
     with rsLoRA."""
     root = tmp_path_factory.mktemp("lora-gemma")
     base = save_small_gemma3(root / "base")
-    ad1 = make_adapter(base, root / "ad1", seed=1)
-    ad2 = make_adapter(base, root / "ad2", seed=2, r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"],
-                       use_rslora=True)
-    want = {"ad1": [reference(ad1, p, N) for p in PROMPTS], "ad2": [reference(ad2, p, N) for p in PROMPTS]}
-    with ad1.disable_adapter():
-        want[None] = [reference(ad1, p, N) for p in PROMPTS]
-    for a, b, c in zip(want["ad1"], want["ad2"], want[None]):
-        assert a[0] != c[0] and b[0] != c[0], "the adapters must change the greedy output to be tested"
+    want, _, _ = two_adapters(base, root, PROMPTS, N)
     return root, want
 
 

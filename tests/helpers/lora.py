@@ -13,11 +13,9 @@ SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_l
              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def save_small_llama(path: Path, seed: int = 0, **fields) -> Path:
-    """transformers' LlamaForCausalLM with peaked random weights (greedy far from ties), saved."""
-    import transformers
-
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(SMALL | fields))).eval()
+def peaked_random(model, seed: int = 0):
+    """`model`'s weights drawn so that greedy decoding stays far from ties: norms near 1,
+    embeddings N(0, 0.25), every other matrix N(0, 1 / fan_in); returns it."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -25,8 +23,33 @@ def save_small_llama(path: Path, seed: int = 0, **fields) -> Path:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "embed" in name else p.shape[-1] ** -0.5))
-    model.save_pretrained(path)
+    return model
+
+
+def save_small_llama(path: Path, seed: int = 0, **fields) -> Path:
+    """transformers' LlamaForCausalLM with peaked random weights (greedy far from ties), saved."""
+    import transformers
+
+    peaked_random(transformers.LlamaForCausalLM(transformers.LlamaConfig(**(SMALL | fields))).eval(),
+                  seed).save_pretrained(path)
     return path
+
+
+def two_adapters(base: Path, root: Path, prompts, n: int) -> tuple[dict, object, object]:
+    """Two adapters on the model at `base`, saved under `root`: ad1 on all seven projections at
+    rank 8, ad2 on q, v and down at rank 4 with rsLoRA; and transformers + peft's (tokens,
+    logprobs) for each of `prompts` under each ({"ad1": [...], "ad2": [...], None: the base}),
+    checked to differ from the base's first token (else the adapters would test nothing).
+    Returns (that, ad1's peft model, ad2's)."""
+    ad1 = make_adapter(base, root / "ad1", seed=1)
+    ad2 = make_adapter(base, root / "ad2", seed=2, r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"],
+                       use_rslora=True)
+    want = {"ad1": [reference(ad1, p, n) for p in prompts], "ad2": [reference(ad2, p, n) for p in prompts]}
+    with ad1.disable_adapter():
+        want[None] = [reference(ad1, p, n) for p in prompts]
+    for a, b, c in zip(want["ad1"], want["ad2"], want[None]):
+        assert a[0] != c[0] and b[0] != c[0], "the adapters must change the greedy output to be tested"
+    return want, ad1, ad2
 
 
 def make_adapter(base: Path, out: Path, seed: int, r: int = 8, alpha: float = 16, targets=None,
