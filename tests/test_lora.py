@@ -12,7 +12,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig, Schedul
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.weights import load_model
 from tests.conftest import assert_engine_clean
-from tests.helpers.lora import make_adapter, save_small_llama, two_adapters
+from tests.helpers.lora import make_adapter, run_jobs, save_small_llama, two_adapters
 
 pytest.importorskip("peft")
 
@@ -55,24 +55,7 @@ def eng(engine):
 def run(eng, jobs: list[tuple[str, list[int], str | None]], params=None):
     """Add every (id, prompt, adapter) job, step to the end; {id: (tokens, logprobs)}, and the
     adapters (None: the base) that shared each step."""
-    params = params or SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=0)
-    for rid, prompt, lora in jobs:
-        eng.add_request(rid, prompt, params, lora=lora)
-    out = {rid: ([], []) for rid, _, _ in jobs}
-    mixes, real = [], eng.runner._lora_batch
-
-    def spy(ordered):  # the adapters of each step's rows
-        mixes.append({c.request.lora.name if c.request.lora else None for c in ordered})
-        return real(ordered)
-    eng.runner._lora_batch = spy
-    try:
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                out[o.request_id][0].extend(o.new_token_ids)
-                out[o.request_id][1].extend(lp.logprob for lp in o.logprobs)
-    finally:
-        del eng.runner._lora_batch
-    return out, mixes
+    return run_jobs(eng, jobs, params or SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=0))
 
 
 def assert_matches(got, want, what):

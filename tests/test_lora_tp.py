@@ -16,7 +16,7 @@ from pdserve.engine.model.weights import load_model, load_state_dict
 from pdserve.engine.parallel.shard import _rows, shard_lora
 from pdserve.engine.parallel.tp import ModelSource
 from tests.conftest import assert_engine_clean
-from tests.helpers.lora import make_adapter, save_small_llama
+from tests.helpers.lora import make_adapter, run_jobs, save_small_llama
 
 pytest.importorskip("peft")
 
@@ -58,22 +58,8 @@ def group(root):
 
 def run(eng, jobs):
     """Add every (id, prompt, adapter) job and step to the end: {id: (tokens, logprobs)}, and
-    the adapters (None: the base) of each step's rows."""
-    for rid, prompt, lora in jobs:
-        eng.add_request(rid, prompt, PARAMS, lora=lora)
-    out, mixes, real = {rid: ([], []) for rid, _, _ in jobs}, [], eng.runner._lora_batch
-
-    def spy(ordered):
-        mixes.append({c.request.lora.name if c.request.lora else None for c in ordered})
-        return real(ordered)
-    eng.runner._lora_batch = spy
-    try:
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                out[o.request_id][0].extend(o.new_token_ids)
-                out[o.request_id][1].extend(lp.logprob for lp in o.logprobs)
-    finally:
-        del eng.runner._lora_batch
+    the adapters (None: the base) of each step's rows; every block back, no adapter in use."""
+    out, mixes = run_jobs(eng, jobs, PARAMS)
     assert_engine_clean(eng)
     assert eng.loras.in_use == 0
     return out, mixes

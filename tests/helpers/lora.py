@@ -83,3 +83,26 @@ def reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]
     lp = torch.log_softmax(logits, dim=-1)
     out = ids[len(prompt):]
     return out, [float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(out)]
+
+
+def run_jobs(eng, jobs, params):
+    """Add every (id, prompt, adapter) job to the engine `eng` with `params` and step to the
+    end; returns {id: (tokens, logprobs)} and the adapters (None: the base) that shared each
+    step."""
+    for rid, prompt, lora in jobs:
+        eng.add_request(rid, prompt, params, lora=lora)
+    out = {rid: ([], []) for rid, _, _ in jobs}
+    mixes, real = [], eng.runner._lora_batch
+
+    def spy(ordered):  # the adapters of each step's rows
+        mixes.append({c.request.lora.name if c.request.lora else None for c in ordered})
+        return real(ordered)
+    eng.runner._lora_batch = spy
+    try:
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                out[o.request_id][0].extend(o.new_token_ids)
+                out[o.request_id][1].extend(lp.logprob for lp in o.logprobs)
+    finally:
+        del eng.runner._lora_batch
+    return out, mixes
