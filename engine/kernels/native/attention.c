@@ -14,7 +14,9 @@
  *   skips  (B,) int64 or NULL             keys at the head of each table that the row does not
  *                                         see (a sliding window starting inside its first block)
  *   out    (B, H, D)
- * GQA: query head h reads KV head h / (H / KVH). Work items are (sequence, KV head) pairs,
+ * GQA: query head h reads KV head h / (H / KVH). This file is the one-row kernel; the entry point
+ * paged_decode_attention_f32 (attention_rows.c) runs it, or the multi-row kernel for runs of a
+ * prompt's rows. Work items are (sequence, KV head) pairs,
  * so the G = H / KVH query heads sharing a KV head read each K/V row from memory once (the
  * later heads of the group find it in L2).
  * Two passes per item: scores for every cached token (K read once), then softmax, then the
@@ -26,17 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "kvformat.h"
-#ifdef __AVX2__
-#include "vecmath.h" /* exp8: softmax after subtracting the max (scalar expf was a third of the kernel at 32 x 192 tokens) */
-#endif
-
-/* The first `skip` keys of a row's table are not its to see (they precede its attention
- * window, in the window's first block): their scores become -FLT_MAX, exp() 0. */
-static inline void mask_head(float *s, int64_t skip) {
-    for (int64_t t = 0; t < skip; t++) s[t] = -FLT_MAX;
-}
-
+#include "attend.h"
 
 static inline float dot_f32(const float *a, const float *b, int n) {
     int i = 0;
@@ -76,102 +68,32 @@ static inline float dot_kv(const float *q, const char *k, int n, int fmt) {
 }
 
 #ifdef __AVX2__
-/* 8 dot products at once: acc[t] holds token t's partial sums; one hadd tree reduces them
- * into a vector of 8 scores (a horizontal sum per token would cost as much as its FMAs). */
-static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
-                             __m256 a7) {
-    __m256 t01 = _mm256_hadd_ps(a0, a1), t23 = _mm256_hadd_ps(a2, a3);
-    __m256 t45 = _mm256_hadd_ps(a4, a5), t67 = _mm256_hadd_ps(a6, a7);
-    __m256 lo = _mm256_hadd_ps(t01, t23), hi = _mm256_hadd_ps(t45, t67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-}
-
-/* s[0..len) <- exp(s - max s); returns the sum. */
-static inline float softmax_numerators(float *s, int64_t len) {
-    __m256 mv = _mm256_set1_ps(-FLT_MAX);
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-    float m = -FLT_MAX, tail[8];
-    _mm256_storeu_ps(tail, mv);
-    for (int i = 0; i < 8; i++) m = tail[i] > m ? tail[i] : m;
-    for (; t < len; t++) m = s[t] > m ? s[t] : m;
-    __m256 sv = _mm256_setzero_ps(), m8 = _mm256_set1_ps(m);
-    for (t = 0; t + 8 <= len; t += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
-        _mm256_storeu_ps(s + t, e);
-        sv = _mm256_add_ps(sv, e);
-    }
-    if (t < len) { /* the last < 8 scores, through a padded copy */
-        int n = (int)(len - t);
-        for (int i = 0; i < 8; i++) tail[i] = i < n ? s[t + i] : -FLT_MAX;
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), m8));
-        _mm256_storeu_ps(tail, e);
-        for (int i = 0; i < n; i++) s[t + i] = tail[i];
-        sv = _mm256_add_ps(sv, e); /* the padding lanes are exp(-87 and below) = 0 */
-    }
-    _mm256_storeu_ps(tail, sv);
-    float sum = 0.f;
-    for (int i = 0; i < 8; i++) sum += tail[i];
-    return sum;
-}
-
-/* D = 64 (SmolLM2, Llama-style small models): q and the output accumulator of one head fit
- * in 8 registers each; `inline` with a constant D and fmt lets the compiler unroll the chunk
- * loops and drop the other formats' branches. */
+/* D = 64 (SmolLM2, Llama-style small models) over a float cache (fp32, bf16): q and the output
+ * accumulator of one head fit in 8 registers each; `inline` with a constant fmt lets the
+ * compiler unroll the chunk loops. The per-block work is attend.h's, which the multi-row kernel
+ * (attention_rows.c) runs in another order: a row gets the same bits from either. */
 static inline __attribute__((always_inline)) void attend_d64(const float *q, const char *kc, const char *vc,
                                                             const int64_t *table, int64_t len, int64_t skip,
                                                             float *out, int G, int KVH, int kh, int bs, float scale,
                                                             float *scores, const int fmt) {
     enum { D = 64, C = D / 8 };
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow; /* bytes between tokens of a block */
-    const size_t esz = fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1;
-    const float unit = kv8_unit(fmt);
     const int64_t nblk = (len + bs - 1) / bs;
     for (int g = 0; g < G; g++) {
         __m256 qv[C];
-        for (int c = 0; c < C; c++) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * c), _mm256_set1_ps(scale));
+        scaled_q_d64(q + g * D, scale, qv);
         float *s = scores + (size_t)g * len;
-        for (int64_t b = 0; b < nblk; b++) {
-            const char *kb = kc + ((size_t)table[b] * bs * KVH + kh) * hrow;
-            int n = (int)((b + 1) * bs <= len ? bs : len - b * bs), t = 0;
-            for (; t + 8 <= n; t += 8) {
-                __m256 a[8];
-                for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-                for (int c = 0; c < C; c++)
-                    for (int u = 0; u < 8; u++)
-                        a[u] = _mm256_fmadd_ps(qv[c], kv8(kb + (t + u) * row + 8 * c * esz, fmt), a[u]);
-                __m256 r = reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
-                if (fmt >= KV_INT8) { /* (set, not stores then a load: that stalls store forwarding) */
-                    const char *k0 = kb + t * row;
-                    r = _mm256_mul_ps(r, _mm256_mul_ps(_mm256_set1_ps(unit), _mm256_setr_ps(
-                        row_scale(k0, fmt, D), row_scale(k0 + row, fmt, D), row_scale(k0 + 2 * row, fmt, D),
-                        row_scale(k0 + 3 * row, fmt, D), row_scale(k0 + 4 * row, fmt, D), row_scale(k0 + 5 * row, fmt, D),
-                        row_scale(k0 + 6 * row, fmt, D), row_scale(k0 + 7 * row, fmt, D))));
-                }
-                _mm256_storeu_ps(s + b * bs + t, r);
-            }
-            for (; t < n; t++) {
-                __m256 a = _mm256_setzero_ps();
-                for (int c = 0; c < C; c++) a = _mm256_fmadd_ps(qv[c], kv8(kb + t * row + 8 * c * esz, fmt), a);
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-                h = _mm_hadd_ps(h, h);
-                s[b * bs + t] = _mm_cvtss_f32(_mm_hadd_ps(h, h)) * (row_scale(kb + t * row, fmt, D) * unit);
-            }
-        }
+        for (int64_t b = 0; b < nblk; b++)
+            block_scores_d64(qv, kc + ((size_t)table[b] * bs * KVH + kh) * hrow, row,
+                             (int)((b + 1) * bs <= len ? bs : len - b * bs), s + b * bs, fmt);
         mask_head(s, skip);
         const float sum = softmax_numerators(s, len);
         __m256 acc[C];
         for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nblk; b++) {
-            const char *vb = vc + ((size_t)table[b] * bs * KVH + kh) * hrow;
-            int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-            for (int t = 0; t < n; t++) {
-                __m256 p = _mm256_set1_ps(s[b * bs + t] * (row_scale(vb + t * row, fmt, D) * unit));
-                for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, kv8(vb + t * row + 8 * c * esz, fmt), acc[c]);
-            }
-        }
-        __m256 inv = _mm256_set1_ps(1.f / sum);
-        for (int c = 0; c < C; c++) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+        for (int64_t b = 0; b < nblk; b++)
+            block_values_d64(acc, s + b * bs, vc + ((size_t)table[b] * bs * KVH + kh) * hrow, row,
+                             (int)((b + 1) * bs <= len ? bs : len - b * bs), fmt);
+        head_out_d64(acc, sum, out + g * D);
     }
 }
 #endif
@@ -335,16 +257,4 @@ int paged_attention_item(const float *q, const void *kc, const void *vc, const i
                        scratch + (size_t)G * lens[b], scratch + (size_t)G * lens[b] + (size_t)G * D, kv_fmt);
     free(scratch);
     return 0;
-}
-
-/* Returns 0, or -1 when scratch memory could not be allocated. kv_fmt: the caches' format (KV_*). */
-int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, const int64_t *tables,
-                               const int64_t *lens, const int64_t *skips, float *out, int B, int H, int KVH, int D,
-                               int bs, int max_blocks, float scale, int nthreads, int kv_fmt) {
-    int failed = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
-    for (int w = 0; w < B * KVH; w++)
-        failed |= paged_attention_item(q, kc, vc, tables, lens, skips, out, w, H, KVH, D, bs, max_blocks, scale,
-                                       kv_fmt) != 0;
-    return failed ? -1 : 0;
 }
