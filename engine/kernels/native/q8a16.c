@@ -13,7 +13,8 @@
  *   q int8 (N/8, K/2, 8, 2): column block c, k-pair t, column j, elements 2t, 2t+1
  *   d fp32 (N/8, K/32, 8): the group's scale per column
  * so one 16-byte load sign-extends to 8 columns x 2 weights, and a broadcast of a row's two
- * activations against it gives 8 columns' partial sums in one vpmaddwd.
+ * activations against it gives 8 columns' partial sums in one vpmaddwd. Tiles of 4 rows x 16
+ * columns reuse each broadcast for 2 column blocks and each weight vector for 4 rows.
  * Batch invariant: a row's result depends only on that row (same quantization and summation
  * order whatever M, the row's place in a tile, or the thread count).
  */
@@ -52,44 +53,89 @@ static void quantize_row(const float *x, int64_t K, int16_t *q, float *d) {
     }
 }
 
-/* Rows x 8 columns (one column block), R rows (1..4) of the quantized x. */
-static inline __attribute__((always_inline)) void tile(const int R, const int16_t *xq, const float *dx, int64_t K,
-                                                       const int8_t *wq, const float *dw, float *y, int64_t N) {
-    const int64_t G = K / 32;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t g = 0; g < G; g++) {
-        __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-        const int8_t *w = wq + g * 256;
-        for (int t = 0; t < 16; t++) {
-            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + t * 16)));
-            for (int r = 0; r < R; r++)
-                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(
-                                                   *(const int32_t *)(xq + r * K + g * 32 + 2 * t))));
-        }
-        const __m256 dv = _mm256_loadu_ps(dw + g * 8);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * G + g])), acc[r]);
+/* R rows (1..4) x B column blocks (1..2) over all groups, fully unrolled. Per group the int32
+ * sums build in registers: each broadcast pair of a row's activations feeds B blocks, each widened
+ * weight vector R rows (8 accumulators and 2 weight vectors at 4 x 2: no spills in the inner
+ * loop). Then the fp32 sums take them in the one order the kernel defines, whatever the tile:
+ * acc = fma(float(isum_g), d_w,g * d_x,g, acc), g ascending, from +0. With `pf` set, each
+ * group also prefetches the same group's weights of the next B blocks, so the first rows' tile
+ * overlaps the next tile's memory reads (at 1..8 rows the stream, not the arithmetic, is the cost). */
+static inline __attribute__((always_inline)) void tile(const int R, const int B, const int16_t *xq, const float *dx,
+                                                       int64_t K, const int8_t *wq, const int8_t *pf, const float *dw,
+                                                       float *y, int64_t N) {
+    const int64_t G = K / 32, wb = K * 8; /* from one column block's weights (bytes) or scales to the next's */
+    const int16_t *xr[4];
+    const float *dr[4];
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) {
+        xr[r] = xq + r * K, dr[r] = dx + r * G;
+        for (int b = 0; b < B; b++) acc[r][b] = _mm256_setzero_ps();
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * N, acc[r]);
+    for (int64_t g = 0; g < G; g++, wq += 256, dw += 8) {
+        if (pf)
+            for (int b = 0; b < B; b++)
+                for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(pf + b * wb + g * 256 + 64 * l), _MM_HINT_T0);
+        __m256i a[4][2];
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) {
+            __m256i wv[2];
+            for (int b = 0; b < B; b++)
+                wv[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * wb + t * 16)));
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xr[r] + 2 * t));
+                for (int b = 0; b < B; b++) {
+                    const __m256i p = _mm256_madd_epi16(wv[b], xv);
+                    a[r][b] = t ? _mm256_add_epi32(a[r][b], p) : p;
+                    /* keeps each sum one chain: gcc otherwise reassociates the unrolled adds into
+                     * trees whose products it spills to the stack */
+                    __asm__("" : "+x"(a[r][b]));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 s = _mm256_set1_ps(*dr[r]++);
+            xr[r] += 32;
+            for (int b = 0; b < B; b++)
+                acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][b]), _mm256_mul_ps(_mm256_loadu_ps(dw + b * G * 8), s),
+                                            acc[r][b]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) _mm256_storeu_ps(y + r * N + b * 8, acc[r][b]);
 }
 
-/* Column blocks [c0, c1) for every row; rows in fours, the weights of a block read from cache
- * after the first four. */
+/* R and B to constants, so that each tile compiles unrolled. */
+static void tile_rows(int64_t R, int B, const int16_t *x, const float *d, int64_t K, const int8_t *w, const int8_t *pf,
+                      const float *dw, float *out, int64_t N) {
+#define TILE(r, b) tile(r, b, x, d, K, w, pf, dw, out, N)
+    if (B == 2) {
+        if (R == 4) TILE(4, 2);
+        else if (R == 3) TILE(3, 2);
+        else if (R == 2) TILE(2, 2);
+        else TILE(1, 2);
+    } else {
+        if (R == 4) TILE(4, 1);
+        else if (R == 3) TILE(3, 1);
+        else if (R == 2) TILE(2, 1);
+        else TILE(1, 1);
+    }
+#undef TILE
+}
+
+/* Column blocks [c0, c1) for every row: blocks in pairs (a last odd one alone), rows in fours;
+ * a pair's weights come from memory for its first four rows (which prefetch the next pair's)
+ * and from cache for the rest. */
 static void columns(const int16_t *xq, const float *dx, const int8_t *wq, const float *dw, float *y, int64_t M,
                     int64_t N, int64_t K, int64_t c0, int64_t c1) {
     const int64_t G = K / 32;
-    for (int64_t c = c0; c < c1; c++)
-        for (int64_t r = 0; r < M; r += 4) {
-            const int64_t R = M - r < 4 ? M - r : 4;
-            const int16_t *x = xq + r * K;
-            const float *d = dx + r * G;
-            const int8_t *w = wq + c * K * 8;
-            float *out = y + r * N + c * 8;
-            if (R == 4) tile(4, x, d, K, w, dw + c * G * 8, out, N);
-            else if (R == 3) tile(3, x, d, K, w, dw + c * G * 8, out, N);
-            else if (R == 2) tile(2, x, d, K, w, dw + c * G * 8, out, N);
-            else tile(1, x, d, K, w, dw + c * G * 8, out, N);
-        }
+    for (int64_t c = c0; c < c1;) {
+        const int B = c1 - c >= 2 ? 2 : 1;
+        const int8_t *w = wq + c * K * 8, *next = c + 2 * B <= c1 ? w + B * K * 8 : NULL;
+        for (int64_t r = 0; r < M; r += 4)
+            tile_rows(M - r < 4 ? M - r : 4, B, xq + r * K, dx + r * G, K, w, r ? NULL : next, dw + c * G * 8,
+                      y + r * N + c * 8, N);
+        c += B;
+    }
 }
 #endif /* __AVX2__ */
 
