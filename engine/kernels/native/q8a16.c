@@ -63,7 +63,7 @@ static void quantize_row(const float *x, int64_t K, int16_t *q, float *d) {
 static inline __attribute__((always_inline)) void tile(const int R, const int B, const int16_t *xq, const float *dx,
                                                        int64_t K, const int8_t *wq, const int8_t *pf, const float *dw,
                                                        float *y, int64_t N) {
-    const int64_t G = K / 32, wb = K * 8; /* from one column block's weights (bytes) or scales to the next's */
+    const int64_t G = K / 32, wb = K * 8; /* bytes from one column block's weights to the next's */
     const int16_t *xr[4];
     const float *dr[4];
     __m256 acc[4][2];
