@@ -1,8 +1,8 @@
 """The decode step against the weight-streaming roof: the default model ("auto": Q4_1 layer
-weights on W4A8, int8 activations per 16, fp32 KV), a decode-only step of 1, 4, 8 and 32
+weights on W4A8, int8 activations per 16, fp32 or bf16 KV), a decode-only step of 1, 4, 8 and 32
 rows at a realistic context, by the Python layer loop ("old") and the one C call over all
 layers (engine/kernels/native/step.c, "native"); and one stream's inter-token latency
-through LLMEngine.step, old vs native.
+through LLMEngine.step, old vs native (--itl-tokens 0: not measured).
 
 The roof: the bytes of weights the layers read per step (the packed W4A8 matrices and the
 norms: each is read once a step whatever the rows) over the read bandwidth measured in the
@@ -10,6 +10,7 @@ same run (a sum over a 256 MB tensor on the process's threads, median); the frac
 time / measured time. The K/V the attention reads is reported beside it.
 
     python -m pdserve.bench.decode_step [--rows 1,4,8,32] [--context 256] [--repeats 15]
+        [--kv-cache-dtype fp32|bf16] [--threads N] [--itl-tokens 48]
 """
 from __future__ import annotations
 
@@ -49,12 +50,13 @@ def weight_bytes(model, nibbles: bool) -> int:
     return total
 
 
-def _step_inputs(cfg, rows: int, ctx: int, bs: int = 16):
+def _step_inputs(cfg, rows: int, ctx: int, bs: int = 16, kv_dtype: torch.dtype = torch.float32):
     """A decode-only step of `rows` requests at `ctx` tokens (the new one included) over a
-    cache of random K/V."""
+    cache of random K/V in `kv_dtype`."""
     from pdserve.engine.kernels.attention import AttentionMetadata
     per = (ctx + bs - 1) // bs
-    kv = torch.randn(cfg.num_hidden_layers, 2, 1 + rows * per, bs, cfg.num_key_value_heads, cfg.head_dim) * 0.5
+    kv = (torch.randn(cfg.num_hidden_layers, 2, 1 + rows * per, bs, cfg.num_key_value_heads, cfg.head_dim) * 0.5
+          ).to(kv_dtype)
     layers = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_hidden_layers)]
     tables = torch.arange(1, 1 + rows * per).view(rows, per)
     slots = tables[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs
@@ -64,11 +66,11 @@ def _step_inputs(cfg, rows: int, ctx: int, bs: int = 16):
     return ids, lens - 1, layers, meta
 
 
-def step_times(model, rows: int, ctx: int, repeats: int) -> dict:
+def step_times(model, rows: int, ctx: int, repeats: int, kv_dtype: torch.dtype = torch.float32) -> dict:
     """Median and best ms of one step (backend.prepare + forward) by each path: the Python
     loop, the C step on one OpenMP team (the default) and with a region per op; the paths
     alternate in rounds so a noisy neighbour weighs on all alike."""
-    ids, pos, layers, meta = _step_inputs(model.config, rows, ctx)
+    ids, pos, layers, meta = _step_inputs(model.config, rows, ctx, kv_dtype=kv_dtype)
     native_decode, times = model.native_decode, {"old": [], "native": [], "native_per_op": []}
     try:
         with torch.inference_mode():
@@ -89,12 +91,13 @@ def step_times(model, rows: int, ctx: int, repeats: int) -> dict:
             **{f"{name}_best": min(ts) * 1e3 for name, ts in times.items()}}
 
 
-def engine_itl(loaded, tok, native_on: bool, tokens: int, prompt_len: int = 64) -> float:
+def engine_itl(loaded, tok, native_on: bool, tokens: int, prompt_len: int = 64, kv_cache_dtype: str = "auto") -> float:
     """Median ms between one stream's tokens through LLMEngine.step (greedy, after the first)."""
     from pdserve.common.sampling_params import SamplingParams
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.core.engine import LLMEngine
-    eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)), tok)
+    eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20, kv_cache_dtype=kv_cache_dtype)),
+                    tok)
     if not native_on:
         loaded.model.native_decode = None
     prompt = torch.randint(100, 10000, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -135,12 +138,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def run(rows: list[int], ctx: int, repeats: int, itl_tokens: int) -> dict:
+def run(rows: list[int], ctx: int, repeats: int, itl_tokens: int, kv_cache_dtype: str = "fp32") -> dict:
     from pdserve.bench.metrics import cpu_description
     from pdserve.common.tokenizer import Tokenizer
     from pdserve.engine.kernels.attention import NativeAttentionBackend
     from pdserve.engine.model.weights import load_model
 
+    kv_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[kv_cache_dtype]
     load_before = os.getloadavg()
     loaded = load_model(quantization="auto")
     model, cfg = loaded.model, loaded.config
@@ -150,10 +154,10 @@ def run(rows: list[int], ctx: int, repeats: int, itl_tokens: int) -> dict:
         raise SystemExit("the native step does not cover this model here (no AVX2 or no W4A8 weights)")
     nib_bytes, byte_bytes, bw = weight_bytes(model, True), weight_bytes(model, False), read_bandwidth()
     roof = {"native": nib_bytes / bw * 1e3, "old": byte_bytes / bw * 1e3}  # ms
-    kv_per_row = ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    kv_per_row = ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize
     per_rows = {}
     for m in rows:
-        t = step_times(model, m, ctx, repeats)
+        t = step_times(model, m, ctx, repeats, kv_dtype)
         kv_ms = m * kv_per_row / bw * 1e3
         per_rows[str(m)] = {**{f"{k}_ms": round(v, 3) for k, v in t.items()},
                             "speedup": round(t["old"] / t["native"], 2), "kv_bytes_read": m * kv_per_row,
@@ -163,13 +167,15 @@ def run(rows: list[int], ctx: int, repeats: int, itl_tokens: int) -> dict:
               f"{roof['native'] / t['native']:.2f}, old {roof['old'] / t['old']:.2f}", flush=True)
     head = head_times(model, rows, repeats, bw)
     tok = Tokenizer.from_model_path(loaded.path)
-    itl = {name: round(statistics.median(engine_itl(loaded, tok, on, itl_tokens) for _ in range(3)), 3)
-           for name, on in (("old", False), ("native", True))}
-    print(f"engine ITL at one stream: old {itl['old']:.2f} ms, native {itl['native']:.2f} ms", flush=True)
+    itl = {name: round(statistics.median(engine_itl(loaded, tok, on, itl_tokens, kv_cache_dtype=kv_cache_dtype)
+                                         for _ in range(3)), 3)
+           for name, on in (("old", False), ("native", True))} if itl_tokens else {}
+    if itl:
+        print(f"engine ITL at one stream: old {itl['old']:.2f} ms, native {itl['native']:.2f} ms", flush=True)
     return {"cpu": cpu_description(), "threads": torch.get_num_threads(),
             "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
-            "numerics": "auto: Q4_1 layer weights on W4A8 (int8 activations per 16), fp32 KV cache, "
-                        "Q8_0 LM head on int16 activations per 32",
+            "numerics": f"auto: Q4_1 layer weights on W4A8 (int8 activations per 16), {kv_cache_dtype} KV "
+                        "cache, Q8_0 LM head on int16 activations per 32",
             "context_tokens": ctx, "repeats": repeats,
             "weight_bytes_per_step": {"native": nib_bytes, "old": byte_bytes},
             "read_bandwidth_gb_s": round(bw / 1e9, 2), "roof_ms": {p: round(v, 3) for p, v in roof.items()},
@@ -185,13 +191,14 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,8,32")
     p.add_argument("--context", type=int, default=256, help="tokens in each row's context")
     p.add_argument("--repeats", type=int, default=15, help="timed steps per path and row count (median)")
-    p.add_argument("--itl-tokens", type=int, default=48)
+    p.add_argument("--itl-tokens", type=int, default=48, help="tokens of the engine ITL run; 0: no ITL run")
+    p.add_argument("--kv-cache-dtype", choices=("fp32", "bf16"), default="fp32", help="the step's KV cache")
     p.add_argument("--threads", type=int, default=0, help="torch (and so the kernels') threads; 0: torch's default")
     p.add_argument("--output", default=str(OUT))
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    result = run([int(r) for r in a.rows.split(",")], a.context, a.repeats, a.itl_tokens)
+    result = run([int(r) for r in a.rows.split(",")], a.context, a.repeats, a.itl_tokens, a.kv_cache_dtype)
     Path(a.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.output}")
 

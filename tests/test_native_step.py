@@ -1,8 +1,9 @@
 """The decode step in one C call (engine/kernels/native/step.c, engine/model/native_step.py):
-on the real default model at "auto" (W4A8 weights, fp32 KV) a decode-only step gives bitwise
-the Python path's hidden states and K/V (tolerance 0: the C loop calls the same kernels on
-the same inputs), so greedy tokens agree over many steps, through the engine too; a model or
-a step it does not cover runs the Python path."""
+on the real default model at "auto" (W4A8 weights) over an fp32 or a bf16 KV cache a
+decode-only step gives bitwise the Python path's hidden states and K/V (tolerance 0: the C
+loop calls the same kernels on the same inputs and rounds the new K/V to bf16 as torch
+does), so greedy tokens agree over many steps, through the engine too; a model or a step it
+does not cover (an 8-bit cache) runs the Python path."""
 from __future__ import annotations
 
 import pytest
@@ -83,19 +84,24 @@ def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
                              torch.tensor(lens), [], BS)
 
 
-@pytest.mark.parametrize("prompt_lens,one_region", [([13], True), ([5, 16, 31], True), ([5, 16, 31], False)])
-def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens, one_region):
+@pytest.mark.parametrize("prompt_lens,one_region,kv", [
+    ([13], True, "fp32"), ([5, 16, 31], True, "fp32"), ([5, 16, 31], False, "fp32"),
+    ([13], True, "bf16"), ([5, 16, 31], True, "bf16"), ([5, 16, 31], False, "bf16"),
+    ([5, 16, 31, 2, 20, 9], True, "bf16")])  # 6 rows: over team_rows, so a region per op
+def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens, one_region, kv):
     """Both paths decode from the same prefilled cache, each in its own copy; every step's
     hidden states and every layer's K/V are bitwise equal, so every greedy token is. The
     lengths cross block boundaries (16-token blocks) during the 32 steps. Both of step.c's
-    schedules: one OpenMP team for the step, or a region per op."""
-    cfg, steps = model.config, 32
+    schedules (one OpenMP team for the step, or a region per op), over fp32 and bf16 caches
+    (the C step's bf16 rounding of the new K/V is torch's: the caches stay equal)."""
+    cfg, steps, kv_dtype = model.config, 32, {"fp32": torch.float32, "bf16": torch.bfloat16}[kv]
     model.native_decode.one_region = one_region
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 10000, (n,), generator=g).tolist() for n in prompt_lens]
     per = (max(prompt_lens) + steps + BS - 1) // BS
     tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
-    kv = torch.zeros(cfg.num_hidden_layers, 2, 1 + per * len(prompts), BS, cfg.num_key_value_heads, cfg.head_dim)
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 1 + per * len(prompts), BS, cfg.num_key_value_heads, cfg.head_dim,
+                     dtype=kv_dtype)
     _prefill(model, prompts, kv, tables)
     caches = {on: kv.clone() for on in (False, True)}
     layers = {on: [(c[i, 0], c[i, 1]) for i in range(c.shape[0])] for on, c in caches.items()}
@@ -113,7 +119,8 @@ def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step
         assert torch.equal(hidden[True], hidden[False]), (hidden[True] - hidden[False]).abs().max()
         assert tokens[True] == tokens[False]
     assert torch.equal(caches[True], caches[False])
-    assert caches[True].abs().sum() > 0 and step_calls == [len(prompts)] * steps  # the native step did run
+    assert caches[True].dtype is kv_dtype and caches[True].abs().sum() > 0
+    assert step_calls == [len(prompts)] * steps  # the native step did run
     model.native_decode.one_region = True
 
 
@@ -121,10 +128,11 @@ def _greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int = 24) -> l
     return eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-def test_the_engine_gives_the_same_tokens_with_the_native_step_on_and_off(smollm, step_calls):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16"])
+def test_the_engine_gives_the_same_tokens_with_the_native_step_on_and_off(smollm, step_calls, kv_cache_dtype):
     """End to end through LLMEngine: prompts of different lengths, decoded together (the
     decode-only steps run natively, the steps with a prefill in Python), then every KV block
-    is back."""
+    is back; with the default (fp32) and a bf16 KV cache."""
     loaded, tok = smollm
     backend, ops = loaded.model.backend, loaded.model.native_ops
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
@@ -132,8 +140,10 @@ def test_the_engine_gives_the_same_tokens_with_the_native_step_on_and_off(smollm
     outs = {}
     try:
         for on in (True, False):
-            eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok)
+            eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20,
+                                                                   kv_cache_dtype=kv_cache_dtype)), tok)
             assert loaded.model.native_decode is not None
+            assert eng.kv_cache.kv.dtype is {"auto": torch.float32, "bf16": torch.bfloat16}[kv_cache_dtype]
             if not on:
                 loaded.model.native_decode = None
             outs[on] = _greedy(eng, prompts)
@@ -176,7 +186,9 @@ def test_a_step_with_a_prefill_a_hook_or_tensor_parallelism_is_not_native(model)
     prefill = AttentionMetadata(meta.slot_mapping, 1, meta.decode_block_tables, meta.decode_seq_lens,
                                 [PrefillSpan(1, 3, 0, [1])], BS)
     assert not native_step.usable(model, layers, prefill, None)
-    assert not native_step.usable(model, [(k.to(torch.int8), v.to(torch.int8)) for k, v in layers], meta, None)
+    assert native_step.usable(model, [(k.bfloat16(), v.bfloat16()) for k, v in layers], meta, None)
+    for dtype in (torch.int8, torch.float8_e4m3fn, torch.float16):
+        assert not native_step.usable(model, [(k.to(dtype), v.to(dtype)) for k, v in layers], meta, None)
     model.tp = object()
     try:
         assert not native_step.usable(model, layers, meta, None)
@@ -185,7 +197,8 @@ def test_a_step_with_a_prefill_a_hook_or_tensor_parallelism_is_not_native(model)
 
 
 def test_bad_rows_are_refused_before_the_c_call(model):
-    """A slot outside the cache or a position outside the RoPE tables raises, naming them."""
+    """A slot outside the cache, a position outside the RoPE tables or an 8-bit cache raises,
+    naming them."""
     cfg = model.config
     kv = torch.zeros(cfg.num_hidden_layers, 2, 2, BS, cfg.num_key_value_heads, cfg.head_dim)
     layers = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_hidden_layers)]
@@ -198,6 +211,9 @@ def test_bad_rows_are_refused_before_the_c_call(model):
     with pytest.raises(ValueError, match="RoPE tables"):
         step.run(model.native_decode, h, layers, torch.tensor([rot.cos.shape[0]]), rot.cos, rot.sin,
                  torch.tensor([BS + 2]), tables, lens)
+    with pytest.raises(ValueError, match="fp32 or bf16 caches"):
+        step.run(model.native_decode, h, [(k.to(torch.int8), v.to(torch.int8)) for k, v in layers], torch.tensor([2]),
+                 rot.cos, rot.sin, torch.tensor([BS + 2]), tables, lens)
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (8, 32), (3072, 576)])

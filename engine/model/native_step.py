@@ -67,11 +67,12 @@ def prepare(model):
 
 def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer, lora=None) -> bool:
     """Whether this step runs natively: a prepared model, no tensor parallelism, no per-layer
-    hook, decode rows only, the C attention backend and an fp32 cache; LoRA adapters (a
-    lora_batch.LoRABatch) with fp32 CPU weights."""
+    hook, decode rows only, the C attention backend and an fp32 or bf16 cache (not 8-bit: the
+    C step has no quantizing store); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU
+    weights."""
     return (model.native_decode is not None and model.tp is None and after_layer is None and not meta.prefills
             and meta.num_decode_tokens > 0 and isinstance(model.backend, NativeAttentionBackend)
-            and kv_caches[0][0].dtype is torch.float32
+            and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
             and (lora is None or all(_fp32_cpu(a) for a in lora.adapters)))
 
 

@@ -5,22 +5,22 @@
  * layer loop is C, and each op is the kernel the Python path calls (add_rms_norm_f32,
  * rope_f32, paged attention, silu_mul_f32) on the same inputs in the same order, the matmuls
  * w4a8n_matmul below (bitwise w4a8_matmul's result from half its weight bytes), and the KV
- * store the fp32 cache's copy of the new rows (what index_copy_ does there): a row's result
- * is bitwise the Python path's. Two schedules, the same result: a parallel region per op
+ * store the new rows as the cache's dtype holds them (put_kv: what .to() and index_copy_ do
+ * there): a row's result is bitwise the Python path's. Two schedules, the same result: a parallel region per op
  * (layer), or the whole step on one OpenMP team (team_step, the default).
  *
  * LoRA adapters (lora.c) add their updates to the four matrices' outputs, per row, where the
  * Python path adds them (before RoPE, before SwiGLU), with the routine that path calls.
  *
  * The common case only: no q/k/v bias, no qk-norm, no sliding window, no query scale,
- * SwiGLU, fp32 paged KV cache, W4A8 weights (w4a8.c's layout) for all four matrices;
+ * SwiGLU, fp32 or bf16 paged KV cache, W4A8 weights (w4a8.c's layout) for all four matrices;
  * engine/model/native_step.py checks a model once and falls back otherwise.
  *
  * Per-layer pointers (engine/kernels/native/step.py builds them once per model), STEP_PTRS
  * of them per layer, in this order:
  *   input norm weight, post-attention norm weight,
  *   qkv q/d/m, o q/d/m, gate_up q/d/m, down q/d/m (w4a8.pack's d, m and its q as nibbles, below),
- *   K cache, V cache (num_blocks, bs, KVH, hd) fp32, in a second array (per KV cache)
+ *   K cache, V cache (num_blocks, bs, KVH, hd) fp32 or bf16, in a second array (per KV cache)
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,6 +31,7 @@
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
 #endif
+#include "kvformat.h"
 
 #define STEP_PTRS 14
 
@@ -215,7 +216,23 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_blocks;
     float eps, scale;
     int64_t max_positions, num_slots; /* the cos/sin tables' rows, the cache's slots: the inputs' bounds */
+    int64_t kv_fmt;                   /* the cache's format: KV_F32 or KV_BF16 (kvformat.h) */
 } step_dims;
+
+/* n floats into the cache from element `at` on: copied (fp32), or rounded to bf16 as torch's
+ * .to(torch.bfloat16) rounds (to nearest, ties to even; NaN as 0x7fc0), bit for bit. */
+static void put_kv(void *cache, int64_t at, const float *x, int64_t n, int64_t fmt) {
+    if (fmt == KV_F32) {
+        memcpy((float *)cache + at, x, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *o = (uint16_t *)cache + at;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        o[i] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
 
 /* The step's scratch, one allocation: each buffer is (M, width) fp32. */
 typedef struct {
@@ -239,20 +256,20 @@ static float *alloc_bufs(step_bufs *b, const step_dims *d, int64_t M) {
 
 /* The new K and V rows (after RoPE, in the fused qkv rows) into their cache slots, and q
  * into its own contiguous (M, heads, hd) buffer, as the attention kernel reads it. */
-static void store_kv(const step_dims *d, const float *qkv, float *q, float *kc, float *vc, const int64_t *slots,
+static void store_kv(const step_dims *d, const float *qkv, float *q, void *kc, void *vc, const int64_t *slots,
                      int64_t M) {
     const int64_t nq = d->heads * d->head_dim, nk = d->kv_heads * d->head_dim, wqkv = nq + 2 * nk;
     for (int64_t t = 0; t < M; t++) {
         const float *row = qkv + t * wqkv;
         memcpy(q + t * nq, row, sizeof(float) * (size_t)nq);
-        memcpy(kc + slots[t] * nk, row + nq, sizeof(float) * (size_t)nk);
-        memcpy(vc + slots[t] * nk, row + nq + nk, sizeof(float) * (size_t)nk);
+        put_kv(kc, slots[t] * nk, row + nq, nk, d->kv_fmt);
+        put_kv(vc, slots[t] * nk, row + nq + nk, nk, d->kv_fmt);
     }
 }
 
 /* One layer: h += delta (the previous layer's MLP output; NULL for the first), attention,
  * h += its output, and the MLP's output into b->delta. Returns 0, or -1 without memory. */
-static int layer(const step_dims *d, void *const *w, float *kc, float *vc, float *h, const float *delta,
+static int layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta,
                  step_bufs *b, const int64_t *positions, const float *cos_t, const float *sin_t,
                  const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
                  const step_lora *L, int64_t li) {
@@ -264,7 +281,7 @@ static int layer(const step_dims *d, void *const *w, float *kc, float *vc, float
     store_kv(d, b->qkv, b->q, kc, vc, slots, M);
     if (paged_decode_attention_f32(b->q, kc, vc, tables, lens, NULL, b->att, (int)M, (int)d->heads,
                                    (int)d->kv_heads, (int)d->head_dim, (int)d->block_size, (int)d->max_blocks,
-                                   d->scale, nt, 0))
+                                   d->scale, nt, (int)d->kv_fmt))
         return -1;
     if (w4a8n_matmul(b->att, w[5], w[6], w[7], b->a, M, H, nq, nt)) return -1;
     if (lora_all(L, li, 1, b->att, nq, b->a, H, M, nt)) return -1;
@@ -326,7 +343,7 @@ static void team_lora(const step_lora *L, int64_t li, int m, const float *x, int
 
 /* Attention item (row b, KV head kh): RoPE of its G query heads and its K head in place in
  * qkv, the K/V rows into the cache, q into the attention kernel's layout, then attend. */
-static int team_item(const step_dims *d, int w, float *qkv, float *q, float *att, float *kc, float *vc,
+static int team_item(const step_dims *d, int w, float *qkv, float *q, float *att, void *kc, void *vc,
                      const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
                      const int64_t *tables, const int64_t *lens) {
     const int64_t hd = d->head_dim, KVH = d->kv_heads, G = d->heads / KVH, nq = d->heads * hd, nk = KVH * hd;
@@ -334,15 +351,15 @@ static int team_item(const step_dims *d, int w, float *qkv, float *q, float *att
     float *row = qkv + b * (nq + 2 * nk), *qh = row + kh * G * hd, *kr = row + nq + kh * hd;
     rope_f32(qh, 1, 0, (int)G, (int)hd, cos_t, sin_t, positions + b, 1);
     rope_f32(kr, 1, 0, 1, (int)hd, cos_t, sin_t, positions + b, 1);
-    memcpy(kc + (slots[b] * KVH + kh) * hd, kr, sizeof(float) * (size_t)hd);
-    memcpy(vc + (slots[b] * KVH + kh) * hd, kr + nk, sizeof(float) * (size_t)hd);
+    put_kv(kc, (slots[b] * KVH + kh) * hd, kr, hd, d->kv_fmt);
+    put_kv(vc, (slots[b] * KVH + kh) * hd, kr + nk, hd, d->kv_fmt);
     memcpy(q + b * nq + kh * G * hd, qh, sizeof(float) * (size_t)(G * hd));
     return paged_attention_item(q, kc, vc, tables, lens, NULL, att, w, (int)d->heads, (int)KVH, (int)hd,
-                                (int)d->block_size, (int)d->max_blocks, d->scale, 0);
+                                (int)d->block_size, (int)d->max_blocks, d->scale, (int)d->kv_fmt);
 }
 
 /* One layer on the team (layer()'s steps); `delta` is the shared previous MLP output. */
-static int team_layer(const step_dims *d, void *const *w, float *kc, float *vc, step_bufs *s, team_bufs *p,
+static int team_layer(const step_dims *d, void *const *w, void *kc, void *vc, step_bufs *s, team_bufs *p,
                       int first, const int64_t *positions, const float *cos_t, const float *sin_t,
                       const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M,
                       const step_lora *L, int64_t li) {
@@ -408,13 +425,15 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
  *                       (native.paged_attention_tables)
  *   one_region          1: the whole step on one OpenMP team (team_step), 0: each op its own region
  *   lora                the rows' LoRA adapters (step_lora above), or NULL
- * Returns 0, -1 when scratch memory could not be allocated, or -2 (nothing run) when a position
- * or slot lies outside the tables or the cache. */
+ * Returns 0, -1 when scratch memory could not be allocated, -2 (nothing run) when a position
+ * or slot lies outside the tables or the cache, or -3 (nothing run) for a cache format other
+ * than fp32 or bf16. */
 int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
                       float *out, const int64_t *positions, const float *cos_t, const float *sin_t,
                       const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
                       int one_region, const step_lora *lora) {
     if (M <= 0) return 0;
+    if (d->kv_fmt != KV_F32 && d->kv_fmt != KV_BF16) return -3;
     for (int64_t i = 0; i < M; i++) /* checked here: in torch ops this cost 0.5 ms a step */
         if (positions[i] < 0 || positions[i] >= d->max_positions || slots[i] < 0 || slots[i] >= d->num_slots)
             return -2;

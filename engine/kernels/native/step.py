@@ -1,5 +1,5 @@
 """A whole decode step's decoder layers in one C call (step.c): the Llama family's common
-case with W4A8 weights and an fp32 paged KV cache.
+case with W4A8 weights and an fp32 or bf16 paged KV cache.
 
 The matmuls read nibble-packed weights (`nibbles`: half of w4a8.c's bytes, the same result).
 `StepWeights(hidden, heads, ..., layers, final_norm)` holds the model's shape and the
@@ -21,6 +21,7 @@ from . import _bad, load
 _fn = _nib = None
 _F32, _I64 = torch.float32, torch.int64
 PTRS = 14  # pointers per layer (step.c STEP_PTRS)
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # the caches step.c stores into (kvformat.h's codes)
 
 
 class _Dims(ctypes.Structure):
@@ -29,7 +30,8 @@ class _Dims(ctypes.Structure):
                                               "block_size", "max_blocks")] + [("eps", ctypes.c_float),
                                                                                ("scale", ctypes.c_float),
                                                                                ("max_positions", ctypes.c_int64),
-                                                                               ("num_slots", ctypes.c_int64)]
+                                                                               ("num_slots", ctypes.c_int64),
+                                                                               ("kv_fmt", ctypes.c_int64)]
 
 
 def _bound():
@@ -125,9 +127,10 @@ class StepWeights:
 def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, lora=None) -> torch.Tensor:
     """The final normed hidden states (M, hidden) of a decode-only step; h (M, hidden) fp32, the
-    embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) fp32 contiguous
-    (num_blocks, block_size, kv_heads, head_dim); positions and slots (M,) int64 inside the
-    cos/sin tables and the cache; tables (M, max_blocks) and lens (M,) as
+    embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) contiguous
+    (num_blocks, block_size, kv_heads, head_dim), all fp32 or all bf16 (the new rows stored
+    rounded as .to(torch.bfloat16) rounds); positions and slots (M,) int64 inside the cos/sin
+    tables and the cache; tables (M, max_blocks) and lens (M,) as
     native.paged_attention_tables returns them for this cache; lora: a lora.StepLoRA for these
     rows, or None."""
     fn = _bound()
@@ -136,11 +139,11 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     nb, bs = k0.shape[0], k0.shape[1]
     if h.dtype is not _F32 or h.shape != (M, w.hidden) or not h.is_contiguous() or len(kv_caches) != len(w.layers):
         raise _bad(f"expected contiguous fp32 h (M, {w.hidden}) and one (K, V) per layer", h)
-    if k0.dtype is not _F32 or k0.shape[2:] != (w.kv_heads, w.head_dim):
-        raise _bad("expected fp32 caches (num_blocks, block_size, kv_heads, head_dim)", k0)
+    if k0.dtype not in KV_FORMATS or k0.shape[2:] != (w.kv_heads, w.head_dim):
+        raise _bad("expected fp32 or bf16 caches (num_blocks, block_size, kv_heads, head_dim)", k0)
     _check_rows(M, positions, slots, tables, lens)
     dims = _Dims(len(w.layers), w.hidden, w.heads, w.kv_heads, w.head_dim, w.inter, bs, tables.shape[1], w.eps,
-                 w.head_dim ** -0.5, cos.shape[0], nb * bs)
+                 w.head_dim ** -0.5, cos.shape[0], nb * bs, KV_FORMATS[k0.dtype])
     out = torch.empty_like(h)
     rc = M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                   out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
@@ -148,6 +151,8 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
                   None if lora is None else ctypes.addressof(lora))
     if rc == -2:
         raise _bad("every position must lie in the RoPE tables and every slot in the cache", positions, slots)
+    if rc == -3:
+        raise _bad("step.c stores into fp32 or bf16 caches only", k0)
     if rc:
         raise MemoryError("decode step: no memory for its scratch buffers")
     return out
