@@ -238,7 +238,9 @@ class DecodeWorker:
         skip = (-(-len(prompt) // bs) - len(dest)) * bs  # tokens of the cached prefix, shared here
         # held by the request from here, so its identity cannot change before the KV lands
         identity = await self.engine.run(lambda e: e.loras.identity(lora)) if lora else ""
-        self.receiver.expect(rid, dest, len(prompt), self.transfer.timeout_s, first_token_index=skip,
+        # the lease and the call last the prompt's whole stay on the prefill worker (its queue
+        # included): a hand-off given up while queued there would be computed twice
+        self.receiver.expect(rid, dest, len(prompt), self.transfer.prefill_timeout_s, first_token_index=skip,
                              lora_identity=identity)
         call = self.tracer.start("prefill.call", span, kind="client",
                                  attributes={"pdserve.prefill_worker": request.prefill_worker_id,
@@ -250,7 +252,7 @@ class DecodeWorker:
                     kv_address=self.kv_address, dest_block_ids=dest, timeout_s=self.transfer.timeout_s,
                     skip_tokens=skip, cluster_token=self.cluster_token, peer_address=request.peer_address,
                     peer_blocks=request.peer_blocks, lora=request.lora),
-                    timeout=self.transfer.timeout_s, metadata=self.tracer.metadata(call))
+                    timeout=self.transfer.prefill_timeout_s, metadata=self.tracer.metadata(call))
             finally:
                 call.end()
             arrival = self.receiver.take(rid)

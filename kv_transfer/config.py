@@ -28,7 +28,12 @@ class TransferConfig:
     "int8" (converted for the transfer only, e.g. for a slow link; the decode worker
     converts into its own cache's format as it lands)."""
     timeout_s: float = 30.0
-    """How long a decode worker waits for blocks and for a prompt's KV to arrive."""
+    """How long a decode worker waits for blocks, and a prefill worker's KV push may take."""
+    prefill_timeout_s: float = 600.0
+    """How long a decode worker waits for a prompt it handed to a prefill worker: its queue
+    there, its compute and its KV push (the Prefill call's deadline and the lease of its
+    destination blocks). Under load a long prompt queues there for longer than a push takes;
+    giving up then would compute it twice (there, and again here)."""
     kv_dtype_mismatch: str = "convert"
     """KV arriving in another format than the decode cache's: convert it as it lands, or
     refuse the push (the transfer policy then recomputes or fails the request)."""
@@ -55,3 +60,4 @@ class TransferConfig:
         at_least("kv layer group", self.layer_group, 0)
         at_least("local prefill threshold", self.local_prefill_threshold, 0)
         at_least("transfer timeout", self.timeout_s, 0.001)
+        at_least("prefill timeout", self.prefill_timeout_s, 0.001)

@@ -238,6 +238,9 @@ def _add_transfer_args(p: argparse.ArgumentParser) -> None:
                         "transfer and prefill rates), always, or off")
     p.add_argument("--kv-peer-timeout", type=float, default=_T.peer_timeout_s,
                    help="seconds a peer pull may take before the worker computes the prefix instead")
+    p.add_argument("--prefill-timeout", type=float, default=_T.prefill_timeout_s,
+                   help="seconds a decode worker waits for a prompt handed to a prefill worker (its queue there "
+                        "included) before the transfer policy applies")
 
 
 def add_router_cmd_args(p: argparse.ArgumentParser) -> None:
@@ -295,7 +298,8 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
     return TransferConfig(transport=args.kv_transport, layer_group=args.kv_layer_group, policy=args.transfer_policy,
                           local_prefill_threshold=getattr(args, "local_prefill_threshold", _T.local_prefill_threshold),
                           wire_dtype=args.kv_wire_dtype, kv_dtype_mismatch=args.kv_dtype_mismatch,
-                          peer_pull=args.kv_peer_pull, peer_timeout_s=args.kv_peer_timeout)
+                          peer_pull=args.kv_peer_pull, peer_timeout_s=args.kv_peer_timeout,
+                          prefill_timeout_s=args.prefill_timeout)
 
 
 def _router_config(args: argparse.Namespace) -> RouterConfig:

@@ -61,7 +61,7 @@ def test_every_up_flag_reaches_its_field(monkeypatch):
         "--autoscale-interval", "2", "--autoscale-up-after", "10", "--autoscale-down-after", "20",
         "--autoscale-cooldown", "7", "--ray-address", "ray://head:10001", "--worker-host", "auto",
         "--threads", "2", "--block-size", "32", "--kv-cache-memory", "256MiB", "--quantization", "int8",
-        "--decode-kv-cache-dtype", "bf16", "--worker-metrics-port", "9400"))
+        "--decode-kv-cache-dtype", "bf16", "--worker-metrics-port", "9400", "--prefill-timeout", "90"))
     assert c.prefill == PoolConfig(replicas=2, num_cpus=0.5, max_queue=256, max_restarts=-1, resource="pf")
     assert c.decode == PoolConfig(replicas=3, num_gpus=1.0, max_queue=5, max_restarts=-1, kv_cache_dtype="bf16")
     assert c.worker("decode", "d").engine.cache.kv_cache_dtype == "bf16"
@@ -69,7 +69,9 @@ def test_every_up_flag_reaches_its_field(monkeypatch):
     assert c.router == RouterConfig(host="0.0.0.0", port=9000, model_name="m", routing="round_robin",
                                     decode_local_prefill=0, max_inflight=9, request_timeout_s=30.0,
                                     max_body_bytes=1 << 20)
-    assert c.transfer == TransferConfig(transport="ucx", layer_group=5, policy="fail", local_prefill_threshold=12)
+    assert c.transfer == TransferConfig(transport="ucx", layer_group=5, policy="fail", local_prefill_threshold=12,
+                                        prefill_timeout_s=90.0)
+    assert c.worker("decode", "d").transfer.prefill_timeout_s == 90.0
     assert c.registry == RegistryConfig(redis_url="redis://h:1/0", cluster_name="prod")
     assert (c.security.api_keys, c.security.cluster_token) == (("k",), "from-env")
     assert c.autoscale == AutoscaleConfig(enabled=True, max_replicas=6, ttft_slo_s=3.0, itl_slo_s=0.2, interval_s=2.0,
@@ -153,6 +155,7 @@ def test_worker_command_takes_tls_and_drain_timeout_into_its_config(tmp_path):
     (lambda: RouterConfig(max_inflight=-1), "max_inflight must be >= 0"),
     (lambda: RouterConfig(refresh_interval_s=float("nan")), "refresh_interval_s"),
     (lambda: TransferConfig(transport="tcp"), "kv transport must be one of"),
+    (lambda: TransferConfig(prefill_timeout_s=0), "prefill timeout must be"),
     (lambda: TransferConfig(policy="retry"), "transfer policy must be one of"),
     (lambda: PoolConfig(replicas=-1), "replicas must be >= 0"),
     (lambda: PoolConfig(max_restarts=-2), "max_restarts must be >= -1"),

@@ -3,6 +3,7 @@ cancelled prefill, bad requests, impostors; the first token always leads; every 
 from __future__ import annotations
 
 import asyncio
+import time
 import grpc
 import pytest
 
@@ -126,8 +127,7 @@ def test_hanging_prefill_worker_times_out_and_recomputes(make_engine):
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
-            async with Cluster(make_engine) as c:
-                c.decode.transfer_timeout_s = 0.5
+            async with Cluster(make_engine, prefill_timeout=0.5) as c:
                 out = await c.generate("h", PROMPTS[1], PARAMS[1], prefill=f"127.0.0.1:{port}")
                 return out, await c.stub.Stats(stats_request(c.token)), c.decode.receiver.pending()
         finally:
@@ -136,6 +136,33 @@ def test_hanging_prefill_worker_times_out_and_recomputes(make_engine):
     (tokens, last), stats, pending = asyncio.run(main())
     assert tokens == want[1] and not last.prefilled_remotely
     assert stats.transfer_failures >= 1 and pending == [] and stats.free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("prefill_timeout", [30.0, 0.3])
+def test_a_prompt_queued_past_the_push_timeout_is_not_computed_twice(make_engine, prefill_timeout):
+    """The prefill worker's engine is held for 1 s while three prompts arrive: they queue there
+    longer than a KV push may take (0.3 s). Waited for (--prefill-timeout 30), each is prefilled
+    once, remotely; given up after 0.3 s (the timeout the hand-off had for the whole call before
+    it had its own), each is computed again on the decode worker. Same tokens either way, every
+    block back."""
+    want = expected(make_engine)
+
+    async def main():
+        async with Cluster(make_engine, transfer_timeout=0.3, prefill_timeout=prefill_timeout) as c:
+            held = asyncio.ensure_future(c.prefill.engine.run(lambda e: time.sleep(1.0)))
+            await asyncio.sleep(0.05)
+            outs = await asyncio.gather(*(c.generate(f"q{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))))
+            await held
+            return outs, await c.stub.Stats(stats_request(c.token))
+
+    outs, stats = asyncio.run(main())
+    assert [t for t, _ in outs] == want
+    assert stats.free_blocks == stats.num_blocks
+    if prefill_timeout > 1:
+        assert stats.remote_prefills == 3 and stats.transfer_failures == 0 and stats.local_prefills == 0
+        assert all(last.prefilled_remotely for _, last in outs)
+    else:
+        assert stats.transfer_failures == 3 and stats.local_prefills == 3
 
 
 def test_decode_forwards_the_request_parameters_to_the_prefill_worker_unchanged(make_engine, monkeypatch):

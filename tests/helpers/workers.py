@@ -23,13 +23,15 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 class Cluster:
     def __init__(self, make_engine, token="", policy="recompute", threshold=0, decode_kv=4 << 20, kv_transport="grpc",
                  decode_block_size=16, layer_group=0, prefill_budget=512, kv_cache_dtype="auto",
-                 decode_kv_cache_dtype="", wire_dtype="auto", convert_kv=True):
+                 decode_kv_cache_dtype="", wire_dtype="auto", convert_kv=True, transfer_timeout=30.0,
+                 prefill_timeout=600.0):
         self.prefill_engine = make_engine(max_num_batched_tokens=prefill_budget, kv_cache_dtype=kv_cache_dtype)
         self.decode_engine = make_engine(kv_cache_memory=decode_kv, block_size=decode_block_size,
                                          kv_cache_dtype=decode_kv_cache_dtype or kv_cache_dtype)
         transfer = TransferConfig(transport=kv_transport, layer_group=layer_group, policy=policy,
                                   local_prefill_threshold=threshold, wire_dtype=wire_dtype,
-                                  kv_dtype_mismatch="convert" if convert_kv else "refuse")
+                                  kv_dtype_mismatch="convert" if convert_kv else "refuse", timeout_s=transfer_timeout,
+                                  prefill_timeout_s=prefill_timeout)
         security = SecurityConfig(cluster_token=token)
         self.prefill = PrefillWorker(AsyncEngine(self.prefill_engine), SchemeKVSender("prefill-0", token), "prefill-0",
                                      transfer=transfer, security=security)
