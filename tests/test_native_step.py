@@ -178,13 +178,14 @@ def test_an_ineligible_model_or_step_falls_back_to_the_python_path(smollm, make_
     assert step_calls == []
 
 
-def test_a_step_with_a_prefill_a_hook_or_tensor_parallelism_is_not_native(model):
+def test_a_step_with_a_large_prefill_a_hook_or_tensor_parallelism_is_not_native(model):
     meta = _decode_meta([5], [[1]])
     layers = [(torch.zeros(2, BS, 3, 64), torch.zeros(2, BS, 3, 64))]
     assert native_step.usable(model, layers, meta, None)
     assert not native_step.usable(model, layers, meta, after_layer=lambda i: None)
+    n = native_step.MAX_ROWS_WITH_PROMPTS  # a small prompt chunk runs natively (test_native_step_prompts.py)
     prefill = AttentionMetadata(meta.slot_mapping, 1, meta.decode_block_tables, meta.decode_seq_lens,
-                                [PrefillSpan(1, 3, 0, [1])], BS)
+                                [PrefillSpan(1, 1 + n, 0, [1] * (n // BS + 1))], BS)
     assert not native_step.usable(model, layers, prefill, None)
     assert native_step.usable(model, [(k.bfloat16(), v.bfloat16()) for k, v in layers], meta, None)
     for dtype in (torch.int8, torch.float8_e4m3fn, torch.float16):

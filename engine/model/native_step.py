@@ -1,6 +1,7 @@
 """The decode step without Python in the layer loop: `LlamaForCausalLM.forward` hands a
-decode-only step (every row one new token of its request) to one C call over all layers
-(engine/kernels/native/step.c), when the model is the common Llama case that call computes.
+decode step (every row one new token of its request, and small prompt chunks or speculative
+drafts with them) to one C call over all layers (engine/kernels/native/step.c), when the model
+is the common Llama case that call computes.
 
 LoRA adapters ride along: their updates are added in the C loop by the routine the Python
 path calls for them (engine/kernels/native/lora.c).
@@ -65,13 +66,23 @@ def prepare(model):
         return None
 
 
+# A step with prompt rows (a prompt chunk, or a speculative draft being checked) runs natively up
+# to this many rows in all. The C step's matmuls read the weights as nibbles: fewer bytes, but
+# unpacking them costs more than it saves once the step is bound by its arithmetic (one thread,
+# gate_up: 46 against 36 GMAC/s at 32 rows, 56 against 64 at 256); larger steps take the
+# Python path on w4a8.c's byte weights (the same bits either way).
+MAX_ROWS_WITH_PROMPTS = 64
+
+
 def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer, lora=None) -> bool:
     """Whether this step runs natively: a prepared model, no tensor parallelism, no per-layer
-    hook, decode rows only, the C attention backend and an fp32 or bf16 cache (not 8-bit: the
-    C step has no quantizing store); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU
-    weights."""
-    return (model.native_decode is not None and model.tp is None and after_layer is None and not meta.prefills
-            and meta.num_decode_tokens > 0 and isinstance(model.backend, NativeAttentionBackend)
+    hook, decode rows (and prompt rows, up to MAX_ROWS_WITH_PROMPTS rows in all), the C
+    attention backend and an fp32 or bf16 cache (not 8-bit: the C step has no quantizing
+    store); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU weights."""
+    rows = meta.num_decode_tokens + sum(sp.end - sp.start for sp in meta.prefills)
+    return (model.native_decode is not None and model.tp is None and after_layer is None and rows > 0
+            and (not meta.prefills or rows <= MAX_ROWS_WITH_PROMPTS)
+            and isinstance(model.backend, NativeAttentionBackend)
             and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
             and (lora is None or all(_fp32_cpu(a) for a in lora.adapters)))
 
@@ -90,10 +101,14 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: 
     st = meta.backend_state
     tables, lens = st.get("tables"), st.get("lens")
     if tables is None or tables.dtype is not torch.int64:  # the backend did not prepare this step
-        tables, lens = native.paged_attention_tables(meta.decode_block_tables, meta.decode_seq_lens,
-                                                     meta.block_size)
+        if meta.prefills:
+            model.backend.prepare(meta)  # every row's table and length, prompt rows included
+            tables, lens = st["tables"], st["lens"]
+        else:
+            tables, lens = native.paged_attention_tables(meta.decode_block_tables, meta.decode_seq_lens,
+                                                         meta.block_size)
     h = model.embed(input_ids).contiguous()
     rotary = model.rotary
     return step.run(model.native_decode, h, kv_caches, positions.to(torch.int64).contiguous(), rotary.cos,
                     rotary.sin, meta.slot_mapping.to(torch.int64).contiguous(), tables, lens,
-                    None if lora is None else StepLoRA.of(lora.groups, h.shape[0]))
+                    None if lora is None else StepLoRA.of(lora.groups, h.shape[0]), one_team=not meta.prefills)

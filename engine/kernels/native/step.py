@@ -125,14 +125,18 @@ class StepWeights:
 
 
 def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tensor, cos: torch.Tensor,
-        sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, lora=None) -> torch.Tensor:
-    """The final normed hidden states (M, hidden) of a decode-only step; h (M, hidden) fp32, the
+        sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, lora=None,
+        one_team: bool = True) -> torch.Tensor:
+    """The final normed hidden states (M, hidden) of a decode step; h (M, hidden) fp32, the
     embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) contiguous
     (num_blocks, block_size, kv_heads, head_dim), all fp32 or all bf16 (the new rows stored
     rounded as .to(torch.bfloat16) rounds); positions and slots (M,) int64 inside the cos/sin
     tables and the cache; tables (M, max_blocks) and lens (M,) as
     native.paged_attention_tables returns them for this cache; lora: a lora.StepLoRA for these
-    rows, or None."""
+    rows, or None. one_team False: some rows are consecutive positions of one sequence (a prompt
+    chunk), which the one-team schedule cannot run (its items store a row's K/V and attend at
+    once: a later row of the same sequence could attend before an earlier row's K/V is stored);
+    the schedule with a region per op stores every row first."""
     fn = _bound()
     M = h.shape[0]
     k0 = kv_caches[0][0]
@@ -147,7 +151,7 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     out = torch.empty_like(h)
     rc = M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                   out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                  tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and M <= w.team_rows),
+                  tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and one_team and M <= w.team_rows),
                   None if lora is None else ctypes.addressof(lora))
     if rc == -2:
         raise _bad("every position must lie in the RoPE tables and every slot in the cache", positions, slots)
