@@ -271,10 +271,11 @@ class EngineConfig:
     """Speculative decoding: up to this many tokens proposed per request and step, checked
     by the model in the same step (0: off). Without a `speculative_model`: prompt lookup
     (greedy requests guess from n-grams of their own prompt and output)."""
-    speculative_max_batch: int = 4
+    speculative_max_batch: int = 2
     """... only in steps that decode at most this many requests (0: any batch). Checking
-    guesses costs extra rows in every step: prompt lookup measured 1.3-3x at one stream and
-    0.6-0.8x at 8 (bench/NOTES.md), where the step is no longer bound by reading weights."""
+    guesses costs extra rows in every step: prompt lookup (5 guesses, default weights) measured
+    1.20-1.61x at one stream, 1.00-1.24x at two, 0.55-0.93x at four and 0.56-0.99x at eight
+    (bench/experiments/lookup_batch.py), where the step is no longer bound by reading weights."""
     speculative_model: str = ""
     """The draft model that proposes (engine/sampling/draft.py): "self" (this model's own weights,
     quantized as `speculative_quantization` says) or a GGUF file / Hugging Face directory

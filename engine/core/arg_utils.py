@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device of the model and KV cache, e.g. cuda (default: cpu)")
     g.add_argument("--speculative-tokens", type=int, default=0,
                    help="speculative decoding: propose up to N tokens per request and step, checked in one "
-                        "forward pass (0: off); without --speculative-model, by prompt lookup (greedy requests)")
+                        "forward pass (0: off); without --speculative-model, by prompt lookup (greedy requests, "
+                        "in steps of at most --speculative-max-batch requests, where it pays)")
     g.add_argument("--speculative-max-batch", type=int, default=EngineConfig.speculative_max_batch,
                    help="speculate only in steps decoding at most N requests (0: any) (default: %(default)s)")
     g.add_argument("--speculative-model", default="",
