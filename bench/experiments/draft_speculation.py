@@ -44,7 +44,12 @@ def run(loaded, tok, draft, mode: str, prompts: list[list[int]], params: Samplin
     k = {"plain": 0, "lookup": K_LOOKUP, "draft": K_DRAFT}[mode]
     cfg = EngineConfig(quantization=QUANT, cache=CACHE, speculative_tokens=k,
                        speculative_model="self" if mode == "draft" else "")
-    e = LLMEngine(loaded, cfg, tok, draft=draft if mode == "draft" else None)
+    return timed_decode(LLMEngine(loaded, cfg, tok, draft=draft if mode == "draft" else None), prompts, params)
+
+
+def timed_decode(e: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Decode tokens/s of `prompts` on a fresh engine `e` after their prefill, their outputs,
+    and the speculator's accepted / proposed guesses."""
     e.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm
     outs: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):

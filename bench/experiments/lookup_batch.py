@@ -12,7 +12,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from pdserve.common.sampling_params import SamplingParams
@@ -22,31 +21,15 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.weights import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from draft_speculation import FREE, code_prompts  # noqa: E402  (the same tasks as the draft-model run)
+from draft_speculation import FREE, code_prompts, timed_decode  # noqa: E402  (the same tasks as the draft-model run)
 
 STREAMS, REPEATS, K_LOOKUP, MAX_TOKENS = (1, 2, 4, 8), 3, 5, 64
 
 
 def run(loaded, tok, k: int, prompts: list[list[int]]) -> dict:
     cfg = EngineConfig(cache=CacheConfig(kv_cache_memory=256 << 20), speculative_tokens=k, speculative_max_batch=0)
-    e = LLMEngine(loaded, cfg, tok)
-    e.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    outs: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        e.add_request(f"r{i}", p, params)
-        outs[f"r{i}"] = []
-    while not all(outs.values()):  # the prompts' prefill and first tokens: not what speculation changes
-        for o in e.step():
-            outs[o.request_id].extend(o.new_token_ids)
-    first, t = sum(map(len, outs.values())), time.perf_counter()
-    while e.has_unfinished_requests():
-        for o in e.step():
-            outs[o.request_id].extend(o.new_token_ids)
-    dt = time.perf_counter() - t
-    spec = e.speculator
-    return {"tok_s": (sum(map(len, outs.values())) - first) / dt, "outs": [outs[f"r{i}"] for i in range(len(prompts))],
-            "accepted": spec.accepted if spec else 0, "proposed": spec.proposed if spec else 0}
+    return timed_decode(LLMEngine(loaded, cfg, tok), prompts,
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
 
 
 def main() -> None:
