@@ -141,8 +141,9 @@ def test_a_reloaded_adapter_hits_only_its_own_weights(ref, tmp_path):
     assert_engine_clean(eng)
 
 
-@pytest.mark.parametrize("spec", [dict(speculative_tokens=3), dict(speculative_tokens=3, speculative_model="self",
-                                                                    speculative_quantization="none")])
+@pytest.mark.parametrize("spec", [dict(speculative_tokens=3, speculative_max_batch=0),  # 3 requests: guesses at any batch
+                                  dict(speculative_tokens=3, speculative_max_batch=0, speculative_model="self",
+                                       speculative_quantization="none")])
 def test_speculation_keeps_adapter_output(ref, spec):
     """Prompt lookup guesses for an adapter's request and checks them under the adapter; a
     draft model (here the base's own copy) is not used for it: no draft sequence is made."""
