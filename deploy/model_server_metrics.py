@@ -8,6 +8,9 @@ picker written for vLLM scores pdserve's pods as they are:
 - `vllm:lora_requests_info` (vLLM's gauge: labels `running_lora_adapters`, `waiting_lora_adapters`
   (comma-separated adapter names), `max_lora`; its value the time of the reading).
 
+and pdserve's own `pdserve:step_threads` (gauge: the threads the engine thread's last step ran
+on, its own plus those borrowed from idle peers on its host, engine/parallel/cores.py).
+
 A small prometheus_client HTTP server per worker process; its port is in the worker's registry
 record (`WorkerRecord.metrics_port`) and its Stats (`/admin/workers`). Each scrape reads the
 engine on its own thread between two steps (`AsyncEngine.call`), so the numbers are one
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import time
 
+import torch
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
@@ -34,7 +38,8 @@ def _snapshot(engine) -> dict:
             "kv_usage": 1.0 - blocks.num_free_blocks / max(blocks.num_blocks, 1),
             "block_size": blocks.block_size, "num_blocks": blocks.num_blocks,
             "cache_dtype": engine.kv_cache.format.name, "max_lora": engine.config.lora.max_loras,
-            "running_loras": names(sched.running), "waiting_loras": names(waiting)}
+            "running_loras": names(sched.running), "waiting_loras": names(waiting),
+            "threads": torch.get_num_threads()}  # this thread's: what its steps run on
 
 
 class ModelServerCollector:
@@ -57,6 +62,10 @@ class ModelServerCollector:
         g = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                               labels=["block_size", "cache_dtype", "num_gpu_blocks"])
         g.add_metric([str(s["block_size"]), s["cache_dtype"], str(s["num_blocks"])], 1.0)
+        yield g
+        g = GaugeMetricFamily("pdserve:step_threads", "Threads of the last step (own and borrowed from idle "
+                              "peers on this host).", labels=["model_name"])
+        g.add_metric(m, s["threads"])
         yield g
         g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])

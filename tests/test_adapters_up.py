@@ -4,6 +4,8 @@ single engine's under the same adapter (prefilled remotely, the hand-off under t
 adapter loaded at run time reaches both workers; each worker's own /metrics serves the
 model-server series; every KV block is back in its pool after."""
 
+import os
+
 import httpx
 import pytest
 
@@ -74,6 +76,10 @@ def test_up_serves_adapters_given_at_start_and_loaded_at_run_time(smollm, adapte
             host = w["address"].rpartition(":")[0]
             text = httpx.get(f"http://{host}:{w['metrics_port']}/metrics", timeout=10).text
             assert "vllm:num_requests_waiting{" in text and 'max_lora="2"' in text
+            if w["role"] == "decode":
+                # its steps ran while the prefill worker was idle: on its thread and the peer's
+                threads = min(2, len(os.sched_getaffinity(0)))
+                assert f'pdserve:step_threads{{model_name="{base}"}} {threads:.1f}' in text, text
         wait_kv_back(url, 2)  # every KV block back in its pool, in both workers
     finally:
         rc = stop(up)

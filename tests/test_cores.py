@@ -106,3 +106,15 @@ def test_a_torn_or_foreign_record_reads_as_nothing_owned(tmp_path):
     assert me.step_threads(3) == 1  # junk's file is unlocked but owns nothing readable
     assert not me.yields_to_peer(3)
     me.close()
+
+
+def test_a_look_taken_to_decide_on_standing_aside_still_lends_the_threads(tmp_path, monkeypatch):
+    """The engine thread asks `yields_to_peer` and then `step_threads` within one look's
+    interval: the threads an idle peer owns must reach the step all the same."""
+    monkeypatch.setattr(cores, "CHECK_INTERVAL_S", 3600.0)  # one look for the whole test
+    peer, _ = share(tmp_path, "prefill-0")
+    me, applied = share(tmp_path, "decode-0", max_threads=2)
+    assert not me.yields_to_peer(0)  # this takes the look
+    assert me.step_threads(0) == 2 and applied == [2]
+    for s in (peer, me):
+        s.close()

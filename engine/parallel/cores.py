@@ -70,11 +70,13 @@ class CoreShare:
         if not self.busy:
             fcntl.flock(self._fd, fcntl.LOCK_EX)  # a peer's probe holds it for microseconds at most
             self.busy = True
-        if self._look():
-            want = min(self.max, self.own + self._idle_threads)
-            if want != self.threads:
-                self._set(want)
-                self.threads = want
+        # from the latest look, whoever took it: `yields_to_peer` looks just before this call,
+        # and a fresh look must still apply here (a stale count kept the owner's own threads)
+        self._look()
+        want = min(self.max, self.own + self._idle_threads)
+        if want != self.threads:
+            self._set(want)
+            self.threads = want
         return self.threads
 
     def yields_to_peer(self, urgency: int) -> bool:
