@@ -23,8 +23,9 @@ def share(tmp_path, name, own=1, max_threads=4):
 
 
 def test_a_worker_borrows_idle_peers_threads_and_gives_them_back(tmp_path):
-    prefill, p_applied = share(tmp_path, "prefill-0")
-    decode, d_applied = share(tmp_path, "decode-0", own=2)
+    host = tmp_path / "host"
+    prefill, p_applied = share(host, "prefill-0")
+    decode, d_applied = share(host, "decode-0", own=2)
     assert prefill.step_threads() == 3  # decode idle: its 2 threads join prefill's own 1
     assert decode.step_threads() == 2   # prefill busy: decode keeps to its own
     assert prefill.step_threads() == 1  # decode busy now: back to its own
@@ -32,8 +33,9 @@ def test_a_worker_borrows_idle_peers_threads_and_gives_them_back(tmp_path):
     assert prefill.step_threads() == 3
     assert p_applied == [3, 1, 3] and d_applied == []  # only changes are applied
     prefill.close()
+    assert [p.name for p in host.iterdir()] == ["decode-0.busy"]
     decode.close()
-    assert not list(tmp_path.glob("*.busy"))
+    assert not host.exists()  # the last one out removes the directory
 
 
 def test_never_more_than_the_machine_and_one_busy_peer_stops_lending(tmp_path):

@@ -40,12 +40,11 @@ class CoreShare:
         if own_threads < 1:
             raise ValueError(f"own_threads must be >= 1, got {own_threads}")
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"{name}.busy"
         self.own = own_threads
         self.max = max_threads or len(os.sched_getaffinity(0))
         self._set = set_threads or _torch_set_threads
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = _create(self.path)
         self.busy = False
         self.threads = own_threads
         self.urgency = 0
@@ -138,8 +137,21 @@ class CoreShare:
             self._fd = -1
             try:
                 self.path.unlink()
+                self.dir.rmdir()  # the last worker of the host leaves no directory behind
             except OSError:
-                pass
+                pass  # a peer's file is still there: its owner removes the directory
+
+
+def _create(path: Path) -> int:
+    """Open (creating) a worker's file, and its directory if need be. A peer's `close` may
+    remove the directory between the two: then both are made again."""
+    for _ in range(100):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            continue
+    raise OSError(f"cannot create {path}: its directory keeps disappearing")
 
 
 _URGENCY_BOUND = 10 ** 9
