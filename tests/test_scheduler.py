@@ -135,6 +135,25 @@ def test_requests_whose_kv_is_on_its_way_hold_their_seats_in_the_batch():
     assert bm.num_used_blocks == 0
 
 
+def test_a_prompt_waiting_for_its_turn_does_not_hold_up_kv_hand_offs_it_leaves_room_for():
+    """A decode worker prefilling prompts itself keeps some waiting for the token budget; the
+    KV hand-offs arriving meanwhile are admitted while the blocks and seats those prompts will
+    need stay free, and refused once they would take them."""
+    sched, bm = make(num_blocks=12, bs=4, max_seqs=4, budget=8)
+    sched.add(req("local", 16, start=0))
+    run_step(sched)  # its first chunk: 2 of its 4 blocks taken
+    sched.add(waits := req("waits", 8, start=100))  # 2 blocks, once the budget lets it in
+    assert list(sched.waiting) == [waits]
+    assert sched.add_remote(first := req("remote", 12, start=200))  # 3 of 10 free: 7 left, 2 needed
+    assert not sched.add_remote(req("greedy", 24, start=300))  # 6 blocks: 7 free cannot hold them and 2
+    assert sched.add_remote(seat := req("seat", 4, start=400))  # 3 of 4 seats taken
+    assert not sched.add_remote(req("late", 4, start=500))  # the last seat is the waiting prompt's
+    assert len(bm.block_table("remote")) == 3 and not {"greedy", "late"} & set(sched.requests)
+    for r in (first, seat, waits, sched.requests["local"]):
+        sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert bm.num_used_blocks == 0
+
+
 def land(sched, r) -> None:
     """What the engine does when a request's KV arrives: it joins the batch with the first
     token the prefill side sampled, and ends there if that was its last."""

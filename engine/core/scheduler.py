@@ -77,15 +77,16 @@ class Scheduler:
     def add_remote(self, req: Request) -> bool:
         """Admit `req` with blocks for its whole prompt, to be filled by a KV import. Returns
         False (nothing allocated) if the blocks are not free now, if the batch has no seat left
-        (max_num_seqs, counting the requests whose KV is on its way), or if requests already wait
-        for blocks here (preempted ones first: a stream of new arrivals must not starve them).
-        Cached blocks of the prompt's prefix are shared (by reference count), not imported
-        again: `num_cached_tokens` says how many tokens they hold."""
-        if any(r.priority <= req.priority for r in self.waiting):
-            return False  # as urgent and here first (preempted ones too): they go first
+        (max_num_seqs, counting the requests whose KV is on its way), or if it would take the
+        blocks or the seat of a request that waits here, as urgent and here first (preempted
+        ones too: a stream of new arrivals must not starve them). Cached blocks of the prompt's
+        prefix are shared (by reference count), not imported again: `num_cached_tokens` says
+        how many tokens they hold."""
         # not counted in the hit rate: the prompt is computed (and counted) where it is
         # prefilled; what this finds is KV that is not sent again
         prefix = self.blocks.match_prefix(req.all_token_ids, count=False, root=req.cache_root, whole=True)
+        if not self._leaves_room_for_waiting(req, prefix):
+            return False
         # a seat in the batch is kept for it from now: it joins when its KV lands
         if not self._room_for(req, req.num_prompt_tokens, prefix, preempt=True):
             return False
@@ -95,6 +96,20 @@ class Scheduler:
         self._arrive(req)
         self.remote[req.request_id] = req
         return True
+
+    def _leaves_room_for_waiting(self, req: Request, prefix: PrefixMatch) -> bool:
+        """Whether admitting `req` now leaves a seat and blocks for every waiting request as
+        urgent as it (each counted at its whole length, cached prefix or not). A prompt that
+        merely waits for its turn in the token budget then does not hold up the KV hand-offs
+        behind it, as long as they do not take what it will need."""
+        ahead = [r for r in self.waiting if r.priority <= req.priority]
+        if not ahead:
+            return True
+        if self.seats_taken() + len(ahead) + 1 > self.config.max_num_seqs:
+            return False
+        need = sum(self.blocks.blocks_needed(r.request_id, r.num_tokens) for r in ahead)
+        return need + self.blocks.blocks_needed(req.request_id, req.num_prompt_tokens, prefix) \
+            <= self.blocks.num_free_blocks
 
     def _room_for(self, req: Request, num_tokens: int, prefix: PrefixMatch, preempt: bool,
                   out: SchedulerOutput | None = None) -> bool:
