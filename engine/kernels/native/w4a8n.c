@@ -1,0 +1,121 @@
+/* w4a8n.c - Q4_1 weights x int8 activations over nibble-packed weights, for the decode step
+ *
+ * w4a8.c holds one byte per 4-bit weight (its vpmaddubsw reads bytes). A decode step is
+ * bound by reading the weights, so here two of its 32-byte vectors share one: k-quads 2p and
+ * 2p+1 of a column block in the low and high nibbles (step.py `nibbles` packs them; 0.5 byte
+ * per weight plus the scales), split back into w4a8.c's vectors with a shift and two masks.
+ * Everything else is w4a8.c's arithmetic in its order (the integer sums, then the fp32
+ * scaling per half group and the minimum per group), so y is bitwise w4a8_matmul's.
+ *   wn uint8 (N/8, K/8, 32): byte [c, p, 4j + e] = q[c, 2p, j, e] | q[c, 2p + 1, j, e] << 4
+ * step.c calls w4a8n_columns inside its own parallel region (the one-region schedule).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+void w4a8_quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int row);
+
+/* One row quad x one column block; R = 1 (only the quad's first row is real: the others'
+ * sums are skipped, row 0's are computed as for R = 4) or 4. */
+static inline __attribute__((always_inline)) void tile_nib(const int8_t *xq, const float *dx, const float *sx,
+                                                           int64_t K, const uint8_t *wn, const float *dw,
+                                                           const float *mw, float *y, int64_t N, int rows,
+                                                           const int R) {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (int64_t g = 0; g < K / 32; g++, wn += 128, xq += 128, dx += 8, sx += 4) {
+        const __m256 dv = _mm256_loadu_ps(dw + g * 8), mv = _mm256_loadu_ps(mw + g * 8);
+        for (int h = 0; h < 2; h++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wn + h * 64));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wn + h * 64 + 32));
+            const __m256i wv[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                                   _mm256_and_si256(v1, low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
+            const int8_t *xp = xq + h * 64;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+            for (int t = 0; t < 4; t++) {
+                a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16))));
+                if (R == 1) continue;
+                a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16 + 4))));
+                a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16 + 8))));
+                a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16 + 12))));
+            }
+            const float *d = dx + h * 4;
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d)), acc0);
+            if (R == 1) continue;
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 1)), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a2, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 2)), acc2);
+            acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a3, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 3)), acc3);
+        }
+        acc0 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx), acc0);
+        if (R == 1) continue;
+        acc1 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 1), acc1);
+        acc2 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 2), acc2);
+        acc3 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 3), acc3);
+    }
+    _mm256_storeu_ps(y, acc0);
+    if (rows > 1) _mm256_storeu_ps(y + N, acc1);
+    if (rows > 2) _mm256_storeu_ps(y + 2 * N, acc2);
+    if (rows > 3) _mm256_storeu_ps(y + 3 * N, acc3);
+}
+
+/* Column blocks [c0, c1) for every row quad (w4a8.c's `columns`, 64 rows a pass). */
+void w4a8n_columns(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wn, const float *dw,
+                   const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1) {
+    const int64_t G = K / 32, quads = (M + 3) / 4;
+    for (int64_t r0 = 0; r0 < quads; r0 += 16) {
+        const int64_t r1 = r0 + 16 < quads ? r0 + 16 : quads;
+        for (int64_t c = c0; c < c1; c++)
+            for (int64_t r = r0; r < r1; r++) {
+                const int rows = M - 4 * r < 4 ? (int)(M - 4 * r) : 4;
+                const int8_t *xr = xq + r * 4 * K;
+                const float *dr = dx + r * 8 * G, *sr = sx + r * 4 * G;
+                if (rows == 1)
+                    tile_nib(xr, dr, sr, K, wn + c * K * 4, dw + c * G * 8, mw + c * G * 8, y + 4 * r * N + c * 8, N, 1, 1);
+                else
+                    tile_nib(xr, dr, sr, K, wn + c * K * 4, dw + c * G * 8, mw + c * G * 8, y + 4 * r * N + c * 8, N, rows, 4);
+            }
+    }
+}
+#endif
+
+/* w4a8_matmul with nibble-packed weights wn (above); same arguments otherwise, same result. */
+int w4a8n_matmul(const float *x, const uint8_t *wn, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
+                 int64_t K, int nt) {
+#ifdef __AVX2__
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t G = K / 32, Mp = (M + 3) / 4 * 4;
+    int8_t *xq = aligned_alloc(64, ((size_t)(Mp * K) + 63) & ~(size_t)63);
+    float *dx = calloc((size_t)(Mp * G * 3), sizeof(float));
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
+    float *sx = dx + 2 * Mp * G;
+    if (Mp > M) memset(xq + (Mp - 4) * K, 0, (size_t)(4 * K));
+#pragma omp parallel num_threads(nt < 1 ? 1 : nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++)
+            w4a8_quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t blocks = N / 8;
+        w4a8n_columns(xq, dx, sx, wn, dw, mw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
+    }
+    free(xq);
+    free(dx);
+    return 0;
+#else
+    (void)x; (void)wn; (void)dw; (void)mw; (void)y; (void)M; (void)N; (void)K; (void)nt;
+    return -1;
+#endif
+}
