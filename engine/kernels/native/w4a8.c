@@ -135,11 +135,15 @@ static void columns(const int8_t *xq, const float *dx, const float *sx, const ui
 }
 #endif /* __AVX2__ */
 
-/* y (M, N) = x (M, K) @ W.T, W in the layout above; K % 32 == 0, N % 8 == 0. Returns 0, or -1
- * without AVX2 or scratch memory. */
-int w4a8_matmul(const float *x, const uint8_t *wq, const float *dw, const float *mw, float *y,
-                int64_t M, int64_t N, int64_t K, int nt) {
 #ifdef __AVX2__
+/* The matmul around a column routine: x quantized into quads (every thread a share of the
+ * rows), then each thread's share of the column blocks through `cols` (`columns` above, or
+ * w4a8n.c's over nibble-packed weights). Returns 0, or -1 without scratch memory. */
+typedef void (*w4a8_cols_fn)(const int8_t *, const float *, const float *, const uint8_t *, const float *,
+                             const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+int w4a8_drive(const float *x, const uint8_t *wq, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
+               int64_t K, int nt, w4a8_cols_fn cols) {
     if (M <= 0 || N <= 0) return 0;
     const int64_t G = K / 32, Mp = (M + 3) / 4 * 4;
     int8_t *xq = aligned_alloc(64, ((size_t)(Mp * K) + 63) & ~(size_t)63);
@@ -160,16 +164,25 @@ int w4a8_matmul(const float *x, const uint8_t *wq, const float *dw, const float 
             w4a8_quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t blocks = N / 8;
-        columns(xq, dx, sx, wq, dw, mw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
+        cols(xq, dx, sx, wq, dw, mw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
     }
 #else
     for (int64_t i = 0; i < M; i++)
         w4a8_quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
-    columns(xq, dx, sx, wq, dw, mw, y, M, N, K, 0, N / 8);
+    cols(xq, dx, sx, wq, dw, mw, y, M, N, K, 0, N / 8);
 #endif
     free(xq);
     free(dx);
     return 0;
+}
+#endif /* __AVX2__ */
+
+/* y (M, N) = x (M, K) @ W.T, W in the layout above; K % 32 == 0, N % 8 == 0. Returns 0, or -1
+ * without AVX2 or scratch memory. */
+int w4a8_matmul(const float *x, const uint8_t *wq, const float *dw, const float *mw, float *y,
+                int64_t M, int64_t N, int64_t K, int nt) {
+#ifdef __AVX2__
+    return w4a8_drive(x, wq, dw, mw, y, M, N, K, nt, columns);
 #else
     (void)x; (void)wq; (void)dw; (void)mw; (void)y; (void)M; (void)N; (void)K; (void)nt;
     return -1;

@@ -10,19 +10,14 @@
  * step.c calls w4a8n_columns inside its own parallel region (the one-region schedule).
  */
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#else
-static inline int omp_get_thread_num(void) { return 0; }
-static inline int omp_get_num_threads(void) { return 1; }
-#endif
 
 #ifdef __AVX2__
 #include <immintrin.h>
 
-void w4a8_quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int row);
+typedef void (*w4a8_cols_fn)(const int8_t *, const float *, const float *, const uint8_t *, const float *,
+                             const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
+int w4a8_drive(const float *x, const uint8_t *wq, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
+               int64_t K, int nt, w4a8_cols_fn cols); /* w4a8.c */
 
 /* One row quad x one column block; R = 1 (only the quad's first row is real: the others'
  * sums are skipped, row 0's are computed as for R = 4) or 4. */
@@ -91,29 +86,7 @@ void w4a8n_columns(const int8_t *xq, const float *dx, const float *sx, const uin
 int w4a8n_matmul(const float *x, const uint8_t *wn, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
                  int64_t K, int nt) {
 #ifdef __AVX2__
-    if (M <= 0 || N <= 0) return 0;
-    const int64_t G = K / 32, Mp = (M + 3) / 4 * 4;
-    int8_t *xq = aligned_alloc(64, ((size_t)(Mp * K) + 63) & ~(size_t)63);
-    float *dx = calloc((size_t)(Mp * G * 3), sizeof(float));
-    if (!xq || !dx) {
-        free(xq);
-        free(dx);
-        return -1;
-    }
-    float *sx = dx + 2 * Mp * G;
-    if (Mp > M) memset(xq + (Mp - 4) * K, 0, (size_t)(4 * K));
-#pragma omp parallel num_threads(nt < 1 ? 1 : nt)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < M; i++)
-            w4a8_quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t blocks = N / 8;
-        w4a8n_columns(xq, dx, sx, wn, dw, mw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
-    }
-    free(xq);
-    free(dx);
-    return 0;
+    return w4a8_drive(x, wn, dw, mw, y, M, N, K, nt, w4a8n_columns);
 #else
     (void)x; (void)wn; (void)dw; (void)mw; (void)y; (void)M; (void)N; (void)K; (void)nt;
     return -1;
