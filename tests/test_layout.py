@@ -1,6 +1,7 @@
 """The package layout a newcomer and an installer rely on: one installed package, `pdserve`;
 every import written `pdserve.…` (or relative); each layer imports only the layers below it
-(docs/architecture.md); no two modules import each other, directly or round a circle."""
+(docs/architecture.md); no two modules import each other, directly or round a circle; and each
+test file within its time budget (tests/budgets.toml), checked last."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.timing import PLUGIN, load_budgets, over_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,3 +235,23 @@ def test_installed_package_runs_from_anywhere(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pdserve", "--help"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "bench-transfer" in r.stdout, r.stderr
+
+
+def test_the_budget_check_names_each_file_over_its_budget_stretched_by_the_load():
+    times = {"tests/test_a.py": 50.0, "tests/test_b.py": 20.0, "tests/test_c.py": 95.0}
+    assert over_budget(times, 30.0, {"tests/test_c.py": 100.0}) == ["tests/test_a.py: 50 s, budget 30 s"]
+    assert over_budget(times, 30.0, {}, {"tests/test_a.py": 2.0}) == ["tests/test_c.py: 95 s, budget 30 s"]
+    default, budgets = load_budgets()
+    assert default > 0 and all(v > 0 for v in budgets.values())
+    missing = [name for name in budgets if not (ROOT / name).exists()]
+    assert not missing, f"budgets for test files that do not exist: {missing}"
+
+
+def test_every_test_file_keeps_within_its_time_budget(request):
+    """Runs last (tests/timing.py puts it there): each test file's time in this run (setup,
+    call and teardown of its tests) within its budget in tests/budgets.toml, so the next slow
+    test is seen the day it lands."""
+    clock = request.config.pluginmanager.get_plugin(PLUGIN)
+    over = clock.over()
+    assert not over, ("test files over their time budget (tests/budgets.toml; the slow fixtures are named in "
+                      "the summary):\n" + "\n".join(over))

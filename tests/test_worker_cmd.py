@@ -32,7 +32,7 @@ def test_shutdown_watchdog_dumps_stacks_and_exits():
 def start_worker(redis_url: str, log_path, role: str = "decode") -> subprocess.Popen:
     log = open(log_path, "w+")
     p = subprocess.Popen([sys.executable, "-m", "pdserve", "worker", "--role", role, "--worker-id", "d-1",
-                          "--redis-url", redis_url, "--cluster-name", "wcmd", "--kv-cache-memory", "32MiB",
+                          "--redis-url", redis_url, "--cluster-name", "wcmd", "--kv-cache-memory", "256MiB",
                           "--threads", "1", "--drain-timeout", "5"],
                          stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=ENV)
     p.log = log
@@ -102,9 +102,9 @@ def stream_forever(address: str) -> threading.Thread:
 
     def run():
         with grpc.insecure_channel(address) as ch:
-            # 600 tokens at 20-50 ms each: longer than the 5 s drain timeout
+            # 4,000 tokens at 5-50 ms each: longer than the 5 s drain timeout on the fastest CPU
             req = pb.GenerateRequest(request_id="long", prompt_token_ids=list(range(100, 140)),
-                                     params=params_to_proto(SamplingParams(max_tokens=600, ignore_eos=True)))
+                                     params=params_to_proto(SamplingParams(max_tokens=4000, ignore_eos=True)))
             try:
                 for _ in pb_grpc.DecodeServiceStub(ch).Generate(req):
                     started.set()

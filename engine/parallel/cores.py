@@ -49,7 +49,7 @@ class CoreShare:
         self.threads = own_threads
         self.urgency = 0
         self._write()
-        self._checked = 0.0
+        self._checked = float("-inf")  # the first call looks (a monotonic clock may start near 0)
         self._peer_urgency: int | None = None  # the most urgent busy peer's, at the last look
         self._idle_threads = 0  # owned by idle peers, at the last look
         self.yielded_s = 0.0

@@ -241,7 +241,7 @@ class TPKVCache(KVCache):
                 from pdserve.common.errors import KVTransferError
                 raise KVTransferError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
             g.broadcast(("import", block_ids))
-            parts = [data[:, :, :, :, kv_heads_of(self.full, g.world, r)].contiguous() for r in range(g.world)]
+            parts = [data[:, :, :, :, kv_heads_of(self.full, g.world, r)].contiguous().cpu() for r in range(g.world)]
         mine = torch.empty(self.kv.shape[0], 2, len(block_ids), *self.kv.shape[3:], dtype=self.kv.dtype)
         g.scatter(parts if g.rank == 0 else None, mine)
         super().import_blocks(block_ids, mine)
