@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 PROMETHEUS := .cache/prometheus/usr/bin/prometheus
 
-.PHONY: up test setup setup-test vllm llama-cpp stress
+.PHONY: up test setup setup-test refs vllm llama-cpp stress
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ up: setup
 
 test: setup-test
 	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# what the tests compare to, computed once by transformers and committed as data (tests/data/refs/,
+# tests/refs/): rerun after a transformers or model change, and commit what changed
+refs: setup-test
+	$(BIN)/python -m tests.refs.make
 
 # vLLM's CPU build, the peer of `pdserve bench-peers`, in its own venv (it pins its own torch);
 # torchvision/torchaudio/torchcodec come with it but fail to import against its CPU torch

@@ -99,16 +99,6 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
-def hf_smollm(smollm):
-    """transformers' own GGUF loader: an independent reference for weights and logits."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path = smollm[0].path
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer alone (no weights)."""
     from pdserve.common.tokenizer import Tokenizer

