@@ -2,18 +2,20 @@
 client's flood does to another client's interactive chats, in one run.
 
 Tenant B is a person at a keyboard: short chats, one at a time. Tenant A floods at its maximum
-rate: `--flood-concurrency` streams at once, each sending its next request as soon as the last
-one ends; long prompts, every third one with a JSON-schema `response_format` and every third
-one with n=2. Three phases, each on prompts the server has not seen (no cache reuse):
+rate: N streams at once, each sending its next request as soon as the last one ends; long
+prompts, every third one with a JSON-schema `response_format` and every third one with n=2.
+Each phase (a `Shape`) runs on prompts the server has not seen (no cache reuse) and ends by
+cancelling A's streams (the server must drop what they asked for).
 
-- `alone`: B by itself;
-- `flood`: B beside A, every request equal (no priority, no tenant: first come, first served);
-- `flood+priority`: B beside A, B `priority: -1` and A `priority: 5` (lower is served sooner),
-  each with its tenant header (x-pdserve-tenant), so the queues share fairly between them.
+Without `--grid`, three phases: B `alone`; `flood` (no priority, no tenant: first come, first
+served); `flood+priority` (B `priority: -1`, A 5, each with its tenant header). With `--grid`
+(issue "Isolation, round two"): B alone, then B at `priority: -10` beside floods of 8, 24 and 48
+streams, A at the default priority and at a worse one (5), with and without tenant headers; then
+"fair by default" (24 streams, no priority anywhere, each with its tenant header) and A's
+24-stream flood without B (A's throughput unharmed: its price).
 
-Reports B's TTFT and ITL p50/p99 per phase and their ratio to `alone`, and A's output tokens/s
-and refusals. Goal (issue "Isolation"): B's TTFT p50 within 1.5x and ITL p50 within 1.3x of
-alone while A floods.
+Reports B's TTFT and ITL p50/p99 per phase and their ratios to `alone`, A's output tokens/s while
+B was served, and A's refusals; in the grid, whether each phase meets its goal.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .metrics import RequestResult, cpu_description, percentile
@@ -31,7 +34,49 @@ from .workloads import Turn, Vocabulary
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                            "score": {"type": "integer", "minimum": 0, "maximum": 10}},
           "required": ["title", "score"]}
-PHASES = (("alone", None), ("flood", (0, "")), ("flood+priority", (5, "A")))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One phase: A's `flood` streams (0: none) at `a_priority` (None: A sends none), B's chats
+    at `b_priority` (None: none), each with its tenant header or not; `chats` False: A alone."""
+    name: str
+    flood: int = 0
+    a_priority: int | None = None
+    b_priority: int | None = None
+    tenants: bool = False
+    chats: bool = True
+
+    @property
+    def goal(self) -> tuple[float, float, float] | None:
+        """B's (TTFT p50, ITL p50, ITL p99) bounds as ratios to alone: B more urgent, or fair by
+        default (two tenants, no priority)."""
+        if not self.flood or not self.chats:
+            return None
+        if self.b_priority is not None and (self.a_priority or 0) > self.b_priority:
+            return 1.5, 1.3, 3.0
+        if self.b_priority is None and self.a_priority is None and self.tenants:
+            return 2.0, 1.5, None
+        return None
+
+
+ALONE = Shape("alone")
+
+
+def phases(n: int) -> tuple[Shape, ...]:
+    """The three phases of a plain run, A flooding with `n` streams."""
+    return ALONE, Shape("flood", n), Shape("flood+priority", n, 5, -1, True)
+
+
+def grid(floods=(8, 24, 48), urgent: int = -10) -> tuple[Shape, ...]:
+    shapes = [ALONE]
+    for n in floods:
+        for a in (None, 5):
+            for tenants in (False, True):
+                shapes.append(Shape(f"{n} streams, A {'default' if a is None else a}, "
+                                    f"{'tenants' if tenants else 'no tenant'}", n, a, urgent, tenants))
+    return (*shapes, Shape("24 streams, fair by default", 24, tenants=True),
+            Shape("24 streams, A only", 24, tenants=True, chats=False))
 
 
 def add_noisy_args(w) -> None:
@@ -46,23 +91,31 @@ def add_noisy_args(w) -> None:
                    help="noisy-neighbour: B's output tokens (default: %(default)s)")
     w.add_argument("--warmup", type=float, default=8.0,
                    help="noisy-neighbour: seconds A floods before B's first chat (default: %(default)s)")
+    w.add_argument("--grid", action="store_true",
+                   help="noisy-neighbour: every shape of issue 'Isolation, round two' in one run (floods of 8, 24, "
+                        "48 streams; A at the default priority and at 5; with and without tenant headers; B at -10; "
+                        "fair by default; A alone)")
 
 
-async def _flood(http, url: str, model: str, vocab: Vocabulary, rng: random.Random, tag: str, priority: int,
-                 args, stop: asyncio.Event, stats: dict) -> None:
+async def _flood(http, url: str, model: str, vocab: Vocabulary, rng: random.Random, tag: str,
+                 priority: int | None, args, stats: dict) -> None:
+    """A's stream: its next request as soon as the last one ends, until cancelled; each
+    request's tokens counted in `stats` with when it ended."""
     k = 0
-    while not stop.is_set():
+    while True:
         k += 1
         prompt = f"{tag} {k}:" + vocab.text(rng, args.flood_input_len)
         body = {"model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0.7, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True, "priority": priority}
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if priority is not None:
+            body["priority"] = priority
         if k % 3 == 1:
             body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
                      "ignore_eos": False}
         elif k % 3 == 2:
             body["n"] = 2
         r, _ = await send_one(http, url, "/v1/completions", body, Turn(prompt, args.flood_input_len, 64), 0.0)
-        stats["tokens"] += r.output_tokens
+        stats["ended"].append((time.perf_counter(), r.output_tokens))
         stats[r.status] = stats.get(r.status, 0) + 1
         if not r.ok:
             await asyncio.sleep(0.2)  # a refusal: A retries, as a client would
@@ -97,59 +150,93 @@ def _summary(results: list[RequestResult]) -> dict:
             "itl_p99_ms": _ms(percentile(itl, 99))}
 
 
-async def run(args) -> dict:
-    import httpx
-
-    url = args.base_url.rstrip("/")
-    auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    out: dict = {"url": url, "cpu": cpu_description(), "phases": {}}
-    async with httpx.AsyncClient(timeout=args.timeout, headers=auth) as probe:
-        model = args.model or await first_model(probe, url)
-    tokenizer, _ = resolve_tokenizer(args.tokenizer, model)
-    vocab = Vocabulary(tokenizer)
-    for n, (phase, flood) in enumerate(PHASES):
-        rng = random.Random(args.seed * 1000 + n)
-        tag = f"[{phase} {args.seed}]"  # every phase's prompts are new to the server
-        headers_b = auth | ({"x-pdserve-tenant": "B"} if flood and flood[1] else {})
-        headers_a = auth | ({"x-pdserve-tenant": flood[1]} if flood and flood[1] else {})
-        stop, stats = asyncio.Event(), {"tokens": 0}
-        async with httpx.AsyncClient(timeout=args.timeout, headers=headers_a,
-                                     limits=httpx.Limits(max_connections=64)) as http_a, \
-                httpx.AsyncClient(timeout=args.timeout, headers=headers_b) as http_b:
-            flooders = [asyncio.ensure_future(_flood(http_a, url, model, vocab, random.Random(rng.random()),
-                                                     f"{tag} A{j}", flood[0], args, stop, stats))
-                        for j in range(args.flood_concurrency)] if flood else []
-            t0 = time.perf_counter()
-            if flooders:
-                await asyncio.sleep(args.warmup)
-            t_b = time.perf_counter()
-            b = await _chats(http_b, url, model, vocab, rng, tag, -1 if flood and flood[1] else None, args)
-            stop.set()
-            span = time.perf_counter() - t_b
-            await asyncio.gather(*flooders, return_exceptions=True)
-        out["phases"][phase] = {"B": _summary(b), "A": {"output_tokens_per_s": round(stats["tokens"] / max(
-            time.perf_counter() - t0, 1e-9), 1), "requests": {k: v for k, v in stats.items() if k != "tokens"}}
-                                if flood else None, "B_seconds": round(span, 1)}
-        print(f"{phase}: B {out['phases'][phase]['B']}", file=sys.stderr)
-    alone = out["phases"]["alone"]["B"]
-    for phase, _ in PHASES[1:]:
-        b = out["phases"][phase]["B"]
-        out["phases"][phase]["ratio_to_alone"] = {
-            k: round(b[k] / alone[k], 2) if b[k] and alone[k] else None
-            for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, args, auth: dict) -> dict:
+    rng = random.Random(args.seed * 1000 + n)
+    tag = f"[{shape.name} {args.seed}]"  # every phase's prompts are new to the server
+    headers_b = auth | ({"x-pdserve-tenant": "B"} if shape.tenants else {})
+    headers_a = auth | ({"x-pdserve-tenant": "A"} if shape.tenants else {})
+    stats: dict = {"ended": []}
+    async with httpx_client(args, headers_a, 2 * shape.flood + 8) as http_a, httpx_client(args, headers_b) as http_b:
+        flooders = [asyncio.ensure_future(_flood(http_a, url, model, vocab, random.Random(rng.random()),
+                                                 f"{tag} A{j}", shape.a_priority, args, stats))
+                    for j in range(shape.flood)]
+        if flooders:
+            await asyncio.sleep(args.warmup)
+        t_b = time.perf_counter()
+        if shape.chats:
+            b = await _chats(http_b, url, model, vocab, rng, tag, shape.b_priority, args)
+        else:  # A alone, as long as B's chats take beside A at most
+            await asyncio.sleep(args.chats * 2.0)
+            b = []
+        t_end = time.perf_counter()
+        for f in flooders:  # A goes away: what it asked for must stop on the server
+            f.cancel()
+        await asyncio.gather(*flooders, return_exceptions=True)
+    a_tokens = sum(tokens for t, tokens in stats["ended"] if t_b <= t <= t_end)
+    out = {"B": _summary(b) if shape.chats else None, "B_seconds": round(t_end - t_b, 1),
+           "A": {"output_tokens_per_s": round(a_tokens / max(t_end - t_b, 1e-9), 1),
+                 "requests": {k: v for k, v in stats.items() if k != "ended"}} if shape.flood else None}
+    if flooders:
+        await asyncio.sleep(2.0)  # the server drops A's cancelled requests before the next phase
     return out
 
 
+def httpx_client(args, headers: dict, connections: int = 8):
+    import httpx
+
+    return httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=httpx.Limits(max_connections=connections))
+
+
+async def run(args) -> dict:
+    url = args.base_url.rstrip("/")
+    auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    out: dict = {"url": url, "cpu": cpu_description(), "phases": {}}
+    async with httpx_client(args, auth) as probe:
+        model = args.model or await first_model(probe, url)
+    tokenizer, _ = resolve_tokenizer(args.tokenizer, model)
+    vocab = Vocabulary(tokenizer)
+    shapes = grid() if getattr(args, "grid", False) else phases(args.flood_concurrency)
+    for n, shape in enumerate(shapes):
+        out["phases"][shape.name] = phase = await _phase(url, model, vocab, shape, n, args, auth)
+        phase["shape"] = {"flood": shape.flood, "a_priority": shape.a_priority, "b_priority": shape.b_priority,
+                          "tenants": shape.tenants}
+        print(f"{shape.name}: B {phase['B']} A {phase['A']}", file=sys.stderr)
+    _judge(out["phases"], shapes)
+    return out
+
+
+def _judge(phases: dict, shapes) -> None:
+    """Each phase's ratios to `alone` and, where the shape has a goal, whether it is met; A's
+    throughput beside B against A alone (the price), where the run has A alone."""
+    alone = phases["alone"]["B"]
+    a_only = next((phases[s.name]["A"]["output_tokens_per_s"] for s in shapes if s.flood and not s.chats), None)
+    for shape in shapes:
+        p = phases[shape.name]
+        if not shape.flood or not shape.chats:
+            continue
+        b = p["B"]
+        p["ratio_to_alone"] = {k: round(b[k] / alone[k], 2) if b[k] and alone[k] else None
+                               for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+        if a_only:
+            p["A"]["share_of_alone"] = round(p["A"]["output_tokens_per_s"] / a_only, 2)
+        if shape.goal:
+            r = p["ratio_to_alone"]
+            p["goal_met"] = all(bound is None or (r[k] is not None and r[k] <= bound) for k, bound in
+                                zip(("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms"), shape.goal))
+
+
 def format_noisy(res: dict) -> str:
-    rows = ["| phase | B TTFT p50 / p99 (ms) | B ITL p50 / p99 (ms) | B TTFT p50, ITL p50 vs alone | A out tok/s | A refused |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| phase | B TTFT p50 / p99 (ms) | B ITL p50 / p99 (ms) | B vs alone: TTFT p50, ITL p50, ITL p99 | "
+            "A out tok/s (of A alone) | A refused | goal |", "|---|---|---|---|---|---|---|"]
     for phase, p in res["phases"].items():
-        b, ratio = p["B"], p.get("ratio_to_alone") or {}
-        a = p["A"] or {}
-        refused = sum(v for k, v in (a.get("requests") or {}).items() if k != "ok")
-        rows.append(f"| {phase} | {b['ttft_p50_ms']} / {b['ttft_p99_ms']} | {b['itl_p50_ms']} / {b['itl_p99_ms']} | "
-                    f"{ratio.get('ttft_p50_ms', '-')}x, {ratio.get('itl_p50_ms', '-')}x | "
-                    f"{a.get('output_tokens_per_s', '-')} | {refused if a else '-'} |")
+        b, ratio, a = p["B"] or {}, p.get("ratio_to_alone") or {}, p["A"] or {}
+        refused = sum(v for k, v in (a.get("requests") or {}).items() if k not in ("ok", "CancelledError"))
+        share = f" ({a['share_of_alone']}x)" if "share_of_alone" in a else ""
+        goal = {True: "met", False: "**missed**"}.get(p.get("goal_met"), "-")
+        rows.append(f"| {phase} | {b.get('ttft_p50_ms', '-')} / {b.get('ttft_p99_ms', '-')} | "
+                    f"{b.get('itl_p50_ms', '-')} / {b.get('itl_p99_ms', '-')} | "
+                    f"{ratio.get('ttft_p50_ms', '-')}x, {ratio.get('itl_p50_ms', '-')}x, {ratio.get('itl_p99_ms', '-')}x | "
+                    f"{a.get('output_tokens_per_s', '-')}{share} | {refused if a else '-'} | {goal} |")
     return "\n".join(rows)
 
 

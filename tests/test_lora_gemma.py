@@ -7,7 +7,6 @@ Triton LoRA kernel). The real Gemma 3 270M with an adapter through `pdserve up`:
 tests/test_multi_model_up.py."""
 
 import pytest
-import torch
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig
