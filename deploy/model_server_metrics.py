@@ -9,7 +9,10 @@ picker written for vLLM scores pdserve's pods as they are:
   (comma-separated adapter names), `max_lora`; its value the time of the reading).
 
 and pdserve's own `pdserve:step_threads` (gauge: the threads the engine thread's last step ran
-on, its own plus those borrowed from idle peers on its host, engine/parallel/cores.py).
+on, its own plus those borrowed from idle peers on its host, engine/parallel/cores.py) and
+`pdserve:step_seconds` (histogram of the engine's steps, label `contended`: "true" for a step of
+a more urgent request beside less urgent ones here, which the step budget bounds,
+engine/core/step_cost.py).
 
 A small prometheus_client HTTP server per worker process; its port is in the worker's registry
 record (`WorkerRecord.metrics_port`) and its Stats (`/admin/workers`). Each scrape reads the
@@ -22,7 +25,9 @@ import time
 
 import torch
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+from pdserve.engine.core.step_cost import BUCKETS
 
 SCRAPE_TIMEOUT_S = 5.0  # a scrape waits for the step in progress (a long prefill chunk), not longer
 
@@ -39,7 +44,8 @@ def _snapshot(engine) -> dict:
             "block_size": blocks.block_size, "num_blocks": blocks.num_blocks,
             "cache_dtype": engine.kv_cache.format.name, "max_lora": engine.config.lora.max_loras,
             "running_loras": names(sched.running), "waiting_loras": names(waiting),
-            "threads": torch.get_num_threads()}  # this thread's: what its steps run on
+            "threads": torch.get_num_threads(),  # this thread's: what its steps run on
+            "steps": sched.times.snapshot()}
 
 
 class ModelServerCollector:
@@ -67,6 +73,12 @@ class ModelServerCollector:
                               "peers on this host).", labels=["model_name"])
         g.add_metric(m, s["threads"])
         yield g
+        h = HistogramMetricFamily("pdserve:step_seconds", "Seconds of each engine step; contended: a more urgent "
+                                  "request's step beside less urgent ones here.", labels=["model_name", "contended"])
+        for contended, (counts, total) in s["steps"].items():
+            h.add_metric([self.model_name, str(contended).lower()],
+                         [(str(edge) if edge != float("inf") else "+Inf", n) for edge, n in zip(BUCKETS, counts)], total)
+        yield h
         g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         g.add_metric([s["running_loras"], s["waiting_loras"], str(s["max_lora"])], time.time())

@@ -225,12 +225,22 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     """If > 0, cap any one request's prefill chunk at this many tokens per step."""
     yield_chunk: int = 32
-    """While a more urgent request (a lower `priority`) runs or waits, each prompt chunk of a
-    less urgent one takes at most this many tokens a step, so the urgent one's steps stay
-    short (its time to first token and its inter-token latency); 0: no such cap."""
+    """While a more urgent request (a lower `priority`) runs or waits here, no prompt chunk of a
+    less urgent one shares its steps (they stay its own decode step plus `yield_decodes` rows);
+    for `urgent_window_s` after one was last here (or while a peer on this host steps for one),
+    such chunks take at most this many tokens a step, all together, so the urgent client's next
+    request never waits for a long step; 0: no cap in the window."""
     yield_decodes: int = 4
-    """... and at most this many less urgent requests decode in a step (in turns), so the
-    urgent one's step is not a whole batch of others; 0: no such cap."""
+    """While a more urgent request runs or waits here, at most this many less urgent requests
+    decode in a step (in turns), so the urgent one's step is not a whole batch of others; 0: no
+    such cap."""
+    urgent_step_budget: float = 0.3
+    """While a more urgent request runs here, less urgent decodes share its steps only as far
+    as they add at most this fraction to the step's time (its cost learned from the steps run,
+    engine/core/step_cost.py), and at most `yield_decodes` of them."""
+    urgent_window_s: float = 5.0
+    """How long a worker keeps less urgent prompt chunks short (`yield_chunk`) after its last
+    more urgent request: a person's next chat, a few seconds later, finds short steps."""
 
     def __post_init__(self):
         if self.max_num_seqs <= 0:
@@ -238,6 +248,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.urgent_window_s < 0 or self.urgent_step_budget < 0:
+            raise ValueError(f"urgent_window_s and urgent_step_budget must be >= 0, got {self.urgent_window_s}, "
+                             f"{self.urgent_step_budget}")
         if self.yield_chunk < 0 or self.yield_decodes < 0:
             raise ValueError(f"yield_chunk and yield_decodes must be >= 0, got {self.yield_chunk}, "
                              f"{self.yield_decodes}")

@@ -137,6 +137,8 @@ class Router:
             self.metrics.requests.labels("rejected").inc()
             self.metrics.budget_refusals.labels(e.code.removesuffix("_limit")).inc()
             raise
+        if ctx.priority == 0:  # the default: the tenant served less goes first
+            ctx = replace(ctx, priority=self.tenants.fair_priority(ctx.tenant))
         band = self._band(ctx.priority)
         labels = (band, self.metrics.tenant_label(ctx.tenant))
         self.metrics.class_waiting.labels(*labels).inc()

@@ -75,6 +75,13 @@ class TenantLimits:
         self.inflight[tenant] = n + 1
         self.queued_tokens[tenant] = q + prompt_tokens
 
+    def fair_priority(self, tenant: str) -> int:
+        """Fair by default: the priority of a request of `tenant` sent at the default (0): -1 if
+        another tenant has more requests in flight (the tenant served less is the more urgent
+        one, with every worker's step budget and core lending), else 0."""
+        mine = self.inflight.get(tenant, 0)
+        return -1 if tenant and any(n > mine for t, n in self.inflight.items() if t != tenant) else 0
+
     def first_token(self, tenant: str, prompt_tokens: int) -> None:
         """The request's prompt is answered: its tokens no longer count as queued."""
         left = self.queued_tokens.get(tenant, 0) - prompt_tokens

@@ -176,3 +176,38 @@ def test_a_tenant_past_its_limit_is_refused_alone(cluster):
     third, other, mine = asyncio.run(main())
     assert third.status_code == 429 and third.json()["error"]["code"] == "tenant_inflight_limit"
     assert other.status_code == 200 and all(r.status_code == 200 for r in mine)
+
+
+def test_fair_by_default_the_tenant_with_fewer_requests_in_flight_goes_first():
+    from pdserve.router.tenancy import TenantLimits
+
+    t = TenantLimits()
+    for _ in range(3):
+        t.admit("A", 100)
+    assert t.fair_priority("A") == 0  # alone: nobody to be fair to
+    t.admit("B", 10)
+    assert t.fair_priority("B") == -1 and t.fair_priority("A") == 0
+    assert t.fair_priority("") == 0  # no tenant: first come, first served
+    for _ in range(2):
+        t.done("A")
+    assert t.fair_priority("B") == 0  # one each: equal
+
+
+def test_the_step_budget_keeps_less_urgent_decodes_out_of_an_urgent_step_they_would_slow():
+    """The cost model learns seconds = a + b * tokens from small steps; beside one urgent decode
+    (budget 0.3) a row costing as much as the urgent one does not fit, beside ten urgent rows
+    three do; before any step has run, `yield_decodes` holds."""
+    from pdserve.engine.core.step_cost import StepCost, StepTimes
+
+    cost = StepCost()
+    assert cost.extra_tokens(1, 0.3, default=4) == 4
+    for n in (1, 2, 4, 8, 16, 32):
+        cost.observe(0.001 + 0.002 * n, n)
+    a, b = cost.fit()
+    assert abs(a - 0.001) < 1e-6 and abs(b - 0.002) < 1e-6
+    assert cost.extra_tokens(1, 0.3, default=4) == 0 and cost.extra_tokens(10, 0.3, default=4) == 3
+    times = StepTimes()
+    times.add(0.003, contended=True)
+    times.add(0.5, contended=False)
+    counts, total = times.snapshot()[True]
+    assert counts[1] == 1 and counts[-1] == 1 and total == 0.003 and times.snapshot()[False][0][-2] == 1

@@ -165,18 +165,23 @@ def test_preempted_request_resumes_token_exact(make_engine):
     assert outs["low"] == want
 
 
-def test_less_urgent_prompt_chunks_yield_while_an_urgent_request_is_here():
-    """A long low-priority prompt takes the whole step budget alone; beside a waiting or
-    running urgent request its chunks shrink to `yield_chunk`, so the urgent one's steps stay short."""
-    sched = Scheduler(SchedulerConfig(8, 256, 0, yield_chunk=16), BlockManager(128, 4))
+def test_less_urgent_prompt_chunks_wait_beside_an_urgent_request_and_stay_short_after_it(monkeypatch):
+    """A long low-priority prompt takes the whole step budget alone; while an urgent request is
+    here no chunk of it shares the urgent one's steps; for `urgent_window_s` after, its chunks
+    are at most `yield_chunk` (the urgent client's next request finds short steps); then whole."""
+    import time
+
+    sched = Scheduler(SchedulerConfig(8, 256, 0, yield_chunk=16, urgent_window_s=30.0), BlockManager(128, 4))
     sched.add(long := req("long", 400, priority=5, max_tokens=2))
     assert [c.num_new_tokens for c in step(sched).chunks] == [256]
     sched.add(chat := req("chat", 20, priority=-1, max_tokens=4, start=1000))
-    sizes = {c.request.request_id: c.num_new_tokens for c in step(sched).chunks}
-    assert sizes == {"long": 16, "chat": 20}
+    assert {c.request.request_id: c.num_new_tokens for c in step(sched).chunks} == {"chat": 20}
     while chat.status != RequestStatus.FINISHED_LENGTH:
-        assert {c.request.request_id: c.num_new_tokens for c in step(sched).chunks}["long"] <= 16
-    assert max(c.num_new_tokens for c in step(sched).chunks) > 16  # alone again: full chunks
+        assert "long" not in {c.request.request_id for c in step(sched).chunks}
+    assert [c.num_new_tokens for c in step(sched).chunks] == [16]  # the window: short chunks
+    later = time.monotonic() + 31.0
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert max(c.num_new_tokens for c in step(sched).chunks) > 16  # the window has passed: whole chunks
     while sched.num_unfinished:
         step(sched)
     assert long.output_token_ids

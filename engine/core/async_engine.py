@@ -32,6 +32,7 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
+
     def __init__(self, engine: LLMEngine, cores: CoreShare | None = None):
         """`cores`: this process's share of the host's cores; each step with work then runs
         on the threads it lends (engine/parallel/cores.py)."""
@@ -202,7 +203,11 @@ class AsyncEngine:
         it the cores and wait for a command (or the next look at the peers) instead of stepping;
         True then. Otherwise take the cores for the step."""
         urgency = self.engine.most_urgent_priority()
-        if urgency is not None and self.cores.yields_to_peer(urgency):
+        stands_aside = urgency is not None and self.cores.yields_to_peer(urgency)
+        peer = self.cores.peer_urgency
+        if peer is not None and (urgency is None or peer < urgency):
+            self.engine.scheduler.note_urgency_elsewhere(peer)  # short chunks: stand aside again soon
+        if stands_aside:
             self.cores.idle()
             t0 = time.monotonic()
             self._drain(block=True, timeout=CHECK_INTERVAL_S)

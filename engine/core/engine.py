@@ -9,6 +9,7 @@ A request may run under a LoRA adapter (`add_request(..., lora=name)`, adapters 
 from __future__ import annotations
 
 import itertools
+import time
 import random
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -266,6 +267,7 @@ class LLMEngine(KVTransferHooks):
         self.last_step_progress = sched.num_tokens > 0 or bool(sched.preempted)
         if not sched.chunks:
             return []
+        t0 = time.perf_counter()
         guesses = self.speculator.extend(sched, self._hold) if self._speculates(sched) else {}
         masks = None if guesses else self._start_masks(sched.chunks)
         completed, logits = self.runner.execute(sched.chunks, self._layer_hook(sched.chunks), frozenset(guesses))
@@ -275,8 +277,11 @@ class LLMEngine(KVTransferHooks):
         if not guesses:
             reqs = [c.request for c in completed]
             tokens, logprobs = sample(logits, reqs, masks.result() if masks else None) if reqs else ([], [])
+            self.scheduler.observe_step(time.perf_counter() - t0, sched)
             return [self._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
-        return self._finish_speculative_step(completed, logits, guesses)
+        outputs = self._finish_speculative_step(completed, logits, guesses)
+        self.scheduler.observe_step(time.perf_counter() - t0, sched)
+        return outputs
 
     def _start_masks(self, chunks) -> Future | None:
         """The grammar masks of the requests this step samples for, computed on a thread of

@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 from pdserve.engine.core.block_manager import BlockManager, PrefixMatch
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.step_cost import StepCost, StepTimes
 from pdserve.engine.core.waiting import WaitingQueue
+
+
+SMALL_STEP = 64  # tokens: the steps an urgent decode shares, whose cost the budget is sized by
 
 
 @dataclass
@@ -42,6 +46,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    contended: bool = False
+    """A more urgent request runs in this step while less urgent ones are here."""
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +64,12 @@ class Scheduler:
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}
         self._urgent = 0  # the most urgent priority among this step's running and next waiting requests
+        self._recent: tuple[int, float] | None = None  # the most urgent priority seen in the window, when
+        self._extra = 0  # less urgent decodes that still fit in this step's budget
+        self._window_left = 0  # less urgent prompt tokens this step may still take, in the window
+        self.cost = StepCost()
+        self.times = StepTimes()
+        """Every step's seconds, contended steps apart (each worker's /metrics)."""
         self.preemptions = {"memory": 0, "priority": 0}
         """Running requests preempted: for blocks a running request needed, or for a waiting
         request of a higher priority."""
@@ -185,12 +197,64 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------
     def _chunk_size(self, remaining: int, budget: int, req: Request | None = None) -> int:
+        """The tokens of `req`'s next chunk this step: 0 for a prompt chunk while a more urgent
+        request is here (its steps stay its own plus a few decodes), at most `yield_chunk` while
+        one was here within `urgent_window_s`."""
         n = min(remaining, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
-        if req is not None and self.config.yield_chunk and req.priority > self._urgent:
-            n = min(n, self.config.yield_chunk)  # a more urgent request is here: keep the step short
+        if req is not None and n > 1:
+            if req.priority > self._urgent:
+                return 0
+            recent = self._recent[0] if self._recent is not None else req.priority
+            if self.config.yield_chunk and req.priority > recent:
+                n = min(n, self._window_left)  # the step's less urgent prompt tokens, all chunks together
+                self._window_left -= n
         return n
+
+    def observe_step(self, seconds: float, out: SchedulerOutput) -> None:
+        """A step has run: its time teaches the cost model (steps of decodes and short chunks,
+        the size of the steps the budget sizes) and goes into the histogram."""
+        if out.num_tokens <= SMALL_STEP:
+            self.cost.observe(seconds, out.num_tokens)
+        self.times.add(seconds, out.contended)
+
+    def note_urgency_elsewhere(self, priority: int) -> None:
+        """A peer on this host steps for requests of `priority` now: while it is more urgent
+        than the work here, this worker's prompt chunks stay short as in the window (so it
+        stands aside for the peer within a short step)."""
+        now = time.monotonic()
+        if self._recent is None or priority <= self._recent[0] or now - self._recent[1] > self.config.urgent_window_s:
+            self._recent = (priority, now)
+
+    def _step_budget(self, budget: int) -> bool:
+        """Whether this step is contended (a more urgent request runs beside less urgent ones
+        here); if so, how many less urgent decodes fit beside the urgent tokens (`_extra`)."""
+        urgent = [r for r in self.running if r.priority == self._urgent]
+        head = self.waiting.head()
+        others = any(r.priority > self._urgent for r in self.running) or any(
+            r.priority > self._urgent for r in self.remote.values()) or any(
+            r.priority > self._urgent for r in self.waiting)
+        if not others or (not urgent and (head is None or head.priority != self._urgent)):
+            self._extra = 0
+            return False
+        own = sum(min(r.num_tokens - r.num_computed_tokens, budget) for r in urgent)
+        if head is not None and head.priority == self._urgent:
+            own += min(head.num_tokens - head.num_computed_tokens, budget)
+        cap = self.config.yield_decodes or budget
+        self._extra = min(cap, self.cost.extra_tokens(max(own, 1), self.config.urgent_step_budget, cap))
+        return True
+
+    def _note_urgency(self) -> None:
+        """This step's most urgent priority, and the most urgent seen within the window."""
+        head = self.waiting.head()
+        present = [r.priority for r in self.running] + ([head.priority] if head is not None else [])
+        self._urgent = min(present, default=0)
+        now = time.monotonic()
+        if self._recent is not None and now - self._recent[1] > self.config.urgent_window_s:
+            self._recent = None
+        if present and (self._recent is None or self._urgent <= self._recent[0]):
+            self._recent = (self._urgent, now)
 
     def _preempt(self, req: Request, cause: str) -> None:
         self.preemptions[cause] += 1
@@ -203,15 +267,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        head = self.waiting.head()
-        self._urgent = min([r.priority for r in self.running] + ([head.priority] if head is not None else []),
-                           default=0)
+        self._note_urgency()
+        self._window_left = self.config.yield_chunk
+        out.contended = self._step_budget(budget)
         self._make_room_for_priority(out, budget)
         i, short_of_blocks, yielded = 0, False, []
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget, req)
-            if self._yields_decode(req, n, yielded):
+            if n == 0 or self._yields_decode(req, n, yielded):
                 i += 1
                 continue
             scheduled = True
@@ -241,12 +305,13 @@ class Scheduler:
 
     def _yields_decode(self, req: Request, n: int, decoded: list[Request]) -> bool:
         """Whether `req`, a less urgent request about to decode (one token), sits this step out:
-        `yield_decodes` of its kind decode already (`decoded`, which it joins otherwise)."""
-        cap = self.config.yield_decodes
-        if not cap or req.priority <= self._urgent or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+        the step's budget for less urgent decodes is spent (those that decoded, `decoded`, go
+        last next time, so all take turns)."""
+        if req.priority <= self._urgent or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return False
-        if len(decoded) >= cap:
+        if self._extra <= 0:
             return True
+        self._extra -= 1
         decoded.append(req)
         return False
 
@@ -273,6 +338,8 @@ class Scheduler:
             req = self.waiting.head()
             prefix = self._prefix_of(req)  # looked up at every step it waits: counted once, below
             n = self._chunk_size(req.num_tokens - prefix.num_tokens, budget, req)
+            if n == 0:
+                break  # less urgent than one here: it waits (and so does everything behind it)
             if not self.blocks.allocate(req.request_id, prefix.num_tokens + n, prefix):
                 break  # arrival order is kept: nothing behind it jumps the queue
             if req.num_cached_tokens < 0 and req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:

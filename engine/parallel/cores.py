@@ -85,6 +85,11 @@ class CoreShare:
         self._look()
         return self._peer_urgency is not None and self._peer_urgency < _clamp(urgency)
 
+    @property
+    def peer_urgency(self) -> int | None:
+        """The most urgent priority a busy peer steps for, at the last look (None: none busy)."""
+        return self._peer_urgency
+
     def _look(self) -> bool:
         """Look at the peers if the last look is CHECK_INTERVAL_S old; True if it looked."""
         now = time.monotonic()
