@@ -61,6 +61,7 @@ class Shape:
 
 
 ALONE = Shape("alone")
+A_ONLY_WINDOW_S = 15.0
 
 
 def phases(n: int) -> tuple[Shape, ...]:
@@ -99,14 +100,14 @@ def add_noisy_args(w) -> None:
 
 async def _flood(http, url: str, model: str, vocab: Vocabulary, rng: random.Random, tag: str,
                  priority: int | None, args, stats: dict) -> None:
-    """A's stream: its next request as soon as the last one ends, until cancelled; each
-    request's tokens counted in `stats` with when it ended."""
+    """A's stream: its next request as soon as the last one ends, until cancelled; the time of
+    each token it receives goes into stats["tokens"] (A's throughput in any window)."""
     k = 0
     while True:
         k += 1
         prompt = f"{tag} {k}:" + vocab.text(rng, args.flood_input_len)
         body = {"model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0.7, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
+                "ignore_eos": True}
         if priority is not None:
             body["priority"] = priority
         if k % 3 == 1:
@@ -114,11 +115,31 @@ async def _flood(http, url: str, model: str, vocab: Vocabulary, rng: random.Rand
                      "ignore_eos": False}
         elif k % 3 == 2:
             body["n"] = 2
-        r, _ = await send_one(http, url, "/v1/completions", body, Turn(prompt, args.flood_input_len, 64), 0.0)
-        stats["ended"].append((time.perf_counter(), r.output_tokens))
-        stats[r.status] = stats.get(r.status, 0) + 1
-        if not r.ok:
+        status = await _stream_tokens(http, url + "/v1/completions", body, stats["tokens"])
+        stats[status] = stats.get(status, 0) + 1
+        if status != "ok":
             await asyncio.sleep(0.2)  # a refusal: A retries, as a client would
+
+
+async def _stream_tokens(http, url: str, body: dict, stamps: list[float]) -> str:
+    """One streamed completion; the arrival time of each token (each choice's text piece) is
+    appended to `stamps`. Its status: "ok", the HTTP status, or what broke."""
+    import httpx
+
+    try:
+        async with http.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return str(resp.status_code)
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return "stream_error"
+                    stamps.extend(time.perf_counter() for c in chunk.get("choices") or [] if c.get("text"))
+    except (httpx.HTTPError, OSError, ValueError) as e:  # counted; A goes on as a client would
+        return type(e).__name__
+    return "ok"
 
 
 async def _chats(http, url: str, model: str, vocab: Vocabulary, rng: random.Random, tag: str, priority: int | None,
@@ -155,7 +176,7 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
     tag = f"[{shape.name} {args.seed}]"  # every phase's prompts are new to the server
     headers_b = auth | ({"x-pdserve-tenant": "B"} if shape.tenants else {})
     headers_a = auth | ({"x-pdserve-tenant": "A"} if shape.tenants else {})
-    stats: dict = {"ended": []}
+    stats: dict = {"tokens": []}
     async with httpx_client(args, headers_a, 2 * shape.flood + 8) as http_a, httpx_client(args, headers_b) as http_b:
         flooders = [asyncio.ensure_future(_flood(http_a, url, model, vocab, random.Random(rng.random()),
                                                  f"{tag} A{j}", shape.a_priority, args, stats))
@@ -165,17 +186,17 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         t_b = time.perf_counter()
         if shape.chats:
             b = await _chats(http_b, url, model, vocab, rng, tag, shape.b_priority, args)
-        else:  # A alone, as long as B's chats take beside A at most
-            await asyncio.sleep(args.chats * 2.0)
+        else:  # A alone, for a window as long as B's chats take beside A
+            await asyncio.sleep(A_ONLY_WINDOW_S)
             b = []
         t_end = time.perf_counter()
         for f in flooders:  # A goes away: what it asked for must stop on the server
             f.cancel()
         await asyncio.gather(*flooders, return_exceptions=True)
-    a_tokens = sum(tokens for t, tokens in stats["ended"] if t_b <= t <= t_end)
+    a_tokens = sum(t_b <= t <= t_end for t in stats["tokens"])
     out = {"B": _summary(b) if shape.chats else None, "B_seconds": round(t_end - t_b, 1),
            "A": {"output_tokens_per_s": round(a_tokens / max(t_end - t_b, 1e-9), 1),
-                 "requests": {k: v for k, v in stats.items() if k != "ended"}} if shape.flood else None}
+                 "requests": {k: v for k, v in stats.items() if k != "tokens"}} if shape.flood else None}
     if flooders:
         await asyncio.sleep(2.0)  # the server drops A's cancelled requests before the next phase
     return out

@@ -224,7 +224,7 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decode tokens)."""
     long_prefill_token_threshold: int = 0
     """If > 0, cap any one request's prefill chunk at this many tokens per step."""
-    yield_chunk: int = 32
+    yield_chunk: int = 16
     """While a more urgent request (a lower `priority`) runs or waits here, no prompt chunk of a
     less urgent one shares its steps (they stay its own decode step plus `yield_decodes` rows);
     for `urgent_window_s` after one was last here (or while a peer on this host steps for one),

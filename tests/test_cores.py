@@ -120,3 +120,22 @@ def test_a_look_taken_to_decide_on_standing_aside_still_lends_the_threads(tmp_pa
     assert me.step_threads(0) == 2 and applied == [2]
     for s in (peer, me):
         s.close()
+
+
+def test_an_urgent_step_waits_briefly_for_a_less_urgent_peer_to_lend_its_cores(tmp_path):
+    """A peer busy with less urgent work is waited for (it stands aside at its next step), at
+    most the timeout; once it has, the urgent worker steps on its cores too. A peer as urgent
+    is not waited for."""
+    import threading
+
+    peer, _ = share(tmp_path, "prefill-0")
+    me, applied = share(tmp_path, "decode-0", max_threads=2)
+    peer.step_threads(5)
+    me.step_threads(0)
+    threading.Timer(0.05, peer.idle).start()  # the peer's step ends and it stands aside
+    waited = me.wait_for_peers(5.0)
+    assert 0.03 < waited < 2.0 and me.threads == 2 and applied[-1] == 2
+    peer.step_threads(0)  # as urgent: stepping beside it at once
+    assert me.wait_for_peers(5.0) < 0.5
+    for s in (peer, me):
+        s.close()

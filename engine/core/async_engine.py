@@ -31,6 +31,9 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (a bug or shutdown); requests in flight fail with this."""
 
 
+URGENT_PEER_WAIT_S = 0.05  # an urgent step waits this long at most for a less urgent peer to lend its cores
+
+
 class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, cores: CoreShare | None = None):
@@ -214,6 +217,8 @@ class AsyncEngine:
             self.cores.yielded_s += time.monotonic() - t0
             return True
         self.cores.step_threads(self.cores.urgency if urgency is None else urgency)
+        if urgency is not None and peer is not None and peer > urgency:  # a peer busy with less urgent work
+            self.cores.wait_for_peers(URGENT_PEER_WAIT_S)
         return False
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:

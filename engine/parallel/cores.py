@@ -78,6 +78,21 @@ class CoreShare:
             self.threads = want
         return self.threads
 
+    def wait_for_peers(self, timeout_s: float) -> float:
+        """After `step_threads` marked this worker busy for its urgent work: wait, at most
+        `timeout_s`, while a peer still steps for less urgent work (it stands aside at the end of
+        that step, a short one in its urgent window), then take the cores it lends; the seconds
+        waited. An urgent step on both cores beats one started at once on this worker's own."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            urgent = self._scan()[1]
+            if urgent is None or urgent <= self.urgency:
+                break
+            time.sleep(0.002)
+        self._checked = float("-inf")  # look again now
+        self.step_threads(self.urgency)
+        return time.monotonic() - start
+
     def yields_to_peer(self, urgency: int) -> bool:
         """Whether a worker whose most urgent work has priority `urgency` should stand aside
         now: a busy peer steps for more urgent work. The caller then calls `idle()` and waits
