@@ -15,6 +15,8 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.config import RouterConfig, SecurityConfig
+
+URGENT_WINDOW_S = 5.0  # as the workers' urgent_window_s (engine/config.py SchedulerConfig)
 from pdserve.common.block_hash import hash_blocks, root_hash
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
@@ -97,6 +99,7 @@ class ClusterClient:
         # requests between two polls went to one decode worker while the others idled
         self.decode_streams: dict[str, int] = {}
         self.decode_priorities: dict[str, Counter[int]] = {}  # the priorities of those streams
+        self.decode_urgent: dict[str, tuple[int, float]] = {}  # the most urgent stream's priority lately, when
         self._streams_at_poll: dict[str, int] = {}  # decode_streams when each worker's stats came
         self.affinity = SessionAffinity(session_kv_limit)
         self.impostors: set[str] = set()  # registered workers that answered without proving the token
@@ -245,7 +248,8 @@ class ClusterClient:
             prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
         except NoWorkerError:
             pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
-        urgent_there = min(self.decode_priorities.get(decode_id) or [priority]) < priority
+        urgent_there = min(self.decode_priorities.get(decode_id) or [priority]) < priority \
+            or self._urgent_lately(decode_id, priority)
         self.decode_streams[decode_id] = self.decode_streams.get(decode_id, 0) + 1
         self.decode_priorities.setdefault(decode_id, Counter())[priority] += 1
         if prefill is not None and not urgent_there and self._prefill_here(prefill, prefill_pool, decode_pool,
@@ -270,6 +274,19 @@ class ClusterClient:
         healthy = {wid for wid in self.workers if self.healthy.get(wid)}
         choice = pick_peer(self.index.holders(hashes), target, healthy)
         return {"peer": self.workers[choice.worker_id], "peer_blocks": choice.blocks} if choice else {}
+
+    def _urgent_lately(self, decode_id: str, priority: int) -> bool:
+        """Whether `decode_id` streamed for a request more urgent than `priority` within
+        URGENT_WINDOW_S (noting this one's): a less urgent prompt is not lent to it then, so the
+        urgent client's next request (a person's next chat) finds it free."""
+        now = time.monotonic()
+        seen = self.decode_urgent.get(decode_id)
+        if seen is not None and now - seen[1] > URGENT_WINDOW_S:
+            seen = None
+        if seen is None or priority <= seen[0]:
+            self.decode_urgent[decode_id] = (priority, now)
+            return False
+        return True
 
     def _prefill_here(self, prefill: PrefillChoice, prefill_pool: list[WorkerLoad], decode_pool: list[WorkerLoad],
                       decode_id: str, prompt_len: int) -> bool:

@@ -368,12 +368,17 @@ def test_an_idle_decode_worker_prefills_the_prompt_itself_a_busy_one_does_not():
     assert off.route(prompts[3]).prefill.worker_id == "p0"  # off (the default here): the prefill pool
 
 
-def test_a_prompt_is_not_lent_to_a_decode_worker_streaming_for_more_urgent_requests():
+def test_a_prompt_is_not_lent_to_a_decode_worker_streaming_for_more_urgent_requests(monkeypatch):
     """A saturated prefill pool lends prompts to the decode worker, unless that worker streams
-    for a more urgent request: a low-priority prompt's chunks there would stretch the urgent
-    stream's inter-token latency (measured: a 512-token chunk is a 3-4 s step on one core), so
-    it waits in the prefill pool's queue. Equal or less urgent streams there do not stop it,
-    and once the urgent stream ends the lending resumes."""
+    for a more urgent request, or did within the urgent window: a low-priority prompt's chunks
+    there would stretch the urgent stream's inter-token latency (measured: a 512-token chunk is a
+    3-4 s step on one core), or its client's next request's first token, so it waits in the
+    prefill pool's queue. Equal or less urgent streams there do not stop it, and once the urgent
+    stream has ended and the window passed the lending resumes."""
+    import time
+
+    from pdserve.router.cluster import URGENT_WINDOW_S
+
     c = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=500)
     c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
     c.healthy = {"p0": True, "d0": True}
@@ -391,4 +396,7 @@ def test_a_prompt_is_not_lent_to_a_decode_worker_streaming_for_more_urgent_reque
     assert c.route(next(prompts), priority=5).prefill.worker_id == "p0"  # `lent` still streams at -1
     c.settle(lent, prefilled_remotely=False)
     c.release(lent)
-    assert c.route(next(prompts), priority=5).prefill is None  # nothing more urgent there: lent again
+    assert c.route(next(prompts), priority=5).prefill.worker_id == "p0"  # urgent within the window
+    later = time.monotonic() + URGENT_WINDOW_S + 1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert c.route(next(prompts), priority=5).prefill is None  # nothing more urgent there lately: lent again
