@@ -172,34 +172,74 @@ def _summary(results: list[RequestResult]) -> dict:
 
 
 async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, args, auth: dict) -> dict:
+    """One phase: A's flood in a process of its own (another client: its streams' parsing does
+    not delay B's timestamps), B's chats here; A's tokens/s while B is served."""
+    import multiprocessing
+
     rng = random.Random(args.seed * 1000 + n)
     tag = f"[{shape.name} {args.seed}]"  # every phase's prompts are new to the server
     headers_b = auth | ({"x-pdserve-tenant": "B"} if shape.tenants else {})
     headers_a = auth | ({"x-pdserve-tenant": "A"} if shape.tenants else {})
-    stats: dict = {"tokens": []}
-    async with httpx_client(args, headers_a, 2 * shape.flood + 8) as http_a, httpx_client(args, headers_b) as http_b:
-        flooders = [asyncio.ensure_future(_flood(http_a, url, model, vocab, random.Random(rng.random()),
-                                                 f"{tag} A{j}", shape.a_priority, args, stats))
-                    for j in range(shape.flood)]
-        if flooders:
-            await asyncio.sleep(args.warmup)
-        t_b = time.perf_counter()
-        if shape.chats:
+    flood, stop, results = None, None, None
+    if shape.flood:
+        ctx = multiprocessing.get_context("spawn")
+        stop, results = ctx.Event(), ctx.Queue()
+        flood = ctx.Process(target=_flood_process, daemon=True, args=(
+            url, model, args.tokenizer, shape.flood, shape.a_priority, headers_a, args.flood_input_len,
+            args.timeout, rng.random(), tag, stop, results))
+        flood.start()
+        assert await asyncio.get_running_loop().run_in_executor(None, results.get) == "flooding"
+        await asyncio.sleep(args.warmup)
+    t_b = time.perf_counter()
+    if shape.chats:
+        async with httpx_client(args, headers_b) as http_b:
             b = await _chats(http_b, url, model, vocab, rng, tag, shape.b_priority, args)
-        else:  # A alone, for a window as long as B's chats take beside A
-            await asyncio.sleep(A_ONLY_WINDOW_S)
-            b = []
-        t_end = time.perf_counter()
-        for f in flooders:  # A goes away: what it asked for must stop on the server
-            f.cancel()
-        await asyncio.gather(*flooders, return_exceptions=True)
+    else:  # A alone, for a window as long as B's chats take beside A
+        await asyncio.sleep(A_ONLY_WINDOW_S)
+        b = []
+    t_end = time.perf_counter()
+    stats: dict = {"tokens": []}
+    if flood is not None:
+        stop.set()  # A goes away: what it asked for must stop on the server
+        stats = await asyncio.get_running_loop().run_in_executor(None, results.get)
+        flood.join(30)
     a_tokens = sum(t_b <= t <= t_end for t in stats["tokens"])
     out = {"B": _summary(b) if shape.chats else None, "B_seconds": round(t_end - t_b, 1),
            "A": {"output_tokens_per_s": round(a_tokens / max(t_end - t_b, 1e-9), 1),
                  "requests": {k: v for k, v in stats.items() if k != "tokens"}} if shape.flood else None}
-    if flooders:
+    if flood is not None:
         await asyncio.sleep(2.0)  # the server drops A's cancelled requests before the next phase
     return out
+
+
+def _flood_process(url, model, tokenizer, streams, priority, headers, input_len, timeout, seed, tag, stop,
+                   results) -> None:
+    """Client A, in a process of its own: `streams` flooding streams until `stop` is set; puts
+    "flooding" once they are sent, then its stats (the time of every token it received)."""
+    asyncio.run(_flood_main(url, model, tokenizer, streams, priority, headers, input_len, timeout, seed, tag, stop,
+                            results))
+
+
+async def _flood_main(url, model, tokenizer, streams, priority, headers, input_len, timeout, seed, tag, stop,
+                      results) -> None:
+    from types import SimpleNamespace
+
+    import httpx
+
+    vocab = Vocabulary(resolve_tokenizer(tokenizer, model)[0])
+    rng, stats = random.Random(seed), {"tokens": []}
+    args = SimpleNamespace(flood_input_len=input_len)
+    async with httpx.AsyncClient(timeout=timeout, headers=headers,
+                                 limits=httpx.Limits(max_connections=2 * streams + 8)) as http:
+        tasks = [asyncio.ensure_future(_flood(http, url, model, vocab, random.Random(rng.random()), f"{tag} A{j}",
+                                              priority, args, stats)) for j in range(streams)]
+        results.put("flooding")
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    results.put(stats)
 
 
 def httpx_client(args, headers: dict, connections: int = 8):

@@ -32,8 +32,6 @@ class EngineDeadError(RuntimeError):
 
 
 URGENT_PEER_WAIT_S = 0.05  # an urgent step waits this long at most for a less urgent peer to lend its cores
-IMPORT_DEFER_S = 1.0  # a less urgent KV import waits this long at most beside a more urgent stream
-DEFER = object()  # a command's answer: not now, ask again before each step (its caller keeps waiting)
 
 
 class AsyncEngine:
@@ -44,7 +42,6 @@ class AsyncEngine:
         self.engine = engine
         self.cores = cores
         self._commands: queue.Queue = queue.Queue()
-        self._deferred: list[tuple[Callable, Future]] = []  # commands that answered DEFER
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -137,13 +134,7 @@ class AsyncEngine:
         """Land a prompt's KV with its first token (and the prompt's logprobs, computed where
         the KV was), and publish that token from the engine thread before it can step again:
         it always reaches the stream ahead of the ones the batch produces next."""
-        deadline = time.monotonic() + IMPORT_DEFER_S
-
-        def land(e: LLMEngine):
-            # beside a more urgent stream, the copy would stretch its next token: it lands
-            # between that stream's requests, or after IMPORT_DEFER_S at the latest
-            if time.monotonic() < deadline and e.scheduler.outranked(request_id):
-                return DEFER
+        def land(e: LLMEngine) -> None:
             self.publish([e.import_kv(request_id, kv, first_token, logprob, prompt_logprobs)])
         await self.run(land)
 
@@ -195,8 +186,7 @@ class AsyncEngine:
                 # only a command can change that, so sleep until one arrives, never spin
                 if idle and self.cores is not None:
                     self.cores.idle()
-                self._drain(block=idle, timeout=CHECK_INTERVAL_S if idle and self._deferred else None)
-                self._retry_deferred()
+                self._drain(block=idle)
                 if self._stopping:
                     break
                 idle = True
@@ -242,23 +232,10 @@ class AsyncEngine:
                 return
             fn, fut = item
             if fut.set_running_or_notify_cancel():
-                self._answer(fn, fut)
-
-    def _answer(self, fn, fut: Future) -> None:
-        try:
-            result = fn(self.engine)
-        except BaseException as e:  # noqa: BLE001 - the caller gets it
-            fut.set_exception(e)
-            return
-        if result is DEFER:
-            self._deferred.append((fn, fut))
-        else:
-            fut.set_result(result)
-
-    def _retry_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for fn, fut in deferred:
-            self._answer(fn, fut)
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - the caller gets it
+                    fut.set_exception(e)
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Deliver outputs produced outside step() (e.g. by a KV import) to their streams."""
@@ -281,9 +258,6 @@ class AsyncEngine:
         err = EngineDeadError(f"engine stopped: {self.error!r}" if self.error else "engine stopped")
         for loop, q in list(self._streams.values()):
             loop.call_soon_threadsafe(q.put_nowait, err)
-        for _, fut in self._deferred:
-            fut.set_exception(err)
-        self._deferred.clear()
         while True:
             try:
                 item = self._commands.get_nowait()

@@ -157,11 +157,6 @@ class Scheduler:
         return min([r.priority for r in self.running] + ([head.priority] if head is not None else []),
                    default=None)
 
-    def outranked(self, request_id: str) -> bool:
-        """Whether a request whose KV is on its way is less urgent than one running here now."""
-        req = self.remote.get(request_id)
-        return req is not None and any(r.priority < req.priority for r in self.running)
-
     def seats_taken(self) -> int:
         """Places in the batch (max_num_seqs) held: running requests and those whose KV is on
         its way."""
