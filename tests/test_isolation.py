@@ -210,4 +210,5 @@ def test_the_step_budget_keeps_less_urgent_decodes_out_of_an_urgent_step_they_wo
     times.add(0.003, contended=True)
     times.add(0.5, contended=False)
     counts, total = times.snapshot()[True]
-    assert counts[1] == 1 and counts[-1] == 1 and total == 0.003 and times.snapshot()[False][0][-2] == 1
+    assert counts[4] == 1 and counts[3] == 0 and counts[-1] == 1 and total == 0.003  # 2.83 ms < 3 ms <= 4 ms
+    assert times.snapshot()[False][0][-2] == 1

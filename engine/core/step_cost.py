@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BUCKETS = (0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048, float("inf"))
+# 1 ms to 4 s, each bucket sqrt(2) wide: a step's time against another's within that
+BUCKETS = tuple(round(0.001 * 2 ** (k / 2), 6) for k in range(25)) + (float("inf"),)
 
 
 @dataclass
