@@ -208,7 +208,7 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
            "A": {"output_tokens_per_s": round(a_tokens / max(t_end - t_b, 1e-9), 1),
                  "requests": {k: v for k, v in stats.items() if k != "tokens"}} if shape.flood else None}
     if flood is not None:
-        await asyncio.sleep(2.0)  # the server drops A's cancelled requests before the next phase
+        await asyncio.sleep(min(2.0, args.warmup))  # the server drops A's cancelled requests before the next phase
     return out
 
 
