@@ -22,8 +22,12 @@ MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "scale-token"
 
 
+STREAM_TOKENS = 300  # both streams still run when the second starts and the scale-down begins, on a fast CPU too
+
+
 def stream(url: str, prompt: str, out: dict, key: str) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 60, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0,
+            "stream": True}
     texts, events = [], []
     with httpx.Client(timeout=120) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
         for line in r.iter_lines():
@@ -78,7 +82,8 @@ def test_scale_decode_up_then_drain_down(smollm):
         for k, prompt in prompts.items():  # both streams finished untouched, the drained one too
             text, events = results[k]
             assert not any("error" in e for e in events), events[-1]
-            want = ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0]
+            want = ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=STREAM_TOKENS, temperature=0,
+                                                                     ignore_eos=True))[0]
             assert text == tok.decode(want, skip_special_tokens=True)
         assert "decode worker decode-1 removed after draining" in "".join(up.log)
         assert "pdserve_migrations_total 0.0" in httpx.get(url + "/metrics").text  # finished, not migrated
