@@ -233,7 +233,7 @@ def format_table(rows: list[list]) -> str:
 
 def cpu_description() -> dict:
     """Which CPU the figures came from (`lscpu`'s model name and this process's cores)."""
-    from pdserve.engine.kernels.native import cpu_flags  # torch: only when a result is written
+    from pdserve.engine.kernels.native import cpu_flags, isa  # torch: only when a result is written
 
     model = ""
     try:
@@ -242,4 +242,5 @@ def cpu_description() -> dict:
         pass
     flags = cpu_flags()
     return {"model": model, "cores": len(os.sched_getaffinity(0)),
-            "isa": sorted(f for f in flags if f.startswith(("avx", "amx")) or f == "fma")}
+            "isa": sorted(f for f in flags if f.startswith(("avx", "amx")) or f == "fma"),
+            "kernels": isa()}  # the instruction set pdserve's C kernels were built for

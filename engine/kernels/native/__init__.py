@@ -6,7 +6,9 @@ Formats are documented in woq.c; `quantize_int8` / `quantize_q4_1` produce them.
 
 The C file is built with the system C compiler (no torch headers, ~1 s) into
 `$PDSERVE_CACHE_DIR/native/woq-<hash>.so` (default ~/.cache/pdserve/native/); the hash covers
-the source, the flags and the compiler, so an edit or a different CPU class rebuilds. Each
+the source, the flags and the compiler, so an edit or a different CPU class rebuilds. The flags
+are those of the best instruction set this CPU has (cpu.py: AVX-512 VNNI, AVX-VNNI, AVX2 or
+portable C), chosen at the first load; PDSERVE_ISA names a lower one. Each
 build goes to a private temp file and is renamed into place: processes racing on the first
 build each produce a complete library and the last rename wins, none loads a half-written one.
 """
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu import ISA_ENV, ISAS, UnknownISA, cpu_flags, isa, isas  # noqa: F401  (the build's target)
+
 # one library from every C file here: weight-only matmuls (woq.c), paged decode attention
 # (attention.c; runs of a prompt's rows together: attention_rows.c), 8-bit KV stores (kv_store.c), fused elementwise ops (fused.c), Q4_1 x int8
 # matmuls (w4a8.c, bound in w4a8.py), Q8_0 x int16 matmuls (q8a16.c, bound in q8a16.py),
@@ -33,7 +37,7 @@ import torch
 SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
                                      for n in ("woq.c", "attention.c", "attention_rows.c", "kv_store.c", "fused.c", "w4a8.c", "q8a16.c", "sampling.c",
                                                "step.c", "w4a8n.c", "lora.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("vecmath.h", "kvformat.h", "attend.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h"))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = _store8 = _load8 = None  # bound C functions, looked up once
@@ -49,26 +53,13 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _flags() -> list[str]:
-    # -mavx2 only where the CPU has it (a cached .so with AVX2 code would SIGILL elsewhere);
-    # otherwise woq.c compiles its scalar path. -fopenmp links libgomp.so.1, which resolves to
-    # the copy torch already loaded (same soname; torch is imported above): one thread pool.
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp"]
-    if {"avx2", "fma"} <= cpu_flags():
-        flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in cpu_flags() else [])
-    return flags
+    # an ISA's flags only where the CPU has it (a cached .so with AVX2 code would SIGILL
+    # elsewhere); without AVX2 woq.c compiles its scalar path. -fopenmp links libgomp.so.1,
+    # which resolves to the copy torch already loaded (same soname; torch is imported above):
+    # one thread pool.
+    cc = ISAS[isa()][1]
+    return ["-O3", "-fPIC", "-shared", "-fopenmp", *cc] + (["-mf16c"] if cc and "f16c" in cpu_flags() else [])
 
 
 def _compiler() -> str:

@@ -16,7 +16,8 @@
  * activations against it gives 8 columns' partial sums in one vpmaddwd. Tiles of 4 rows x 16
  * columns reuse each broadcast for 2 column blocks and each weight vector for 4 rows.
  * Batch invariant: a row's result depends only on that row (same quantization and summation
- * order whatever M, the row's place in a tile, or the thread count).
+ * order whatever M, the row's place in a tile, or the thread count). With VNNI (vnni.h)
+ * vpdpwssd does the multiply-add and the sum in one instruction, the same int32 sums.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,6 +26,7 @@
 #endif
 #ifdef __AVX2__
 #include <immintrin.h>
+#include "vnni.h"
 #endif
 
 #ifdef __AVX2__
@@ -84,8 +86,12 @@ static inline __attribute__((always_inline)) void tile(const int R, const int B,
             for (int r = 0; r < R; r++) {
                 const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xr[r] + 2 * t));
                 for (int b = 0; b < B; b++) {
+#ifdef PDSERVE_VNNI
+                    a[r][b] = Q8A16_DPWSSD(t ? a[r][b] : _mm256_setzero_si256(), wv[b], xv);
+#else
                     const __m256i p = _mm256_madd_epi16(wv[b], xv);
                     a[r][b] = t ? _mm256_add_epi32(a[r][b], p) : p;
+#endif
                     /* keeps each sum one chain: gcc otherwise reassociates the unrolled adds into
                      * trees whose products it spills to the stack */
                     __asm__("" : "+x"(a[r][b]));

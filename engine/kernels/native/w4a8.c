@@ -27,6 +27,7 @@
 #endif
 #ifdef __AVX2__
 #include <immintrin.h>
+#include "vnni.h"
 #endif
 
 #define MC 64 /* rows of x per pass over a thread's columns: their int8 copy stays in L2 */
@@ -119,9 +120,14 @@ static void tile(const int8_t *xq, const float *dx, const float *sx, int64_t K, 
     if (rows > 3) _mm256_storeu_ps(y + 3 * N, acc3);
 }
 
-/* Column blocks [c0, c1) for every row quad of the quantized x. */
+/* Column blocks [c0, c1) for every row quad of the quantized x (with VNNI: vnni.h's
+ * tiles, the same result). */
 static void columns(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wq, const float *dw,
                     const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1) {
+#ifdef PDSERVE_VNNI
+    w4a8_columns_vnni(xq, dx, sx, wq, dw, mw, y, M, N, K, c0, c1, MC / 4, 0);
+    return;
+#endif
     const int64_t G = K / 32, quads = (M + 3) / 4;
     for (int64_t r0 = 0; r0 < quads; r0 += MC / 4) {
         const int64_t r1 = r0 + MC / 4 < quads ? r0 + MC / 4 : quads;

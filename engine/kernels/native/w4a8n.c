@@ -13,6 +13,7 @@
 
 #ifdef __AVX2__
 #include <immintrin.h>
+#include "vnni.h"
 
 typedef void (*w4a8_cols_fn)(const int8_t *, const float *, const float *, const uint8_t *, const float *,
                              const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
@@ -62,9 +63,14 @@ static inline __attribute__((always_inline)) void tile_nib(const int8_t *xq, con
     if (rows > 3) _mm256_storeu_ps(y + 3 * N, acc3);
 }
 
-/* Column blocks [c0, c1) for every row quad (w4a8.c's `columns`, 64 rows a pass). */
+/* Column blocks [c0, c1) for every row quad (w4a8.c's `columns`, 64 rows a pass; with VNNI:
+ * vnni.h's tiles, the same result). */
 void w4a8n_columns(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wn, const float *dw,
                    const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1) {
+#ifdef PDSERVE_VNNI
+    w4a8_columns_vnni(xq, dx, sx, wn, dw, mw, y, M, N, K, c0, c1, 16, 1);
+    return;
+#endif
     const int64_t G = K / 32, quads = (M + 3) / 4;
     for (int64_t r0 = 0; r0 < quads; r0 += 16) {
         const int64_t r1 = r0 + 16 < quads ? r0 + 16 : quads;

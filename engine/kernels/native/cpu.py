@@ -1,0 +1,56 @@
+"""Which instruction set the native kernels are built for on this CPU: the best it has,
+chosen at start from its flags (Linux's /proc/cpuinfo), or a lower one PDSERVE_ISA names (to
+compare, or to check the lower path on a CPU that has more). No torch: a pure lookup."""
+from __future__ import annotations
+
+import os
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# The instruction sets the kernels can be built for, best first: the CPU flags each needs
+# (Linux's names) and its compiler flags. avx512-vnni and avx-vnni change the integer tiles
+# (vnni.h: vpdpbusd, bitwise the AVX2 result); "portable" is the scalar C every CPU runs.
+_AVX2 = ("avx2", "fma")
+ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "avx512-vnni": (frozenset({*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+                    ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")),
+    "avx-vnni": (frozenset({*_AVX2, "avx_vnni"}), ("-mavx2", "-mfma", "-mavxvnni")),
+    "avx2": (frozenset(_AVX2), ("-mavx2", "-mfma")),
+    "portable": (frozenset(), ()),
+}
+ISA_ENV = "PDSERVE_ISA"  # names another instruction set this CPU has (a check, a comparison)
+
+
+class UnknownISA(ValueError):
+    """PDSERVE_ISA names an instruction set that is not in ISAS, or one this CPU lacks."""
+
+
+def isa(flags: set[str] | None = None) -> str:
+    """The instruction set the kernels are built for here: the best in ISAS this CPU has, or
+    the one PDSERVE_ISA names (which the CPU must have)."""
+    flags = cpu_flags() if flags is None else flags
+    want = os.environ.get(ISA_ENV, "").strip()
+    if not want:
+        return isas(flags)[0]
+    if want not in ISAS:
+        raise UnknownISA(f"{ISA_ENV}={want!r} is not one of {', '.join(ISAS)}")
+    if not ISAS[want][0] <= flags:
+        raise UnknownISA(f"{ISA_ENV}={want!r}: this CPU lacks {', '.join(sorted(ISAS[want][0] - flags))}")
+    return want
+
+
+def isas(flags: set[str] | None = None) -> list[str]:
+    """Every instruction set in ISAS this CPU has, best first."""
+    flags = cpu_flags() if flags is None else flags
+    return [name for name, (needs, _) in ISAS.items() if needs <= flags]

@@ -1,0 +1,98 @@
+/* vnni.h - the VNNI forms of the integer kernels, built where the compiler targets AVX-512
+ * VNNI (with VL) or AVX-VNNI (engine/kernels/native/__init__.py `isa` picks the flags per CPU).
+ *
+ * vpdpbusd adds the 4 products of unsigned and signed bytes straight into int32 lanes (w4a8.c,
+ * w4a8n.c: one instruction where AVX2 needs vpmaddubsw and vpaddw per k-quad and vpmaddwd per
+ * half group); vpdpwssd the 2 products of int16 pairs (q8a16.c: vpmaddwd and vpaddd). The
+ * integer sums are the same numbers, and every fp32 operation is the AVX2 path's in its order,
+ * so each kernel's result is bitwise its AVX2 result.
+ * The W4A8 tile below takes up to 8 rows (two row quads) per weight vector, unpacked once:
+ * with AVX-512's 32 registers their accumulators stay in registers; the AVX2 tile takes 4.
+ */
+#ifndef PDSERVE_VNNI_H
+#define PDSERVE_VNNI_H
+#include <immintrin.h>
+#include <stdint.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PDSERVE_VNNI 1
+#define W4A8_DPBUSD(acc, w, x) _mm256_dpbusd_epi32((acc), (w), (x))
+#define Q8A16_DPWSSD(acc, w, x) _mm256_dpwssd_epi32((acc), (w), (x))
+#elif defined(__AVXVNNI__)
+#define PDSERVE_VNNI 1
+#define W4A8_DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
+#define Q8A16_DPWSSD(acc, w, x) _mm256_dpwssd_avx_epi32((acc), (w), (x))
+#endif
+
+#ifdef PDSERVE_VNNI
+/* Rows 0..R-1 (R = 1, 4 or 8; `rows` of them stored) of the row quads starting at xq (quads
+ * 4K bytes apart, w4a8.c's quantized layout) x one column block of 8 columns at w: its 4-bit
+ * weights one a byte (`nib` 0, w4a8.c's layout) or two a byte (`nib` 1, w4a8n.c's). */
+static inline __attribute__((always_inline)) void w4a8_tile_vnni(const int8_t *xq, const float *dx, const float *sx,
+                                                                 int64_t K, const uint8_t *w, const float *dw,
+                                                                 const float *mw, float *y, int64_t N, int rows,
+                                                                 const int R, const int nib) {
+    const int64_t G = K / 32;
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256 acc[8];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const __m256 dv = _mm256_loadu_ps(dw + g * 8), mv = _mm256_loadu_ps(mw + g * 8);
+        for (int h = 0; h < 2; h++) {
+            __m256i wv[4];
+            if (nib) {
+                const uint8_t *wp = w + g * 128 + h * 64;
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)wp);
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wp + 32));
+                wv[0] = _mm256_and_si256(v0, low);
+                wv[1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+                wv[2] = _mm256_and_si256(v1, low);
+                wv[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            } else {
+                for (int t = 0; t < 4; t++) wv[t] = _mm256_loadu_si256((const __m256i *)(w + g * 256 + h * 128 + t * 32));
+            }
+            const int8_t *xp = xq + g * 128 + h * 64;
+            __m256i a[8];
+            for (int i = 0; i < R; i++) a[i] = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++)
+                for (int i = 0; i < R; i++)
+                    a[i] = W4A8_DPBUSD(a[i], wv[t],
+                                       _mm256_set1_epi32(*(const int32_t *)(xp + (i >> 2) * 4 * K + t * 16 + (i & 3) * 4)));
+            for (int i = 0; i < R; i++) {
+                const __m256 s = _mm256_mul_ps(dv, _mm256_broadcast_ss(dx + (i >> 2) * 8 * G + g * 8 + h * 4 + (i & 3)));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), s, acc[i]);
+            }
+        }
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + (i >> 2) * 4 * G + g * 4 + (i & 3)), acc[i]);
+    }
+    for (int i = 0; i < R && i < rows; i++) _mm256_storeu_ps(y + i * N, acc[i]);
+}
+
+/* Column blocks [c0, c1) for every row of the quantized x, two quads a tile, `rc` quads a
+ * pass over the columns (their int8 copy stays in L2; rc even). */
+static inline __attribute__((always_inline)) void w4a8_columns_vnni(const int8_t *xq, const float *dx,
+                                                                    const float *sx, const uint8_t *w,
+                                                                    const float *dw, const float *mw, float *y,
+                                                                    int64_t M, int64_t N, int64_t K, int64_t c0,
+                                                                    int64_t c1, int64_t rc, const int nib) {
+    const int64_t G = K / 32, quads = (M + 3) / 4, cstride = nib ? K * 4 : K * 8;
+    for (int64_t r0 = 0; r0 < quads; r0 += rc) {
+        const int64_t r1 = r0 + rc < quads ? r0 + rc : quads;
+        for (int64_t c = c0; c < c1; c++)
+            for (int64_t r = r0; r < r1; r += 2) {
+                const int rows = M - 4 * r < 8 ? (int)(M - 4 * r) : 8;
+                const int8_t *xr = xq + r * 4 * K;
+                const float *dr = dx + r * 8 * G, *sr = sx + r * 4 * G, *dc = dw + c * G * 8, *mc = mw + c * G * 8;
+                float *yr = y + 4 * r * N + c * 8;
+                if (rows > 4) /* quad r + 1 is in this pass: rc is even */
+                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, rows, 8, nib);
+                else if (rows > 1)
+                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, rows < 4 ? rows : 4, 4, nib);
+                else
+                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, 1, 1, nib);
+            }
+    }
+}
+#endif /* PDSERVE_VNNI */
+#endif /* PDSERVE_VNNI_H */

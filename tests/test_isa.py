@@ -1,0 +1,87 @@
+"""The native kernels' instruction set, chosen per CPU at start (engine/kernels/native/cpu.py):
+the best the CPU has, a lower one on request, a clear error for one it lacks; and every path this
+CPU can run gives bitwise the same matmuls (the VNNI tiles sum the same integers as AVX2's)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.engine.kernels import native
+from pdserve.engine.kernels.native import cpu as isa_mod
+
+ZEN3 = {"avx2", "fma", "f16c"}
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx_vnni"}
+ICE_LAKE = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}  # no VEX-encoded VNNI
+ALDER_LAKE = ZEN3 | {"avx_vnni"}  # VNNI without AVX-512
+
+
+@pytest.mark.parametrize("flags,best", [(ZEN4, "avx512-vnni"), (ICE_LAKE, "avx512-vnni"), (ALDER_LAKE, "avx-vnni"),
+                                        (ZEN3, "avx2"), (set(), "portable"), ({"avx2"}, "portable")])
+def test_the_best_instruction_set_the_cpu_has_is_chosen(flags, best, monkeypatch):
+    monkeypatch.delenv(isa_mod.ISA_ENV, raising=False)
+    assert isa_mod.isa(flags) == best
+    assert isa_mod.isas(flags)[0] == best and isa_mod.isas(flags)[-1] == "portable"
+
+
+def test_a_lower_instruction_set_is_taken_on_request_and_builds_without_the_higher_flags(monkeypatch):
+    monkeypatch.setenv(isa_mod.ISA_ENV, "avx2")
+    assert isa_mod.isa(ZEN4) == "avx2"
+    monkeypatch.setattr(native, "cpu_flags", lambda: ZEN4)
+    monkeypatch.setattr(isa_mod, "cpu_flags", lambda: ZEN4)
+    flags = native._flags()
+    assert "-mavx2" in flags and not any("512" in f or "vnni" in f for f in flags)
+    monkeypatch.setenv(isa_mod.ISA_ENV, "avx512-vnni")
+    assert "-mavx512vnni" in native._flags()
+
+
+@pytest.mark.parametrize("want,flags,match", [("avx512-vnni", ZEN3, "lacks avx512_vnni, avx512bw"),
+                                              ("avx-vnni", ICE_LAKE, "lacks avx_vnni"),
+                                              ("sse9", ZEN4, "not one of avx512-vnni, avx-vnni, avx2, portable")])
+def test_an_instruction_set_the_cpu_lacks_or_that_does_not_exist_is_a_named_error(want, flags, match, monkeypatch):
+    monkeypatch.setenv(isa_mod.ISA_ENV, want)
+    with pytest.raises(native.UnknownISA, match=match):
+        isa_mod.isa(flags)
+
+
+_KERNELS = """
+import json, sys, torch
+from pdserve.engine.kernels import native
+from pdserve.engine.kernels.native import q8a16, step, w4a8
+g = torch.Generator().manual_seed(7)
+out = {"isa": native.isa(), "library": str(native.library_path())}
+for n, k in ((960, 576), (576, 1536)):
+    q, d, m = w4a8.pack(*native.quantize_q4_1(torch.randn(n, k, generator=g) * 0.05))
+    head = q8a16.pack(*native.quantize_q8_0(torch.randn(n, k, generator=g) * 0.05))
+    for rows in (1, 3, 4, 5, 8, 13, 32, 70):
+        x = torch.randn(rows, k, generator=g) * 3
+        ys = (w4a8.matmul(x, q, d, m), step.nibble_matmul(x, step.nibbles(q), d, m), q8a16.matmul(x, *head))
+        out[f"{n}x{k}x{rows}"] = [y.view(torch.int32).flatten().tolist() for y in ys]
+json.dump(out, sys.stdout)
+"""
+
+
+def _run_kernels(isa: str) -> dict:
+    env = dict(os.environ, **{isa_mod.ISA_ENV: isa})
+    r = subprocess.run([sys.executable, "-c", _KERNELS], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.skipif(not native.available() or "avx2" not in isa_mod.isas(), reason="the integer kernels need AVX2")
+def test_every_instruction_set_this_cpu_has_gives_bitwise_the_same_matmuls():
+    """The W4A8 (byte and nibble weights) and Q8_0 x int16 matmuls of each build this CPU can
+    run, each in its own process (on an AVX-512 CPU: the AVX2 path forced beside the VNNI one)."""
+    runs = {name: _run_kernels(name) for name in isa_mod.isas() if name != "portable"}
+    assert all(r["isa"] == name for name, r in runs.items())
+    assert len({r["library"] for r in runs.values()}) == len(runs)  # a build per instruction set
+    best, *others = runs.values()
+    for other in others:
+        for key in best:
+            if key not in ("isa", "library"):
+                assert best[key] == other[key], f"{key}: {other['isa']} differs from {best['isa']}"
+    assert torch.tensor(best["960x576x5"][0], dtype=torch.int32).view(torch.float32).abs().sum() > 0  # real results, not zeros
