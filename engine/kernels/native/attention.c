@@ -68,32 +68,48 @@ static inline float dot_kv(const float *q, const char *k, int n, int fmt) {
 }
 
 #ifdef __AVX2__
-/* D = 64 (SmolLM2, Llama-style small models) over a float cache (fp32, bf16): q and the output
- * accumulator of one head fit in 8 registers each; `inline` with a constant fmt lets the
- * compiler unroll the chunk loops. The per-block work is attend.h's, which the multi-row kernel
- * (attention_rows.c) runs in another order: a row gets the same bits from either. */
+/* D = 64 (SmolLM2, Llama-style small models) over a float cache (fp32, bf16): `inline` with a
+ * constant fmt lets the compiler unroll the chunk loops. Blocks outside, the G query heads
+ * inside: a block's K (then V) rows are read from memory once and found in L1 by the group's
+ * other heads (head by head over the whole context, they came from L2: 1.2x slower at 320
+ * tokens). Each head's sums run in the per-block order of attend.h, which the multi-row kernel
+ * (attention_rows.c) also runs: a row gets the same bits from either. acc: G * 64 floats. */
 static inline __attribute__((always_inline)) void attend_d64(const float *q, const char *kc, const char *vc,
                                                             const int64_t *table, int64_t len, int64_t skip,
                                                             float *out, int G, int KVH, int kh, int bs, float scale,
-                                                            float *scores, const int fmt) {
+                                                            float *scores, float *acc, const int fmt) {
     enum { D = 64, C = D / 8 };
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow; /* bytes between tokens of a block */
     const int64_t nblk = (len + bs - 1) / bs;
+    for (int64_t b = 0; b < nblk; b++) {
+        const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
+        const char *kb = kc + ((size_t)table[b] * bs * KVH + kh) * hrow;
+        for (int g = 0; g < G; g++) {
+            __m256 qv[C];
+            scaled_q_d64(q + g * D, scale, qv);
+            block_scores_d64(qv, kb, row, n, scores + (size_t)g * len + b * bs, fmt);
+        }
+    }
+    float sum[G];
     for (int g = 0; g < G; g++) {
-        __m256 qv[C];
-        scaled_q_d64(q + g * D, scale, qv);
-        float *s = scores + (size_t)g * len;
-        for (int64_t b = 0; b < nblk; b++)
-            block_scores_d64(qv, kc + ((size_t)table[b] * bs * KVH + kh) * hrow, row,
-                             (int)((b + 1) * bs <= len ? bs : len - b * bs), s + b * bs, fmt);
-        mask_head(s, skip);
-        const float sum = softmax_numerators(s, len);
-        __m256 acc[C];
-        for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nblk; b++)
-            block_values_d64(acc, s + b * bs, vc + ((size_t)table[b] * bs * KVH + kh) * hrow, row,
-                             (int)((b + 1) * bs <= len ? bs : len - b * bs), fmt);
-        head_out_d64(acc, sum, out + g * D);
+        mask_head(scores + (size_t)g * len, skip);
+        sum[g] = softmax_numerators(scores + (size_t)g * len, len);
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    for (int64_t b = 0; b < nblk; b++) {
+        const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
+        const char *vb = vc + ((size_t)table[b] * bs * KVH + kh) * hrow;
+        for (int g = 0; g < G; g++) {
+            __m256 a[C];
+            for (int c = 0; c < C; c++) a[c] = _mm256_loadu_ps(acc + g * D + 8 * c);
+            block_values_d64(a, scores + (size_t)g * len + b * bs, vb, row, n, fmt);
+            for (int c = 0; c < C; c++) _mm256_storeu_ps(acc + g * D + 8 * c, a[c]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m256 a[C];
+        for (int c = 0; c < C; c++) a[c] = _mm256_loadu_ps(acc + g * D + 8 * c);
+        head_out_d64(a, sum[g], out + g * D);
     }
 }
 #endif
@@ -242,9 +258,9 @@ int paged_attention_item(const float *q, const void *kc, const void *vc, const i
     const int64_t *table = tables + (size_t)b * max_blocks, skip = skips ? skips[b] : 0;
 #ifdef __AVX2__
     if (D == 64 && kv_fmt == KV_F32)
-        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, KV_F32);
+        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b], KV_F32);
     else if (D == 64 && kv_fmt == KV_BF16)
-        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, KV_BF16);
+        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b], KV_BF16);
     else if (D == 64 && kv_fmt == KV_INT8)
         attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
                         KV_INT8);
