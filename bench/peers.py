@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from pdserve.engine.config import QUANTIZATIONS
+from pdserve.engine.kernels.native.cpu import ISA_ENV
 
 from . import llama_peer, vllm_peer
 from .metrics import cpu_description, format_table
@@ -52,7 +53,8 @@ WORKLOADS: dict[str, tuple[list[str], dict[int, int | None]]] = {
 # what each system computes with: the peer table sets int8-activation rows beside fp32 ones
 NUMERICS = {
     "pdserve": "auto: Q4_1 weights x int8 activations", "pdserve-aggregated": "auto: Q4_1 weights x int8 activations",
-    "pdserve-exact": "exact: fp32 math on the Q4_1 weights", "pdserve-aggregated-int8": "int8 weights x fp32",
+    "pdserve-exact": "exact: fp32 math on the Q4_1 weights",
+    "pdserve-avx2": "auto: Q4_1 weights x int8 activations (AVX2 kernels)", "pdserve-aggregated-int8": "int8 weights x fp32",
     "llama.cpp": "Q4_1 weights x Q8_1 activations", "transformers": "fp32 (dequantized Q4_1)",
     "vllm-bf16": "bf16 (dequantized Q4_1)",
     "vllm-fp32": "fp32 (dequantized Q4_1)",
@@ -96,6 +98,9 @@ def systems(args, port: int) -> dict[str, tuple[list[str], dict] | None]:
         # the same with the reference model's math: fp32 activations on the dequantized weights
         "pdserve-exact": (py + ["up", "--port", str(port), "--kv-cache-memory", args.kv_cache_memory,
                                 "--quantization", "exact"], {}),
+        # the main command with the kernels forced to their AVX2 build: on a CPU with more (AVX-512
+        # VNNI), the before/after of the per-CPU kernels in one run
+        "pdserve-avx2": (py + ["up", "--port", str(port), *common], {ISA_ENV: "avx2"}),
         "transformers": (py + ["baseline-server", "--port", str(port), "--max-batch", "32"], {}),
         "llama.cpp": None, "vllm": None, "vllm-bf16": None, "vllm-fp32": None,
     }

@@ -63,12 +63,19 @@ class KVTransferHooks:
         the base model; its cached prefix is looked up under the adapter's identity). Returns
         the block ids to fill: those after the prefix this engine already caches (shared, not
         sent again); None if the blocks are not free now (retry later)."""
-        req = self._make_request(request_id, prompt, params or SamplingParams(), lora)
+        params = params or SamplingParams()
+        # its grammar once admitted: under KV pressure a hand-off is refused and retried many times
+        req = self._make_request(request_id, prompt, params, lora, grammar=False)
         if not self.scheduler.add_remote(req):
             self._detok.pop(request_id, None)
             if req.lora is not None:  # it never ran: give its adapter back
                 self.loras.release(req.lora)
             return None
+        try:
+            req.grammar = self._grammar(params)
+        except BaseException:
+            self.abort(request_id)  # its blocks and seat back
+            raise
         return self.blocks.block_table(request_id)[req.num_cached_tokens // self.blocks.block_size:]
 
     def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,

@@ -48,6 +48,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     contended: bool = False
     """A more urgent request runs in this step while less urgent ones are here."""
+    context_tokens: int = 0
+    """Keys the step's attention reads: each chunk's tokens up to its end (set by `schedule`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +68,7 @@ class Scheduler:
         self._urgent = 0  # the most urgent priority among this step's running and next waiting requests
         self._recent: tuple[int, float] | None = None  # the most urgent priority seen in the window, when
         self._extra = 0  # less urgent decodes that still fit in this step's budget
+        self._extra_s: float | None = None  # and the seconds they may add (None: no cost model yet)
         self._window_left = 0  # less urgent prompt tokens this step may still take, in the window
         self.cost = StepCost()
         self.times = StepTimes()
@@ -216,7 +219,7 @@ class Scheduler:
         """A step has run: its time teaches the cost model (steps of decodes and short chunks,
         the size of the steps the budget sizes) and goes into the histogram."""
         if out.num_tokens <= SMALL_STEP:
-            self.cost.observe(seconds, out.num_tokens)
+            self.cost.observe(seconds, out.num_tokens, out.context_tokens)
         self.times.add(seconds, out.contended)
 
     def note_urgency_elsewhere(self, priority: int) -> None:
@@ -229,20 +232,23 @@ class Scheduler:
 
     def _step_budget(self, budget: int) -> bool:
         """Whether this step is contended (a more urgent request runs beside less urgent ones
-        here); if so, how many less urgent decodes fit beside the urgent tokens (`_extra`)."""
+        here); if so, how many less urgent decodes may join the urgent tokens (`_extra`) and
+        the seconds the cost model lets them add (`_extra_s`)."""
         urgent = [r for r in self.running if r.priority == self._urgent]
         head = self.waiting.head()
         others = any(r.priority > self._urgent for r in self.running) or any(
             r.priority > self._urgent for r in self.remote.values()) or any(
             r.priority > self._urgent for r in self.waiting)
         if not others or (not urgent and (head is None or head.priority != self._urgent)):
-            self._extra = 0
+            self._extra, self._extra_s = 0, None
             return False
         own = sum(min(r.num_tokens - r.num_computed_tokens, budget) for r in urgent)
+        context = sum(r.num_tokens for r in urgent)
         if head is not None and head.priority == self._urgent:
             own += min(head.num_tokens - head.num_computed_tokens, budget)
-        cap = self.config.yield_decodes or budget
-        self._extra = min(cap, self.cost.extra_tokens(max(own, 1), self.config.urgent_step_budget, cap))
+            context += head.num_tokens
+        self._extra = self.config.yield_decodes or budget
+        self._extra_s = self.cost.allowance(max(own, 1), context, self.config.urgent_step_budget)
         return True
 
     def _note_urgency(self) -> None:
@@ -301,17 +307,22 @@ class Scheduler:
             self._admit_waiting(out, budget)
         assert out.num_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
+        out.context_tokens = sum(c.request.num_computed_tokens + c.num_new_tokens for c in out.chunks)
         return out
 
     def _yields_decode(self, req: Request, n: int, decoded: list[Request]) -> bool:
         """Whether `req`, a less urgent request about to decode (one token), sits this step out:
-        the step's budget for less urgent decodes is spent (those that decoded, `decoded`, go
-        last next time, so all take turns)."""
+        the step's budget for less urgent decodes (`yield_decodes` rows, and the seconds the
+        cost model allows) has no room for its row, whose attention reads its whole context
+        (those that decoded, `decoded`, go last next time, so all take turns)."""
         if req.priority <= self._urgent or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return False
-        if self._extra <= 0:
+        cost = self.cost.row_seconds(req.num_tokens)
+        if self._extra <= 0 or (self._extra_s is not None and cost > self._extra_s):
             return True
         self._extra -= 1
+        if self._extra_s is not None:
+            self._extra_s -= cost
         decoded.append(req)
         return False
 

@@ -1,5 +1,5 @@
-"""What a step costs, learned from the steps run: `StepCost` fits seconds = a + b * tokens by
-least squares over recent steps (older ones decay), so the scheduler can size the less urgent
+"""What a step costs, learned from the steps run: `StepCost` fits seconds = a + b * tokens +
+c * context by least squares over recent steps (older ones decay), so the scheduler can size the less urgent
 work that shares an urgent request's step to a time budget; `StepTimes` keeps the steps'
 seconds as a histogram, apart for contended steps (a more urgent request running beside
 less urgent ones on this worker), which each worker's /metrics serves."""
@@ -13,40 +13,60 @@ BUCKETS = tuple(round(0.001 * 2 ** (k / 2), 6) for k in range(25)) + (float("inf
 
 @dataclass
 class StepCost:
+    """seconds = a + b * tokens + c * context: `tokens` the step's new tokens (the matmuls'
+    rows), `context` the keys its attention reads (each chunk's tokens so far, its own
+    included). A decode row of a long prompt reads its whole KV each step: on a 2-core Zen 4 one
+    such row (1,000 tokens) beside a short urgent decode made the step 2.5x, where its one
+    matmul row cost next to nothing."""
     decay: float = 0.98  # each step's weight in the fit shrinks by this at every later step
-    _w: float = 0.0
-    _n: float = 0.0
-    _t: float = 0.0
-    _nn: float = 0.0
-    _nt: float = 0.0
+    _s: dict = field(default_factory=lambda: dict.fromkeys(("w", "n", "c", "t", "nn", "nc", "cc", "nt", "ct"), 0.0))
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        d = self.decay
-        self._w, self._n, self._t = d * self._w + 1, d * self._n + tokens, d * self._t + seconds
-        self._nn, self._nt = d * self._nn + tokens * tokens, d * self._nt + tokens * seconds
+    def observe(self, seconds: float, tokens: int, context: int = 0) -> None:
+        d, s = self.decay, self._s
+        for k, v in (("w", 1.0), ("n", tokens), ("c", context), ("t", seconds), ("nn", tokens * tokens),
+                     ("nc", tokens * context), ("cc", context * context), ("nt", tokens * seconds),
+                     ("ct", context * seconds)):
+            s[k] = d * s[k] + v
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b): seconds of a step = a + b * tokens; None until steps of different sizes ran."""
-        if self._w < 2:
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c) by least squares, b and c >= 0 (a slope the data cannot tell apart from the
+        other, or that comes out negative, is 0); None until steps of different sizes ran."""
+        s = self._s
+        if s["w"] < 2:
             return None
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        var = self._nn / self._w - mean_n * mean_n
-        if var <= 1e-9 * max(1.0, mean_n * mean_n):
+        w = s["w"]
+        mn, mc, mt = s["n"] / w, s["c"] / w, s["t"] / w
+        vnn, vcc, vnc = s["nn"] / w - mn * mn, s["cc"] / w - mc * mc, s["nc"] / w - mn * mc
+        vnt, vct = s["nt"] / w - mn * mt, s["ct"] / w - mc * mt
+        tiny = 1e-9
+        b = c = 0.0
+        det = vnn * vcc - vnc * vnc
+        if vnn > tiny * max(1.0, mn * mn) and vcc > tiny * max(1.0, mc * mc) and det > 1e-6 * vnn * vcc:
+            b, c = (vnt * vcc - vct * vnc) / det, (vct * vnn - vnt * vnc) / det
+        if b <= 0 or c <= 0:  # one slope alone
+            b = vnt / vnn if vnn > tiny * max(1.0, mn * mn) else 0.0
+            c = 0.0
+            if b <= 0:
+                b, c = 0.0, (vct / vcc if vcc > tiny * max(1.0, mc * mc) else 0.0)
+        if b <= 0 and c <= 0:
             return None
-        b = (self._nt / self._w - mean_n * mean_t) / var
-        if b <= 0:
-            return None
-        return max(0.0, mean_t - b * mean_n), b
+        return max(0.0, mt - b * mn - c * mc), max(b, 0.0), max(c, 0.0)
 
-    def extra_tokens(self, own_tokens: int, budget: float, default: int) -> int:
-        """How many tokens of less urgent work fit beside `own_tokens` of the urgent requests'
-        while the step stays within (1 + `budget`) times what their tokens alone take; `default`
-        until the fit is known."""
+    def allowance(self, own_tokens: int, own_context: int, budget: float) -> float | None:
+        """Seconds of less urgent work that fit beside the urgent requests' `own_tokens` and
+        `own_context` while the step stays within (1 + `budget`) times what theirs alone take;
+        None until the fit is known."""
         fit = self.fit()
         if fit is None:
-            return default
-        a, b = fit
-        return max(0, int(budget * (a + b * own_tokens) / b))
+            return None
+        a, b, c = fit
+        return budget * (a + b * own_tokens + c * own_context)
+
+    def row_seconds(self, context: int) -> float:
+        """What one more decode row whose attention reads `context` keys adds to a step (0 until
+        the fit is known)."""
+        fit = self.fit()
+        return 0.0 if fit is None else fit[1] + fit[2] * context
 
 
 @dataclass
