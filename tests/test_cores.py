@@ -139,3 +139,26 @@ def test_an_urgent_step_waits_briefly_for_a_less_urgent_peer_to_lend_its_cores(t
     assert me.wait_for_peers(5.0) < 0.5
     for s in (peer, me):
         s.close()
+
+
+def test_after_a_wait_that_ran_out_the_next_steps_do_not_wait_until_the_peer_stops(tmp_path):
+    """A peer in a long step (a prompt chunk from before its urgent window) is waited for once;
+    the urgent steps after run at once on this worker's own threads, until a look finds the
+    peer stood aside: then a later long step is waited for again."""
+    peer, _ = share(tmp_path, "prefill-0")
+    me, _ = share(tmp_path, "decode-0", max_threads=2)
+    peer.step_threads(5)
+    me.step_threads(0)
+    assert me.wait_for_peers(0.05) >= 0.05 and me.threads == 1  # ran out: the peer still steps
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert me.wait_for_peers(0.05) == 0.0
+    assert time.monotonic() - t0 < 0.05
+    peer.idle()
+    time.sleep(0.03)  # past CHECK_INTERVAL_S: the next look sees it
+    assert not me.yields_to_peer(0) and me.step_threads(0) == 2
+    peer.step_threads(5)
+    assert me.wait_for_peers(0.05) >= 0.05  # a new long step: waited for again
+    for s in (peer, me):
+        s.close()
+

@@ -207,6 +207,32 @@ def test_less_urgent_decodes_take_turns_beside_an_urgent_stream():
     assert all(len(r.output_token_ids) == 12 for r in low)
 
 
+def test_no_less_urgent_decode_joins_an_urgent_prompts_step_and_long_contexts_wait():
+    """An urgent prompt's step is its time to first token: the less urgent decodes sit it out.
+    Beside the urgent decodes after it, the learnt cost decides: rows whose attention reads a
+    long context do not fit, short ones do."""
+    sched = Scheduler(SchedulerConfig(16, 256, 0, yield_decodes=4, urgent_step_budget=0.3), BlockManager(1024, 4))
+    for n, ctx in ((1, 100), (2, 200), (2, 1100), (4, 400), (4, 4000), (8, 800), (16, 16000), (32, 3200)):
+        sched.cost.observe(0.002 + 0.0001 * n + 4e-6 * ctx, n, ctx)  # as test_isolation's cost model
+    short = [req(f"s{i}", 8, priority=3, max_tokens=40, start=100 * i) for i in range(2)]
+    long = [req(f"l{i}", 1000, priority=3, max_tokens=40, start=5000 + 2000 * i) for i in range(2)]
+    for r in short + long:
+        sched.add(r)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in short + long):
+        step(sched)
+    sched.add(chat := req("chat", 40, priority=-10, max_tokens=8, start=900))
+    first = [c.request.request_id for c in step(sched).chunks]
+    assert first == ["chat"]  # the prompt alone
+    joined = set()
+    while chat.status != RequestStatus.FINISHED_LENGTH:
+        ids = [c.request.request_id for c in step(sched).chunks]
+        assert "chat" in ids
+        joined |= set(ids) - {"chat"}
+    assert joined and joined <= {"s0", "s1"}  # short rows took turns; the long ones waited
+    while sched.num_unfinished:
+        step(sched)
+
+
 def test_a_worker_with_less_urgent_work_lends_its_cores_to_a_peers_urgent_stream(make_engine, tmp_path):
     """Two engines of one host (engine/parallel/cores.py): while one steps for a priority -1
     stream, the other, with only priority-5 work, stands aside; both answer as alone."""

@@ -233,7 +233,7 @@ class Scheduler:
     def _step_budget(self, budget: int) -> bool:
         """Whether this step is contended (a more urgent request runs beside less urgent ones
         here); if so, how many less urgent decodes may join the urgent tokens (`_extra`) and
-        the seconds the cost model lets them add (`_extra_s`)."""
+        the seconds the cost model lets them add (`_extra_s`; none beside an urgent prompt)."""
         urgent = [r for r in self.running if r.priority == self._urgent]
         head = self.waiting.head()
         others = any(r.priority > self._urgent for r in self.running) or any(
@@ -248,7 +248,9 @@ class Scheduler:
             own += min(head.num_tokens - head.num_computed_tokens, budget)
             context += head.num_tokens
         self._extra = self.config.yield_decodes or budget
-        self._extra_s = self.cost.allowance(max(own, 1), context, self.config.urgent_step_budget)
+        # an urgent prompt's step is its time to first token: no less urgent row joins it
+        prompt = own > len(urgent)
+        self._extra_s = 0.0 if prompt else self.cost.allowance(max(own, 1), context, self.config.urgent_step_budget)
         return True
 
     def _note_urgency(self) -> None:
