@@ -162,3 +162,21 @@ def test_after_a_wait_that_ran_out_the_next_steps_do_not_wait_until_the_peer_sto
     for s in (peer, me):
         s.close()
 
+
+
+def test_a_peers_urgent_window_is_seen_busy_or_not_until_it_closes(tmp_path):
+    """A worker publishes its scheduler's urgent window (the most urgent priority it stepped for
+    lately, and until when); its peers see it at their next look whether it is busy or idle, so
+    their chunks are short when its next urgent request comes, and not after the window."""
+    peer, _ = share(tmp_path, "decode-0")
+    me, _ = share(tmp_path, "prefill-0")
+    until = time.monotonic() + 0.2
+    peer.step_threads(-10, (-10, until))
+    peer.idle()  # the urgent chat ended: the window stays open
+    assert not me.yields_to_peer(5)  # nobody busy: nothing to stand aside for
+    assert me.peer_urgency is None and me.peer_window[0] == -10 and me.peer_window[1] == pytest.approx(until, abs=1e-3)
+    time.sleep(0.25)
+    me.yields_to_peer(5)
+    assert me.peer_window is None  # closed
+    for s in (peer, me):
+        s.close()

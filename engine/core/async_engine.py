@@ -207,16 +207,20 @@ class AsyncEngine:
         True then. Otherwise take the cores for the step."""
         urgency = self.engine.most_urgent_priority()
         stands_aside = urgency is not None and self.cores.yields_to_peer(urgency)
-        peer = self.cores.peer_urgency
+        peer, window = self.cores.peer_urgency, self.cores.peer_window
         if peer is not None and (urgency is None or peer < urgency):
             self.engine.scheduler.note_urgency_elsewhere(peer)  # short chunks: stand aside again soon
+        if window is not None and (urgency is None or window[0] < urgency):
+            # its next urgent request must find this worker in a short step, not in a 512-token
+            # chunk (0.75 s on one core of a 2-core Zen 4), busy here or not when it comes
+            self.engine.scheduler.note_urgency_elsewhere(*window)
         if stands_aside:
             self.cores.idle()
             t0 = time.monotonic()
             self._drain(block=True, timeout=CHECK_INTERVAL_S)
             self.cores.yielded_s += time.monotonic() - t0
             return True
-        self.cores.step_threads(self.cores.urgency if urgency is None else urgency)
+        self.cores.step_threads(self.cores.urgency if urgency is None else urgency, self.engine.scheduler.own_window())
         if urgency is not None and peer is not None and peer > urgency:  # a peer busy with less urgent work
             self.cores.wait_for_peers(URGENT_PEER_WAIT_S)
         return False

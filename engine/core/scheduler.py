@@ -67,6 +67,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._urgent = 0  # the most urgent priority among this step's running and next waiting requests
         self._recent: tuple[int, float] | None = None  # the most urgent priority seen in the window, when
+        self._own: tuple[int, float] | None = None  # the same for this worker's own requests (no peer's)
         self._extra = 0  # less urgent decodes that still fit in this step's budget
         self._extra_s: float | None = None  # and the seconds they may add (None: no cost model yet)
         self._window_left = 0  # less urgent prompt tokens this step may still take, in the window
@@ -222,13 +223,22 @@ class Scheduler:
             self.cost.observe(seconds, out.num_tokens, out.context_tokens)
         self.times.add(seconds, out.contended)
 
-    def note_urgency_elsewhere(self, priority: int) -> None:
-        """A peer on this host steps for requests of `priority` now: while it is more urgent
-        than the work here, this worker's prompt chunks stay short as in the window (so it
-        stands aside for the peer within a short step)."""
+    def note_urgency_elsewhere(self, priority: int, until: float | None = None) -> None:
+        """A peer on this host steps for requests of `priority` now, or did within its urgent
+        window (open `until`, monotonic): while it is more urgent than the work here, this
+        worker's prompt chunks stay short as in the window (so it stands aside for the peer
+        within a short step when its next urgent request comes)."""
         now = time.monotonic()
+        seen = now if until is None else min(now, until - self.config.urgent_window_s)
         if self._recent is None or priority <= self._recent[0] or now - self._recent[1] > self.config.urgent_window_s:
-            self._recent = (priority, now)
+            self._recent = (priority, seen)
+
+    def own_window(self) -> tuple[int, float] | None:
+        """The most urgent priority this worker's own requests had within the urgent window,
+        and when that window closes (monotonic); None when none was here within it."""
+        if self._own is None or time.monotonic() - self._own[1] > self.config.urgent_window_s:
+            return None
+        return self._own[0], self._own[1] + self.config.urgent_window_s
 
     def _step_budget(self, budget: int) -> bool:
         """Whether this step is contended (a more urgent request runs beside less urgent ones
@@ -263,6 +273,10 @@ class Scheduler:
             self._recent = None
         if present and (self._recent is None or self._urgent <= self._recent[0]):
             self._recent = (self._urgent, now)
+        if self._own is not None and now - self._own[1] > self.config.urgent_window_s:
+            self._own = None
+        if present and (self._own is None or self._urgent <= self._own[0]):
+            self._own = (self._urgent, now)
 
     def _preempt(self, req: Request, cause: str) -> None:
         self.preemptions[cause] += 1

@@ -48,9 +48,11 @@ class CoreShare:
         self.busy = False
         self.threads = own_threads
         self.urgency = 0
+        self.window = NO_WINDOW
         self._write()
         self._checked = float("-inf")  # the first call looks (a monotonic clock may start near 0)
         self._peer_urgency: int | None = None  # the most urgent busy peer's, at the last look
+        self._peer_window: tuple[int, float] | None = None  # the most urgent open window of a peer, at the last look
         self._wait_ran_out = False  # wait_for_peers timed out and no look has seen the peer stop since
         self._idle_threads = 0  # owned by idle peers, at the last look
         self.yielded_s = 0.0
@@ -58,14 +60,17 @@ class CoreShare:
 
     def _write(self) -> None:
         # fixed width: a peer reading while it is rewritten never sees a short record
-        os.pwrite(self._fd, _record(self.own, self.urgency), 0)
+        os.pwrite(self._fd, _record(self.own, self.urgency, self.window), 0)
 
-    def step_threads(self, urgency: int = 0) -> int:
+    def step_threads(self, urgency: int = 0, window: tuple[int, float] | None = None) -> int:
         """Called before each step with work: mark this worker busy, stepping for requests whose
-        most urgent priority is `urgency`, and return (and apply) the thread count for the step."""
-        urgency = _clamp(urgency)
-        if urgency != self.urgency:
-            self.urgency = urgency
+        most urgent priority is `urgency`, and return (and apply) the thread count for the step.
+        `window`: the most urgent priority this worker stepped for lately and until when (its
+        scheduler's urgent window, monotonic seconds): peers keep their prompt chunks short
+        until then, busy or not here, so that the next urgent request finds them in a short step."""
+        urgency, window = _clamp(urgency), window or self.window
+        if urgency != self.urgency or window != self.window:
+            self.urgency, self.window = urgency, window
             self._write()
         if not self.busy:
             fcntl.flock(self._fd, fcntl.LOCK_EX)  # a peer's probe holds it for microseconds at most
@@ -114,13 +119,19 @@ class CoreShare:
         """The most urgent priority a busy peer steps for, at the last look (None: none busy)."""
         return self._peer_urgency
 
+    @property
+    def peer_window(self) -> tuple[int, float] | None:
+        """The most urgent priority a peer stepped for within its urgent window, and when that
+        window closes (monotonic), at the last look; None: no peer's is open."""
+        return self._peer_window
+
     def _look(self) -> bool:
         """Look at the peers if the last look is CHECK_INTERVAL_S old; True if it looked."""
         now = time.monotonic()
         if now - self._checked < CHECK_INTERVAL_S:
             return False
         self._checked = now
-        self._idle_threads, self._peer_urgency = self._scan()
+        self._idle_threads, self._peer_urgency, self._peer_window = self._scan()
         if self._peer_urgency is None or self._peer_urgency <= self.urgency:
             self._wait_ran_out = False  # the long step is over: wait for the next one again
         return True
@@ -136,10 +147,10 @@ class CoreShare:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             self.busy = False
 
-    def _scan(self) -> tuple[int, int | None]:
+    def _scan(self) -> tuple[int, int | None, tuple[int, float] | None]:
         """(threads owned by idle peers, 0 if any peer is busy; the most urgent busy peer's
-        priority, None if none is busy)."""
-        total, urgent, busy = 0, None, False
+        priority, None if none is busy; the most urgent open window of any peer, or None)."""
+        total, urgent, busy, window, now = 0, None, False, None, time.monotonic()
         for path in self.dir.glob("*.busy"):
             if path == self.path:
                 continue
@@ -148,7 +159,9 @@ class CoreShare:
             except OSError:
                 continue  # removed as we looked
             try:
-                threads, urgency = _read(fd)
+                threads, urgency, open_until = _read(fd)
+                if open_until[1] > now and (window is None or open_until[0] < window[0]):
+                    window = open_until
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -159,7 +172,7 @@ class CoreShare:
                 total += threads
             finally:
                 os.close(fd)
-        return (0 if busy else total), urgent
+        return (0 if busy else total), urgent, window
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -192,17 +205,22 @@ def _clamp(urgency: int) -> int:
     return max(-_URGENCY_BOUND, min(_URGENCY_BOUND, int(urgency)))
 
 
-def _record(threads: int, urgency: int) -> bytes:
-    return f"{threads:6d} {urgency:+11d}\n".encode()
+NO_WINDOW = (_URGENCY_BOUND, 0.0)
 
 
-def _read(fd: int) -> tuple[int, int]:
-    """(the owner's threads, its urgency); (0, 0) for a record that cannot be read."""
+def _record(threads: int, urgency: int, window: tuple[int, float] = NO_WINDOW) -> bytes:
+    return f"{threads:6d} {urgency:+11d} {_clamp(window[0]):+11d} {window[1]:16.3f}\n".encode()
+
+
+def _read(fd: int) -> tuple[int, int, tuple[int, float]]:
+    """(the owner's threads, its urgency, its urgent window: the most urgent priority it
+    stepped for lately and until when, monotonic); zeros for a record that cannot be read."""
     try:
-        fields = os.pread(fd, 32, 0).split()
-        return max(int(fields[0]), 0), _clamp(int(fields[1])) if len(fields) > 1 else 0
+        fields = os.pread(fd, 64, 0).split()
+        window = (_clamp(int(fields[2])), float(fields[3])) if len(fields) > 3 else NO_WINDOW
+        return max(int(fields[0]), 0), _clamp(int(fields[1])) if len(fields) > 1 else 0, window
     except (ValueError, IndexError):
-        return 0, 0
+        return 0, 0, NO_WINDOW
 
 
 def _torch_set_threads(n: int) -> None:
