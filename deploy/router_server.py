@@ -18,9 +18,14 @@ from pdserve.common.aio import stop_tasks
 
 
 def check_exposure(router: RouterConfig, security: SecurityConfig) -> None:
-    if router.host not in LOOPBACK and not security.api_keys:
+    """Before anything starts: an API open beyond this machine, or a keys file that cannot be
+    used (KeysFileError, naming its line), is refused."""
+    if security.keys_file:
+        from pdserve.router.keys import KeyRing
+        KeyRing(security.keys_file)
+    if router.host not in LOOPBACK and not security.api_keys and not security.keys_file:
         raise ValueError(f"--host {router.host} exposes the API beyond this machine: set --api-key (or "
-                         "PDSERVE_API_KEY) so that only clients with the key are served")
+                         "PDSERVE_API_KEY) or --keys-file so that only clients with a key are served")
 
 
 def make_logger(t0: float):

@@ -64,8 +64,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "network address refuse to start without one)")
     p.add_argument("--served-model-name", default="", help="model id in the API (default: from the file name)")
     p.add_argument("--api-key", default=_env("PDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY); required when "
-                        "--host is not a loopback address")
+                   help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY); this key or a keys "
+                        "file is required when --host is not a loopback address")
+    p.add_argument("--keys-file", default=_env("PDSERVE_KEYS_FILE"),
+                   help="the operator's API keys (TOML, router/keys.py): each key's sha256 digest, tenant, "
+                        "priority_ceiling, over_ceiling, models and trusted; reloaded when it changes or on "
+                        "SIGHUP (env PDSERVE_KEYS_FILE)")
     _add_tls_args(p)
     p.add_argument("--max-inflight", type=int, default=_R.max_inflight,
                    help="generations (choices) admitted at once; beyond it requests wait in the router's queue, "
@@ -290,7 +294,9 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
     if tls.enabled:
         tls.server_credentials()
     api_key = getattr(args, "api_key", "")  # a worker serves no API
-    return SecurityConfig(api_keys=(api_key,) if api_key else (), cluster_token=args.cluster_token, tls=tls)
+    keys_file = getattr(args, "keys_file", "")
+    return SecurityConfig(api_keys=(api_key,) if api_key else (), keys_file=keys_file,
+                          cluster_token=args.cluster_token, tls=tls)
 
 
 def transfer_config(args: argparse.Namespace) -> TransferConfig:

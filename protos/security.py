@@ -166,7 +166,11 @@ async def check_cluster_token(expected: str, given: str, context) -> None:
 @dataclass(frozen=True)
 class SecurityConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
-    """Accepted `Authorization: Bearer` keys on the API; empty: no authentication."""
+    """Accepted `Authorization: Bearer` keys on the API; empty: no authentication (unless a
+    keys file is given). Such a key is the operator's: every endpoint, any priority."""
+    keys_file: str = ""
+    """The operator's keys file (router/keys.py): each key's digest, tenant, priority ceiling,
+    models and whether it may speak for others; "": none."""
     cluster_token: str = field(default="", repr=False)
     """Shared secret every internal gRPC call carries ("": none)."""
     tls: TLSConfig = field(default_factory=TLSConfig)

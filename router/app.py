@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import signal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,10 +21,11 @@ from .errors import APIError, ErrorBoundary, api_error_of, http_error, validatio
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .control import PoolControl, scale_sizes
 from .models import ModelRouters
-from .responses_endpoint import add_responses_routes
+from .keys import KeyRing
+from .responses_endpoint import add_responses_routes, request_context
 from .models_responses import add_model_responses_routes
 from .router import Router
-from .tenancy import RequestContext
+from .tenancy import RequestContext  # noqa: F401  (what `context` gives the routes)
 
 
 class BodyLimit:
@@ -100,21 +102,31 @@ def wants_timing(request: Request) -> bool:
     return request.headers.get(TIMING_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
-def api_key_auth(api_keys: tuple[str, ...]):
-    """A FastAPI dependency: 401 unless `Authorization: Bearer <one of api_keys>` (none: open)."""
+def api_key_auth(api_keys: tuple[str, ...], ring: KeyRing | None = None, admin: bool = False):
+    """A FastAPI dependency: 401 unless `Authorization: Bearer <key>` names one of `api_keys`
+    (the operator's) or a key of the keys file `ring` (kept in `request.state.api_key`, which
+    then decides the request's tenant and priority); with neither, open. `admin`: a keys-file
+    key must be `trusted` (403 otherwise)."""
     keys = [k.encode() for k in api_keys]
 
     async def authorized(request: Request) -> None:
-        if not keys:
+        request.state.api_key = None
+        if not keys and ring is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given = given.strip()
         # compare against every key in constant time: timing reveals nothing about them
         ok = False
         for k in keys:
-            ok |= hmac.compare_digest(given.strip().encode(), k)
-        if scheme.lower() != "bearer" or not ok:
+            ok |= hmac.compare_digest(given.encode(), k)
+        key = ring.lookup(given) if ring is not None and not ok and given else None
+        if scheme.lower() != "bearer" or not (ok or key):
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+        if admin and key is not None and not key.trusted:
+            raise APIError(403, f"the key {key.name!r} may not use the admin endpoints", "permission_error",
+                           code="admin_not_allowed")
+        request.state.api_key = key
     return authorized
 
 
@@ -231,11 +243,15 @@ def create_admin_app(control: PoolControl, api_keys: tuple[str, ...]) -> FastAPI
     return app
 
 
-def _lifespan(router: Router | ModelRouters):
-    """While the app serves: keep the routers' view of the workers fresh; then close them."""
+def _lifespan(router: Router | ModelRouters, ring: KeyRing | None = None):
+    """While the app serves: keep the routers' view of the workers fresh (and reload the keys
+    file on SIGHUP); then close them."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(router.refresh_forever())
+        if ring is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, ring.reload)
         try:
             yield
         finally:
@@ -250,14 +266,15 @@ def create_app(served: Router | ModelRouters) -> FastAPI:
     admin endpoints."""
     routers = served if isinstance(served, ModelRouters) else ModelRouters([served])
     router = routers.first  # the cluster's settings (the same in every model's Router)
-    app = FastAPI(title="pdserve", lifespan=_lifespan(routers))
+    ring = KeyRing(router.security.keys_file) if router.security.keys_file else None
+    app = FastAPI(title="pdserve", lifespan=_lifespan(routers, ring))
+    app.state.keys = ring
     add_error_handlers(app, router.config.max_body_bytes)
-    authorized = api_key_auth(router.security.api_keys)
+    authorized = api_key_auth(router.security.api_keys, ring)
+    admin = api_key_auth(router.security.api_keys, ring, admin=True)
 
     def context(req, request: Request) -> RequestContext:
-        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        return RequestContext.of(request.headers, req.priority, req.user,
-                                 key if key in router.security.api_keys else "")
+        return request_context(router, request, req.priority, req.user, req.model)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(req: CompletionRequest, request: Request):
@@ -278,7 +295,7 @@ def create_app(served: Router | ModelRouters) -> FastAPI:
         routers.pick(model).check_model(model)
         return next(c for c in routers.model_cards() if c["id"] == model)
 
-    add_adapter_routes(app, routers, authorized)
+    add_adapter_routes(app, routers, admin)
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])
     async def tokenize(req: TokenizeRequest):
@@ -294,12 +311,12 @@ def create_app(served: Router | ModelRouters) -> FastAPI:
             return {"status": "ok", "workers": routers.workers()}
         return JSONResponse({"status": "unavailable", "workers": routers.workers()}, status_code=503)
 
-    @app.get("/admin/workers", dependencies=[Depends(authorized)])
+    @app.get("/admin/workers", dependencies=[Depends(admin)])
     async def workers():
         return {"workers": sorted((w | {"model": name} for name, r in routers.routers.items()
                                    for w in worker_view(r.cluster)), key=lambda w: (w["model"], w["worker_id"]))}
 
-    add_admin_routes(app, router.control, authorized)
+    add_admin_routes(app, router.control, admin)
     if routers.several:
         add_model_responses_routes(app, routers, authorized, while_connected, wants_timing)
     else:

@@ -147,11 +147,19 @@ class _Run:
         return resp
 
 
-def request_context(router, request: Request, priority: int = 0, user: str | None = None) -> RequestContext:
-    """Who a request is for (its tenant: the API key's digest when keys are set), as the
-    other endpoints see it."""
-    key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    return RequestContext.of(request.headers, priority, user, key if key in router.security.api_keys else "")
+def request_context(router, request: Request, priority: int = 0, user: str | None = None,
+                    model: str = "") -> RequestContext:
+    """Who a request is for, as every endpoint sees it: under a keys-file key (`authorized`
+    put it in request.state), its tenant and ceiling, and 403 for a `model` it may not use;
+    else the tenant of the operator's API key (its digest) or, with none, of the headers."""
+    key = getattr(request.state, "api_key", None)
+    if key is not None:
+        if model and not key.allows(model):
+            raise APIError(403, f"the key {key.name!r} may not use the model {model!r}", "permission_error",
+                           code="model_not_allowed", param="model")
+        return RequestContext.for_key(key, request.headers, priority, user)
+    bearer = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    return RequestContext.of(request.headers, priority, user, bearer if bearer in router.security.api_keys else "")
 
 
 def add_responses_routes(app: FastAPI, router, authorized, while_connected, wants_timing) -> None:
@@ -161,7 +169,7 @@ def add_responses_routes(app: FastAPI, router, authorized, while_connected, want
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def create_response(req: ResponsesRequest, request: Request):
-        ctx = request_context(router, request, req.priority, req.user)
+        ctx = request_context(router, request, req.priority, req.user, req.model or "")
         return await while_connected(request, endpoint.create(req, ctx, wants_timing(request)))
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorized)])

@@ -51,6 +51,24 @@ class RequestContext:
                 raise APIError(400, f"the {name} id is longer than {MAX_ID} characters", param=name)
         return cls(priority, tenant, session)
 
+    @classmethod
+    def for_key(cls, key, headers: Mapping[str, str], body_priority: int = 0,
+                user: str | None = None) -> "RequestContext":
+        """A request under an operator's key (router/keys.py APIKey): its tenant is the key's and
+        its priority the body's, held to the key's ceiling (clamped, or 403 where the key says
+        refuse); only a trusted key's (a gateway's) tenant and priority headers count."""
+        if not key.trusted:
+            headers = {h: v for h, v in headers.items() if h.lower() not in (PRIORITY_HEADER, *TENANT_HEADERS)}
+        base = cls.of(headers, body_priority, user)
+        priority = base.priority
+        if priority < key.priority_ceiling:
+            if key.refuse_over_ceiling:
+                raise APIError(403, f"priority {priority} is above what the key {key.name!r} may ask for (at most "
+                                    f"{key.priority_ceiling}, lower is more urgent)", "permission_error",
+                               param="priority", code="priority_not_allowed")
+            priority = key.priority_ceiling
+        return cls(priority, (base.tenant if key.trusted else "") or key.tenant, base.session)
+
 
 class TenantLimits:
     """Per tenant: requests in flight and prompt tokens not yet answered (0: no limit). A

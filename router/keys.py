@@ -1,0 +1,189 @@
+"""The operator's API keys (`--keys-file keys.toml`): who a key is, not what its client says.
+
+Each `[[key]]` table holds the key's SHA-256 digest (never the key in clear), the tenant it
+stands for, the most urgent priority it may ask for (its ceiling: a request above it is
+clamped to it, or refused where `over_ceiling = "refuse"`), the models and adapters it may use
+(none listed: all), and whether it may speak for others (`trusted`: a gateway's key, whose
+tenant and priority headers are honoured). For example:
+
+    [[key]]
+    name = "team-a batch"          # for logs ("" : key N)
+    digest = "sha256:9f86d0..."    # printf %s "$KEY" | sha256sum
+    tenant = "team-a"
+    priority_ceiling = 0           # the default: no queue jumping
+    over_ceiling = "clamp"         # or "refuse" (403)
+    models = ["SmolLM2-135M-Instruct", "sql"]
+    trusted = false
+
+`parse` checks a file whole and names the line of each fault; `KeyRing` keeps the last good
+file, reloads it when it changes (looked at once a second at most) or on `reload()` (SIGHUP),
+and keeps the old keys, saying why, when the new file is bad. Pure but for the file it reads.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FIELDS = {"name", "digest", "tenant", "priority_ceiling", "over_ceiling", "models", "trusted"}
+CLEAR = {"key", "api_key", "secret", "token"}  # what a key in clear would be called
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_ID = 256
+
+
+class KeysFileError(ValueError):
+    """The keys file cannot be used: its line and what is wrong there."""
+
+
+@dataclass(frozen=True)
+class APIKey:
+    name: str
+    tenant: str
+    priority_ceiling: int = 0
+    """The most urgent (lowest) priority this key may ask for."""
+    refuse_over_ceiling: bool = False
+    """A request above the ceiling is refused (403), not clamped to it."""
+    models: frozenset[str] = frozenset()
+    """Model ids and adapter names it may use; empty: all."""
+    trusted: bool = False
+    """A gateway's key: the tenant and priority headers it sends are honoured."""
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+def digest(key: str) -> str:
+    """The form a key is stored in: "sha256:" and its hex digest."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _table_lines(text: str) -> list[int]:
+    """The line (1-based) of each `[[key]]` header, in order."""
+    return [i + 1 for i, line in enumerate(text.splitlines()) if line.strip().split("#")[0].strip() == "[[key]]"]
+
+
+def _key(entry: dict, n: int) -> tuple[str, APIKey]:
+    """One [[key]] table -> (its digest, the key); ValueError naming what is wrong."""
+    clear = CLEAR & set(entry)
+    if clear:
+        raise ValueError(f"{sorted(clear)[0]!r} holds a key in clear: store its digest instead, "
+                         "digest = \"sha256:<printf %s KEY | sha256sum>\"")
+    unknown = set(entry) - FIELDS
+    if unknown:
+        raise ValueError(f"unknown field {sorted(unknown)[0]!r} (fields: {', '.join(sorted(FIELDS))})")
+    d = entry.get("digest")
+    if not isinstance(d, str) or not _DIGEST.fullmatch(d):
+        raise ValueError("digest must be \"sha256:\" and 64 lowercase hex digits")
+    tenant = entry.get("tenant")
+    if not isinstance(tenant, str) or not tenant.strip():
+        raise ValueError("a key needs its tenant (tenant = \"...\"): it is not the default tenant")
+    if len(tenant) > MAX_ID:
+        raise ValueError(f"tenant is longer than {MAX_ID} characters")
+    ceiling = entry.get("priority_ceiling", 0)
+    if not isinstance(ceiling, int) or isinstance(ceiling, bool) or abs(ceiling) > 10 ** 9:
+        raise ValueError("priority_ceiling must be an integer (the most urgent priority the key may ask for)")
+    over = entry.get("over_ceiling", "clamp")
+    if over not in ("clamp", "refuse"):
+        raise ValueError(f"over_ceiling must be \"clamp\" or \"refuse\", got {over!r}")
+    models = entry.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+        raise ValueError("models must be a list of model ids and adapter names")
+    trusted = entry.get("trusted", False)
+    if not isinstance(trusted, bool):
+        raise ValueError("trusted must be true or false")
+    name = entry.get("name", f"key {n}")
+    if not isinstance(name, str):
+        raise ValueError("name must be a string")
+    return d, APIKey(name, tenant, ceiling, over == "refuse", frozenset(models), trusted)
+
+
+def parse(text: str, source: str = "keys file") -> dict[str, APIKey]:
+    """digest -> key for every [[key]] of a keys file; KeysFileError naming the line of the
+    first fault (a syntax error, an unknown field, a key in clear, a digest given twice...)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise KeysFileError(f"{source}: {e}") from None
+    extra = set(data) - {"key"}
+    if extra:
+        raise KeysFileError(f"{source}: unknown table {sorted(extra)[0]!r}: the file holds [[key]] tables only")
+    entries, lines = data.get("key", []), _table_lines(text)
+    if not isinstance(entries, list):
+        raise KeysFileError(f"{source}: key must be an array of tables: [[key]]")
+    keys: dict[str, APIKey] = {}
+    for n, entry in enumerate(entries):
+        where = f"{source} line {lines[n] if n < len(lines) else '?'} (key {n + 1})"
+        try:
+            d, key = _key(entry, n + 1)
+        except ValueError as e:
+            raise KeysFileError(f"{where}: {e}") from None
+        if d in keys:
+            raise KeysFileError(f"{where}: the same digest as {keys[d].name!r}: each key once")
+        keys[d] = key
+    return keys
+
+
+class KeyRing:
+    """The keys of a keys file, kept current: `lookup` stats the file at most once a second and
+    reloads it when it changed; a bad new file keeps the keys in force (the error is logged and
+    kept in `error`). The first load must succeed (KeysFileError)."""
+
+    CHECK_S = 1.0
+
+    def __init__(self, path: str | os.PathLike, clock=time.monotonic):
+        self.path, self.clock = Path(path), clock
+        self.error = ""
+        self.reloads = 0
+        self._stamp = self._stat()
+        self.keys = self._read()
+        self._checked = clock()
+
+    def _stat(self) -> tuple[int, int]:
+        try:
+            st = self.path.stat()
+        except OSError as e:
+            raise KeysFileError(f"cannot read the keys file {self.path}: {e}") from None
+        return st.st_mtime_ns, st.st_size
+
+    def _read(self) -> dict[str, APIKey]:
+        try:
+            text = self.path.read_text()
+        except OSError as e:
+            raise KeysFileError(f"cannot read the keys file {self.path}: {e}") from None
+        return parse(text, str(self.path))
+
+    def reload(self) -> bool:
+        """Read the file again now; False (the old keys kept, `error` set) when it is bad."""
+        try:
+            self._stamp = self._stat()
+            self.keys = self._read()
+        except KeysFileError as e:
+            self.error = str(e)
+            log.error("keys file not reloaded, the keys in force stay: %s", e)
+            return False
+        self.error = ""
+        self.reloads += 1
+        log.info("keys file %s reloaded: %d keys", self.path, len(self.keys))
+        return True
+
+    def lookup(self, bearer: str) -> APIKey | None:
+        """The key a bearer token is, if it is one of the file's."""
+        now = self.clock()
+        if now - self._checked >= self.CHECK_S:
+            self._checked = now
+            try:
+                changed = self._stat() != self._stamp
+            except KeysFileError as e:
+                changed, self.error = False, str(e)
+            if changed:
+                self.reload()
+        # looked up by digest: how long it takes says nothing of a key (the caller does not
+        # choose the digest it compares)
+        return self.keys.get(digest(bearer))

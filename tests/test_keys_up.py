@@ -1,0 +1,127 @@
+"""The operator's keys file through `pdserve up --keys-file` under Ray: a key is its tenant and
+its priority ceiling whatever its client sends (read back from the router's own per-tenant,
+per-band series), a key may be refused a priority or a model, only a trusted key reaches the
+admin endpoints, and the file is reloaded on change and on SIGHUP, adding and revoking keys
+while a stream runs, keeping the keys in force when the new file is bad."""
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from pdserve.registry.embedded import free_port
+from pdserve.router.keys import digest
+from tests.helpers.procs import Proc, stop, wait_kv_back
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+MODEL = "SmolLM2-135M-Instruct"
+A, B, C, D, E, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "operator"))
+
+
+def key(k: str, tenant: str, extra: str = "") -> str:
+    return f'[[key]]\ndigest = "{digest(k)}"\ntenant = "{tenant}"\n{extra}\n'
+
+
+FILE = (key(A, "team-a") + key(B, "team-b", "priority_ceiling = -10")
+        + key(C, "team-c", 'over_ceiling = "refuse"') + key(D, "team-d", 'models = ["another-model"]'))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    path.write_text(FILE)
+    port = free_port()
+    up = Proc("up", "--port", str(port), "--cluster-token", "test-token", "--shutdown-grace", "3",
+              "--keys-file", str(path), "--api-key", OP)
+    try:
+        line = up.p.stdout.readline()
+        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        yield f"http://127.0.0.1:{port}", path, up
+    finally:
+        rc = stop(up, 90)
+    assert rc == 0, up.text()
+
+
+def complete(url: str, k: str | None, **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {k}"} if k else {}
+    headers |= body.pop("headers", {})
+    return httpx.post(url + "/v1/completions", headers=headers, timeout=120,
+                      json={"model": MODEL, "prompt": "Say hi", "max_tokens": 4, "temperature": 0} | body)
+
+
+def waits(url: str, band: str, tenant: str) -> float:
+    """The router's count of first tokens for `tenant` in priority band `band`."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for labels, value in re.findall(r"^pdserve_class_wait_seconds_count\{([^}]*)\} (\S+)$", text, re.M):
+        if f'priority="{band}"' in labels and f'tenant="{tenant}"' in labels:
+            total += float(value)
+    return total
+
+
+def test_a_key_is_its_tenant_and_its_ceiling_whatever_its_client_sends(served):
+    url, _, _ = served
+    assert complete(url, None).status_code == 401 and complete(url, "sk-nobody").status_code == 401
+    posing = {"x-pdserve-tenant": "team-b", "x-pdserve-priority": "-50"}
+    assert complete(url, A, priority=-100, headers=posing).status_code == 200
+    assert complete(url, B, priority=-5).status_code == 200
+    assert waits(url, "default", "team-a") == 1 and waits(url, "high", "team-a") == 0  # clamped to 0, its own tenant
+    assert waits(url, "high", "team-b") == 1  # within B's ceiling: urgent
+    r = complete(url, C, priority=-1)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "priority_not_allowed", r.text
+    r = complete(url, D)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed", r.text
+    assert httpx.get(url + "/admin/workers", headers={"Authorization": f"Bearer {A}"}, timeout=10).status_code == 403
+    assert httpx.get(url + "/admin/workers", headers={"Authorization": f"Bearer {OP}"}, timeout=10).status_code == 200
+    wait_kv_back(url, 2)
+
+
+def test_the_file_is_reloaded_on_change_and_sighup_while_a_stream_runs(served):
+    url, path, up = served
+    done: dict = {}
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {B}"}, timeout=120,
+                          json={"model": MODEL, "prompt": "Count:", "max_tokens": 300, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as r:
+            done["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    path.write_text(key(B, "team-b", "priority_ceiling = -10") + key(E, "team-e"))  # A revoked, E issued
+    deadline = time.monotonic() + 10
+    while complete(url, E).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert complete(url, E).status_code == 200 and complete(url, A).status_code == 401
+    path.write_text(key(B, "team-b") + key(E, "team-e", "colour = 1"))  # bad: the keys in force stay
+    up.p.send_signal(signal.SIGHUP)
+    time.sleep(1.5)
+    assert up.p.poll() is None  # SIGHUP reloads, it does not end the server
+    assert complete(url, E).status_code == 200
+    assert up.find("keys file not reloaded") and "line 5 (key 2)" in up.find("keys file not reloaded")
+    path.write_text(FILE)
+    up.p.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while complete(url, A).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert complete(url, A).status_code == 200 and complete(url, E).status_code == 401
+    t.join(120)
+    assert done["lines"][-1] == "data: [DONE]" and len(done["lines"]) > 300  # B's stream ran through it all
+    wait_kv_back(url, 2)
+
+
+def test_a_bad_keys_file_stops_pdserve_up_before_anything_starts_naming_its_line(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers.procs import ENV
+
+    path = tmp_path / "keys.toml"
+    path.write_text(key(A, "team-a") + f'[[key]]\ndigest = "{digest(B)}"\ntenant = "team-b"\nkey = "{B}"\n')
+    r = subprocess.run([sys.executable, "-m", "pdserve", "up", "--port", str(free_port()), "--keys-file", str(path)],
+                       capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 2 and "line 5 (key 2)" in r.stderr and "key in clear" in r.stderr, r.stderr
+    assert B not in r.stderr  # the key itself is never echoed
