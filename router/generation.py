@@ -57,14 +57,16 @@ class Generation:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, metrics: RouterMetrics,
                  prompt: list[int], params: SamplingParams, prefix: str = "cmpl", timeout_s: float = 0.0,
                  on_done=None, tracer: Tracer = OFF, session: str = "", on_first=None, arrival: float | None = None,
-                 lora: str = ""):
+                 lora: str = "", usage: tuple[str, bool] = ("", True)):
         """arrival: when its request arrived (time.perf_counter(); default: now): its queue
         time, TTFT and deadline count from there, for every choice of the request alike.
         timeout_s > 0: the request fails with 504 (and is aborted) if it is not done by then.
         on_done: called once when the request ends, however it ends; on_first: once, when its
         first token arrives (with the time to it). tracer: the request's trace (a root span
         here, the workers' spans under it). session: its conversation (kept on one decode
-        worker until that one is saturated). lora: the adapter it runs under ("": the base model)."""
+        worker until that one is saturated). lora: the adapter it runs under ("": the base model).
+        usage: (the operator key's name, whether this choice counts the prompt and the request:
+        the first of n does) for the usage series."""
         self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -81,7 +83,7 @@ class Generation:
         self.ttft = 0.0
         self.timeout_s = timeout_s
         self._on_done, self._on_first = on_done, on_first
-        self.session, self.lora = session, lora
+        self.session, self.lora, self.charged = session, lora, usage
         self.generated: list[int] = []   # token ids streamed so far (replayed on migration)
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.., when asked for
         self.route = None
@@ -258,6 +260,10 @@ class Generation:
         self.t_done = time.perf_counter()
         self.metrics.finished(time.perf_counter() - self.t_arrival, self.ttft, self.completion_tokens,
                               self.finish_reason or "error", self.lora)
+        key, first = self.charged
+        prompted = first and self._first is not None  # its prompt was computed (or found cached)
+        self.metrics.usage(self.params.tenant, key, self.lora, len(self.prompt) if prompted else 0,
+                           self.cached_tokens if prompted else 0, self.completion_tokens, int(prompted))
 
     def _trace_call(self, migrated_from: str = "") -> tuple:
         """A span for the call to the route's decode worker (the last one ended); the

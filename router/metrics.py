@@ -42,6 +42,11 @@ class RouterMetrics:
                                   "(past --max-inflight), by priority band", ["priority"], registry=r)
         self.class_wait = Histogram("pdserve_class_wait_seconds", "Time to first token by priority band and tenant",
                                     ["priority", "tenant"], registry=r, buckets=_LATENCY)
+        self.usage_tokens = Counter("pdserve_usage_tokens", "Tokens used, for charge-back: prompt (cached ones "
+                                    "counted again apart), and completion; by tenant, operator key and model",
+                                    ["tenant", "key", "model", "kind"], registry=r)
+        self.usage_requests = Counter("pdserve_usage_requests", "Requests served (n choices: one), by tenant, "
+                                      "operator key and model", ["tenant", "key", "model"], registry=r)
         self.budget_refusals = Counter("pdserve_budget_refusals", "Requests refused or ended by a budget: "
                                        "tenant_inflight, tenant_tokens (429 for one tenant), shed (a sheddable "
                                        "request while the pool is saturated), prompt_chars (longer than any "
@@ -67,6 +72,17 @@ class RouterMetrics:
                                ("prefill_queue_s", "Time a prompt queued on its prefill worker"),
                                ("prefill_compute_s", "Time a prefill worker computed a prompt"),
                                ("kv_push_s", "Time a prefill worker pushed a prompt's KV after computing it"))}
+
+    def usage(self, tenant: str, key: str, lora: str, prompt: int, cached: int, completion: int,
+              requests: int) -> None:
+        """What a request used, for charge-back: its prompt (cached part apart) and completion
+        tokens, and the request, by tenant, operator key and model (bounded label sets)."""
+        labels = (self.tenant_label(tenant), key or "-", self.model_label(lora))
+        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+            if n:
+                self.usage_tokens.labels(*labels, kind).inc(n)
+        if requests:
+            self.usage_requests.labels(*labels).inc(requests)
 
     def tenant_label(self, tenant: str, limit: int = 32) -> str:
         """A bounded label set: the first `limit` tenants seen by name, the rest as "other"."""

@@ -126,7 +126,8 @@ class Router:
                            code="shed", headers={"Retry-After": "2"})
 
     def _generation(self, prompt: list[int], params: SamplingParams, prefix: str,
-                    ctx: RequestContext = RequestContext(), arrival: float | None = None) -> Generation:
+                    ctx: RequestContext = RequestContext(), arrival: float | None = None,
+                    first: bool = True) -> Generation:
         """Make a Generation in a place taken by `_enter` (given back when it is done), or
         refuse it with 429: a sheddable request while the pool is saturated, its tenant's
         limits."""
@@ -144,7 +145,7 @@ class Router:
         self.metrics.class_waiting.labels(*labels).inc()
         waiting = [True]
 
-        def first(ttft_s: float) -> None:
+        def on_first(ttft_s: float) -> None:
             waiting[0] = False
             self.metrics.class_waiting.labels(*labels).dec()
             self.metrics.class_wait.labels(*labels).observe(ttft_s)
@@ -160,7 +161,8 @@ class Router:
         params = replace(params, priority=ctx.priority, tenant=ctx.tenant)
         return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
                           timeout_s=self.config.request_timeout_s, on_done=done, tracer=self.tracer,
-                          session=ctx.session, on_first=first, arrival=arrival, lora=ctx.lora)
+                          session=ctx.session, on_first=on_first, arrival=arrival, lora=ctx.lora,
+                          usage=(ctx.key, first))
 
     def _band(self, priority: int) -> str:
         if priority >= self.config.sheddable_priority:
@@ -257,7 +259,7 @@ class Router:
             rest = replace(params, prompt_logprobs=None)
             for i in range(1, n):  # seeds wrap within the wire's range: any valid seed serves any n
                 gens.append(self._generation(ids, replace(rest, seed=(params.seed + i) % 2**63)
-                                             if params.seed is not None else rest, prefix, ctx, arrival))
+                                             if params.seed is not None else rest, prefix, ctx, arrival, first=False))
             await asyncio.gather(*(g.start() for g in gens[1:]))
         except BaseException:
             self.admission.leave(ctx.tenant, n - len(gens))  # the places of choices never made

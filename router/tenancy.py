@@ -30,6 +30,8 @@ class RequestContext:
     session: str = ""
     lora: str = ""
     """The LoRA adapter its `model` names ("": the base model)."""
+    key: str = ""
+    """The name of the operator's key it came with (router/keys.py; "": none)."""
 
     @classmethod
     def of(cls, headers: Mapping[str, str], body_priority: int = 0, user: str | None = None,
@@ -67,7 +69,7 @@ class RequestContext:
                                     f"{key.priority_ceiling}, lower is more urgent)", "permission_error",
                                param="priority", code="priority_not_allowed")
             priority = key.priority_ceiling
-        return cls(priority, (base.tenant if key.trusted else "") or key.tenant, base.session)
+        return cls(priority, (base.tenant if key.trusted else "") or key.tenant, base.session, key=key.name)
 
 
 class TenantLimits:

@@ -125,3 +125,41 @@ def test_a_bad_keys_file_stops_pdserve_up_before_anything_starts_naming_its_line
                        capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2 and "line 5 (key 2)" in r.stderr and "key in clear" in r.stderr, r.stderr
     assert B not in r.stderr  # the key itself is never echoed
+
+
+def usage(url: str, tenant: str) -> dict[str, float]:
+    """The router's usage series of one tenant, summed over keys and models."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {"prompt": 0.0, "cached": 0.0, "completion": 0.0, "requests": 0.0}
+    for name, labels, value in re.findall(r"^pdserve_usage_(tokens|requests)_total\{([^}]*)\} (\S+)$", text, re.M):
+        if f'tenant="{tenant}"' in labels:
+            kind = re.search(r'kind="(\w+)"', labels).group(1) if name == "tokens" else "requests"
+            out[kind] += float(value)
+    return out
+
+
+def test_usage_per_tenant_is_what_the_responses_reported(served):
+    url, _, _ = served
+    before, other = usage(url, "team-a"), usage(url, "team-b")
+    reported = {"prompt": 0, "cached": 0, "completion": 0, "requests": 0}
+    shared = "You are a helpful assistant for the accounts team. " * 6
+    for body in ({"prompt": shared + "Name a colour.", "max_tokens": 9, "n": 2},
+                 {"prompt": shared + "Name a fruit.", "max_tokens": 7}):
+        r = complete(url, A, **body)
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        reported["prompt"] += u["prompt_tokens"]
+        reported["completion"] += u["completion_tokens"]
+        reported["cached"] += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        reported["requests"] += 1
+    r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {A}"}, timeout=120,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
+    u = r.json()["usage"]
+    reported["prompt"] += u["prompt_tokens"]
+    reported["completion"] += u["completion_tokens"]
+    reported["cached"] += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reported["requests"] += 1
+    after = usage(url, "team-a")
+    assert {k: after[k] - before[k] for k in after} == reported
+    assert reported["cached"] > 0  # the shared prefix was found again
+    assert usage(url, "team-b") == other  # nothing charged to another tenant
