@@ -21,7 +21,8 @@ from .errors import APIError, ErrorBoundary, api_error_of, http_error, validatio
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .control import PoolControl, scale_sizes
 from .models import ModelRouters
-from .keys import KeyRing
+from .keys import KeyRing, digest
+from .ratelimit import MemoryCounts, RateLimiter, RedisCounts
 from .responses_endpoint import add_responses_routes, request_context
 from .models_responses import add_model_responses_routes
 from .router import Router
@@ -102,11 +103,13 @@ def wants_timing(request: Request) -> bool:
     return request.headers.get(TIMING_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
-def api_key_auth(api_keys: tuple[str, ...], ring: KeyRing | None = None, admin: bool = False):
+def api_key_auth(api_keys: tuple[str, ...], ring: KeyRing | None = None, admin: bool = False,
+                 limiter: RateLimiter | None = None):
     """A FastAPI dependency: 401 unless `Authorization: Bearer <key>` names one of `api_keys`
     (the operator's) or a key of the keys file `ring` (kept in `request.state.api_key`, which
     then decides the request's tenant and priority); with neither, open. `admin`: a keys-file
-    key must be `trusted` (403 otherwise)."""
+    key must be `trusted` (403 otherwise). `limiter`: the key's rate limits are counted in
+    (`request.state.ticket`; RateLimitRelease counts it out) or the request refused."""
     keys = [k.encode() for k in api_keys]
 
     async def authorized(request: Request) -> None:
@@ -127,7 +130,37 @@ def api_key_auth(api_keys: tuple[str, ...], ring: KeyRing | None = None, admin: 
             raise APIError(403, f"the key {key.name!r} may not use the admin endpoints", "permission_error",
                            code="admin_not_allowed")
         request.state.api_key = key
+        if key is not None and limiter is not None and key.limited:
+            request.state.meter = [0]
+            request.state.ticket = await limiter.enter(digest(given)[7:23], key)
     return authorized
+
+
+class RateLimitRelease:
+    """Around the app: a rate-limited request's response carries its key's `x-ratelimit-*`
+    figures, and once it has been sent whole (a stream to its end, or cut off), the request is
+    counted out with the tokens it used."""
+
+    def __init__(self, app, limiter: RateLimiter):
+        self.app, self.limiter = app, limiter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+
+        async def with_headers(message):
+            ticket = state.get("ticket")
+            if message["type"] == "http.response.start" and ticket is not None and ticket.headers:
+                message = message | {"headers": [*message.get("headers", []),
+                                                  *((k.encode(), v.encode()) for k, v in ticket.headers.items())]}
+            await send(message)
+        try:
+            await self.app(scope, receive, with_headers)
+        finally:
+            ticket = state.get("ticket")
+            if ticket is not None:
+                await self.limiter.leave(ticket, (state.get("meter") or [0])[0])
 
 
 def refuse_cross_site(request: Request) -> None:
@@ -270,7 +303,11 @@ def create_app(served: Router | ModelRouters) -> FastAPI:
     app = FastAPI(title="pdserve", lifespan=_lifespan(routers, ring))
     app.state.keys = ring
     add_error_handlers(app, router.config.max_body_bytes)
-    authorized = api_key_auth(router.security.api_keys, ring)
+    discovery = router.discovery  # the cluster's Redis: every router counts the same limits
+    limiter = RateLimiter(RedisCounts(discovery.redis, f"pdserve:{discovery.cluster_name}") if discovery
+                          else MemoryCounts())
+    app.add_middleware(RateLimitRelease, limiter=limiter)
+    authorized = api_key_auth(router.security.api_keys, ring, limiter=limiter)
     admin = api_key_auth(router.security.api_keys, ring, admin=True)
 
     def context(req, request: Request) -> RequestContext:

@@ -57,7 +57,7 @@ class Generation:
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, metrics: RouterMetrics,
                  prompt: list[int], params: SamplingParams, prefix: str = "cmpl", timeout_s: float = 0.0,
                  on_done=None, tracer: Tracer = OFF, session: str = "", on_first=None, arrival: float | None = None,
-                 lora: str = "", usage: tuple[str, bool] = ("", True)):
+                 lora: str = "", usage: tuple = ("", True, None)):
         """arrival: when its request arrived (time.perf_counter(); default: now): its queue
         time, TTFT and deadline count from there, for every choice of the request alike.
         timeout_s > 0: the request fails with 504 (and is aborted) if it is not done by then.
@@ -66,7 +66,8 @@ class Generation:
         here, the workers' spans under it). session: its conversation (kept on one decode
         worker until that one is saturated). lora: the adapter it runs under ("": the base model).
         usage: (the operator key's name, whether this choice counts the prompt and the request:
-        the first of n does) for the usage series."""
+        the first of n does, and the request's token meter or None) for the usage series and
+        the key's rate limits."""
         self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -260,10 +261,12 @@ class Generation:
         self.t_done = time.perf_counter()
         self.metrics.finished(time.perf_counter() - self.t_arrival, self.ttft, self.completion_tokens,
                               self.finish_reason or "error", self.lora)
-        key, first = self.charged
+        key, first, meter = self.charged
         prompted = first and self._first is not None  # its prompt was computed (or found cached)
         self.metrics.usage(self.params.tenant, key, self.lora, len(self.prompt) if prompted else 0,
                            self.cached_tokens if prompted else 0, self.completion_tokens, int(prompted))
+        if meter is not None:
+            meter[0] += (len(self.prompt) if prompted else 0) + self.completion_tokens
 
     def _trace_call(self, migrated_from: str = "") -> tuple:
         """A span for the call to the route's decode worker (the last one ended); the

@@ -14,6 +14,10 @@ tenant and priority headers are honoured). For example:
     over_ceiling = "clamp"         # or "refuse" (403)
     models = ["SmolLM2-135M-Instruct", "sql"]
     trusted = false
+    requests_per_minute = 600      # limits (0: none), counted in the cluster's Redis
+    tokens_per_minute = 200000     # prompt + completion tokens of the requests that ended
+    max_concurrent = 32
+    on_redis_error = "open"        # or "closed": 503 while the limits cannot be counted
 
 `parse` checks a file whole and names the line of each fault; `KeyRing` keeps the last good
 file, reloads it when it changes (looked at once a second at most) or on `reload()` (SIGHUP),
@@ -32,7 +36,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-FIELDS = {"name", "digest", "tenant", "priority_ceiling", "over_ceiling", "models", "trusted"}
+LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+FIELDS = {"name", "digest", "tenant", "priority_ceiling", "over_ceiling", "models", "trusted", "on_redis_error",
+          *LIMITS}
 CLEAR = {"key", "api_key", "secret", "token"}  # what a key in clear would be called
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 MAX_ID = 256
@@ -54,6 +60,17 @@ class APIKey:
     """Model ids and adapter names it may use; empty: all."""
     trusted: bool = False
     """A gateway's key: the tenant and priority headers it sends are honoured."""
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    """Prompt and completion tokens of its requests that ended in the minute (0: no limit)."""
+    max_concurrent: int = 0
+    fail_closed: bool = False
+    """When the cluster's Redis (where the limits are counted) cannot be reached: refuse (503)
+    rather than serve uncounted."""
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute or self.max_concurrent)
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -101,7 +118,17 @@ def _key(entry: dict, n: int) -> tuple[str, APIKey]:
     name = entry.get("name", f"key {n}")
     if not isinstance(name, str):
         raise ValueError("name must be a string")
-    return d, APIKey(name, tenant, ceiling, over == "refuse", frozenset(models), trusted)
+    limits = {}
+    for field in LIMITS:
+        v = entry.get(field, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{field} must be an integer >= 0 (0: no limit), got {v!r}")
+        limits[field] = v
+    on_error = entry.get("on_redis_error", "open")
+    if on_error not in ("open", "closed"):
+        raise ValueError(f"on_redis_error must be \"open\" or \"closed\", got {on_error!r}")
+    return d, APIKey(name, tenant, ceiling, over == "refuse", frozenset(models), trusted, **limits,
+                     fail_closed=on_error == "closed")
 
 
 def parse(text: str, source: str = "keys file") -> dict[str, APIKey]:

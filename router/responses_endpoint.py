@@ -157,7 +157,8 @@ def request_context(router, request: Request, priority: int = 0, user: str | Non
         if model and not key.allows(model):
             raise APIError(403, f"the key {key.name!r} may not use the model {model!r}", "permission_error",
                            code="model_not_allowed", param="model")
-        return RequestContext.for_key(key, request.headers, priority, user)
+        return replace(RequestContext.for_key(key, request.headers, priority, user),
+                       meter=getattr(request.state, "meter", None))
     bearer = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     return RequestContext.of(request.headers, priority, user, bearer if bearer in router.security.api_keys else "")
 

@@ -162,7 +162,7 @@ class Router:
         return Generation(self.cluster, self.tokenizer, self.metrics, prompt, params, prefix,
                           timeout_s=self.config.request_timeout_s, on_done=done, tracer=self.tracer,
                           session=ctx.session, on_first=on_first, arrival=arrival, lora=ctx.lora,
-                          usage=(ctx.key, first))
+                          usage=(ctx.key, first, ctx.meter))
 
     def _band(self, priority: int) -> str:
         if priority >= self.config.sheddable_priority:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import APIError
 
@@ -32,6 +32,9 @@ class RequestContext:
     """The LoRA adapter its `model` names ("": the base model)."""
     key: str = ""
     """The name of the operator's key it came with (router/keys.py; "": none)."""
+    meter: list | None = field(default=None, compare=False)
+    """[tokens]: its generations add the prompt and completion tokens they used (a rate-limited
+    key's count, router/ratelimit.py); None: not counted."""
 
     @classmethod
     def of(cls, headers: Mapping[str, str], body_priority: int = 0, user: str | None = None,

@@ -93,3 +93,50 @@ def test_a_missing_or_bad_file_at_start_is_an_error(tmp_path):
     (tmp_path / "bad.toml").write_text("[[key]]\ntenant = 'a'\n")
     with pytest.raises(KeysFileError, match="line 1"):
         KeyRing(tmp_path / "bad.toml")
+
+
+def test_a_keys_rate_limits_refuse_with_openai_headers_and_count_out_what_ended():
+    import asyncio
+
+    from pdserve.router.ratelimit import MemoryCounts, RateLimiter
+
+    now = [600.0]  # a minute's start
+    lim = RateLimiter(MemoryCounts(clock=lambda: now[0]), clock=lambda: now[0])
+    keys = parse(entry(A, "a", requests_per_minute=2, tokens_per_minute=100) + entry(B, "b", max_concurrent=1))
+    a, b = keys[digest(A)], keys[digest(B)]
+
+    async def run():
+        t1 = await lim.enter("a", a)
+        assert t1.headers["x-ratelimit-remaining-requests"] == "1" and t1.headers["x-ratelimit-limit-tokens"] == "100"
+        await lim.leave(t1, 60)
+        t2 = await lim.enter("a", a)
+        assert t2.headers["x-ratelimit-remaining-requests"] == "0" and t2.headers["x-ratelimit-remaining-tokens"] == "40"
+        with pytest.raises(APIError) as e:
+            await lim.enter("a", a)
+        assert e.value.status == 429 and e.value.code == "rate_limit_requests"
+        assert e.value.headers["Retry-After"] == "60" and e.value.headers["x-ratelimit-remaining-requests"] == "0"
+        await lim.leave(t2, 50)  # 110 tokens this minute
+        now[0] += 61  # the next minute: both counts start again
+        t3 = await lim.enter("a", a)
+        assert t3.headers["x-ratelimit-remaining-requests"] == "1"
+        await lim.leave(t3, 100)
+        with pytest.raises(APIError) as e:
+            await lim.enter("a", a)  # its tokens are spent this minute
+        assert e.value.code == "rate_limit_tokens"
+        held = await lim.enter("b", b)
+        with pytest.raises(APIError) as e:
+            await lim.enter("b", b)
+        assert e.value.code == "rate_limit_concurrent" and e.value.headers["Retry-After"] == "1"
+        await lim.leave(held, 0)
+        await lim.leave(held, 0)  # counted out once only
+        await lim.leave(await lim.enter("b", b), 0)
+        assert await lim.counts.get("rl:b:now") == 0
+
+    asyncio.run(run())
+
+
+def test_a_negative_limit_or_a_bad_redis_policy_is_refused_with_its_line():
+    with pytest.raises(KeysFileError, match=r"line 1 .*requests_per_minute must be an integer >= 0"):
+        parse(entry(A, "a", requests_per_minute=-1), "keys.toml")
+    with pytest.raises(KeysFileError, match=r"line 1 .*on_redis_error must be"):
+        parse(entry(A, "a", on_redis_error="maybe"), "keys.toml")

@@ -18,7 +18,7 @@ from tests.helpers.procs import Proc, stop, wait_kv_back
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 MODEL = "SmolLM2-135M-Instruct"
-A, B, C, D, E, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "operator"))
+A, B, C, D, E, F, G, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "operator"))
 
 
 def key(k: str, tenant: str, extra: str = "") -> str:
@@ -26,7 +26,8 @@ def key(k: str, tenant: str, extra: str = "") -> str:
 
 
 FILE = (key(A, "team-a") + key(B, "team-b", "priority_ceiling = -10")
-        + key(C, "team-c", 'over_ceiling = "refuse"') + key(D, "team-d", 'models = ["another-model"]'))
+        + key(C, "team-c", 'over_ceiling = "refuse"') + key(D, "team-d", 'models = ["another-model"]')
+        + key(F, "team-f", "requests_per_minute = 3") + key(G, "team-g", "max_concurrent = 1"))
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +164,38 @@ def test_usage_per_tenant_is_what_the_responses_reported(served):
     assert {k: after[k] - before[k] for k in after} == reported
     assert reported["cached"] > 0  # the shared prefix was found again
     assert usage(url, "team-b") == other  # nothing charged to another tenant
+
+
+def test_a_keys_rate_limits_answer_429_with_the_headers_while_others_are_served(served):
+    url, _, _ = served
+    if time.time() % 60 > 45:  # the three requests and the refused one in one minute's window
+        time.sleep(61 - time.time() % 60)
+    left = [complete(url, F).headers.get("x-ratelimit-remaining-requests") for _ in range(3)]
+    assert left == ["2", "1", "0"]
+    r = complete(url, F)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_requests", r.text
+    assert r.headers["x-ratelimit-remaining-requests"] == "0" and 0 < int(r.headers["retry-after"]) <= 60
+    assert complete(url, A).status_code == 200  # another key goes on
+    done: dict = {}
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {G}"}, timeout=120,
+                          json={"model": MODEL, "prompt": "Count:", "max_tokens": 200, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as r:
+            done["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline, refused = time.monotonic() + 20, None
+    while time.monotonic() < deadline and t.is_alive():
+        r = complete(url, G)
+        if r.status_code == 429:
+            refused = r
+            break
+        time.sleep(0.05)
+    t.join(120)
+    assert refused is not None and refused.json()["error"]["code"] == "rate_limit_concurrent", refused
+    assert done["lines"][-1] == "data: [DONE]"
+    assert complete(url, G).status_code == 200  # the stream's end counted it out
+    wait_kv_back(url, 2)
+
