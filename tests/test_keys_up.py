@@ -53,6 +53,27 @@ def complete(url: str, k: str | None, **body) -> httpx.Response:
                       json={"model": MODEL, "prompt": "Say hi", "max_tokens": 4, "temperature": 0} | body)
 
 
+def stream_in_thread(url: str, k: str, tokens: int) -> tuple[threading.Thread, dict]:
+    """A streamed completion of `tokens` tokens under key `k`, on a thread; the dict's "started"
+    event is set at its first token, its data lines land in "lines" once it ends."""
+    done: dict = {"started": threading.Event()}
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {k}"}, timeout=120,
+                          json={"model": MODEL, "prompt": "Count:", "max_tokens": tokens, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as r:
+            lines = []
+            for ln in r.iter_lines():
+                if ln.startswith("data: "):
+                    lines.append(ln)
+                    done["started"].set()
+            done["lines"] = lines
+
+    t = threading.Thread(target=stream)
+    t.start()
+    return t, done
+
+
 def waits(url: str, band: str, tenant: str) -> float:
     """The router's count of first tokens for `tenant` in priority band `band`."""
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -82,16 +103,7 @@ def test_a_key_is_its_tenant_and_its_ceiling_whatever_its_client_sends(served):
 
 def test_the_file_is_reloaded_on_change_and_sighup_while_a_stream_runs(served):
     url, path, up = served
-    done: dict = {}
-
-    def stream():
-        with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {B}"}, timeout=120,
-                          json={"model": MODEL, "prompt": "Count:", "max_tokens": 300, "temperature": 0,
-                                "ignore_eos": True, "stream": True}) as r:
-            done["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-
-    t = threading.Thread(target=stream)
-    t.start()
+    t, done = stream_in_thread(url, B, 300)
     path.write_text(key(B, "team-b", "priority_ceiling = -10") + key(E, "team-e"))  # A revoked, E issued
     deadline = time.monotonic() + 10
     while complete(url, E).status_code != 200 and time.monotonic() < deadline:
@@ -176,25 +188,13 @@ def test_a_keys_rate_limits_answer_429_with_the_headers_while_others_are_served(
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_requests", r.text
     assert r.headers["x-ratelimit-remaining-requests"] == "0" and 0 < int(r.headers["retry-after"]) <= 60
     assert complete(url, A).status_code == 200  # another key goes on
-    done: dict = {}
-
-    def stream():
-        with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {G}"}, timeout=120,
-                          json={"model": MODEL, "prompt": "Count:", "max_tokens": 200, "temperature": 0,
-                                "ignore_eos": True, "stream": True}) as r:
-            done["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline, refused = time.monotonic() + 20, None
-    while time.monotonic() < deadline and t.is_alive():
-        r = complete(url, G)
-        if r.status_code == 429:
-            refused = r
-            break
-        time.sleep(0.05)
+    t, done = stream_in_thread(url, G, 1000)  # seconds of tokens: it is still streaming when probed
+    assert done["started"].wait(60)
+    refused = complete(url, G)
+    running = t.is_alive()
     t.join(120)
-    assert refused is not None and refused.json()["error"]["code"] == "rate_limit_concurrent", refused
+    assert running and refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_concurrent"
     assert done["lines"][-1] == "data: [DONE]"
     assert complete(url, G).status_code == 200  # the stream's end counted it out
     wait_kv_back(url, 2)
