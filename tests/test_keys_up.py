@@ -18,7 +18,7 @@ from tests.helpers.procs import Proc, stop, wait_kv_back
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 MODEL = "SmolLM2-135M-Instruct"
-A, B, C, D, E, F, G, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "operator"))
+A, B, C, D, E, F, G, H, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "h", "operator"))
 
 
 def key(k: str, tenant: str, extra: str = "") -> str:
@@ -27,7 +27,8 @@ def key(k: str, tenant: str, extra: str = "") -> str:
 
 FILE = (key(A, "team-a") + key(B, "team-b", "priority_ceiling = -10")
         + key(C, "team-c", 'over_ceiling = "refuse"') + key(D, "team-d", 'models = ["another-model"]')
-        + key(F, "team-f", "requests_per_minute = 3") + key(G, "team-g", "max_concurrent = 1"))
+        + key(F, "team-f", "requests_per_minute = 3") + key(G, "team-g", "max_concurrent = 1")
+        + key(H, "team-h", "requests_per_minute = 3"))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def served(tmp_path_factory):
     path.write_text(FILE)
     port = free_port()
     up = Proc("up", "--port", str(port), "--cluster-token", "test-token", "--shutdown-grace", "3",
-              "--keys-file", str(path), "--api-key", OP)
+              "--keys-file", str(path), "--api-key", OP, "--cluster-name", "keys", "--redis-password", "keys-redis")
     try:
         line = up.p.stdout.readline()
         assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
@@ -198,4 +199,30 @@ def test_a_keys_rate_limits_answer_429_with_the_headers_while_others_are_served(
     assert done["lines"][-1] == "data: [DONE]"
     assert complete(url, G).status_code == 200  # the stream's end counted it out
     wait_kv_back(url, 2)
+
+
+def test_two_routers_of_one_cluster_hold_one_limit(served):
+    """A second router (`pdserve router` on the cluster's Redis, the same keys file) counts the
+    same key's requests: 2 through one router and 1 through the other spend a 3-a-minute
+    key's minute, and the next is refused by either."""
+    from tests.helpers.procs import registry_url
+    from tests.helpers.ray_procs import Proc as ReadyProc
+
+    url, path, up = served
+    port = free_port()
+    second = ReadyProc("router", "--port", str(port), "--redis-url", registry_url(up.text(), "keys-redis"),
+                       "--cluster-name", "keys", "--cluster-token", "test-token", "--keys-file", str(path))
+    try:
+        second.wait_ready()
+        other = f"http://127.0.0.1:{port}"
+        if time.time() % 60 > 40:  # the four requests in one minute's window
+            time.sleep(61 - time.time() % 60)
+        left = [complete(u, H).headers.get("x-ratelimit-remaining-requests") for u in (url, other, url)]
+        assert left == ["2", "1", "0"]
+        for u in (other, url):
+            r = complete(u, H)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_requests", r.text
+    finally:
+        rc = stop(second, 60)
+    assert rc == 0, second.text()
 
