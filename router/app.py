@@ -1,6 +1,6 @@
 """The HTTP front end (FastAPI): the OpenAI endpoints over a `Router`, models (the base and its
 LoRA adapters), tokenize, health, Prometheus metrics and the admin endpoints (workers, pools,
-adapter loads), behind API keys."""
+adapter loads, usage), behind API keys."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +22,9 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .control import PoolControl, scale_sizes
 from .models import ModelRouters
 from .keys import KeyRing, digest
+from .metering import RequestEnd, add_usage_route
 from .ratelimit import MemoryCounts, RateLimiter, RedisCounts
+from .usage import Meter, MemoryUsage, RedisUsage
 from .responses_endpoint import add_responses_routes, request_context
 from .models_responses import add_model_responses_routes
 from .router import Router
@@ -109,11 +111,13 @@ def api_key_auth(api_keys: tuple[str, ...], ring: KeyRing | None = None, admin: 
     (the operator's) or a key of the keys file `ring` (kept in `request.state.api_key`, which
     then decides the request's tenant and priority); with neither, open. `admin`: a keys-file
     key must be `trusted` (403 otherwise). `limiter`: the key's rate limits are counted in
-    (`request.state.ticket`; RateLimitRelease counts it out) or the request refused."""
+    (`request.state.ticket`; router/metering.py RequestEnd counts it out) or the request refused;
+    every request gets a `request.state.meter` for its usage (router/usage.py)."""
     keys = [k.encode() for k in api_keys]
 
     async def authorized(request: Request) -> None:
         request.state.api_key = None
+        request.state.meter = Meter()
         if not keys and ring is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -131,36 +135,9 @@ def api_key_auth(api_keys: tuple[str, ...], ring: KeyRing | None = None, admin: 
                            code="admin_not_allowed")
         request.state.api_key = key
         if key is not None and limiter is not None and key.limited:
-            request.state.meter = [0]
-            request.state.ticket = await limiter.enter(digest(given)[7:23], key)
+            ticket = request.state.ticket = await limiter.enter(digest(given)[7:23], key)
+            request.state.meter.on_admit = lambda tokens: limiter.admit(ticket, tokens)
     return authorized
-
-
-class RateLimitRelease:
-    """Around the app: a rate-limited request's response carries its key's `x-ratelimit-*`
-    figures, and once it has been sent whole (a stream to its end, or cut off), the request is
-    counted out with the tokens it used."""
-
-    def __init__(self, app, limiter: RateLimiter):
-        self.app, self.limiter = app, limiter
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        state = scope.setdefault("state", {})
-
-        async def with_headers(message):
-            ticket = state.get("ticket")
-            if message["type"] == "http.response.start" and ticket is not None and ticket.headers:
-                message = message | {"headers": [*message.get("headers", []),
-                                                  *((k.encode(), v.encode()) for k, v in ticket.headers.items())]}
-            await send(message)
-        try:
-            await self.app(scope, receive, with_headers)
-        finally:
-            ticket = state.get("ticket")
-            if ticket is not None:
-                await self.limiter.leave(ticket, (state.get("meter") or [0])[0])
 
 
 def refuse_cross_site(request: Request) -> None:
@@ -304,11 +281,13 @@ def create_app(served: Router | ModelRouters) -> FastAPI:
     app.state.keys = ring
     add_error_handlers(app, router.config.max_body_bytes)
     discovery = router.discovery  # the cluster's Redis: every router counts the same limits
-    limiter = RateLimiter(RedisCounts(discovery.redis, f"pdserve:{discovery.cluster_name}") if discovery
-                          else MemoryCounts())
-    app.add_middleware(RateLimitRelease, limiter=limiter)
+    ns = f"pdserve:{discovery.cluster_name}" if discovery else ""
+    limiter = RateLimiter(RedisCounts(discovery.redis, ns) if discovery else MemoryCounts())
+    usage = RedisUsage(discovery.redis, ns) if discovery else MemoryUsage()
+    app.add_middleware(RequestEnd, limiter=limiter, usage=usage)
     authorized = api_key_auth(router.security.api_keys, ring, limiter=limiter)
     admin = api_key_auth(router.security.api_keys, ring, admin=True)
+    add_usage_route(app, usage, admin)
 
     def context(req, request: Request) -> RequestContext:
         return request_context(router, request, req.priority, req.user, req.model)

@@ -66,8 +66,8 @@ class Generation:
         here, the workers' spans under it). session: its conversation (kept on one decode
         worker until that one is saturated). lora: the adapter it runs under ("": the base model).
         usage: (the operator key's name, whether this choice counts the prompt and the request:
-        the first of n does, and the request's token meter or None) for the usage series and
-        the key's rate limits."""
+        the first of n does, and the request's Meter or None) for the usage series, the usage
+        store and the key's rate limits."""
         self.cluster, self.tokenizer, self.metrics = cluster, tokenizer, metrics
         self.prompt, self.params = prompt, params
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -263,10 +263,11 @@ class Generation:
                               self.finish_reason or "error", self.lora)
         key, first, meter = self.charged
         prompted = first and self._first is not None  # its prompt was computed (or found cached)
-        self.metrics.usage(self.params.tenant, key, self.lora, len(self.prompt) if prompted else 0,
-                           self.cached_tokens if prompted else 0, self.completion_tokens, int(prompted))
-        if meter is not None:
-            meter[0] += (len(self.prompt) if prompted else 0) + self.completion_tokens
+        used = (len(self.prompt) if prompted else 0, self.cached_tokens if prompted else 0, self.completion_tokens,
+                int(prompted))
+        self.metrics.usage(self.params.tenant, key, self.lora, *used)
+        if meter is not None:  # router/usage.py: kept for charge-back, and the key's token count
+            meter.add(self.params.tenant, key, self.lora or self.metrics.model_name, *used)
 
     def _trace_call(self, migrated_from: str = "") -> tuple:
         """A span for the call to the route's decode worker (the last one ended); the

@@ -17,9 +17,15 @@ tenant and priority headers are honoured). For example:
     requests_per_minute = 600      # limits (0: none), counted in the cluster's Redis
     tokens_per_minute = 200000     # prompt + completion tokens of the requests that ended
     max_concurrent = 32
+    max_queued_tokens = 8192       # prompt tokens of its requests admitted and not yet finished
     on_redis_error = "open"        # or "closed": 503 while the limits cannot be counted
 
-`parse` checks a file whole and names the line of each fault; `KeyRing` keeps the last good
+    [tenants.team-a]               # limits of the tenant, counted across all its keys
+    requests_per_minute = 2000
+    tokens_per_minute = 1000000
+
+A `[tenants.NAME]` table holds the same limit fields (and nothing else) for a tenant some key
+stands for; every key of that tenant carries them (`APIKey.tenant_limits`). `parse` checks a file whole and names the line of each fault; `KeyRing` keeps the last good
 file, reloads it when it changes (looked at once a second at most) or on `reload()` (SIGHUP),
 and keeps the old keys, saying why, when the new file is bad. Pure but for the file it reads.
 """
@@ -31,12 +37,12 @@ import os
 import re
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued_tokens")
 FIELDS = {"name", "digest", "tenant", "priority_ceiling", "over_ceiling", "models", "trusted", "on_redis_error",
           *LIMITS}
 CLEAR = {"key", "api_key", "secret", "token"}  # what a key in clear would be called
@@ -46,6 +52,20 @@ MAX_ID = 256
 
 class KeysFileError(ValueError):
     """The keys file cannot be used: its line and what is wrong there."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A key's or a tenant's rate limits (0: none)."""
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    """Prompt and completion tokens of its requests that ended in the minute."""
+    max_concurrent: int = 0
+    max_queued_tokens: int = 0
+    """Prompt tokens of its requests admitted (tokenized) and not yet finished."""
+
+    def __bool__(self) -> bool:
+        return any((self.requests_per_minute, self.tokens_per_minute, self.max_concurrent, self.max_queued_tokens))
 
 
 @dataclass(frozen=True)
@@ -67,10 +87,18 @@ class APIKey:
     fail_closed: bool = False
     """When the cluster's Redis (where the limits are counted) cannot be reached: refuse (503)
     rather than serve uncounted."""
+    max_queued_tokens: int = 0
+    tenant_limits: Limits = Limits()
+    """Its tenant's limits (a `[tenants.NAME]` table), counted across all the tenant's keys."""
+
+    @property
+    def limits(self) -> Limits:
+        """Its own limits."""
+        return Limits(self.requests_per_minute, self.tokens_per_minute, self.max_concurrent, self.max_queued_tokens)
 
     @property
     def limited(self) -> bool:
-        return bool(self.requests_per_minute or self.tokens_per_minute or self.max_concurrent)
+        return bool(self.limits or self.tenant_limits)
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -118,12 +146,7 @@ def _key(entry: dict, n: int) -> tuple[str, APIKey]:
     name = entry.get("name", f"key {n}")
     if not isinstance(name, str):
         raise ValueError("name must be a string")
-    limits = {}
-    for field in LIMITS:
-        v = entry.get(field, 0)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{field} must be an integer >= 0 (0: no limit), got {v!r}")
-        limits[field] = v
+    limits = _limits(entry)
     on_error = entry.get("on_redis_error", "open")
     if on_error not in ("open", "closed"):
         raise ValueError(f"on_redis_error must be \"open\" or \"closed\", got {on_error!r}")
@@ -131,16 +154,52 @@ def _key(entry: dict, n: int) -> tuple[str, APIKey]:
                      fail_closed=on_error == "closed")
 
 
+def _limits(entry: dict) -> dict[str, int]:
+    """The limit fields of a [[key]] or [tenants.NAME] table; ValueError for a bad one."""
+    limits = {}
+    for field in LIMITS:
+        v = entry.get(field, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{field} must be an integer >= 0 (0: no limit), got {v!r}")
+        limits[field] = v
+    return limits
+
+
+def _tenants(data: dict, text: str, source: str, keys: dict[str, APIKey]) -> dict[str, APIKey]:
+    """The keys with their tenants' limits (the [tenants.NAME] tables); KeysFileError naming
+    the line of a bad table (an unknown field, a bad limit, a tenant no key stands for)."""
+    tables = data.get("tenants", {})
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise KeysFileError(f"{source}: tenants must be tables: [tenants.NAME]")
+    lines = [i + 1 for i, line in enumerate(text.splitlines()) if re.match(r"\s*\[\s*tenants\s*\.", line)]
+    ours = {k.tenant for k in keys.values()}
+    limits: dict[str, Limits] = {}
+    for n, (name, entry) in enumerate(tables.items()):
+        where = f"{source} line {lines[n] if len(lines) == len(tables) else '?'} (tenant {name!r})"
+        unknown = set(entry) - set(LIMITS)
+        if unknown:
+            raise KeysFileError(f"{where}: unknown field {sorted(unknown)[0]!r} (a tenant's fields: "
+                                f"{', '.join(LIMITS)})")
+        if name not in ours:
+            raise KeysFileError(f"{where}: no key stands for this tenant")
+        try:
+            limits[name] = Limits(**_limits(entry))
+        except ValueError as e:
+            raise KeysFileError(f"{where}: {e}") from None
+    return {d: replace(k, tenant_limits=limits[k.tenant]) if k.tenant in limits else k for d, k in keys.items()}
+
+
 def parse(text: str, source: str = "keys file") -> dict[str, APIKey]:
-    """digest -> key for every [[key]] of a keys file; KeysFileError naming the line of the
+    """digest -> key for every [[key]] of a keys file (with its tenant's limits); KeysFileError naming the line of the
     first fault (a syntax error, an unknown field, a key in clear, a digest given twice...)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise KeysFileError(f"{source}: {e}") from None
-    extra = set(data) - {"key"}
+    extra = set(data) - {"key", "tenants"}
     if extra:
-        raise KeysFileError(f"{source}: unknown table {sorted(extra)[0]!r}: the file holds [[key]] tables only")
+        raise KeysFileError(f"{source}: unknown table {sorted(extra)[0]!r}: the file holds [[key]] and "
+                            "[tenants.NAME] tables only")
     entries, lines = data.get("key", []), _table_lines(text)
     if not isinstance(entries, list):
         raise KeysFileError(f"{source}: key must be an array of tables: [[key]]")
@@ -154,7 +213,7 @@ def parse(text: str, source: str = "keys file") -> dict[str, APIKey]:
         if d in keys:
             raise KeysFileError(f"{where}: the same digest as {keys[d].name!r}: each key once")
         keys[d] = key
-    return keys
+    return _tenants(data, text, source, keys)
 
 
 class KeyRing:

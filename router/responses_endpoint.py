@@ -160,7 +160,9 @@ def request_context(router, request: Request, priority: int = 0, user: str | Non
         return replace(RequestContext.for_key(key, request.headers, priority, user),
                        meter=getattr(request.state, "meter", None))
     bearer = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    return RequestContext.of(request.headers, priority, user, bearer if bearer in router.security.api_keys else "")
+    return replace(RequestContext.of(request.headers, priority, user,
+                                     bearer if bearer in router.security.api_keys else ""),
+                   meter=getattr(request.state, "meter", None))
 
 
 def add_responses_routes(app: FastAPI, router, authorized, while_connected, wants_timing) -> None:

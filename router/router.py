@@ -241,16 +241,17 @@ class Router:
     # ---- choices ------------------------------------------------------------------------
     async def _start_choices(self, ids: list[int], params: SamplingParams, n: int, prefix: str,
                              ctx: RequestContext = RequestContext(), arrival: float | None = None) -> list[Generation]:
-        """n choices of one prompt. The first runs ahead and alone computes the prompt's
-        logprobs (when asked for: `echo`): the others share them, and without them they reuse
-        its cached prompt blocks instead of computing every prompt token. Every choice's queue
-        time and TTFT count from the request's `arrival` (default: now), not its own start."""
+        """n choices of one prompt (queued under its key's limits). The first runs ahead and alone
+        computes the prompt's logprobs (`echo`), which the others share, or else its prompt blocks,
+        which they reuse. Every choice's queue time and TTFT count from the request's `arrival`."""
         arrival = time.perf_counter() if arrival is None else arrival
         self._check_structured(params)
         turn_ends = [t for t in self.tokenizer.end_of_turn_ids if t not in params.stop_token_ids]
         if turn_ends and not params.ignore_eos:  # as the model's EOS: a turn ends there, not shown
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + turn_ends)
         self._check_fits(n, "n")
+        if ctx.meter is not None:
+            await ctx.meter.admit(len(ids))  # 429 past the key's queued-tokens limit
         await self._enter(ctx, n)
         gens: list[Generation] = []
         try:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .errors import APIError
+from .usage import Meter
 
 PRIORITY_HEADER = "x-pdserve-priority"
 TENANT_HEADERS = ("x-pdserve-tenant", "x-llm-d-inference-fairness-id")
@@ -32,9 +33,9 @@ class RequestContext:
     """The LoRA adapter its `model` names ("": the base model)."""
     key: str = ""
     """The name of the operator's key it came with (router/keys.py; "": none)."""
-    meter: list | None = field(default=None, compare=False)
-    """[tokens]: its generations add the prompt and completion tokens they used (a rate-limited
-    key's count, router/ratelimit.py); None: not counted."""
+    meter: Meter | None = field(default=None, compare=False)
+    """Its generations add what they used (router/usage.py: charge-back and the key's rate
+    limits); None: not counted."""
 
     @classmethod
     def of(cls, headers: Mapping[str, str], body_priority: int = 0, user: str | None = None,
