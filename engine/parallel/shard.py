@@ -16,6 +16,9 @@ VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 def check_degree(cfg: ModelConfig, tp: int) -> None:
     """Refuse a degree the model's heads cannot be split into, naming the degrees that work."""
+    if tp > 1 and cfg.num_experts:
+        raise ValueError(f"tensor-parallel degree {tp}: a mixture-of-experts model ({cfg.model_type}) runs "
+                         "unsplit (tensor parallelism of its experts is not implemented): use 1")
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     ok = h % tp == 0 and (kv % tp == 0 or tp % kv == 0)
     if tp < 1 or not ok:

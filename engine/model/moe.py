@@ -1,0 +1,206 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE, OLMoE): the Llama decoder with each
+layer's MLP replaced by a router and a set of SwiGLU experts.
+
+A token's MLP output is the weighted sum of its top-k experts' outputs: the router's logits
+(one linear layer, `mlp.gate`) go through a softmax, the k largest probabilities are kept
+and, where the family says so (`norm_topk_prob`: always for Mixtral, per config for Qwen3-MoE
+and OLMoE), rescaled to sum to 1, as Hugging Face's `*TopKRouter` modules compute them.
+
+The experts run grouped: the step's (token, expert) pairs are sorted by expert, each expert
+that got any runs one matmul over its rows, and the weighted outputs are added back into
+their tokens' rows (`index_add_`, experts in ascending order, as transformers sums them), so
+only the chosen experts' weights are read. Each expert is a `LlamaMLP`: `fuse` gives it the
+linear kernels of engine/model/quant.py (oneDNN fp32, or a quantized kernel per expert
+matrix under "auto"), and the fused C SwiGLU when native ops are on. A `SparseMoeBlock`
+computes only the experts in its `owned` range; the others' pairs are skipped, which is
+where an expert-parallel rank would hand them to the rank that holds them.
+
+Parameter names are Qwen3-MoE's and OLMoE's checkpoint names (`mlp.gate.weight`,
+`mlp.experts.{e}.{gate,up,down}_proj.weight`); Mixtral's names and transformers' fused
+expert tensors are renamed at load (engine/model/moe_weights.py). OLMoE's q/k RMSNorm spans
+the whole projection, not each head. The one-call C decode step (native_step.why_not)
+does not take these models; their steps run the layer loop of `LlamaForCausalLM.forward`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.kernels.attention import AttentionBackend, TorchAttentionBackend
+from pdserve.engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
+from pdserve.engine.model.lora_batch import LoRALayer
+from pdserve.engine.model.quant import make_linear
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k experts and their weights: softmax (in fp32) over the router's
+    (T, num_experts) logits, the k largest kept, rescaled to sum to 1 if `renormalize`.
+    Returns (weights (T, k) in the logits' dtype, expert ids (T, k))."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """One expert's share of a step: the token rows routed to it and their routing weights."""
+
+    expert: int
+    rows: torch.Tensor     # (n,) token rows, ascending
+    weights: torch.Tensor  # (n,) the router's weight of this expert for each row
+
+
+def group_by_expert(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                    owned: range | None = None) -> list[ExpertGroup]:
+    """The (token, expert) pairs of (T, k) `experts`/`weights`, grouped by expert in ascending
+    order; experts no pair chose, or outside `owned`, get no group."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs by expert, each expert's by token
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows, pair_weights = order // k, weights.reshape(-1)[order]
+    groups, start = [], 0
+    for e, n in enumerate(counts):
+        if n and (owned is None or e in owned):
+            groups.append(ExpertGroup(e, rows[start:start + n], pair_weights[start:start + n]))
+        start += n
+    return groups
+
+
+class SparseMoeBlock(nn.Module):
+    """Router plus experts in place of a layer's MLP; see the module docstring."""
+
+    gelu = False  # experts are SwiGLU (LlamaForCausalLM.use_native_ops reads this)
+
+    def __init__(self, cfg: ModelConfig, owned: range | None = None):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        expert_cfg = replace(cfg, intermediate_size=cfg.moe_intermediate_size)
+        self.experts = nn.ModuleList(LlamaMLP(expert_cfg) for _ in range(cfg.num_experts))
+        self.owned = owned or range(cfg.num_experts)  # the experts this block computes (all, without EP)
+        self.gate_linear = None
+        self.gate_up_weight: torch.Tensor | None = None  # (E, 2 I, H) once fused; the experts' are views
+        self.down_weight: torch.Tensor | None = None     # (E, H, I)
+        self.tp = None  # a reducing group would sum the partial outputs (tensor parallelism is refused today)
+
+    @property
+    def native(self) -> bool:
+        return bool(self.experts) and self.experts[0].native
+
+    @native.setter
+    def native(self, on: bool) -> None:
+        for expert in self.experts:
+            expert.native = on
+
+    def fuse(self, packed: bool, quantization: str = "none") -> None:
+        """Stack the experts' gate/up and down matrices ((E, 2I, H), (E, H, I): one tensor each,
+        the grouped kernels' layout), each expert's named weights and kernels on views of
+        them. The router keeps fp32 (`none`): which experts run must not move with quantization."""
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts])
+        down = torch.stack([e.down_proj.weight.data for e in self.experts])
+        for expert, gu, d in zip(self.experts, gate_up, down):
+            expert.gate_proj.weight.data, expert.up_proj.weight.data = gu.chunk(2)
+            expert.down_proj.weight.data = d
+            expert.gate_up_weight = gu
+            expert.gate_up_linear = make_linear(gu, quantization, packed)
+            expert.down_linear = make_linear(d, quantization, packed)
+        self.gate_up_weight, self.down_weight = gate_up, down
+        self.gate_linear = make_linear(self.gate.weight.data, "none", packed)
+
+    def forward(self, x: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
+        """x: (T, hidden). Returns the experts' weighted sum per row, (T, hidden). `lora` is
+        not applied to experts (adapters update attention only on these models)."""
+        logits = self.gate(x) if self.gate_linear is None else self.gate_linear(x)  # (T, E)
+        weights, experts = route(logits, self.top_k, self.renormalize)  # (T, k) each
+        out = torch.zeros_like(x)
+        for g in group_by_expert(experts, weights, self.num_experts, self.owned):
+            y = self.experts[g.expert](x[g.rows])  # (n, hidden): this expert's weights only
+            out.index_add_(0, g.rows, y * g.weights.unsqueeze(-1))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def linears(self) -> list:
+        return [self.gate_linear] + [lin for e in self.experts for lin in (e.gate_up_linear, e.down_linear)]
+
+
+class OlmoeAttention(LlamaAttention):
+    """OLMoE's attention: RMSNorm over the whole q projection and the whole k projection
+    (one weight of n_heads * head_dim and one of n_kv * head_dim), before RoPE. Runs fused
+    (build_model fuses every model)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.q_norm = RMSNorm(self.n_heads * self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.n_kv * self.hd, cfg.rms_norm_eps)
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        nq, nk = self.n_heads * self.hd, self.n_kv * self.hd
+        q, k = qkv[:, :nq], qkv[:, nq:nq + nk]
+        q.copy_(self.q_norm(q))
+        k.copy_(self.k_norm(k))
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer whose MLP is a `SparseMoeBlock` (a `LlamaMLP` for the layers
+    the config lists as dense)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        nn.Module.__init__(self)
+        self.self_attn = (OlmoeAttention if cfg.model_type == "olmoe" else LlamaAttention)(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg) if layer_idx in cfg.dense_layers else SparseMoeBlock(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """An MoE decoder and LM head with `LlamaForCausalLM`'s interface (fuse, kernels, forward
+    over a flat batch, compute_logits)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = MoeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.build_rotary()
+        self.backend = backend or TorchAttentionBackend()
+        self.lm_head_linear = None
+        self.native_ops = False
+
+    def _linears(self) -> list:
+        out = [self.lm_head_linear]
+        for layer in self.model.layers:
+            out += [layer.self_attn.qkv_linear, layer.self_attn.o_linear]
+            mlp = layer.mlp
+            out += mlp.linears() if isinstance(mlp, SparseMoeBlock) else [mlp.gate_up_linear, mlp.down_linear]
+        return out
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+def reference_moe(x: torch.Tensor, block: SparseMoeBlock) -> torch.Tensor:
+    """Every expert over every row, masked by the routing (the dense definition the grouped
+    path must equal; for tests)."""
+    weights, experts = route(F.linear(x, block.gate.weight), block.top_k, block.renormalize)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(block.experts):
+        w = (weights * (experts == e)).sum(-1, keepdim=True)  # (T, 1): 0 where e was not chosen
+        act = F.silu(F.linear(x, expert.gate_proj.weight)) * F.linear(x, expert.up_proj.weight)
+        out += w * F.linear(act, expert.down_proj.weight)
+    return out

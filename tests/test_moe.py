@@ -1,0 +1,180 @@
+"""Mixture-of-experts models (engine/model/moe.py) against transformers' own Mixtral,
+Qwen3-MoE and OLMoE classes: small random models saved as Hugging Face directories give the
+same logits within fp32 tolerance and the same greedy tokens, alone, batched and under
+preemption; written as GGUF files in llama.cpp's layout (3-D `ffn_*_exps` tensors) they load
+to the same logits. The router and the grouping of tokens by expert are checked on their
+own: the grouped computation equals every expert over every row, masked, and a router that
+sends every token to one expert works."""
+import pytest
+import torch
+
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.model.moe import SparseMoeBlock, group_by_expert, reference_moe, route
+from pdserve.engine.model.weights import load_model
+from pdserve.engine.parallel.shard import check_degree
+from tests.helpers.reference import engine_logits
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2)
+ARCHS = {  # name: (config class, model class, config fields of its own)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 6, "sliding_window": None}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "moe_intermediate_size": 32,
+                                                            "norm_topk_prob": True, "head_dim": 32}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "norm_topk_prob": False}),
+}
+PROMPTS = [[5, 17, 99, 250, 3, 42, 42, 7], [300, 12, 8], list(range(20, 60))]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def hf_model(arch: str, seed: int = 0, **fields):
+    """transformers' model of `arch` with peaked random weights (greedy far from ties):
+    matrices ~ N(0, 1/fan_in), norms 1 + N(0, 0.1^2); routers N(0, 1) so routing is decided."""
+    conf_cls, model_cls, own = ARCHS[arch]
+    model = getattr(transformers, model_cls)(getattr(transformers, conf_cls)(**(SMALL | own | fields))).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                scale = 0.5 if "embed" in name else 1.0 if name.endswith("mlp.gate.weight") else p.shape[-1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def hf_greedy(hf, prompts: list[list[int]], n: int = 10) -> list[list[int]]:
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        out.append(seq[0, len(ids):].tolist())
+    return out
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, atol=2e-4 * want.abs().max().item(), rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def pair(request, tmp_path_factory):
+    """(transformers' model, its directory, a pdserve engine loaded from the directory)."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = hf_model(request.param)
+    hf.save_pretrained(path)
+    eng = LLMEngine(load_model(path, quantization="none"),
+                    EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=8 << 20)))
+    yield hf, path, eng
+    assert eng.blocks.num_used_blocks == 0
+
+
+def test_config_reads_the_experts(pair):
+    hf, _, eng = pair
+    cfg, c = eng.loaded.config, hf.config
+    assert cfg.num_experts == (getattr(c, "num_local_experts", None) or c.num_experts)
+    assert (cfg.num_experts_per_tok, cfg.norm_topk_prob) == (2, cfg.model_type != "olmoe")
+    assert cfg.moe_intermediate_size == (32 if cfg.model_type == "qwen3_moe" else 48)
+    model = eng.runner.model
+    assert model.native_decode is None  # the one-call C step is for dense models
+    assert all(b.native == model.native_ops for b in model.moe_blocks()) and len(model.moe_blocks()) == 2
+
+
+def test_logits_and_greedy_tokens_match_transformers(pair):
+    hf, _, eng = pair
+    for ids in PROMPTS:
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0]
+        close(engine_logits(eng, ids), want)
+    want = hf_greedy(hf, PROMPTS)
+    assert [eng.generate([ids], GREEDY)[0] for ids in PROMPTS] == want  # alone
+    assert eng.generate(PROMPTS, GREEDY) == want                        # batched
+
+
+def test_batched_under_preemption_equals_alone(pair):
+    _, path, eng = pair
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(20 + 3 * i)] for i in range(6)]
+    want = eng.generate(prompts, GREEDY)
+    # 8 blocks of 16 tokens cannot hold 6 sequences of 30-45 tokens: preemption must happen
+    tight = LLMEngine(load_model(path, quantization="none"), EngineConfig(
+        quantization="none", cache=CacheConfig(kv_cache_memory=8 * eng.kv_cache.bytes_per_block, kv_host_memory=0)))
+    preempted = []
+    orig = tight.scheduler._preempt
+    tight.scheduler._preempt = lambda r, cause: (preempted.append(r.request_id), orig(r, cause))
+    assert tight.generate(prompts, GREEDY) == want and preempted
+    assert tight.blocks.num_used_blocks == 0
+
+
+def test_quantized_experts_run_on_the_quantized_kernels(pair):
+    """int8 weights per expert matrix (engine/model/quant.py): every expert's matrices are
+    quantized, the logits stay near fp32's (on average: int8 may flip a near-tie of the router)."""
+    hf, path, _ = pair
+    loaded = load_model(path, quantization="int8")
+    n_moe = loaded.model.config.num_hidden_layers
+    assert loaded.model.quantized_matrices() >= n_moe * 2 * loaded.config.num_experts
+    eng = LLMEngine(loaded, EngineConfig(quantization="int8", cache=CacheConfig(kv_cache_memory=4 << 20)))
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[2]])).logits[0]
+    got = engine_logits(eng, PROMPTS[2])
+    assert (got - want).abs().mean() < 0.03 * want.abs().mean()
+
+
+def test_route_keeps_the_top_k_and_renormalizes_as_asked():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 3.0, 0.0, 0.0]])
+    w, e = route(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert e[0].tolist() == [1, 2] and torch.allclose(w[0], probs[0, [1, 2]])
+    w, e = route(logits, 2, renormalize=True)
+    assert torch.allclose(w.sum(-1), torch.ones(2)) and sorted(e[1].tolist()) == [0, 1]
+
+
+def test_grouping_by_expert_is_exact_and_skips_experts_not_owned():
+    experts = torch.tensor([[2, 0], [0, 3], [2, 3]])
+    weights = torch.tensor([[0.625, 0.375], [0.75, 0.25], [0.5, 0.5]])
+    groups = group_by_expert(experts, weights, 4)
+    assert [(g.expert, g.rows.tolist(), g.weights.tolist()) for g in groups] == [
+        (0, [0, 1], [0.375, 0.75]), (2, [0, 2], [0.625, 0.5]), (3, [1, 2], [0.25, 0.5])]
+    assert [g.expert for g in group_by_expert(experts, weights, 4, owned=range(2, 4))] == [2, 3]
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_grouped_experts_equal_the_dense_definition(skewed):
+    """Every token through its chosen experts only equals every expert over every row, masked;
+    a router biased so that every token picks the same two experts works the same."""
+    cfg = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, model_type="mixtral", num_experts=6, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    block = SparseMoeBlock(cfg)
+    x = torch.randn(37, 32)
+    if skewed:
+        with torch.no_grad():
+            x[:, 0] = 5.0
+            block.gate.weight.zero_()
+            block.gate.weight[4, 0] = 100.0  # expert 4 first for every row, the others tied
+    weights, experts = route(block.gate(x), 2, True)
+    if skewed:
+        assert (experts[:, 0] == 4).all()
+    with torch.no_grad():
+        want = reference_moe(x, block)
+        torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
+        block.fuse(packed=True)
+        torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_configs_refused_where_pdserve_does_not_run_them():
+    d = dict(SMALL, model_type="olmoe", num_experts=4)
+    assert ModelConfig.from_hf_dict(d).num_experts == 4
+    with pytest.raises(ValueError, match="clip_qkv"):
+        ModelConfig.from_hf_dict(d | {"clip_qkv": 8.0})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict(d | {"num_experts_per_tok": 5})
+    q = ModelConfig.from_hf_dict(dict(SMALL, model_type="qwen3_moe", num_experts=4, num_hidden_layers=4,
+                                      mlp_only_layers=[0], decoder_sparse_step=2))
+    assert q.dense_layers == (0, 2)  # listed, or off the sparse step (layers 1 and 3 are sparse)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        check_degree(q, 2)
