@@ -18,7 +18,7 @@ from tests.helpers.procs import Proc, stop, wait_kv_back
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 MODEL = "SmolLM2-135M-Instruct"
-A, B, C, D, E, F, G, H, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "h", "operator"))
+A, B, C, D, E, F, G, H, I, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "h", "i", "operator"))
 
 
 def key(k: str, tenant: str, extra: str = "") -> str:
@@ -28,7 +28,7 @@ def key(k: str, tenant: str, extra: str = "") -> str:
 FILE = (key(A, "team-a") + key(B, "team-b", "priority_ceiling = -10")
         + key(C, "team-c", 'over_ceiling = "refuse"') + key(D, "team-d", 'models = ["another-model"]')
         + key(F, "team-f", "requests_per_minute = 3") + key(G, "team-g", "max_concurrent = 1")
-        + key(H, "team-h", "requests_per_minute = 3"))
+        + key(H, "team-h") + key(I, "team-h") + "[tenants.team-h]\nrequests_per_minute = 3\n")
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +152,29 @@ def usage(url: str, tenant: str) -> dict[str, float]:
     return out
 
 
+def admin_usage(url: str, tenant: str, since: float) -> dict[str, int]:
+    """GET /admin/usage's totals of one tenant since `since` (the cluster's Redis)."""
+    r = httpx.get(url + "/admin/usage", params={"since": str(since), "group_by": "tenant"},
+                  headers={"Authorization": f"Bearer {OP}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    got = next((d for d in r.json()["data"] if d["tenant"] == tenant), {})
+    return {k: got.get(k + "_tokens" if k != "requests" else k, 0) for k in ("prompt", "cached", "completion",
+                                                                              "requests")}
+
+
+def settled(read, want, within_s: float = 5.0):
+    """`read()` once it equals `want` (a request's usage is recorded once its response is sent)."""
+    deadline = time.monotonic() + within_s
+    while (got := read()) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
 def test_usage_per_tenant_is_what_the_responses_reported(served):
     url, _, _ = served
+    since = time.time() - 3600
     before, other = usage(url, "team-a"), usage(url, "team-b")
+    kept = admin_usage(url, "team-a", since)
     reported = {"prompt": 0, "cached": 0, "completion": 0, "requests": 0}
     shared = "You are a helpful assistant for the accounts team. " * 6
     for body in ({"prompt": shared + "Name a colour.", "max_tokens": 9, "n": 2},
@@ -177,6 +197,11 @@ def test_usage_per_tenant_is_what_the_responses_reported(served):
     assert {k: after[k] - before[k] for k in after} == reported
     assert reported["cached"] > 0  # the shared prefix was found again
     assert usage(url, "team-b") == other  # nothing charged to another tenant
+    want = {k: kept[k] + n for k, n in reported.items()}
+    assert settled(lambda: admin_usage(url, "team-a", since), want) == want  # kept in Redis: the same figures
+    r = httpx.get(url + "/admin/usage", params={"since": "last week"}, headers={"Authorization": f"Bearer {OP}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_window", r.text
+    assert httpx.get(url + "/admin/usage", headers={"Authorization": f"Bearer {A}"}).status_code == 403
 
 
 def test_a_keys_rate_limits_answer_429_with_the_headers_while_others_are_served(served):
@@ -203,26 +228,34 @@ def test_a_keys_rate_limits_answer_429_with_the_headers_while_others_are_served(
 
 def test_two_routers_of_one_cluster_hold_one_limit(served):
     """A second router (`pdserve router` on the cluster's Redis, the same keys file) counts the
-    same key's requests: 2 through one router and 1 through the other spend a 3-a-minute
-    key's minute, and the next is refused by either."""
+    same tenant's requests: 2 through one router and 1 through the other, by two keys, spend a
+    3-a-minute tenant's minute, and the next is refused by either. Both routers read the same
+    usage, which outlives the router that recorded part of it."""
     from tests.helpers.procs import registry_url
     from tests.helpers.ray_procs import Proc as ReadyProc
 
     url, path, up = served
     port = free_port()
     second = ReadyProc("router", "--port", str(port), "--redis-url", registry_url(up.text(), "keys-redis"),
-                       "--cluster-name", "keys", "--cluster-token", "test-token", "--keys-file", str(path))
+                       "--cluster-name", "keys", "--cluster-token", "test-token", "--keys-file", str(path),
+                       "--api-key", OP)
     try:
         second.wait_ready()
         other = f"http://127.0.0.1:{port}"
         if time.time() % 60 > 40:  # the four requests in one minute's window
             time.sleep(61 - time.time() % 60)
-        left = [complete(u, H).headers.get("x-ratelimit-remaining-requests") for u in (url, other, url)]
+        since = time.time() - 60
+        left = [complete(u, k).headers.get("x-ratelimit-remaining-requests") for u, k in ((url, H), (other, I),
+                                                                                          (url, H))]
         assert left == ["2", "1", "0"]
-        for u in (other, url):
-            r = complete(u, H)
+        for u, k in ((other, H), (url, I)):
+            r = complete(u, k)
             assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_requests", r.text
+            assert "tenant 'team-h'" in r.json()["error"]["message"]
+        spent = settled(lambda: admin_usage(url, "team-h", since)["requests"], 3)
+        assert spent == 3 and admin_usage(other, "team-h", since) == admin_usage(url, "team-h", since)
     finally:
         rc = stop(second, 60)
     assert rc == 0, second.text()
+    assert admin_usage(url, "team-h", since)["requests"] == 3  # the stopped router's share is kept
 
