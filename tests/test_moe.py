@@ -178,3 +178,91 @@ def test_moe_configs_refused_where_pdserve_does_not_run_them():
     assert q.dense_layers == (0, 2)  # listed, or off the sparse step (layers 1 and 3 are sparse)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         check_degree(q, 2)
+
+
+def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's Q/K row permutation for its interleaved RoPE (Llama-architecture files)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+_GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def gguf_tensors(hf, arch: str) -> dict[str, torch.Tensor]:
+    """`hf`'s weights under llama.cpp's names: each layer's experts as 3-D ffn_{gate,up,down}_exps
+    (one slice per expert), the router as ffn_gate_inp; Q/K permuted in Llama-architecture files."""
+    c, out = hf.config, {}
+    for name, t in hf.state_dict().items():
+        parts = name.split(".")
+        if name in _GGUF_TOP:
+            out[_GGUF_TOP[name]] = t
+            continue
+        blk, sub = f"blk.{parts[2]}", ".".join(parts[3:-1])
+        if name.endswith("experts.gate_up_proj"):  # transformers' fused (E, 2I, H)
+            out[f"{blk}.ffn_gate_exps.weight"], out[f"{blk}.ffn_up_exps.weight"] = t.chunk(2, dim=1)
+        elif name.endswith("experts.down_proj"):
+            out[f"{blk}.ffn_down_exps.weight"] = t
+        else:
+            if arch == "mixtral" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = permute_qk(t, c.num_attention_heads if "q_proj" in sub else c.num_key_value_heads)
+            out[f"{blk}.{_GGUF_LAYER[sub]}.weight"] = t
+    return out
+
+
+def write_gguf(hf, arch: str, path, drop: str = "", short: str = "") -> None:
+    """`hf` as an fp32 GGUF in llama.cpp's layout; `drop`: a tensor left out; `short`: a tensor
+    written with one expert too few."""
+    c, w = hf.config, gguf.GGUFWriter(str(path), _GGUF_ARCH[arch])
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
+                       (w.add_block_count, c.num_hidden_layers), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_rope_freq_base, SMALL["rope_theta"]),
+                       (w.add_key_length, hd), (w.add_value_length, hd),
+                       (w.add_expert_count, getattr(c, "num_local_experts", None) or c.num_experts),
+                       (w.add_expert_used_count, c.num_experts_per_tok), (w.add_bos_token_id, 1),
+                       (w.add_eos_token_id, 2)):
+        add(value)
+    if arch == "qwen3_moe":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    for name, t in gguf_tensors(hf, arch).items():
+        if name != drop:
+            w.add_tensor(name, (t[:-1] if name == short else t).float().contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_gguf_files_load_to_the_same_logits(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = hf_model(arch)
+    write_gguf(hf, arch, tmp_path / "model.gguf")
+    for _ in range(2):  # converted, then from the conversion cache
+        loaded = load_model(tmp_path / "model.gguf", quantization="none")
+        assert (loaded.config.model_type, loaded.config.num_experts_per_tok, loaded.config.norm_topk_prob) == (
+            arch, 2, arch != "olmoe")
+    eng = LLMEngine(loaded, EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=4 << 20)))
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[2]])).logits[0]
+    close(engine_logits(eng, PROMPTS[2]), want)
+    assert eng.generate([PROMPTS[0]], GREEDY)[0] == hf_greedy(hf, [PROMPTS[0]])[0]
+
+
+def test_a_gguf_missing_experts_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = hf_model("mixtral")
+    write_gguf(hf, "mixtral", tmp_path / "short.gguf", short="blk.1.ffn_up_exps.weight")
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up_exps\.weight.*one slice per expert \(6"):
+        load_model(tmp_path / "short.gguf", quantization="none")
+    write_gguf(hf, "mixtral", tmp_path / "dropped.gguf", drop="blk.0.ffn_down_exps.weight")
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.0\.mlp\.experts\.0\.down_proj"):
+        load_model(tmp_path / "dropped.gguf", quantization="none")
