@@ -25,8 +25,8 @@ tenant and priority headers are honoured). For example:
     tokens_per_minute = 1000000
 
 A `[tenants.NAME]` table holds the same limit fields (and nothing else) for a tenant some key
-stands for; every key of that tenant carries them (`APIKey.tenant_limits`). `parse` checks a file whole and names the line of each fault; `KeyRing` keeps the last good
-file, reloads it when it changes (looked at once a second at most) or on `reload()` (SIGHUP),
+stands for; every key of that tenant carries them (`APIKey.tenant_limits`). `parse` checks a
+file whole and names the line of each fault; `KeyRing` keeps the last good file, reloads it when it changes (looked at once a second at most) or on `reload()` (SIGHUP),
 and keeps the old keys, saying why, when the new file is bad. Pure but for the file it reads.
 """
 from __future__ import annotations

@@ -58,8 +58,8 @@ def add_usage_route(app: FastAPI, usage: MemoryUsage | RedisUsage, admin) -> Non
         q = request.query_params
         unknown = set(q) - {"since", "until", "group_by"}
         if unknown:
-            raise APIError(400, f"unknown parameter {sorted(unknown)[0]!r} (since, until, group_by)",
-                           param=sorted(unknown)[0], code="invalid_window")
+            raise APIError(400, f"unknown parameter {min(unknown)!r} (since, until, group_by)", param=min(unknown),
+                           code="invalid_window")
         try:
             return await report(usage, q.get("since"), q.get("until"), q.get("group_by", "tenant"))
         except UsageWindowError as e:

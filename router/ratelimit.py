@@ -1,6 +1,6 @@
 """Rate limits per operator key and per tenant (router/keys.py): requests and tokens per minute,
-requests at once, prompt tokens queued. Counted in the cluster's Redis when the router has one, so that every router of the
-cluster holds one limit; else in this process.
+requests at once, prompt tokens queued. Counted in the cluster's Redis when the router has one,
+so that every router of the cluster holds one limit; else in this process.
 
 `enter` counts a request in, in its key's scope and its tenant's (or refuses it: 429 with
 OpenAI's `x-ratelimit-*` headers and Retry-After) and gives the headers every response under

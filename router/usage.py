@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 BUCKET_S = 60
 RETENTION_S = 8 * 86400  # a week and a day: a weekly charge-back run may come late
@@ -124,10 +124,10 @@ def parse_time(value: str, param: str) -> float:
         t = float(value)
     except ValueError:
         try:
-            d = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+            d = datetime.fromisoformat(value.strip())  # Python >= 3.11 reads a "Z"
         except ValueError:
             raise UsageWindowError(f"{param} must be unix seconds or an ISO 8601 time, got {value[:40]!r}") from None
-        t = (d if d.tzinfo else d.replace(tzinfo=timezone.utc)).timestamp()
+        t = (d if d.tzinfo else d.replace(tzinfo=UTC)).timestamp()
     if not math.isfinite(t) or t < 0:
         raise UsageWindowError(f"{param} must be a time after 1970, got {value[:40]!r}")
     return t

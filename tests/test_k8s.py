@@ -37,7 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-dev", "gpu", "two-models")
+OVERLAYS = ("cpu-dev", "gpu", "two-models", "cpu-dev-keys")  # cpu-dev-keys: tests/test_k8s_keys.py too
 K8S_VERSION = "1.30"
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches"}
 KUBE_REF = re.compile(r"(?<!\$)\$\((\w+)\)")       # Kubernetes' expansion in command, args, env values
@@ -327,7 +327,7 @@ def test_pools_match_worker_groups(overlay):
     router_flags = {k: KUBE_REF.sub(lambda m: config[m.group(1)], v) for k, v in flag_values(router["args"]).items()}
     for flag in ("--cluster-name", "--model", "--block-size"):  # routers and pools must agree
         assert router_flags[flag] == flags[flag], flag
-    expected = {"cpu-dev": ("1", "1", "cpu"), "gpu": ("2", "2", "cuda")}[name]
+    expected = {"cpu-dev": ("1", "1", "cpu"), "gpu": ("2", "2", "cuda")}[name.removesuffix("-keys")]
     assert (flags["--prefill"], flags["--decode"], device) == expected
 
 

@@ -13,8 +13,7 @@ from pdserve.registry.urls import connect
 from pdserve.router.errors import APIError
 from pdserve.router.keys import KeysFileError, Limits, digest, parse
 from pdserve.router.ratelimit import MemoryCounts, RateLimiter
-from pdserve.router.usage import (BUCKET_S, Meter, MemoryUsage, RedisUsage, UsageWindowError, parse_time, report,
-                                  window)
+from pdserve.router.usage import BUCKET_S, MemoryUsage, Meter, RedisUsage, UsageWindowError, parse_time, report, window
 from tests.helpers.procs import restart_redis
 from tests.test_keys import entry
 
