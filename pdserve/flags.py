@@ -68,8 +68,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "file is required when --host is not a loopback address")
     p.add_argument("--keys-file", default=_env("PDSERVE_KEYS_FILE"),
                    help="the operator's API keys (TOML, router/keys.py): each key's sha256 digest, tenant, "
-                        "priority_ceiling, over_ceiling, models and trusted; reloaded when it changes or on "
-                        "SIGHUP (env PDSERVE_KEYS_FILE)")
+                        "priority_ceiling, over_ceiling, models, trusted and rate limits, and [tenants.NAME] "
+                        "limits; reloaded when it changes or on SIGHUP (env PDSERVE_KEYS_FILE)")
     _add_tls_args(p)
     p.add_argument("--max-inflight", type=int, default=_R.max_inflight,
                    help="generations (choices) admitted at once; beyond it requests wait in the router's queue, "
