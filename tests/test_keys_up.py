@@ -2,7 +2,10 @@
 its priority ceiling whatever its client sends (read back from the router's own per-tenant,
 per-band series), a key may be refused a priority or a model, only a trusted key reaches the
 admin endpoints, and the file is reloaded on change and on SIGHUP, adding and revoking keys
-while a stream runs, keeping the keys in force when the new file is bad."""
+while a stream runs, keeping the keys in force when the new file is bad. Rate limits per key
+and per tenant (requests, concurrency, queued tokens) answer 429 while others are served, and
+hold across two routers; usage on /metrics and at GET /admin/usage (kept in the cluster's
+Redis, read the same by both routers) is what the responses reported."""
 import re
 import signal
 import threading
@@ -18,7 +21,8 @@ from tests.helpers.procs import Proc, stop, wait_kv_back
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 MODEL = "SmolLM2-135M-Instruct"
-A, B, C, D, E, F, G, H, I, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "h", "i", "operator"))
+A, B, C, D, E, F, G, H, I, J, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j",
+                                                                  "operator"))
 
 
 def key(k: str, tenant: str, extra: str = "") -> str:
@@ -27,8 +31,9 @@ def key(k: str, tenant: str, extra: str = "") -> str:
 
 FILE = (key(A, "team-a") + key(B, "team-b", "priority_ceiling = -10")
         + key(C, "team-c", 'over_ceiling = "refuse"') + key(D, "team-d", 'models = ["another-model"]')
-        + key(F, "team-f", "requests_per_minute = 3") + key(G, "team-g", "max_concurrent = 1")
-        + key(H, "team-h") + key(I, "team-h") + "[tenants.team-h]\nrequests_per_minute = 3\n")
+        + key(F, "team-f", "requests_per_minute = 3") + key(G, "team-g", "max_concurrent = 1") + key(J, "team-g")
+        + key(H, "team-h") + key(I, "team-h") + "[tenants.team-h]\nrequests_per_minute = 3\n"
+        + "[tenants.team-g]\nmax_queued_tokens = 4\n")
 
 
 @pytest.fixture(scope="module")
@@ -217,12 +222,16 @@ def test_a_keys_rate_limits_answer_429_with_the_headers_while_others_are_served(
     t, done = stream_in_thread(url, G, 1000)  # seconds of tokens: it is still streaming when probed
     assert done["started"].wait(60)
     refused = complete(url, G)
+    queued = complete(url, J, prompt="Say hi to everyone in the room, one by one.")  # G's tenant, its stream queued
     running = t.is_alive()
     t.join(120)
     assert running and refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_concurrent"
+    assert queued.status_code == 429 and queued.json()["error"]["code"] == "rate_limit_queued_tokens", queued.text
+    assert "tenant 'team-g'" in queued.json()["error"]["message"]
     assert done["lines"][-1] == "data: [DONE]"
     assert complete(url, G).status_code == 200  # the stream's end counted it out
+    assert complete(url, J, prompt="Say hi to everyone in the room, one by one.").status_code == 200  # alone
     wait_kv_back(url, 2)
 
 
