@@ -275,8 +275,13 @@ class SchedulerConfig:
     as they add at most this fraction to the step's time (its cost learned from the steps run,
     engine/core/step_cost.py), and at most `yield_decodes` of them."""
     urgent_window_s: float = 5.0
-    """How long a worker keeps less urgent prompt chunks short (`yield_chunk`) after its last
-    more urgent request: a person's next chat, a few seconds later, finds short steps."""
+    """How long a worker's steps stay window steps after its last more urgent request (or a
+    peer's, on this host): a person's next chat, a few seconds later, finds short steps."""
+    window_step_s: float = 0.015
+    """The longest a window step may take by the cost model (engine/core/step_cost.py): the
+    less urgent decodes take turns within it (each step takes at least one), so the urgent
+    client's next request waits at most about this long for the step in flight; 0: only
+    `yield_chunk` bounds the window's steps."""
 
     def __post_init__(self):
         if self.max_num_seqs <= 0:
@@ -284,9 +289,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
-        if self.urgent_window_s < 0 or self.urgent_step_budget < 0:
-            raise ValueError(f"urgent_window_s and urgent_step_budget must be >= 0, got {self.urgent_window_s}, "
-                             f"{self.urgent_step_budget}")
+        if self.urgent_window_s < 0 or self.urgent_step_budget < 0 or self.window_step_s < 0:
+            raise ValueError(f"urgent_window_s, urgent_step_budget and window_step_s must be >= 0, got "
+                             f"{self.urgent_window_s}, {self.urgent_step_budget}, {self.window_step_s}")
         if self.yield_chunk < 0 or self.yield_decodes < 0:
             raise ValueError(f"yield_chunk and yield_decodes must be >= 0, got {self.yield_chunk}, "
                              f"{self.yield_decodes}")

@@ -219,6 +219,10 @@ def test_the_step_budget_keeps_less_urgent_decodes_out_of_an_urgent_step_they_wo
     assert abs(a - 0.002) < 1e-6 and abs(b - 0.0001) < 1e-7 and abs(c - 4e-6) < 1e-9
     beside_one = cost.allowance(1, 80, 0.3)  # one short urgent decode: ~0.7 ms of room
     assert cost.row_seconds(80) <= beside_one < cost.row_seconds(1000)  # a short row fits, a long one not
+    assert abs(cost.chunk_seconds(16, 984) - (16 * 0.0001 + 1000 * 4e-6)) < 1e-9  # 16 tokens to key 1,000
+    n = cost.chunk_tokens(0.006, 984)  # what fits in 6 ms from there: (6 - 3.936) / 0.104 ms
+    assert n == 19 and cost.chunk_seconds(n, 984) <= 0.006 < cost.chunk_seconds(n + 1, 984)
+    assert cost.chunk_tokens(0.003, 984) == 0 and StepCost().chunk_tokens(0.001, 5000) > 10 ** 6
     times = StepTimes()
     times.add(0.003, contended=True)
     times.add(0.5, contended=False)

@@ -275,3 +275,59 @@ def test_a_worker_with_less_urgent_work_lends_its_cores_to_a_peers_urgent_stream
             s.close()
     assert got_low == want_low and got_hi == want_hi
     assert shares[0].yielded_s > 0 and shares[1].yielded_s == 0
+
+
+def _learnt(sched):
+    for n, ctx in ((1, 100), (2, 200), (2, 1100), (4, 400), (4, 4000), (8, 800), (16, 16000), (32, 3200)):
+        sched.cost.observe(0.002 + 0.0001 * n + 4e-6 * ctx, n, ctx)  # a = 2 ms, 0.1 ms a row, 4 us a key
+
+
+def test_window_steps_stay_within_their_seconds_and_every_less_urgent_row_takes_its_turn(monkeypatch):
+    """After an urgent request (within `urgent_window_s`), a step of only less urgent work is
+    a window step: by the learnt cost it takes at most `window_step_s` (decodes of long
+    contexts take turns, each step takes at least one, none starves), a prompt chunk past the
+    step's first row shrinks to what fits (the first takes `yield_chunk`); once the window has passed, every row decodes in one step again."""
+    import time
+
+    sched = Scheduler(SchedulerConfig(16, 256, 0, yield_chunk=64, urgent_window_s=30.0, window_step_s=0.012),
+                      BlockManager(2048, 4))
+    _learnt(sched)
+    flood = [req(f"a{i}", 1000, max_tokens=30, start=2000 * i) for i in range(6)]
+    for r in flood:
+        sched.add(r)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in flood):
+        step(sched)
+    assert len(step(sched).chunks) == 6  # no window yet: all decode together (a 2 + 6 x 4.1 ms step)
+    sched.add(chat := req("chat", 20, priority=-10, max_tokens=3, start=30000))
+    while chat.status != RequestStatus.FINISHED_LENGTH:
+        step(sched)
+    sched.add(late := req("late", 600, max_tokens=2, start=40000))
+    turns = {r.request_id: 0 for r in flood}
+    for _ in range(12):
+        out = step(sched)
+        assert out.chunks
+        fit = sched.cost.fit()
+        predicted = fit[0] + sum(sched.cost.chunk_seconds(c.num_new_tokens, c.request.num_computed_tokens
+                                                          - c.num_new_tokens) for c in out.chunks)
+        assert predicted <= 0.012 or len(out.chunks) == 1  # within the step's seconds, or its one row
+        for c in out.chunks:
+            if c.request is late and len(out.chunks) > 1:
+                assert c.num_new_tokens < 64  # 64 prompt tokens at 4 us a key do not fit beside a row
+            elif c.request is not late:
+                turns[c.request.request_id] += 1
+    assert min(turns.values()) >= 2  # in turns: none starves
+    later = time.monotonic() + 31.0
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert len(step(sched).chunks) >= 6  # the window has passed: all together again
+    while sched.num_unfinished:
+        step(sched)
+    assert all(len(r.output_token_ids) == 30 for r in flood) and late.output_token_ids
+
+
+def test_a_window_step_is_bounded_by_yield_chunk_alone_until_the_cost_is_learnt():
+    sched = Scheduler(SchedulerConfig(8, 256, 0, yield_chunk=16, urgent_window_s=30.0), BlockManager(256, 4))
+    sched.note_urgency_elsewhere(-5)  # a peer steps for an urgent stream
+    sched.add(req("long", 400, priority=0, max_tokens=2))
+    assert [c.num_new_tokens for c in step(sched).chunks] == [16]
+    with pytest.raises(ValueError, match="window_step_s"):
+        SchedulerConfig(window_step_s=-1)

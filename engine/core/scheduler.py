@@ -23,6 +23,7 @@ from pdserve.engine.core.block_manager import BlockManager, PrefixMatch
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.core.step_cost import StepCost, StepTimes
+from pdserve.engine.core.urgency import Allowance, UrgencyWindow
 from pdserve.engine.core.waiting import WaitingQueue
 
 
@@ -65,12 +66,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}
-        self._urgent = 0  # the most urgent priority among this step's running and next waiting requests
-        self._recent: tuple[int, float] | None = None  # the most urgent priority seen in the window, when
-        self._own: tuple[int, float] | None = None  # the same for this worker's own requests (no peer's)
-        self._extra = 0  # less urgent decodes that still fit in this step's budget
-        self._extra_s: float | None = None  # and the seconds they may add (None: no cost model yet)
-        self._window_left = 0  # less urgent prompt tokens this step may still take, in the window
+        self.urgency = UrgencyWindow(config.urgent_window_s)
+        self._allow = Allowance()  # this step's room for less urgent work
         self.cost = StepCost()
         self.times = StepTimes()
         """Every step's seconds, contended steps apart (each worker's /metrics)."""
@@ -202,18 +199,30 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------
     def _chunk_size(self, remaining: int, budget: int, req: Request | None = None) -> int:
         """The tokens of `req`'s next chunk this step: 0 for a prompt chunk while a more urgent
-        request is here (its steps stay its own plus a few decodes), at most `yield_chunk` while
-        one was here within `urgent_window_s`."""
+        request is here (its steps stay its own plus a few decodes); in a window step (one was
+        here or at a peer within `urgent_window_s`) what the step's allowance leaves."""
         n = min(remaining, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
-        if req is not None and n > 1:
-            if req.priority > self._urgent:
-                return 0
-            recent = self._recent[0] if self._recent is not None else req.priority
-            if self.config.yield_chunk and req.priority > recent:
-                n = min(n, self._window_left)  # the step's less urgent prompt tokens, all chunks together
-                self._window_left -= n
+        if req is None or n <= 1:
+            return n
+        if req.priority > self.urgency.now:
+            return 0
+        if self._allow.window and req.priority > self._allow.above:
+            return self._window_chunk(n, req.num_tokens - remaining)
+        return n
+
+    def _window_chunk(self, n: int, start: int) -> int:
+        """A less urgent prompt chunk of at most `n` tokens from position `start`, in a window
+        step: within the step's `yield_chunk` tokens and, past its first row or chunk, the
+        seconds it has left; 0 when none fit."""
+        allow = self._allow
+        n = min(n, allow.tokens)
+        if n > 0 and allow.taken and allow.seconds is not None:
+            n = min(n, self.cost.chunk_tokens(allow.seconds, start))
+        if n <= 0 or not allow.fits(self.cost.chunk_seconds(n, start)):
+            return 0
+        allow.tokens -= n
         return n
 
     def observe_step(self, seconds: float, out: SchedulerOutput) -> None:
@@ -226,57 +235,45 @@ class Scheduler:
     def note_urgency_elsewhere(self, priority: int, until: float | None = None) -> None:
         """A peer on this host steps for requests of `priority` now, or did within its urgent
         window (open `until`, monotonic): while it is more urgent than the work here, this
-        worker's prompt chunks stay short as in the window (so it stands aside for the peer
-        within a short step when its next urgent request comes)."""
-        now = time.monotonic()
-        seen = now if until is None else min(now, until - self.config.urgent_window_s)
-        if self._recent is None or priority <= self._recent[0] or now - self._recent[1] > self.config.urgent_window_s:
-            self._recent = (priority, seen)
+        worker's steps are window steps (so it stands aside for the peer within a short step
+        when its next urgent request comes)."""
+        self.urgency.note_elsewhere(priority, until)
 
     def own_window(self) -> tuple[int, float] | None:
         """The most urgent priority this worker's own requests had within the urgent window,
         and when that window closes (monotonic); None when none was here within it."""
-        if self._own is None or time.monotonic() - self._own[1] > self.config.urgent_window_s:
-            return None
-        return self._own[0], self._own[1] + self.config.urgent_window_s
+        return self.urgency.own_window()
 
-    def _step_budget(self, budget: int) -> bool:
-        """Whether this step is contended (a more urgent request runs beside less urgent ones
-        here); if so, how many less urgent decodes may join the urgent tokens (`_extra`) and
-        the seconds the cost model lets them add (`_extra_s`; none beside an urgent prompt)."""
-        urgent = [r for r in self.running if r.priority == self._urgent]
+    def _size_step(self, budget: int) -> bool:
+        """This step's room for less urgent work (`_allow`); True if the step is contended (a
+        more urgent request runs beside less urgent ones here): then at most `yield_decodes`
+        less urgent decodes join it, within the seconds the cost model says they add (none
+        beside an urgent prompt). With no such request here but one within the urgent window,
+        the step is a window step: at most `window_step_s` long by the cost model, and at most
+        `yield_chunk` prompt tokens."""
+        now, recent = self.urgency.now, self.urgency.recent()
+        urgent = [r for r in self.running if r.priority == now]
         head = self.waiting.head()
-        others = any(r.priority > self._urgent for r in self.running) or any(
-            r.priority > self._urgent for r in self.remote.values()) or any(
-            r.priority > self._urgent for r in self.waiting)
-        if not others or (not urgent and (head is None or head.priority != self._urgent)):
-            self._extra, self._extra_s = 0, None
-            return False
-        own = sum(min(r.num_tokens - r.num_computed_tokens, budget) for r in urgent)
-        context = sum(r.num_tokens for r in urgent)
-        if head is not None and head.priority == self._urgent:
-            own += min(head.num_tokens - head.num_computed_tokens, budget)
-            context += head.num_tokens
-        self._extra = self.config.yield_decodes or budget
-        # an urgent prompt's step is its time to first token: no less urgent row joins it
-        prompt = own > len(urgent)
-        self._extra_s = 0.0 if prompt else self.cost.allowance(max(own, 1), context, self.config.urgent_step_budget)
-        return True
-
-    def _note_urgency(self) -> None:
-        """This step's most urgent priority, and the most urgent seen within the window."""
-        head = self.waiting.head()
-        present = [r.priority for r in self.running] + ([head.priority] if head is not None else [])
-        self._urgent = min(present, default=0)
-        now = time.monotonic()
-        if self._recent is not None and now - self._recent[1] > self.config.urgent_window_s:
-            self._recent = None
-        if present and (self._recent is None or self._urgent <= self._recent[0]):
-            self._recent = (self._urgent, now)
-        if self._own is not None and now - self._own[1] > self.config.urgent_window_s:
-            self._own = None
-        if present and (self._own is None or self._urgent <= self._own[0]):
-            self._own = (self._urgent, now)
+        others = any(r.priority > now for r in self.running) or any(
+            r.priority > now for r in self.remote.values()) or any(r.priority > now for r in self.waiting)
+        if others and (urgent or (head is not None and head.priority == now)):
+            own = sum(min(r.num_tokens - r.num_computed_tokens, budget) for r in urgent)
+            context = sum(r.num_tokens for r in urgent)
+            if head is not None and head.priority == now:
+                own += min(head.num_tokens - head.num_computed_tokens, budget)
+                context += head.num_tokens
+            # an urgent prompt's step is its time to first token: no less urgent row joins it
+            prompt = own > len(urgent)
+            seconds = 0.0 if prompt else self.cost.allowance(max(own, 1), context, self.config.urgent_step_budget)
+            self._allow = Allowance(now, self.config.yield_decodes or budget, seconds)
+            return True
+        if recent is not None and recent < now:
+            fit = self.cost.fit()
+            seconds = None if fit is None or not self.config.window_step_s else max(self.config.window_step_s - fit[0], 0.0)
+            self._allow = Allowance(recent, budget, seconds, self.config.yield_chunk or budget, window=True)
+        else:
+            self._allow = Allowance()
+        return False
 
     def _preempt(self, req: Request, cause: str) -> None:
         self.preemptions[cause] += 1
@@ -289,15 +286,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self._note_urgency()
-        self._window_left = self.config.yield_chunk
-        out.contended = self._step_budget(budget)
+        head = self.waiting.head()
+        self.urgency.note([r.priority for r in self.running] + ([head.priority] if head is not None else []))
+        out.contended = self._size_step(budget)
         self._make_room_for_priority(out, budget)
         i, short_of_blocks, yielded = 0, False, []
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget, req)
-            if n == 0 or self._yields_decode(req, n, yielded):
+            if n == 0 or self._yields_decode(req, n):
                 i += 1
                 continue
             scheduled = True
@@ -313,9 +310,11 @@ class Scheduler:
             if not scheduled:
                 break
             self._commit(out, req, n)
+            if self._allow.above is not None and req.priority > self._allow.above:
+                yielded.append(req)
             budget -= n
             i += 1
-        for req in yielded:  # those that decoded go last: the others take their turn next step
+        for req in yielded:  # less urgent ones that ran go last: the others take their turn next step
             if req in self.running:
                 self.running.remove(req)
                 self.running.append(req)
@@ -326,21 +325,14 @@ class Scheduler:
         out.context_tokens = sum(c.request.num_computed_tokens + c.num_new_tokens for c in out.chunks)
         return out
 
-    def _yields_decode(self, req: Request, n: int, decoded: list[Request]) -> bool:
+    def _yields_decode(self, req: Request, n: int) -> bool:
         """Whether `req`, a less urgent request about to decode (one token), sits this step out:
-        the step's budget for less urgent decodes (`yield_decodes` rows, and the seconds the
-        cost model allows) has no room for its row, whose attention reads its whole context
-        (those that decoded, `decoded`, go last next time, so all take turns)."""
-        if req.priority <= self._urgent or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+        the step's allowance (`_size_step`) has no room for its row, whose attention reads its
+        whole context (the less urgent ones that ran go last next time, so all take turns)."""
+        allow = self._allow
+        if allow.above is None or req.priority <= allow.above or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return False
-        cost = self.cost.row_seconds(req.num_tokens)
-        if self._extra <= 0 or (self._extra_s is not None and cost > self._extra_s):
-            return True
-        self._extra -= 1
-        if self._extra_s is not None:
-            self._extra_s -= cost
-        decoded.append(req)
-        return False
+        return not allow.fits(self.cost.row_seconds(req.num_tokens))
 
     def _make_room_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Before the batch is scheduled: the next waiting request preempts running requests of

@@ -62,6 +62,20 @@ class StepCost:
         a, b, c = fit
         return budget * (a + b * own_tokens + c * own_context)
 
+    def chunk_seconds(self, tokens: int, start: int) -> float:
+        """What a prompt chunk of `tokens` from position `start` adds to a step (0 until the fit
+        is known); a decode row is a chunk of one token."""
+        fit = self.fit()
+        return 0.0 if fit is None else fit[1] * tokens + fit[2] * (start + tokens)
+
+    def chunk_tokens(self, seconds: float, start: int) -> int:
+        """The most tokens a prompt chunk from position `start` may take to add at most
+        `seconds` to a step (a large number until the fit is known)."""
+        fit = self.fit()
+        if fit is None or fit[1] + fit[2] <= 0:
+            return 1 << 30
+        return max(int((seconds - fit[2] * start) // (fit[1] + fit[2])), 0)
+
     def row_seconds(self, context: int) -> float:
         """What one more decode row whose attention reads `context` keys adds to a step (0 until
         the fit is known)."""
