@@ -1,0 +1,71 @@
+"""A mixture-of-experts model through `pdserve up` under Ray: a small random Qwen3-MoE (built
+by transformers, saved as a Hugging Face directory with the default model's tokenizer), one
+prefill and one decode worker at --quantization exact. Two greedy completions at once equal
+transformers' greedy tokens (the long prompt prefilled by the prefill worker and decoded over
+the KV hand-off, the short one prefilled by the decode worker); every KV block is back in its
+pool after."""
+import httpx
+import pytest
+import torch
+
+from pdserve.registry.embedded import free_port
+from tests.helpers.procs import Proc, stop, wait_kv_back
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+transformers = pytest.importorskip("transformers")
+
+N = 8
+PROMPTS = [[15, 4000, 977, 31, 12000, 5], list(range(300, 400))]  # the long one is prefilled remotely
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, tokenizer):
+    """A tiny Qwen3-MoE directory (8 experts, top 2, the default tokenizer's vocabulary) and
+    transformers' greedy tokens for PROMPTS."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.5 if "embed" in name else 1.0 if name.endswith("mlp.gate.weight") else p.shape[-1] ** -0.5)
+    path = tmp_path_factory.mktemp("qwen3moe")
+    hf.save_pretrained(path)
+    tokenizer._tok.save(str(path / "tokenizer.json"))
+    want = []
+    for ids in PROMPTS:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(ids):].tolist())
+    return path, want
+
+
+def test_up_serves_a_moe_model_as_transformers_computes_it(moe_dir, tokenizer):
+    path, want = moe_dir
+    port = free_port()
+    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--model", str(path),
+              "--quantization", "exact", "--kv-cache-memory", "16MiB", "--cluster-token", "test-token",
+              "--shutdown-grace", "3")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        line = up.p.stdout.readline()
+        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": PROMPTS, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        got = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in got] == [tokenizer.decode(w, skip_special_tokens=True) for w in want]
+        wait_kv_back(url, 2)  # (and the workers' stats refreshed)
+        prefills = [x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                    if x.startswith("pdserve_decode_prefills_total{")]
+        queried = [x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                   if x.startswith('pdserve_prefix_cache_queries_tokens_total{role="prefill"')]
+        assert queried and float(queried[0].split()[-1]) >= 100, queried  # the prefill worker ran it
+    finally:
+        rc = stop(up)
+    assert rc == 0, up.text()
