@@ -134,15 +134,16 @@ def parse_time(value: str, param: str) -> float:
 
 
 def window(since: str | None, until: str | None, now: float, retention_s: int = RETENTION_S) -> tuple[int, int]:
-    """The first and last minute buckets of [since, until] (whole minutes: from the one `since`
-    falls in to the one `until` falls in). Defaults: until now, since a day before until."""
+    """The first and last minute buckets of [since, until): the whole minutes that cover it (at
+    least the one `since` falls in). Defaults: until now, since a day before until."""
     end = parse_time(until, "until") if until else now
     start = parse_time(since, "since") if since else end - 86400
     if start > end:
         raise UsageWindowError(f"since ({start:.0f}) is after until ({end:.0f})")
     if end - start > retention_s:
         raise UsageWindowError(f"the window is longer than the {retention_s // 86400} days usage is kept")
-    return int(start // BUCKET_S), int(end // BUCKET_S)
+    first = int(start // BUCKET_S)
+    return first, max(first, math.ceil(end / BUCKET_S) - 1)
 
 
 def group_names(by: str) -> list[str]:

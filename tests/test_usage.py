@@ -49,7 +49,7 @@ def test_the_memory_store_reads_whole_minutes_of_a_window_grouped_as_asked():
             {"tenant": "b", "prompt_tokens": 7, "cached_tokens": 7, "completion_tokens": 3, "requests": 1,
              "total_tokens": 10}]
         assert by_tenant["total"]["total_tokens"] == 46 and by_tenant["total"]["requests"] == 3
-        by_model = await report(store, "2025-12-04T18:00:30Z", "2025-12-04T18:01:00", "tenant,model", now=T0 + 200)
+        by_model = await report(store, "2025-12-04T18:00:30Z", "2025-12-04T18:01:30", "tenant,model", now=T0 + 200)
         assert [(d["tenant"], d["model"], d["prompt_tokens"]) for d in by_model["data"]] == [
             ("a", "lora", 20), ("a", "m", 10), ("b", "m", 7)]
         one = await report(store, str(T0 + 60), str(T0 + 60), "key", now=T0 + 200)
@@ -82,9 +82,12 @@ def test_a_bad_window_or_grouping_is_refused_by_name(since, until, by, match):
         asyncio.run(report(MemoryUsage(), since, until, by, now=T0))
 
 
-def test_window_bounds_are_the_minutes_its_ends_fall_in():
-    assert window(str(T0 + 59), str(T0 + 60), T0) == (int(T0 // 60), int(T0 // 60) + 1)
-    assert window(None, None, T0) == (int((T0 - 86400) // 60), int(T0 // 60))
+def test_a_window_is_the_whole_minutes_that_cover_it():
+    m = int(T0 // 60)
+    assert window(str(T0 + 59), str(T0 + 60), T0) == (m, m)  # until is not in it
+    assert window(str(T0 + 59), str(T0 + 61), T0) == (m, m + 1)
+    assert window(str(T0 + 5), str(T0 + 5), T0) == (m, m)  # at least since's minute
+    assert window(None, None, T0) == (m - 1440, m - 1)
     assert parse_time("2025-12-04T18:00:00+01:00", "since") == T0 - 3600
 
 
