@@ -185,6 +185,7 @@ def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
 _GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -214,9 +215,9 @@ def gguf_tensors(hf, arch: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_gguf(hf, arch: str, path, drop: str = "", short: str = "") -> None:
+def write_gguf(hf, arch: str, path, drop: str = "", short: str = "", q4_1: bool = False) -> None:
     """`hf` as an fp32 GGUF in llama.cpp's layout; `drop`: a tensor left out; `short`: a tensor
-    written with one expert too few."""
+    written with one expert too few; `q4_1`: the experts in Q4_1."""
     c, w = hf.config, gguf.GGUFWriter(str(path), _GGUF_ARCH[arch])
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
@@ -233,8 +234,11 @@ def write_gguf(hf, arch: str, path, drop: str = "", short: str = "") -> None:
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     for name, t in gguf_tensors(hf, arch).items():
-        if name != drop:
-            w.add_tensor(name, (t[:-1] if name == short else t).float().contiguous().numpy())
+        a = (t[:-1] if name == short else t).float().contiguous().numpy()
+        if q4_1 and "_exps" in name:
+            w.add_tensor(name, gguf.quants.quantize(a, Q4_1), raw_dtype=Q4_1)
+        elif name != drop:
+            w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -266,3 +270,18 @@ def test_a_gguf_missing_experts_is_refused_by_name(tmp_path, monkeypatch):
     write_gguf(hf, "mixtral", tmp_path / "dropped.gguf", drop="blk.0.ffn_down_exps.weight")
     with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.0\.mlp\.experts\.0\.down_proj"):
         load_model(tmp_path / "dropped.gguf", quantization="none")
+
+
+def test_q4_1_experts_run_on_the_4_bit_kernels(tmp_path, monkeypatch):
+    """A GGUF whose experts are Q4_1 (as quantized MoE files ship): "exact" runs each expert on
+    the checkpoint's own values (the fp32 model's logits), "auto" on W4A8 (int8 activations)."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    write_gguf(hf_model("qwen3_moe"), "qwen3_moe", tmp_path / "q.gguf", q4_1=True)
+    logits, experts = {}, 2 * 2 * 8  # layers x (gate_up, down) x experts
+    for mode in ("none", "exact", "auto"):
+        loaded = load_model(tmp_path / "q.gguf", quantization=mode)
+        assert loaded.model.quantized_matrices() == (0 if mode == "none" else experts)
+        eng = LLMEngine(loaded, EngineConfig(quantization=mode, cache=CacheConfig(kv_cache_memory=4 << 20)))
+        logits[mode] = engine_logits(eng, PROMPTS[2])
+    close(logits["exact"], logits["none"])
+    assert (logits["auto"] - logits["none"]).abs().mean() < 0.03 * logits["none"].abs().mean()
