@@ -9,12 +9,12 @@ import re
 from dataclasses import dataclass, field
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3",  # Hugging Face model_type values pdserve runs
-               "mixtral", "qwen3_moe", "olmoe")
-MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe")  # mixture-of-experts decoders (engine/model/moe.py)
+               "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # mixture-of-experts decoders (engine/model/moe.py)
 _HF_TYPES = {"gemma3_text": "gemma3"}  # Gemma 3's text-only checkpoints
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+               "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -57,6 +57,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0    # each expert's SwiGLU width (0: intermediate_size)
     norm_topk_prob: bool = False      # rescale the top-k router probabilities to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in an MoE model (Qwen3-MoE's mlp_only_layers)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, run on every token (0: none)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -116,14 +117,14 @@ class ModelConfig:
                 raise ValueError(f"unsupported: {capped}")
         theta = d.get("rope_theta") or per_type["full_attention"].get("rope_theta", 10000.0)
         local_theta = d.get("rope_local_base_freq") or per_type.get("sliding_attention", {}).get("rope_theta", 0.0)
-        if d.get("mlp_bias") or (arch != "qwen2" and d.get("attention_bias")):
+        if d.get("mlp_bias") or (arch not in ("qwen2", "qwen2_moe") and d.get("attention_bias")):
             raise ValueError("unsupported: biases on the attention output or MLP projections "
                              "(attention_bias, mlp_bias)")
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         window, layer_types = d.get("sliding_window") or 0, tuple(d.get("layer_types") or ())
-        if arch in ("qwen2", "qwen3_moe") and not d.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen2_moe", "qwen3_moe") and not d.get("use_sliding_window", False):
             window, layer_types = 0, ()  # Qwen2 configs carry a window they do not use
         elif arch == "qwen2" and not layer_types:  # older configs: the layers from max_window_layers on slide
             first = d.get("max_window_layers", d["num_hidden_layers"])
@@ -139,7 +140,7 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos, model_type=arch,
-            qkv_bias=arch == "qwen2",
+            qkv_bias=arch == "qwen2" or arch == "qwen2_moe" and d.get("qkv_bias", True),
             qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "olmoe"), sliding_window=int(window),
             layer_types=layer_types, hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
             query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 0.0) if arch == "gemma3" else 0.0,
@@ -163,10 +164,11 @@ class ModelConfig:
         if self.num_experts:
             d |= {"num_local_experts": self.num_experts, "num_experts": self.num_experts,
                   "num_experts_per_tok": self.num_experts_per_tok, "norm_topk_prob": self.norm_topk_prob,
-                  "moe_intermediate_size": self.moe_intermediate_size, "mlp_only_layers": list(self.dense_layers)}
-        if self.model_type in ("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
+                  "moe_intermediate_size": self.moe_intermediate_size, "mlp_only_layers": list(self.dense_layers),
+                  "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
+        if self.model_type in ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
             d["sliding_window"] = self.sliding_window or None
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen2_moe"):
             d["use_sliding_window"] = bool(self.sliding_window)
         if self.layer_types:
             d["layer_types"] = list(self.layer_types)
@@ -179,9 +181,8 @@ class ModelConfig:
 
 def _hf_moe(d: dict, arch: str) -> dict:
     """The expert fields of an MoE `config.json`: Mixtral always renormalizes its top-k
-    probabilities (its experts are intermediate_size wide); Qwen3-MoE and OLMoE as
-    `norm_topk_prob` says. Qwen3-MoE layers listed in mlp_only_layers, or off its
-    decoder_sparse_step, have a dense MLP."""
+    probabilities (its experts are intermediate_size wide); the others as `norm_topk_prob`
+    says. Qwen-MoE layers listed in mlp_only_layers, or off decoder_sparse_step, have a dense MLP."""
     if d.get("clip_qkv"):
         raise ValueError("unsupported: clip_qkv (OLMoE's clamped q/k/v)")
     n, step = d["num_hidden_layers"], d.get("decoder_sparse_step") or 1
@@ -189,7 +190,8 @@ def _hf_moe(d: dict, arch: str) -> dict:
     return {"num_experts": d.get("num_local_experts") or d.get("num_experts") or 0,
             "num_experts_per_tok": d.get("num_experts_per_tok") or 0,
             "moe_intermediate_size": d.get("moe_intermediate_size") or d["intermediate_size"],
-            "norm_topk_prob": arch == "mixtral" or bool(d.get("norm_topk_prob")), "dense_layers": tuple(dense)}
+            "norm_topk_prob": arch == "mixtral" or bool(d.get("norm_topk_prob")), "dense_layers": tuple(dense),
+            "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size") or 0}
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

@@ -28,7 +28,11 @@ ARCHS = {  # name: (config class, model class, config fields of its own)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "moe_intermediate_size": 32,
                                                             "norm_topk_prob": True, "head_dim": 32}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "norm_topk_prob": False}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32,
+                                                            "shared_expert_intermediate_size": 40}),
 }
+NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False, "qwen2_moe": False}
+EXPERT_WIDTH = {"mixtral": 48, "qwen3_moe": 32, "olmoe": 48, "qwen2_moe": 32}
 PROMPTS = [[5, 17, 99, 250, 3, 42, 42, 7], [300, 12, 8], list(range(20, 60))]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -78,8 +82,10 @@ def test_config_reads_the_experts(pair):
     hf, _, eng = pair
     cfg, c = eng.loaded.config, hf.config
     assert cfg.num_experts == (getattr(c, "num_local_experts", None) or c.num_experts)
-    assert (cfg.num_experts_per_tok, cfg.norm_topk_prob) == (2, cfg.model_type != "olmoe")
-    assert cfg.moe_intermediate_size == (32 if cfg.model_type == "qwen3_moe" else 48)
+    assert (cfg.num_experts_per_tok, cfg.norm_topk_prob) == (2, NORM_TOPK[cfg.model_type])
+    assert cfg.moe_intermediate_size == EXPERT_WIDTH[cfg.model_type]
+    assert cfg.shared_expert_intermediate_size == (40 if cfg.model_type == "qwen2_moe" else 0)
+    assert cfg.qkv_bias == (cfg.model_type == "qwen2_moe")
     model = eng.runner.model
     assert model.native_decode is None  # the one-call C step is for dense models
     assert all(b.native == model.native_ops for b in model.moe_blocks()) and len(model.moe_blocks()) == 2
@@ -186,10 +192,12 @@ def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
-_GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+_GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+               "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 
@@ -211,7 +219,7 @@ def gguf_tensors(hf, arch: str) -> dict[str, torch.Tensor]:
         else:
             if arch == "mixtral" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
                 t = permute_qk(t, c.num_attention_heads if "q_proj" in sub else c.num_key_value_heads)
-            out[f"{blk}.{_GGUF_LAYER[sub]}.weight"] = t
+            out[f"{blk}.{_GGUF_LAYER[sub]}.{parts[-1]}"] = t
     return out
 
 
@@ -229,8 +237,10 @@ def write_gguf(hf, arch: str, path, drop: str = "", short: str = "", q4_1: bool 
                        (w.add_expert_used_count, c.num_experts_per_tok), (w.add_bos_token_id, 1),
                        (w.add_eos_token_id, 2)):
         add(value)
-    if arch == "qwen3_moe":
+    if arch in ("qwen2_moe", "qwen3_moe"):
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     for name, t in gguf_tensors(hf, arch).items():
@@ -253,7 +263,7 @@ def test_gguf_files_load_to_the_same_logits(arch, tmp_path, monkeypatch):
     for _ in range(2):  # converted, then from the conversion cache
         loaded = load_model(tmp_path / "model.gguf", quantization="none")
         assert (loaded.config.model_type, loaded.config.num_experts_per_tok, loaded.config.norm_topk_prob) == (
-            arch, 2, arch != "olmoe")
+            arch, 2, NORM_TOPK[arch])
     eng = LLMEngine(loaded, EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=4 << 20)))
     with torch.no_grad():
         want = hf(torch.tensor([PROMPTS[2]])).logits[0]

@@ -1,5 +1,6 @@
-"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE, OLMoE): the Llama decoder with each
-layer's MLP replaced by a router and a set of SwiGLU experts.
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the Llama decoder with
+each layer's MLP replaced by a router and a set of SwiGLU experts (plus, in Qwen2-MoE, a shared
+expert every token runs, its output scaled by sigmoid(shared_expert_gate(x))).
 
 A token's MLP output is the weighted sum of its top-k experts' outputs: the router's logits
 (one linear layer, `mlp.gate`) go through a softmax, the k largest probabilities are kept
@@ -84,6 +85,10 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         expert_cfg = replace(cfg, intermediate_size=cfg.moe_intermediate_size)
         self.experts = nn.ModuleList(LlamaMLP(expert_cfg) for _ in range(cfg.num_experts))
+        self.shared_expert = self.shared_expert_gate = self.shared_gate_linear = None
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: one more expert for every token, gated by a sigmoid
+            self.shared_expert = LlamaMLP(replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size))
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.owned = owned or range(cfg.num_experts)  # the experts this block computes (all, without EP)
         self.gate_linear = None
         self.gate_up_weight: torch.Tensor | None = None  # (E, 2 I, H) once fused; the experts' are views
@@ -96,7 +101,7 @@ class SparseMoeBlock(nn.Module):
 
     @native.setter
     def native(self, on: bool) -> None:
-        for expert in self.experts:
+        for expert in self.mlps():
             expert.native = on
 
     def fuse(self, packed: bool, quantization: str = "none") -> None:
@@ -113,6 +118,9 @@ class SparseMoeBlock(nn.Module):
             expert.down_linear = make_linear(d, quantization, packed)
         self.gate_up_weight, self.down_weight = gate_up, down
         self.gate_linear = make_linear(self.gate.weight.data, "none", packed)
+        if self.shared_expert is not None:
+            self.shared_expert.fuse(packed, quantization)
+            self.shared_gate_linear = make_linear(self.shared_expert_gate.weight.data, "none", packed)
 
     def forward(self, x: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
         """x: (T, hidden). Returns the experts' weighted sum per row, (T, hidden). `lora` is
@@ -123,10 +131,18 @@ class SparseMoeBlock(nn.Module):
         for g in group_by_expert(experts, weights, self.num_experts, self.owned):
             y = self.experts[g.expert](x[g.rows])  # (n, hidden): this expert's weights only
             out.index_add_(0, g.rows, y * g.weights.unsqueeze(-1))
+        if self.shared_expert is not None:
+            gate = self.shared_expert_gate(x) if self.shared_gate_linear is None else self.shared_gate_linear(x)
+            out += torch.sigmoid(gate) * self.shared_expert(x)  # (T, 1) * (T, hidden)
         return out if self.tp is None else self.tp.all_reduce(out)
 
+    def mlps(self) -> list[LlamaMLP]:
+        """The experts, then the shared expert where there is one."""
+        return list(self.experts) + ([] if self.shared_expert is None else [self.shared_expert])
+
     def linears(self) -> list:
-        return [self.gate_linear] + [lin for e in self.experts for lin in (e.gate_up_linear, e.down_linear)]
+        return [self.gate_linear, self.shared_gate_linear] + [
+            lin for e in self.mlps() for lin in (e.gate_up_linear, e.down_linear)]
 
 
 class OlmoeAttention(LlamaAttention):

@@ -7,7 +7,8 @@ and `mlp.gate`, the names used here), or transformers' in-memory fused layout (3
 `mlp.experts.gate_up_proj` (E, 2I, H) and `mlp.experts.down_proj` (E, H, I)). GGUF files
 (llama.cpp) hold each layer's experts as 3-D `blk.{n}.ffn_{gate,up,down}_exps.weight`, one slice
 per expert, and the router as `ffn_gate_inp` (older Mixtral files: `ffn_gate.{e}.weight`
-per expert). Mixtral ships in GGUF as architecture "llama" with `llama.expert_count` set.
+per expert); Qwen2-MoE's shared expert as `ffn_{gate,up,down}_shexp` and its gate as
+`ffn_gate_inp_shexp`. Mixtral ships in GGUF as architecture "llama" with `llama.expert_count` set.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _GGUF_EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # llama.cpp renormalizes the top-k weights for these architectures (its build_moe_ffn's norm_w),
 # unless the file says otherwise in {arch}.expert_weights_norm
-_GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
-GGUF_MOE_TYPES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+GGUF_MOE_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_GGUF_SHARED = {"ffn_gate_shexp": "shared_expert.gate_proj", "ffn_up_shexp": "shared_expert.up_proj",
+                "ffn_down_shexp": "shared_expert.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate"}
 
 
 def hf_expert_names(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -74,14 +77,16 @@ def gguf_moe_fields(meta: dict, arch: str) -> dict:
     norm = meta.get(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK[arch])
     return {"model_type": GGUF_MOE_TYPES[arch], "num_experts": count, "num_experts_per_tok": int(used),
             "moe_intermediate_size": int(width), "norm_topk_prob": bool(norm),
+            "shared_expert_intermediate_size": int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
             "qk_norm": arch in ("qwen3moe", "olmoe")}
 
 
-_GGUF_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate_inp|(gate|up|down)_exps|(gate|up|down)\.\d+)\.weight")
+_GGUF_EXPERT_TENSOR = re.compile(
+    r"blk\.\d+\.ffn_(gate_inp|(gate|up|down)_exps|(gate|up|down)\.\d+|(gate_inp|gate|up|down)_shexp)\.weight")
 
 
 def is_expert_tensor(name: str) -> bool:
-    """Whether GGUF tensor `name` is a layer's router or holds its experts."""
+    """Whether GGUF tensor `name` is a layer's router, holds its experts or is its shared expert's."""
     return _GGUF_EXPERT_TENSOR.fullmatch(name) is not None
 
 
@@ -98,4 +103,7 @@ def gguf_expert_tensors(name: str, arr, num_experts: int) -> dict:
     m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", name)  # older Mixtral files
     if m:
         return {f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{_GGUF_EXPERT[m.group(2)]}.weight": arr}
-    return {f"model.layers.{name.split('.')[1]}.mlp.gate.weight": arr}  # ffn_gate_inp: the router
+    layer, kind = name.split(".")[1:3]
+    if kind in _GGUF_SHARED:  # Qwen2-MoE's shared expert; its gate llama.cpp stores as a vector
+        return {f"model.layers.{layer}.mlp.{_GGUF_SHARED[kind]}.weight": arr.reshape(1, -1) if arr.ndim == 1 else arr}
+    return {f"model.layers.{layer}.mlp.gate.weight": arr}  # ffn_gate_inp: the router

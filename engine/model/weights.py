@@ -82,7 +82,7 @@ def gguf_metadata(reader) -> dict:
 
 
 # general.architecture values (Mistral, and Mixtral with expert_count set, ship as llama)
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "olmoe")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "olmoe")
 GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: layers 5, 11, ... attend globally, the rest slide (llama.cpp's rule too)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' RoPE base (not in its GGUF metadata)
 
@@ -113,7 +113,7 @@ def model_config_from_gguf(meta: dict) -> ModelConfig:
         tie_word_embeddings=False,  # decided by the presence of output.weight
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        qkv_bias=arch == "qwen2", sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0),
+        qkv_bias=arch in ("qwen2", "qwen2moe"), sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0),
         **_gguf_gemma3(meta, arch),
         **({"model_type": arch, "qk_norm": arch in ("qwen3", "gemma3")} | moe_weights.gguf_moe_fields(meta, arch)))
 
