@@ -11,8 +11,9 @@ picker written for vLLM scores pdserve's pods as they are:
 and pdserve's own `pdserve:step_threads` (gauge: the threads the engine thread's last step ran
 on, its own plus those borrowed from idle peers on its host, engine/parallel/cores.py) and
 `pdserve:step_seconds` (histogram of the engine's steps, label `contended`: "true" for a step of
-a more urgent request beside less urgent ones here, which the step budget bounds,
-engine/core/step_cost.py).
+a more urgent request beside less urgent ones here, which the step budget bounds; label
+`window`: "true" for a step of less urgent work within the urgent window, which `window_step_s`
+bounds; engine/core/step_cost.py).
 
 A small prometheus_client HTTP server per worker process; its port is in the worker's registry
 record (`WorkerRecord.metrics_port`) and its Stats (`/admin/workers`). Each scrape reads the
@@ -74,9 +75,10 @@ class ModelServerCollector:
         g.add_metric(m, s["threads"])
         yield g
         h = HistogramMetricFamily("pdserve:step_seconds", "Seconds of each engine step; contended: a more urgent "
-                                  "request's step beside less urgent ones here.", labels=["model_name", "contended"])
-        for contended, (counts, total) in s["steps"].items():
-            h.add_metric([self.model_name, str(contended).lower()],
+                                  "request's step beside less urgent ones here; window: a step of less urgent work "
+                                  "within the urgent window.", labels=["model_name", "contended", "window"])
+        for kind, (counts, total) in s["steps"].items():
+            h.add_metric([self.model_name, str(kind == "contended").lower(), str(kind == "window").lower()],
                          [(str(edge) if edge != float("inf") else "+Inf", n) for edge, n in zip(BUCKETS, counts)], total)
         yield h
         g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",

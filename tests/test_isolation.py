@@ -226,9 +226,10 @@ def test_the_step_budget_keeps_less_urgent_decodes_out_of_an_urgent_step_they_wo
     times = StepTimes()
     times.add(0.003, contended=True)
     times.add(0.5, contended=False)
-    counts, total = times.snapshot()[True]
+    times.add(0.01, contended=False, window=True)
+    counts, total = times.snapshot()["contended"]
     assert counts[4] == 1 and counts[3] == 0 and counts[-1] == 1 and total == 0.003  # 2.83 ms < 3 ms <= 4 ms
-    assert times.snapshot()[False][0][-2] == 1
+    assert times.snapshot()["plain"][0][-2] == 1 and times.snapshot()["window"][0][7] == 1  # 8 ms < 10 ms <= 11.3
 
 
 def test_a_kv_hand_off_refused_for_blocks_compiles_no_grammar_and_a_bad_one_gives_its_blocks_back(smollm,

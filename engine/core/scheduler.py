@@ -49,6 +49,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     contended: bool = False
     """A more urgent request runs in this step while less urgent ones are here."""
+    window: bool = False
+    """A window step: only less urgent work, within the urgent window (`window_step_s`)."""
     context_tokens: int = 0
     """Keys the step's attention reads: each chunk's tokens up to its end (set by `schedule`)."""
 
@@ -230,7 +232,7 @@ class Scheduler:
         the size of the steps the budget sizes) and goes into the histogram."""
         if out.num_tokens <= SMALL_STEP:
             self.cost.observe(seconds, out.num_tokens, out.context_tokens)
-        self.times.add(seconds, out.contended)
+        self.times.add(seconds, out.contended, out.window)
 
     def note_urgency_elsewhere(self, priority: int, until: float | None = None) -> None:
         """A peer on this host steps for requests of `priority` now, or did within its urgent
@@ -289,6 +291,7 @@ class Scheduler:
         head = self.waiting.head()
         self.urgency.note([r.priority for r in self.running] + ([head.priority] if head is not None else []))
         out.contended = self._size_step(budget)
+        out.window = self._allow.window
         self._make_room_for_priority(out, budget)
         i, short_of_blocks, yielded = 0, False, []
         while i < len(self.running) and budget > 0:

@@ -1,8 +1,9 @@
 """What a step costs, learned from the steps run: `StepCost` fits seconds = a + b * tokens +
 c * context by least squares over recent steps (older ones decay), so the scheduler can size the less urgent
 work that shares an urgent request's step to a time budget; `StepTimes` keeps the steps'
-seconds as a histogram, apart for contended steps (a more urgent request running beside
-less urgent ones on this worker), which each worker's /metrics serves."""
+seconds as a histogram per kind of step (contended: a more urgent request running beside
+less urgent ones on this worker; window: only less urgent work, within the urgent window;
+plain), which each worker's /metrics serves."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -83,19 +84,23 @@ class StepCost:
         return 0.0 if fit is None else fit[1] + fit[2] * context
 
 
+STEP_KINDS = ("plain", "contended", "window")
+
+
 @dataclass
 class StepTimes:
-    """Steps' seconds in BUCKETS (cumulative counts, as Prometheus keeps them), per kind."""
-    counts: dict[bool, list[int]] = field(default_factory=lambda: {False: [0] * len(BUCKETS),
-                                                                  True: [0] * len(BUCKETS)})
-    sums: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+    """Steps' seconds in BUCKETS (cumulative counts, as Prometheus keeps them), per kind
+    (STEP_KINDS)."""
+    counts: dict[str, list[int]] = field(default_factory=lambda: {k: [0] * len(BUCKETS) for k in STEP_KINDS})
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
 
-    def add(self, seconds: float, contended: bool) -> None:
-        counts = self.counts[contended]
+    def add(self, seconds: float, contended: bool, window: bool = False) -> None:
+        kind = "contended" if contended else "window" if window else "plain"
+        counts = self.counts[kind]
         for i, edge in enumerate(BUCKETS):
             if seconds <= edge:
                 counts[i] += 1
-        self.sums[contended] += seconds
+        self.sums[kind] += seconds
 
     def snapshot(self) -> dict:
         return {k: (list(v), self.sums[k]) for k, v in self.counts.items()}
