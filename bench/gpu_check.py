@@ -3,7 +3,8 @@ on CUDA and times paged-attention decode against the torch backend's gather + SD
 SmolLM2-shaped caches, in fp16/bf16/fp32 and in the 8-bit KV formats (int8, fp8 e4m3 codes
 with a scale per token and head, engine/kv/formats.py; fp16 queries); then tensor parallelism
 over 3 ranks on the device (check_tp); the Triton LoRA kernel (engine/kernels/triton_lora.py)
-against the torch ops for batches of 1, 4 and 16 adapters (check_lora). Prints a table and
+against the torch ops for batches of 1, 4 and 16 adapters (check_lora); the Triton MoE kernel
+(engine/kernels/triton_moe.py) against the torch grouping of experts (check_moe). Prints a table and
 writes bench/gpu-results.json. A few minutes at most.
 
     python bench/gpu_check.py            # needs CUDA and triton; without CUDA it says so and skips
@@ -141,6 +142,43 @@ def check_lora() -> dict:
     return out
 
 
+def check_moe() -> dict:
+    """The Triton MoE kernel against the torch grouping (engine/model/moe.py) on a Mixtral-like
+    layer scaled down (hidden 1024, 8 experts of 2816, top 2) in bf16 and fp32, at 1, 64 and
+    1024 rows: the largest difference and each path's time. Failures are reported, not raised."""
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model.moe import SparseMoeBlock
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=1024, intermediate_size=2816, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=8, model_type="mixtral", num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True)
+    out: dict = {}
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            block = SparseMoeBlock(cfg).to("cuda", dtype)
+            block.fuse(packed=False)
+            assert block.triton, "fuse did not pick the Triton kernel on CUDA"
+            for rows in (1, 64, 1024):
+                x = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=dtype)
+                by = {}
+                with torch.no_grad():
+                    for kernel in (True, False):
+                        block.triton = kernel
+                        by[kernel] = (block(x), timed(lambda: block(x)))
+                block.triton = True
+                err = float((by[True][0].float() - by[False][0].float()).abs().max())
+                scale = float(by[False][0].float().abs().max())
+                key = f"{str(dtype).split('.')[-1]} rows{rows}"
+                out[key] = {"max_abs_err": err, "max_abs": scale, "triton_us": by[True][1] * 1e6,
+                            "torch_us": by[False][1] * 1e6, "speedup": by[False][1] / by[True][1]}
+                print(f"MoE {key:16s} err {err:.1e} (of {scale:.1e})  triton {by[True][1] * 1e6:8.1f} us  "
+                      f"torch {by[False][1] * 1e6:8.1f} us")
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        out["error"] = repr(exc)
+        print("MoE kernel check failed:", repr(exc))
+    return out
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU checks are skipped (run this where a GPU is available)")
@@ -177,6 +215,7 @@ def main() -> None:
             print(f"{key:24s} err {err:.1e}  triton {t_triton * 1e6:8.1f} us  torch {t_torch * 1e6:8.1f} us  "
                   f"x{t_torch / t_triton:.2f}")
     results["lora_kernel"] = check_lora()
+    results["moe_kernel"] = check_moe()
     results["sampler_on_cuda"] = check_sampler_on_cuda()
     results["tensor_parallel"] = check_tp()
     out = Path(__file__).with_name("gpu-results.json")

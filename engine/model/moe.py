@@ -10,7 +10,8 @@ and OLMoE), rescaled to sum to 1, as Hugging Face's `*TopKRouter` modules comput
 The experts run grouped: the step's (token, expert) pairs are sorted by expert, each expert
 that got any runs one matmul over its rows, and the weighted outputs are added back into
 their tokens' rows (`index_add_`, experts in ascending order, as transformers sums them), so
-only the chosen experts' weights are read. Each expert is a `LlamaMLP`: `fuse` gives it the
+only the chosen experts' weights are read (on CUDA the same grouping runs as two Triton
+launches, engine/kernels/triton_moe.py). Each expert is a `LlamaMLP`: `fuse` gives it the
 linear kernels of engine/model/quant.py (oneDNN fp32, or a quantized kernel per expert
 matrix under "auto"), and the fused C SwiGLU when native ops are on. A `SparseMoeBlock`
 computes only the experts in its `owned` range; the others' pairs are skipped, which is
@@ -93,6 +94,7 @@ class SparseMoeBlock(nn.Module):
         self.gate_linear = None
         self.gate_up_weight: torch.Tensor | None = None  # (E, 2 I, H) once fused; the experts' are views
         self.down_weight: torch.Tensor | None = None     # (E, H, I)
+        self.triton = False  # the experts by engine/kernels/triton_moe.py (set by fuse on CUDA)
         self.tp = None  # a reducing group would sum the partial outputs (tensor parallelism is refused today)
 
     @property
@@ -117,6 +119,7 @@ class SparseMoeBlock(nn.Module):
             expert.gate_up_linear = make_linear(gu, quantization, packed)
             expert.down_linear = make_linear(d, quantization, packed)
         self.gate_up_weight, self.down_weight = gate_up, down
+        self.triton = gate_up.is_cuda and _triton_installed()
         self.gate_linear = make_linear(self.gate.weight.data, "none", packed)
         if self.shared_expert is not None:
             self.shared_expert.fuse(packed, quantization)
@@ -127,10 +130,14 @@ class SparseMoeBlock(nn.Module):
         not applied to experts (adapters update attention only on these models)."""
         logits = self.gate(x) if self.gate_linear is None else self.gate_linear(x)  # (T, E)
         weights, experts = route(logits, self.top_k, self.renormalize)  # (T, k) each
-        out = torch.zeros_like(x)
-        for g in group_by_expert(experts, weights, self.num_experts, self.owned):
-            y = self.experts[g.expert](x[g.rows])  # (n, hidden): this expert's weights only
-            out.index_add_(0, g.rows, y * g.weights.unsqueeze(-1))
+        if self.triton:  # one grouped launch for gate/up, one for down
+            from pdserve.engine.kernels import triton_moe
+            out = triton_moe.moe_experts(x, experts, weights, self.gate_up_weight, self.down_weight, self.owned)
+        else:
+            out = torch.zeros_like(x)
+            for g in group_by_expert(experts, weights, self.num_experts, self.owned):
+                y = self.experts[g.expert](x[g.rows])  # (n, hidden): this expert's weights only
+                out.index_add_(0, g.rows, y * g.weights.unsqueeze(-1))
         if self.shared_expert is not None:
             gate = self.shared_expert_gate(x) if self.shared_gate_linear is None else self.shared_gate_linear(x)
             out += torch.sigmoid(gate) * self.shared_expert(x)  # (T, 1) * (T, hidden)
@@ -143,6 +150,14 @@ class SparseMoeBlock(nn.Module):
     def linears(self) -> list:
         return [self.gate_linear, self.shared_gate_linear] + [
             lin for e in self.mlps() for lin in (e.gate_up_linear, e.down_linear)]
+
+
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class OlmoeAttention(LlamaAttention):
