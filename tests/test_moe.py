@@ -5,6 +5,8 @@ preemption; written as GGUF files in llama.cpp's layout (3-D `ffn_*_exps` tensor
 to the same logits. The router and the grouping of tokens by expert are checked on their
 own: the grouped computation equals every expert over every row, masked, and a router that
 sends every token to one expert works."""
+import json
+
 import pytest
 import torch
 
@@ -295,3 +297,35 @@ def test_q4_1_experts_run_on_the_4_bit_kernels(tmp_path, monkeypatch):
         logits[mode] = engine_logits(eng, PROMPTS[2])
     close(logits["exact"], logits["none"])
     assert (logits["auto"] - logits["none"]).abs().mean() < 0.03 * logits["none"].abs().mean()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_weights_from_a_gguf_export_as_a_directory_transformers_loads(arch, tmp_path, monkeypatch):
+    """What `pdserve export-hf` writes (checkpoint_names, to_hf_dict), minus the tokenizer."""
+    from safetensors.torch import save_file
+
+    from pdserve.engine.model.moe_weights import checkpoint_names
+    from pdserve.engine.model.weights import load_state_dict
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = hf_model(arch)
+    write_gguf(hf, arch, tmp_path / "m.gguf")
+    state, cfg, _ = load_state_dict(tmp_path / "m.gguf")
+    out = tmp_path / "hf"
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in checkpoint_names(state, cfg).items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        close(theirs(ids).logits[0], hf(ids).logits[0])
+
+
+def test_lora_adapters_on_expert_layers_are_refused():
+    from safetensors.torch import save
+
+    from pdserve.engine.model.lora import LoRAUnsupportedError, read_tensors
+    cfg = ModelConfig.from_hf_dict(dict(SMALL, model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32))
+    key = "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"
+    with pytest.raises(LoRAUnsupportedError, match="mixture-of-experts"):
+        read_tensors(save({key: torch.zeros(4, 64)}), "ad", cfg, 4)

@@ -4,8 +4,9 @@
 
 Other servers load this directory where they cannot read our GGUF (vLLM's CPU build reads
 safetensors; its GGUF path needs the hub for the tokenizer). The weights are the ones pdserve
-serves, dequantized to fp32, so a comparison runs the same model; `config.json` names the
-`LlamaForCausalLM` architecture and carries no `quantization_config`.
+serves, dequantized to fp32, so a comparison runs the same model, under the names the family's
+checkpoints use (Mixtral's experts as `block_sparse_moe.experts.N.w1/w2/w3`); `config.json`
+names the architecture's class and carries no `quantization_config`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.model.moe_weights import checkpoint_names
 from pdserve.engine.model.weights import load_state_dict, resolve_model_path
 
 
@@ -31,7 +33,7 @@ def export_hf(model: str, out_dir: str | Path, dtype: str = "float32") -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     want = getattr(torch, dtype)
-    tensors = {k: v.to(want).contiguous() for k, v in state.items()
+    tensors = {k: v.to(want).contiguous() for k, v in checkpoint_names(state, cfg).items()
                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf_dict() | {"torch_dtype": dtype, "max_position_embeddings": cfg.max_position_embeddings}

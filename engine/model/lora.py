@@ -169,6 +169,9 @@ def read_tensors(blob: bytes, where: str, cfg: ModelConfig, r: int) -> dict[tupl
             raise LoRAUnsupportedError(f"{where}: tensor {key!r} is not a LoRA A/B of a q/k/v/o/gate/up/down "
                                        "projection (embeddings, the LM head and DoRA are not supported)")
         layer, proj, which = int(m.group(1)), m.group(3), m.group(4)
+        if cfg.num_experts and SECTION[proj] == "mlp" and layer not in cfg.dense_layers:
+            raise LoRAUnsupportedError(f"{where}: tensor {key!r} updates an MLP projection of a mixture-of-experts "
+                                       "layer: adapters on experts are not supported (attention only)")
         if layer >= cfg.num_hidden_layers:
             raise LoRAShapeError(f"{where}: tensor {key!r} is for layer {layer}; the base has "
                                  f"{cfg.num_hidden_layers} layers")

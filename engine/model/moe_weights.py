@@ -47,6 +47,22 @@ def hf_expert_names(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return out
 
 
+def checkpoint_names(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """`state` (moe.py's names) under the names the family's checkpoints use: Mixtral's
+    `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1/w3/w2`; the others unchanged."""
+    if cfg.model_type != "mixtral":
+        return dict(state)
+    back = {v: k for k, v in _MIXTRAL.items()}
+    out = {}
+    for name, t in state.items():
+        m = re.fullmatch(r"(.*)\.mlp\.(gate|experts\.\d+\.(\w+))\.weight", name)
+        if m and (m.group(3) is None or m.group(3) in back):
+            tail = "gate" if m.group(3) is None else f"{m.group(2).rsplit('.', 1)[0]}.{back[m.group(3)]}"
+            name = f"{m.group(1)}.block_sparse_moe.{tail}.weight"
+        out[name] = t
+    return out
+
+
 def _split_fused(prefix: str, kind: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     want = (E, 2 * I, H) if kind == "gate_up_proj" else (E, H, I)
