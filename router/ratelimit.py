@@ -9,11 +9,20 @@ prompt and completion tokens it used. Fixed one-minute windows; tokens count whe
 request ends (a long stream's tokens land in the window it ends in). A Redis that cannot be
 reached lets requests through uncounted, or refuses them (503) for a key that says
 `on_redis_error = "closed"`.
+
+Requests at once and queued prompts are not counters but leases: each request (each admitted
+prompt) is a member of a set per scope that counts until it is released or its lease ends
+(`lease_s`, an hour by default, renewed while its router counts requests in). A release lost
+to a Redis outage is retried by this router once Redis answers again, and the requests of a
+router that died stop counting when their leases end, so that one Redis hiccup can never hold
+a key at its limit for good.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -22,13 +31,15 @@ from .errors import APIError
 from .keys import APIKey, Limits
 
 WINDOW_S = 60
+LEASE_S = 3600  # a request not released nor renewed for this long stops counting
+MAX_LOST = 10_000  # releases kept for retry; beyond them the leases alone free the slots
 
 
 class MemoryCounts:
-    """Counters with expiry, in this process."""
+    """Counters with expiry, and sets of leases, in this process."""
 
     def __init__(self, clock=time.time):
-        self.clock, self._v = clock, {}
+        self.clock, self._v, self._sets = clock, {}, {}
 
     async def add(self, name: str, by: int, ttl_s: int) -> int:
         now = self.clock()
@@ -42,9 +53,31 @@ class MemoryCounts:
         value, until = self._v.get(name, (0, 0.0))
         return value if until > self.clock() else 0
 
+    async def hold(self, name: str, member: str, until: float, now: float) -> list[str]:
+        """Drop the members of set `name` whose lease ended by `now`, hold `member` until
+        `until`, and return the members held."""
+        held = self._sets[name] = {m: u for m, u in self._sets.get(name, {}).items() if u > now}
+        held[member] = until
+        return list(held)
+
+    async def held(self, name: str, now: float) -> list[str]:
+        return [m for m, u in self._sets.get(name, {}).items() if u > now]
+
+    async def renew(self, name: str, members: list[str], until: float, now: float) -> None:
+        """Hold those of `members` still held until `until` (a released one stays released)."""
+        held = self._sets.get(name, {})
+        for m in members:
+            if held.get(m, 0.0) > now:
+                held[m] = until
+
+    async def release(self, name: str, *members: str) -> None:
+        for m in members:
+            self._sets.get(name, {}).pop(m, None)
+
 
 class RedisCounts:
-    """The same counters in Redis (INCRBY and EXPIRE in one round trip)."""
+    """The same in Redis: INCRBY and EXPIRE in one round trip; a set of leases is a sorted set
+    (member -> the time its lease ends), trimmed, added to and read in one transaction."""
 
     def __init__(self, redis, namespace: str):
         self.redis, self.ns = redis, namespace
@@ -59,16 +92,58 @@ class RedisCounts:
     async def get(self, name: str) -> int:
         return int(await self.redis.get(f"{self.ns}:{name}") or 0)
 
+    async def hold(self, name: str, member: str, until: float, now: float) -> list[str]:
+        key = f"{self.ns}:{name}"
+        async with self.redis.pipeline(transaction=True) as p:
+            p.zremrangebyscore(key, "-inf", now)
+            p.zadd(key, {member: until})
+            p.expire(key, max(1, math.ceil(until - now)))  # the newest lease ends last
+            p.zrange(key, 0, -1)
+            *_, members = await p.execute()
+        return [m.decode() if isinstance(m, bytes) else m for m in members]
+
+    async def held(self, name: str, now: float) -> list[str]:
+        members = await self.redis.zrangebyscore(f"{self.ns}:{name}", f"({now}", "+inf")
+        return [m.decode() if isinstance(m, bytes) else m for m in members]
+
+    async def renew(self, name: str, members: list[str], until: float, now: float) -> None:
+        key = f"{self.ns}:{name}"
+        async with self.redis.pipeline(transaction=True) as p:
+            p.zadd(key, dict.fromkeys(members, until), xx=True)  # XX: a release meanwhile stands
+            p.expire(key, max(1, math.ceil(until - now)))
+            await p.execute()
+
+    async def release(self, name: str, *members: str) -> None:
+        if members:
+            await self.redis.zrem(f"{self.ns}:{name}", *members)
+
 
 @dataclass
 class Ticket:
     """A request counted in: the count prefixes of its scopes (the key's, its tenant's), its key,
-    the queued prompt tokens it holds per scope, and the headers its response carries."""
+    the leases it holds ((set, member): its place in each scope's requests at once, its prompts
+    queued), and the headers its response carries."""
     scopes: dict[str, Limits] = field(default_factory=dict)
     key: APIKey | None = None
-    queued: dict[str, int] = field(default_factory=dict)
+    held: list[tuple[str, str]] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
     counted: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def running(scope: str) -> str:
+    """The set of a scope's requests in flight. (Not `{scope}:now`: that name was a plain
+    counter before, a string in Redis that expires on its own within the hour.)"""
+    return f"{scope}:running"
+
+
+def queued(scope: str) -> str:
+    """The set of a scope's queued prompts, each member `{ticket id}.{n}:{prompt tokens}`."""
+    return f"{scope}:queued-prompts"
+
+
+def _tokens(members: list[str]) -> int:
+    return sum(int(m.rsplit(":", 1)[1]) for m in members)
 
 
 def _unavailable(key: APIKey, e: Exception) -> APIError:
@@ -84,8 +159,15 @@ def _over(limits: Limits, requests: int, tokens: int, concurrent: int) -> str:
 
 
 class RateLimiter:
-    def __init__(self, counts: MemoryCounts | RedisCounts, clock=time.time):
-        self.counts, self.clock = counts, clock
+    """`lease_s`: how long a request counts at most among its scopes' requests at once and
+    queued prompts when its release is lost and its lease not renewed (its router died)."""
+
+    def __init__(self, counts: MemoryCounts | RedisCounts, clock=time.time, lease_s: float = LEASE_S):
+        self.counts, self.clock, self.lease_s = counts, clock, lease_s
+        self._lost: list[tuple[str, str]] = []  # leases whose release Redis did not take
+        self._retry_at = self._renew_at = 0.0
+        self._seq = itertools.count()
+        self._live: dict[str, Ticket] = {}  # id -> this router's requests counted in, until they leave
 
     def scopes(self, key_id: str, key: APIKey) -> dict[str, Limits]:
         """Count prefix -> limits: the key's own, and its tenant's (counted across its keys)."""
@@ -95,18 +177,26 @@ class RateLimiter:
     async def enter(self, key_id: str, key: APIKey) -> Ticket:
         """Count a request of `key` in, in its scope and its tenant's, or raise APIError: 429
         past a limit of either (the counts undone), 503 when the counts cannot be reached and
-        the key fails closed. Each header gives the tighter of the two scopes' figures."""
+        the key fails closed (what was counted undone, or released once Redis is back). Each
+        header gives the tighter of the two scopes' figures."""
         if not key.limited:
             return Ticket()
+        await self._retry_lost()
         now = self.clock()
+        await self._renew(now)
         window, reset = int(now // WINDOW_S), WINDOW_S - now % WINDOW_S
         ticket, refusal = Ticket(self.scopes(key_id, key), key), None
         remaining: dict[str, tuple[int, int]] = {}  # what -> (remaining, limit), the tightest
+        counted: list[str] = []  # the scopes whose request count took this one
         try:
             for scope, limits in ticket.scopes.items():
                 requests = await self.counts.add(f"{scope}:req:{window}", 1, 2 * WINDOW_S)
+                counted.append(scope)
                 tokens = await self.counts.get(f"{scope}:tok:{window}")
-                concurrent = await self.counts.add(f"{scope}:now", 1, 3600)
+                concurrent = 0
+                if limits.max_concurrent:
+                    ticket.held.append((running(scope), ticket.id))  # first: a failed hold may have been taken
+                    concurrent = len(await self.counts.hold(running(scope), ticket.id, now + self.lease_s, now))
                 ticket.counted = True
                 for what, limit, used in (("requests", limits.requests_per_minute, requests),
                                           ("tokens", limits.tokens_per_minute, tokens)):
@@ -115,7 +205,8 @@ class RateLimiter:
                 over = _over(limits, requests, tokens, concurrent)
                 if over and refusal is None:
                     refusal = (over, limits, scope)
-        except (RedisError, OSError) as e:  # what was counted expires within the hour
+        except (RedisError, OSError) as e:
+            await self._undo(ticket, window, counted)
             if key.fail_closed:
                 raise _unavailable(key, e) from None
             return Ticket()
@@ -124,16 +215,64 @@ class RateLimiter:
                                f"x-ratelimit-remaining-{what}": str(max(left, 0)),
                                f"x-ratelimit-reset-{what}": f"{math.ceil(reset)}s"}
         if refusal is not None:
-            await self._undo(ticket, window)
+            await self._undo(ticket, window, counted)
             self._refuse(key, *refusal, reset, ticket.headers)
+        self._live[ticket.id] = ticket
         return ticket
 
-    async def _undo(self, ticket: Ticket, window: int) -> None:
-        """A refused request: not counted in any scope."""
+    async def _undo(self, ticket: Ticket, window: int, counted: list[str]) -> None:
+        """A refused request, or one Redis failed to count: not counted in any scope. Its
+        leases are released now or retried later; a request count Redis does not take back
+        stays in its minute's window."""
         ticket.counted = False
-        for scope in ticket.scopes:
-            await self.counts.add(f"{scope}:req:{window}", -1, 2 * WINDOW_S)
-            await self.counts.add(f"{scope}:now", -1, 3600)
+        held, ticket.held = ticket.held, []
+        try:
+            for scope in counted:
+                await self.counts.add(f"{scope}:req:{window}", -1, 2 * WINDOW_S)
+        except (RedisError, OSError):
+            pass
+        await self._release(held)
+
+    async def _release(self, held: list[tuple[str, str]]) -> None:
+        """Release leases, a round trip per set; those Redis does not take are kept to retry
+        (`_retry_lost`), at most MAX_LOST of them: their leases free the rest."""
+        sets: dict[str, list[str]] = {}
+        for name, member in held:
+            sets.setdefault(name, []).append(member)
+        pending = list(sets.items())
+        for i, (name, members) in enumerate(pending):
+            try:
+                await self.counts.release(name, *members)
+            except (RedisError, OSError):
+                self._lost = (self._lost + [(n, m) for n, ms in pending[i:] for m in ms])[-MAX_LOST:]
+                return
+
+    async def _retry_lost(self) -> None:
+        """The lost releases again, at most once a second while Redis does not take them (a
+        request under a limited key would otherwise wait out a timeout twice)."""
+        if not self._lost or self.clock() < self._retry_at:
+            return
+        lost, self._lost = self._lost, []
+        await self._release(lost)
+        if self._lost:
+            self._retry_at = self.clock() + 1
+
+    async def _renew(self, now: float) -> None:
+        """The leases of this router's requests in flight, renewed every quarter lease while it
+        counts requests in: only a request whose router died, or that counts none in for most
+        of a lease, outlives its lease (an hour by default)."""
+        if now < self._renew_at or not self._live:
+            return
+        self._renew_at = now + self.lease_s / 4
+        sets: dict[str, list[str]] = {}
+        for ticket in list(self._live.values()):
+            for name, member in ticket.held:
+                sets.setdefault(name, []).append(member)
+        try:
+            for name, members in sets.items():
+                await self.counts.renew(name, members, now + self.lease_s, now)
+        except (RedisError, OSError):
+            self._renew_at = now + 1  # again on a request a second later
 
     @staticmethod
     def _refuse(key: APIKey, over: str, limits: Limits, scope: str, reset: float, headers: dict) -> None:
@@ -152,41 +291,48 @@ class RateLimiter:
         (a lone prompt longer than the limit is let through: it could never pass), 503 as `enter`."""
         if not ticket.counted:
             return
-        added: dict[str, int] = {}
+        now, added = self.clock(), []
         try:
             for scope, limits in ticket.scopes.items():
                 if not limits.max_queued_tokens:
                     continue
-                queued = await self.counts.add(f"{scope}:queued", prompt_tokens, 3600)
-                added[scope] = prompt_tokens
-                if queued > limits.max_queued_tokens and queued > prompt_tokens:
-                    for s, n in added.items():
-                        await self.counts.add(f"{s}:queued", -n, 3600)
+                lease = (queued(scope), f"{ticket.id}.{next(self._seq)}:{prompt_tokens}")
+                ticket.held.append(lease)  # released when the request ends, whatever happens here
+                added.append(lease)
+                total = _tokens(await self.counts.hold(*lease, now + self.lease_s, now))
+                if total > limits.max_queued_tokens and total > prompt_tokens:
+                    ticket.held = [h for h in ticket.held if h not in added]
+                    await self._release(added)
                     who = (f"the tenant {ticket.key.tenant!r}" if scope.startswith("rl:tenant:")
                            else f"the key {ticket.key.name!r}")
-                    raise APIError(429, f"{who} has {queued - prompt_tokens} prompt tokens queued; this prompt's "
+                    raise APIError(429, f"{who} has {total - prompt_tokens} prompt tokens queued; this prompt's "
                                         f"{prompt_tokens} would pass its limit of {limits.max_queued_tokens}; "
                                         "retry when a request ends", "rate_limit_error",
                                    code="rate_limit_queued_tokens", headers=ticket.headers | {"Retry-After": "1"})
         except (RedisError, OSError) as e:
             if ticket.key.fail_closed:
                 raise _unavailable(ticket.key, e) from None
-        for s, n in added.items():
-            ticket.queued[s] = ticket.queued.get(s, 0) + n
 
     async def leave(self, ticket: Ticket, tokens: int) -> None:
-        """Count a request out, with the tokens it used (in the window it ends in) and the
-        prompt tokens it held queued."""
+        """Count a request out, with the tokens it used (in the window it ends in): its leases
+        released, or retried on a later request when Redis cannot be reached (and ended by
+        their lease at the latest)."""
         if not ticket.counted:
             return
         ticket.counted = False
+        self._live.pop(ticket.id, None)
+        held, ticket.held = ticket.held, []
+        await self._release(held)
         window = int(self.clock() // WINDOW_S)
         try:
-            for scope in ticket.scopes:
-                await self.counts.add(f"{scope}:now", -1, 3600)
-                if ticket.queued.get(scope):
-                    await self.counts.add(f"{scope}:queued", -ticket.queued[scope], 3600)
-                if tokens:
-                    await self.counts.add(f"{scope}:tok:{window}", tokens, 2 * WINDOW_S)
+            for scope in ticket.scopes if tokens else ():
+                await self.counts.add(f"{scope}:tok:{window}", tokens, 2 * WINDOW_S)
         except (RedisError, OSError):
-            pass  # its concurrency and queued counts expire within the hour
+            pass  # its tokens go uncounted this minute
+
+    async def in_flight(self, scope: str) -> tuple[int, int]:
+        """A scope's (`rl:{key id}`, `rl:tenant:{name}`) requests in flight and prompt tokens
+        queued: the leases not released nor ended (counted only where the scope has a limit)."""
+        now = self.clock()
+        return (len(await self.counts.held(running(scope), now)),
+                _tokens(await self.counts.held(queued(scope), now)))

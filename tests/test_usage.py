@@ -1,18 +1,20 @@
 """Usage for charge-back (router/usage.py) and the tenant and queued-token limits
 (router/keys.py, router/ratelimit.py): the stores' buckets and windows exactly, a tenant's limits
 counted across its keys, and against a real Redis that is started and killed: usage that outlives
-the router that wrote it, and a Redis outage that fails one key closed (503) and serves another."""
+the router that wrote it, a Redis outage that fails one key closed (503) and serves another, and
+requests at once and queued tokens that no lost count-out holds for good (retried, or leased)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pdserve.registry.embedded import EmbeddedRedis
 from pdserve.registry.urls import connect
 from pdserve.router.errors import APIError
 from pdserve.router.keys import KeysFileError, Limits, digest, parse
-from pdserve.router.ratelimit import MemoryCounts, RateLimiter
+from pdserve.router.ratelimit import LEASE_S, MemoryCounts, RateLimiter, RedisCounts
 from pdserve.router.usage import BUCKET_S, MemoryUsage, Meter, RedisUsage, UsageWindowError, parse_time, report, window
 from tests.helpers.procs import restart_redis
 from tests.test_keys import entry
@@ -139,12 +141,12 @@ def test_a_tenants_limits_count_across_its_keys_and_queued_tokens_until_requests
         assert e.value.code == "rate_limit_requests" and "tenant 'team-a'" in e.value.message
         await lim.leave(t1, 0)  # its 70 queued tokens go
         await lim.admit(t3, 60)
-        assert await lim.counts.get("rl:tenant:team-a:queued") == 90
+        assert await lim.in_flight("rl:tenant:team-a") == (0, 90)
         t4 = await lim.enter("b", b)  # another tenant: unlimited, untouched
         assert not t4.counted and t4.headers == {}
         for t in (t2, t3):
             await lim.leave(t, 0)
-        assert await lim.counts.get("rl:tenant:team-a:queued") == 0 and await lim.counts.get("rl:a:queued") == 0
+        assert await lim.in_flight("rl:tenant:team-a") == (0, 0) and await lim.in_flight("rl:a") == (0, 0)
         now[0] = 700.0  # the next minute: the tenant's requests count again
         lone = await lim.enter("a2", a2)
         await lim.admit(lone, 500)  # alone and longer than the limit: it could never pass, let in
@@ -215,3 +217,153 @@ def test_a_redis_outage_fails_a_closed_key_with_503_and_serves_an_open_one(redis
             assert tokenize(B).headers["x-ratelimit-remaining-requests"] == "99"
         finally:
             back.stop()
+
+
+class Flaky:
+    """A store (RedisCounts) whose calls fail as an unreachable Redis's do while
+    `down(method, name)` says so."""
+
+    def __init__(self, counts):
+        self.counts, self.down = counts, lambda method, name: False
+
+    def __getattr__(self, method):
+        call = getattr(self.counts, method)
+
+        async def flaky(name, *args):
+            if self.down(method, name):
+                raise RedisConnectionError(f"{method} {name}: Redis unreachable")
+            return await call(name, *args)
+        return flaky
+
+
+def limiters(redis_url: str, now: list[float], n: int = 2, lease_s: float = 30) -> list[RateLimiter]:
+    """`n` routers' limiters on one Redis, on the clock `now`, each store Flaky."""
+    return [RateLimiter(Flaky(RedisCounts(connect(redis_url), "pdserve:c")), clock=lambda: now[0], lease_s=lease_s)
+            for _ in range(n)]
+
+
+async def close(*lims: RateLimiter) -> None:
+    for lim in lims:
+        await lim.counts.counts.redis.aclose()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("policy", ["closed", "open"])
+def test_a_redis_error_after_a_scope_was_counted_leaves_no_count_once_redis_is_back(redis_server, policy):
+    """The key's scope counted, then Redis fails on the tenant's (and for the undo): the
+    request is refused 503 or served uncounted, and its place among the key's requests at
+    once is released on the router's next request once Redis is back (the key's limit is 1)."""
+    now = [T0]
+    lim, other = limiters(redis_server.url, now)
+    a = parse(entry(A, "team-a", max_concurrent=1, on_redis_error=policy) + "[tenants.team-a]\nmax_concurrent = 5\n"
+              )[digest(A)]
+
+    async def run():
+        lim.counts.down = lambda method, name: method == "release" or name.startswith("rl:tenant:")
+        if policy == "closed":
+            with pytest.raises(APIError) as e:
+                await lim.enter("a", a)
+            assert e.value.status == 503 and e.value.code == "rate_limit_unavailable"
+        else:
+            assert not (await lim.enter("a", a)).counted
+        assert await other.in_flight("rl:a") == (1, 0)  # left behind while Redis fails
+        lim.counts.down = lambda method, name: False  # back
+        t = await lim.enter("a", a)  # the lost release first: the key's one place is free
+        assert t.counted and await other.in_flight("rl:a") == (1, 0)
+        await lim.leave(t, 0)
+        assert await other.in_flight("rl:a") == (0, 0) and await other.in_flight("rl:tenant:team-a") == (0, 0)
+        await close(lim, other)
+    asyncio.run(run())
+
+
+@pytest.mark.redis
+def test_a_leave_lost_to_an_outage_frees_its_places_when_retried_or_when_its_lease_ends(redis_server):
+    """A leave Redis does not take: the router that lost it releases it on its next request
+    once Redis answers; a router that died with it frees the key's place and queued tokens when
+    the lease ends (30 s here), however busy the key is meanwhile."""
+    now = [T0]
+    dead, live = limiters(redis_server.url, now)
+    a = parse(entry(A, "team-a", max_concurrent=1, max_queued_tokens=100))[digest(A)]
+
+    async def run():
+        for survivor in (True, False):
+            t = await dead.enter("a", a)
+            await dead.admit(t, 80)
+            dead.counts.down = lambda method, name: True  # Redis unreachable for its leave
+            await dead.leave(t, 10)
+            dead.counts.down = lambda method, name: False
+            assert await live.in_flight("rl:a") == (1, 80)
+            if survivor:
+                await dead.leave(await dead.enter("a", a), 0)  # retried before counting this one in
+            else:  # the dead router never retries: the lease ends it, not the traffic
+                for _ in range(5):
+                    now[0] += 5.8
+                    with pytest.raises(APIError) as e:
+                        await live.enter("a", a)
+                    assert e.value.code == "rate_limit_concurrent"
+                now[0] += 1.5  # 30.5 s after its lease began
+            t = await live.enter("a", a)
+            await live.admit(t, 80)  # with 80 still queued this would pass the 100
+            assert await live.in_flight("rl:a") == (1, 80)
+            await live.leave(t, 0)
+            assert await live.in_flight("rl:a") == (0, 0)
+        await close(dead, live)
+    asyncio.run(run())
+
+
+@pytest.mark.redis
+def test_requests_at_once_and_queued_tokens_hold_across_routers_sharing_one_redis(redis_server):
+    now = [T0]
+    r1, r2 = limiters(redis_server.url, now, lease_s=LEASE_S)
+    keys = parse(entry(A, "team-a", max_concurrent=2) + entry(A2, "team-a")
+                 + "[tenants.team-a]\nmax_concurrent = 3\nmax_queued_tokens = 100\n")
+    a, a2 = keys[digest(A)], keys[digest(A2)]
+
+    async def run():
+        held = [await r1.enter("a", a), await r2.enter("a", a)]
+        for lim in (r1, r2):
+            with pytest.raises(APIError) as e:
+                await lim.enter("a", a)
+            assert e.value.code == "rate_limit_concurrent" and "the key" in e.value.message
+        held.append(await r2.enter("a2", a2))
+        with pytest.raises(APIError) as e:
+            await r1.enter("a2", a2)
+        assert e.value.code == "rate_limit_concurrent" and "tenant 'team-a'" in e.value.message
+        await r1.admit(held[0], 60)
+        with pytest.raises(APIError) as e:
+            await r2.admit(held[2], 50)
+        assert e.value.code == "rate_limit_queued_tokens"
+        assert await r1.in_flight("rl:tenant:team-a") == (3, 60) and await r2.in_flight("rl:a") == (2, 0)
+        assert 0 < await r1.counts.counts.redis.ttl("pdserve:c:rl:tenant:team-a:running") <= LEASE_S
+        await r1.leave(held.pop(0), 0)
+        held.append(await r2.enter("a", a))  # the place r1 freed
+        for t in held:
+            await r2.leave(t, 0)  # counted out by either router
+        assert await r1.in_flight("rl:tenant:team-a") == (0, 0) and await r2.in_flight("rl:a") == (0, 0)
+        await close(r1, r2)
+    asyncio.run(run())
+
+
+@pytest.mark.redis
+def test_a_long_request_keeps_its_place_past_its_lease_while_its_router_counts_others_in(redis_server):
+    """Its router renews its leases (every quarter lease) as it counts other requests in: two
+    leases on, the key's one place is still taken, and its queued tokens still count."""
+    now = [T0]
+    r1, r2 = limiters(redis_server.url, now)
+    keys = parse(entry(A, "team-a", max_concurrent=1, max_queued_tokens=100) + entry(B, "team-b", max_concurrent=9))
+    a, b = keys[digest(A)], keys[digest(B)]
+
+    async def run():
+        long = await r1.enter("a", a)
+        await r1.admit(long, 80)
+        for _ in range(8):  # 80 s: the lease is 30 s
+            now[0] += 10
+            await r1.leave(await r1.enter("b", b), 0)
+            with pytest.raises(APIError) as e:
+                await r2.enter("a", a)
+            assert e.value.code == "rate_limit_concurrent"
+        assert await r2.in_flight("rl:a") == (1, 80)
+        await r1.leave(long, 0)
+        await r2.leave(await r2.enter("a", a), 0)
+        await close(r1, r2)
+    asyncio.run(run())
