@@ -329,3 +329,16 @@ def test_lora_adapters_on_expert_layers_are_refused():
     key = "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"
     with pytest.raises(LoRAUnsupportedError, match="mixture-of-experts"):
         read_tensors(save({key: torch.zeros(4, 64)}), "ad", cfg, 4)
+
+
+def test_dense_layers_between_expert_layers(tmp_path):
+    """Qwen3-MoE with mlp_only_layers: layer 0 a dense MLP of intermediate_size, layer 1 experts."""
+    hf = hf_model("qwen3_moe", mlp_only_layers=[0])
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, quantization="none")
+    assert loaded.config.dense_layers == (0,) and len(loaded.model.moe_blocks()) == 1
+    eng = LLMEngine(loaded, EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=4 << 20)))
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[2]])).logits[0]
+    close(engine_logits(eng, PROMPTS[2]), want)
+    assert eng.generate([PROMPTS[0]], GREEDY)[0] == hf_greedy(hf, [PROMPTS[0]])[0]
