@@ -342,3 +342,17 @@ def test_dense_layers_between_expert_layers(tmp_path):
         want = hf(torch.tensor([PROMPTS[2]])).logits[0]
     close(engine_logits(eng, PROMPTS[2]), want)
     assert eng.generate([PROMPTS[0]], GREEDY)[0] == hf_greedy(hf, [PROMPTS[0]])[0]
+
+
+def test_fused_expert_tensors_as_transformers_holds_them(tmp_path):
+    """A directory with transformers' in-memory layout (3-D experts.gate_up_proj / down_proj)."""
+    from safetensors.torch import save_file
+    hf = hf_model("olmoe")
+    state = hf.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    hf.config.to_json_file(str(tmp_path / "config.json"))
+    eng = LLMEngine(load_model(tmp_path, quantization="none"),
+                    EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=4 << 20)))
+    with torch.no_grad():
+        close(engine_logits(eng, PROMPTS[2]), hf(torch.tensor([PROMPTS[2]])).logits[0])
