@@ -77,11 +77,10 @@ class ModelConfig:
             raise ValueError(f"layer_types must name each of the {self.num_hidden_layers} layers sliding_attention "
                              f"or full_attention, got {self.layer_types}")
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
-        if (self.model_type in MOE_TYPES) != (self.num_experts > 0) or self.num_experts and not (
-                0 < self.num_experts_per_tok <= self.num_experts):
-            raise ValueError(f"a {self.model_type} model needs num_experts {'> 0' if self.model_type in MOE_TYPES else '0'}"
-                             f" and 0 < num_experts_per_tok <= num_experts, got {self.num_experts}, "
-                             f"{self.num_experts_per_tok}")
+        moe = self.model_type in MOE_TYPES
+        if moe != (self.num_experts > 0) or moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"a {self.model_type} model needs num_experts {'> 0' if moe else '0'} and 0 < "
+                             f"num_experts_per_tok <= num_experts, got {self.num_experts}, {self.num_experts_per_tok}")
         if self.num_experts and not self.moe_intermediate_size:
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         if self.num_attention_heads % self.num_key_value_heads:

@@ -22,9 +22,10 @@ from tests.helpers.reference import engine_logits
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2)
+SMALL = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+         "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+         "num_experts_per_tok": 2}
 ARCHS = {  # name: (config class, model class, config fields of its own)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 6, "sliding_window": None}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "moe_intermediate_size": 32,
@@ -164,7 +165,7 @@ def test_grouped_experts_equal_the_dense_definition(skewed):
             x[:, 0] = 5.0
             block.gate.weight.zero_()
             block.gate.weight[4, 0] = 100.0  # expert 4 first for every row, the others tied
-    weights, experts = route(block.gate(x), 2, True)
+    _, experts = route(block.gate(x), 2, True)
     if skewed:
         assert (experts[:, 0] == 4).all()
     with torch.no_grad():

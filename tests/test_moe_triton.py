@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton MoE kernel needs triton (a test dependency on x86-64)")
 
-from pdserve.engine.config import ModelConfig  # noqa: E402
-from pdserve.engine.kernels.triton_moe import moe_experts  # noqa: E402
-from pdserve.engine.model.moe import SparseMoeBlock, group_by_expert, reference_moe, route  # noqa: E402
-from pdserve.engine.model.tiny import tiny_config, tiny_state_dict  # noqa: E402
-from pdserve.engine.model.weights import build_model  # noqa: E402
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.kernels.triton_moe import moe_experts
+from pdserve.engine.model.moe import SparseMoeBlock, group_by_expert, reference_moe, route
+from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
+from pdserve.engine.model.weights import build_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
