@@ -357,3 +357,15 @@ def test_fused_expert_tensors_as_transformers_holds_them(tmp_path):
                     EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=4 << 20)))
     with torch.no_grad():
         close(engine_logits(eng, PROMPTS[2]), hf(torch.tensor([PROMPTS[2]])).logits[0])
+
+
+def test_incomplete_gguf_expert_metadata_is_refused():
+    from pdserve.engine.model.moe_weights import gguf_moe_fields
+    assert gguf_moe_fields({"llama.feed_forward_length": 96}, "llama") == {}  # a dense Llama
+    with pytest.raises(ModelLoadError, match="expert_used_count"):
+        gguf_moe_fields({"llama.expert_count": 8}, "llama")
+    with pytest.raises(ModelLoadError, match="'qwen2' with experts"):
+        gguf_moe_fields({"qwen2.expert_count": 8, "qwen2.expert_used_count": 2}, "qwen2")
+    fields = gguf_moe_fields({"llama.expert_count": 8, "llama.expert_used_count": 2, "llama.feed_forward_length": 96,
+                              "llama.expert_weights_norm": False}, "llama")
+    assert (fields["model_type"], fields["moe_intermediate_size"], fields["norm_topk_prob"]) == ("mixtral", 96, False)
