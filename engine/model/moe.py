@@ -4,8 +4,8 @@ expert every token runs, its output scaled by sigmoid(shared_expert_gate(x))).
 
 A token's MLP output is the weighted sum of its top-k experts' outputs: the router's logits
 (one linear layer, `mlp.gate`) go through a softmax, the k largest probabilities are kept
-and, where the family says so (`norm_topk_prob`: always for Mixtral, per config for Qwen3-MoE
-and OLMoE), rescaled to sum to 1, as Hugging Face's `*TopKRouter` modules compute them.
+and, where the family says so (`norm_topk_prob`: always for Mixtral, per config for the
+others), rescaled to sum to 1, as Hugging Face's `*TopKRouter` modules compute them.
 
 The experts run grouped: the step's (token, expert) pairs are sorted by expert, each expert
 that got any runs one matmul over its rows, and the weighted outputs are added back into
@@ -17,11 +17,12 @@ matrix under "auto"), and the fused C SwiGLU when native ops are on. A `SparseMo
 computes only the experts in its `owned` range; the others' pairs are skipped, which is
 where an expert-parallel rank would hand them to the rank that holds them.
 
-Parameter names are Qwen3-MoE's and OLMoE's checkpoint names (`mlp.gate.weight`,
-`mlp.experts.{e}.{gate,up,down}_proj.weight`); Mixtral's names and transformers' fused
-expert tensors are renamed at load (engine/model/moe_weights.py). OLMoE's q/k RMSNorm spans
-the whole projection, not each head. The one-call C decode step (native_step.why_not)
-does not take these models; their steps run the layer loop of `LlamaForCausalLM.forward`.
+Parameter names are the Qwen-MoE and OLMoE checkpoint names (`mlp.gate.weight`,
+`mlp.experts.{e}.{gate,up,down}_proj.weight`, `mlp.shared_expert.*`, `mlp.shared_expert_gate`);
+Mixtral's names and transformers' fused expert tensors are renamed at load
+(engine/model/moe_weights.py). OLMoE's q/k RMSNorm spans the whole projection, not each head.
+The one-call C decode step (native_step.why_not) does not take these models; their steps run
+the layer loop of `LlamaForCausalLM.forward`.
 """
 from __future__ import annotations
 
