@@ -7,7 +7,8 @@ against the torch ops for batches of 1, 4 and 16 adapters (check_lora); the Trit
 (engine/kernels/triton_moe.py) against the torch grouping of experts (check_moe). Prints a table and
 writes bench/gpu-results.json. A few minutes at most.
 
-    python bench/gpu_check.py            # needs CUDA and triton; without CUDA it says so and skips
+    python bench/gpu_check.py [MODEL]    # needs CUDA and triton; without CUDA it says so and skips
+                                         # MODEL: the TP check's model (default: the default model)
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def check_sampler_on_cuda() -> bool:
     return ok
 
 
-def check_tp() -> dict:
+def check_tp(model: str = "") -> dict:
     """Tensor parallelism on the GPU (engine/parallel/tp.py): SmolLM2 over 3 ranks sharing the device
     (gloo moves CUDA tensors through the host; NCCL needs one GPU per rank) against 1 rank:
     greedy tokens, decode step time, all-reduce time per step, a KV export (gather) and import
@@ -63,11 +64,11 @@ def check_tp() -> dict:
     prompt = list(range(100, 400))
     out: dict = {}
     try:
-        one = LLMEngine(load_model(device="cuda", quantization="none"), cfg)
+        one = LLMEngine(load_model(model or None, device="cuda", quantization="none"), cfg)
         t = time.perf_counter()
         want = one.generate([prompt], params)
         out["tp1_s"] = time.perf_counter() - t
-        e = LLMEngine.tensor_parallel(ModelSource(), cfg, 3)
+        e = LLMEngine.tensor_parallel(ModelSource(model=model), cfg, 3)
         try:
             t = time.perf_counter()
             got = e.generate([prompt], params)
@@ -179,7 +180,7 @@ def check_moe() -> dict:
     return out
 
 
-def main() -> None:
+def main(model: str = "") -> None:
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU checks are skipped (run this where a GPU is available)")
         return
@@ -217,11 +218,13 @@ def main() -> None:
     results["lora_kernel"] = check_lora()
     results["moe_kernel"] = check_moe()
     results["sampler_on_cuda"] = check_sampler_on_cuda()
-    results["tensor_parallel"] = check_tp()
+    results["tensor_parallel"] = check_tp(model)
     out = Path(__file__).with_name("gpu-results.json")
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1] if len(sys.argv) > 1 else "")
