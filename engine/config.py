@@ -279,10 +279,13 @@ class SchedulerConfig:
     """How long a worker's steps stay window steps after its last more urgent request (or a
     peer's, on this host): a person's next chat, a few seconds later, finds short steps."""
     window_step_s: float = 0.015
-    """The longest a window step may take by the cost model (engine/core/step_cost.py): the
-    less urgent decodes take turns within it (each step takes at least one), so the urgent
-    client's next request waits at most about this long for the step in flight; 0: only
-    `yield_chunk` bounds the window's steps."""
+    """The longest a window step may take by the cost model (engine/core/step_cost.py): less
+    urgent rows take turns within it (each step takes one at least), so the urgent client's
+    next request waits about this long at most for the step in flight; 0: `yield_chunk` only."""
+    peer_chunk: int = 128
+    """Prompt chunks' most tokens while only a peer on this host had more urgent work within its
+    window: the step pauses at a layer's end for the peer's next urgent step (async_engine.py),
+    within one layer of such a chunk (~4 ms on one core of a 2-core Zen 4); 0: no cap."""
 
     def __post_init__(self):
         if self.max_num_seqs <= 0:
@@ -293,9 +296,9 @@ class SchedulerConfig:
         if self.urgent_window_s < 0 or self.urgent_step_budget < 0 or self.window_step_s < 0:
             raise ValueError(f"urgent_window_s, urgent_step_budget and window_step_s must be >= 0, got "
                              f"{self.urgent_window_s}, {self.urgent_step_budget}, {self.window_step_s}")
-        if self.yield_chunk < 0 or self.yield_decodes < 0:
-            raise ValueError(f"yield_chunk and yield_decodes must be >= 0, got {self.yield_chunk}, "
-                             f"{self.yield_decodes}")
+        if self.yield_chunk < 0 or self.yield_decodes < 0 or self.peer_chunk < 0:
+            raise ValueError(f"yield_chunk, yield_decodes and peer_chunk must be >= 0, got {self.yield_chunk}, "
+                             f"{self.yield_decodes}, {self.peer_chunk}")
 
 
 @dataclass(frozen=True)

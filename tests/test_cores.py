@@ -180,3 +180,26 @@ def test_a_peers_urgent_window_is_seen_busy_or_not_until_it_closes(tmp_path):
     assert me.peer_window is None  # closed
     for s in (peer, me):
         s.close()
+
+
+def test_a_long_step_pauses_at_a_layers_end_while_a_peer_steps_for_more_urgent_work(tmp_path, monkeypatch):
+    """Mid-step, a worker with less urgent work lends its cores to a busy, more urgent peer
+    (its lock goes, so the peer steps on both) until that peer's urgent work is done, then
+    takes its own back; a peer as urgent, or less, is not paused for."""
+    import threading
+
+    monkeypatch.setattr(cores, "PAUSE_CHECK_S", 0.0)
+    me, _ = share(tmp_path, "prefill-0", max_threads=2)
+    peer, _ = share(tmp_path, "decode-0", max_threads=2)
+    me.step_threads(0)
+    peer.step_threads(0)
+    assert me.pause_for_peers(0) == 0.0 and me.pauses == 0  # as urgent: no pause
+    peer.step_threads(-10)  # the peer's urgent step comes
+    lent = []
+    threading.Timer(0.05, lambda: (lent.append(peer.idle_peer_threads()), peer.step_threads(0))).start()
+    paused = me.pause_for_peers(0)
+    assert 0.03 < paused < 2.0 and me.pauses == 1 and me.busy
+    assert lent == [1]  # while paused, its thread was free for the peer
+    assert me.pause_for_peers(0) == 0.0  # the peer's urgent work is done
+    for s in (me, peer):
+        s.close()

@@ -324,10 +324,37 @@ def test_window_steps_stay_within_their_seconds_and_every_less_urgent_row_takes_
     assert all(len(r.output_token_ids) == 30 for r in flood) and late.output_token_ids
 
 
-def test_a_window_step_is_bounded_by_yield_chunk_alone_until_the_cost_is_learnt():
-    sched = Scheduler(SchedulerConfig(8, 256, 0, yield_chunk=16, urgent_window_s=30.0), BlockManager(256, 4))
+def test_a_window_step_is_bounded_by_yield_chunk_until_the_cost_is_learnt_and_a_peers_by_peer_chunk():
+    """In its own window (an urgent request was here) a worker's prompt chunks take yield_chunk
+    tokens while it has no cost model; in only a peer's window, peer_chunk (its step pauses
+    for the peer's urgent steps at a layer's end instead)."""
+    sched = Scheduler(SchedulerConfig(8, 256, 0, yield_chunk=16, peer_chunk=96, urgent_window_s=30.0),
+                      BlockManager(256, 4))
     sched.note_urgency_elsewhere(-5)  # a peer steps for an urgent stream
-    sched.add(req("long", 400, priority=0, max_tokens=2))
-    assert [c.num_new_tokens for c in step(sched).chunks] == [16]
+    sched.add(long := req("long", 400, priority=0, max_tokens=2))
+    assert [c.num_new_tokens for c in step(sched).chunks] == [96]
+    sched.add(chat := req("chat", 8, priority=-5, max_tokens=2, start=9000))
+    while chat.status != RequestStatus.FINISHED_LENGTH:
+        step(sched)
+    assert [(c.request, c.num_new_tokens) for c in step(sched).chunks] == [(long, 16)]  # its own window now
     with pytest.raises(ValueError, match="window_step_s"):
         SchedulerConfig(window_step_s=-1)
+    with pytest.raises(ValueError, match="peer_chunk"):
+        SchedulerConfig(peer_chunk=-1)
+
+
+def test_only_a_long_prompt_step_offers_a_pause_at_each_layers_end(make_engine):
+    """`between_layers` (a worker's pause for a peer's urgent step) runs at each layer's end of
+    a step of more than PAUSE_MIN_TOKENS prompt tokens, not in short or decode-only steps (they
+    keep the one-call C step); the tokens are those of a step without it."""
+    from pdserve.engine.core.kv_hooks import PAUSE_MIN_TOKENS
+
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    long, short = list(range(10, 10 + PAUSE_MIN_TOKENS + 40)), list(range(400, 420))
+    want = make_engine().generate([long, short], params)
+    eng = make_engine()
+    calls = []
+    eng.between_layers = lambda: calls.append(eng.scheduler.running[0].num_computed_tokens)
+    assert eng.generate([short], params) == [want[1]] and calls == []  # 20 prompt tokens, then decodes
+    assert eng.generate([long], params) == [want[0]]
+    assert calls == [0] * eng.model_config.num_hidden_layers  # once a layer, within the prompt's step

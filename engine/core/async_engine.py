@@ -46,6 +46,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        self._urgency = 0  # the most urgent priority of the step in flight
+        if cores is not None:  # a long step pauses at a layer's end for a peer's urgent step
+            engine.between_layers = lambda: cores.pause_for_peers(self._urgency)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -206,6 +209,7 @@ class AsyncEngine:
         it the cores and wait for a command (or the next look at the peers) instead of stepping;
         True then. Otherwise take the cores for the step."""
         urgency = self.engine.most_urgent_priority()
+        self._urgency = 0 if urgency is None else urgency
         stands_aside = urgency is not None and self.cores.yields_to_peer(urgency)
         peer, window = self.cores.peer_urgency, self.cores.peer_window
         if peer is not None and (urgency is None or peer < urgency):

@@ -12,7 +12,14 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.sampling.sampler import draw
 
 
+PAUSE_MIN_TOKENS = 64  # steps of more prompt tokens pause at a layer's end when asked (shorter ones end soon)
+
+
 class KVTransferHooks:
+    between_layers = None
+    """Called at each layer's end of a step of more than PAUSE_MIN_TOKENS prompt tokens (it may block
+    there: the worker lends its cores to a peer's urgent step, engine/core/async_engine.py)."""
+
     def stream_kv_layers(self, request_id: str, on_layers, group: int = 6, first_block: int = 0) -> None:
         """Layer-wise KV streaming: in the step that finishes `request_id`'s prompt, call
         `on_layers(start, end, kv)` on the engine thread as soon as layers [start, end) have
@@ -25,13 +32,17 @@ class KVTransferHooks:
         self._layer_streams.pop(request_id, None)
 
     def _layer_hook(self, chunks):
-        """The per-layer callback of a step, if a streamed request's prompt completes in it. In
-        a tensor-parallel group every rank runs it (the step carries `tp_plan`): each export
-        gathers the ranks' heads."""
+        """The per-layer callback of a step, if a streamed request's prompt completes in it (in
+        a tensor-parallel group every rank runs it: the step carries `tp_plan`, and each export
+        gathers the ranks' heads), or if the step is a long one that may pause (`between_layers`;
+        not in a group, whose ranks would wait in their next collective)."""
         streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
                    if c.completes and c.request.request_id in self._layer_streams]
+        # prompt tokens only: a decode-only step of any size keeps the one-call C step (no hook)
+        pause = self.between_layers if self.tp is None and sum(
+            c.num_new_tokens for c in chunks if c.num_new_tokens > 1) > PAUSE_MIN_TOKENS else None
         if not streams:
-            return None
+            return None if pause is None else (lambda i: pause())
         from pdserve.engine.parallel.tp import layer_streams
         plan = [(self.blocks.block_table(req.request_id)[first_block:], group) for req, _, group, first_block in streams]
         kw = {"announce": False} if self.tp is not None else {}  # the other ranks export in their own pass
@@ -40,7 +51,13 @@ class KVTransferHooks:
             streams[k][1](*layers, self.kv_cache.export_blocks(blocks, layers=layers, **kw))
         after_layer = layer_streams(plan, self.model_config.num_hidden_layers, export)
         after_layer.tp_plan = plan
-        return after_layer
+        if pause is None:
+            return after_layer
+
+        def export_then_pause(i: int) -> None:
+            after_layer(i)
+            pause()
+        return export_then_pause
 
     def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:
         """The held request's computed tokens and the KV of their blocks,

@@ -252,8 +252,9 @@ class Scheduler:
         less urgent decodes join it, within the seconds the cost model says they add (none
         beside an urgent prompt). With no such request here but one within the urgent window,
         the step is a window step: at most `window_step_s` long by the cost model, and at most
-        `yield_chunk` prompt tokens."""
-        now, recent = self.urgency.now, self.urgency.recent()
+        `yield_chunk` prompt tokens. Within only a peer's window, its prompt chunks take at most
+        `peer_chunk` tokens (the step pauses for the peer at a layer's end)."""
+        now, own, peer = self.urgency.now, self.urgency.own_window(), self.urgency.peer()
         urgent = [r for r in self.running if r.priority == now]
         head = self.waiting.head()
         others = any(r.priority > now for r in self.running) or any(
@@ -269,10 +270,12 @@ class Scheduler:
             seconds = 0.0 if prompt else self.cost.allowance(max(own, 1), context, self.config.urgent_step_budget)
             self._allow = Allowance(now, self.config.yield_decodes or budget, seconds)
             return True
-        if recent is not None and recent < now:
+        if own is not None and own[0] < now:
             fit = self.cost.fit()
             seconds = None if fit is None or not self.config.window_step_s else max(self.config.window_step_s - fit[0], 0.0)
-            self._allow = Allowance(recent, budget, seconds, self.config.yield_chunk or budget, window=True)
+            self._allow = Allowance(own[0], budget, seconds, self.config.yield_chunk or budget, window=True)
+        elif peer is not None and peer < now:
+            self._allow = Allowance(peer, budget, None, self.config.peer_chunk or budget, window=True)
         else:
             self._allow = Allowance()
         return False

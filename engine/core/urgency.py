@@ -1,11 +1,13 @@
 """What a scheduler knows about urgency, and what less urgent work may add to a step.
 
 `UrgencyWindow` keeps the priorities a worker steps for (lower is more urgent, as a request's
-`priority`): the most urgent of this step, the most urgent seen within the urgent window
-(here, or at a peer on this host), and the same for this worker's own requests (which its
-peers read from its core-share record). `Allowance` is one step's room for less urgent work:
-beside a more urgent request (contended), or in the window with none here (a window step,
-short so that the urgent client's next request does not wait for it).
+`priority`): the most urgent of this step, the most urgent its own requests had within the
+urgent window (which its peers read from its core-share record), and the most urgent a peer
+on this host stepped for within its window. `Allowance` is one step's room for less urgent
+work: beside a more urgent request (contended); in its own window with none here (a window
+step, short so that the urgent client's next request does not wait for it); or in a peer's
+window (a peer step: prompt chunks of a bounded size, so the step pauses for the peer's urgent
+steps at a layer's end within a few milliseconds, engine/core/async_engine.py).
 """
 from __future__ import annotations
 
@@ -17,18 +19,14 @@ class UrgencyWindow:
     def __init__(self, window_s: float):
         self.window_s = window_s
         self.now = 0  # the most urgent priority among this step's running and next waiting requests
-        self._recent: tuple[int, float] | None = None  # the most urgent priority seen in the window, when
-        self._own: tuple[int, float] | None = None  # the same for this worker's own requests (no peer's)
+        self._own: tuple[int, float] | None = None  # the most urgent priority of its own requests lately, when
+        self._peer: tuple[int, float] | None = None  # the same for its peers on this host
 
     def note(self, present: list[int]) -> int:
         """This step's priorities (running requests and the next waiting one): the most urgent
-        becomes `now` (0 when none) and refreshes the windows."""
+        becomes `now` (0 when none) and refreshes the own window."""
         self.now = min(present, default=0)
         t = time.monotonic()
-        if self._recent is not None and t - self._recent[1] > self.window_s:
-            self._recent = None
-        if present and (self._recent is None or self.now <= self._recent[0]):
-            self._recent = (self.now, t)
         if self._own is not None and t - self._own[1] > self.window_s:
             self._own = None
         if present and (self._own is None or self.now <= self._own[0]):
@@ -40,14 +38,14 @@ class UrgencyWindow:
         window (open `until`, monotonic)."""
         t = time.monotonic()
         seen = t if until is None else min(t, until - self.window_s)
-        if self._recent is None or priority <= self._recent[0] or t - self._recent[1] > self.window_s:
-            self._recent = (priority, seen)
+        if self._peer is None or priority <= self._peer[0] or t - self._peer[1] > self.window_s:
+            self._peer = (priority, seen)
 
-    def recent(self) -> int | None:
-        """The most urgent priority seen here or at a peer within the window (None: none)."""
-        if self._recent is None or time.monotonic() - self._recent[1] > self.window_s:
+    def peer(self) -> int | None:
+        """The most urgent priority a peer stepped for within the window (None: none)."""
+        if self._peer is None or time.monotonic() - self._peer[1] > self.window_s:
             return None
-        return self._recent[0]
+        return self._peer[0]
 
     def own_window(self) -> tuple[int, float] | None:
         """The most urgent priority this worker's own requests had within the urgent window,
