@@ -113,13 +113,13 @@ class Pool:
         self._lock = threading.Lock()
 
     @property
-    def tp(self) -> int:
-        """The tensor-parallel degree of this pool's workers."""
-        return self.config.tp or self.cluster.engine.tensor_parallel_size
+    def ranks(self) -> int:
+        """The processes of each of this pool's workers (its tensor- or expert-parallel degree)."""
+        return self.config.ranks(self.cluster.engine)
 
     def _new_actors(self, n: int) -> tuple[list, list]:
         """`n` new actors, and their placement groups (None for a worker of one rank)."""
-        p, tp = self.config, self.tp
+        p, ranks = self.config, self.ranks
         opts = dict(num_cpus=p.num_cpus, num_gpus=p.num_gpus, max_restarts=p.max_restarts)
         if p.resource:
             opts["resources"] = {p.resource: 1}
@@ -128,7 +128,7 @@ class Pool:
             worker_id = f"{self.name_prefix}{self.role}-{self._next_index}"
             worker = self.worker_config(worker_id)
             self._next_index += 1
-            groups.append(self._placement_group(worker_id) if tp > 1 else None)
+            groups.append(self._placement_group(worker_id) if ranks > 1 else None)
             placed = opts
             if groups[-1] is not None:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -139,20 +139,20 @@ class Pool:
 
     def worker_config(self, worker_id: str) -> WorkerConfig:
         """A new worker's config: its pool's (KV dtype, degree, no speculation on prefill),
-        torch threads following the pool's CPUs (each rank of a tensor-parallel worker gets
-        them), and the cores shared with the other workers of its host."""
+        torch threads following the pool's CPUs (each rank of a tensor- or expert-parallel
+        worker gets them), and the cores shared with the other workers of its host."""
         c = self.cluster
         share = ""
-        if c.share_cores and c.engine.device == "cpu" and self.tp == 1:  # a directory per cluster and host
+        if c.share_cores and c.engine.device == "cpu" and self.ranks == 1:  # a directory per cluster and host
             cluster = c.registry.cluster_name.split("/")[0]  # every model's workers (cluster/model) share
             share = os.path.join(tempfile.gettempdir(), f"pdserve-cores-{cluster}")
         worker = c.worker(self.role, worker_id, core_share_dir=share)
-        threads = worker.engine.num_threads or max(1, int(self.config.num_cpus)) * self.tp
+        threads = worker.engine.num_threads or max(1, int(self.config.num_cpus)) * self.ranks
         return replace(worker, engine=replace(worker.engine, num_threads=threads))
 
     def _placement_group(self, worker_id: str):
-        """A tensor-parallel worker's ranks are processes of its actor: a placement group of one
-        bundle per rank, packed on one node, reserves their CPUs (and GPUs) there. The actor
+        """A tensor- or expert-parallel worker's ranks are processes of its actor: a placement
+        group of one bundle per rank, packed on one node, reserves their CPUs (and GPUs) there. The actor
         runs in the first bundle, which also holds the pool's resource; the group is removed
         with the actor (`remove_groups`)."""
         from ray.util.placement_group import placement_group
@@ -160,7 +160,7 @@ class Pool:
         p = self.config
         rank = {"CPU": p.num_cpus} | ({"GPU": p.num_gpus} if p.num_gpus else {})
         first = rank | ({p.resource: 1} if p.resource else {})
-        return placement_group([first] + [rank] * (self.tp - 1), strategy="STRICT_PACK", name=f"pdserve-{worker_id}")
+        return placement_group([first] + [rank] * (self.ranks - 1), strategy="STRICT_PACK", name=f"pdserve-{worker_id}")
 
     @staticmethod
     def remove_groups(groups: list) -> None:
@@ -245,7 +245,7 @@ class Pool:
             return
         from .placement import placement_shortfall, pool_demand, ray_resources
 
-        short = placement_shortfall([pool_demand(self.role, self.config, self.tp, more)], ray_resources())
+        short = placement_shortfall([pool_demand(self.role, self.config, self.ranks, more)], ray_resources())
         if short:
             raise PoolScaleError(f"no room for {more} more {self.role} worker(s): {short} (`pdserve up`'s flags)")
 

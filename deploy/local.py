@@ -39,8 +39,9 @@ class LocalCluster:
         c = self.config
         for role, pool in c.pools().items():
             for i in range(pool.replicas):
-                wc = c.worker(role, f"{role}-{i}")  # a tensor-parallel worker's ranks load their own slices
-                w = HostedWorker(wc, None if wc.engine.tensor_parallel_size > 1 else self.loaded, self.tokenizer)
+                wc = c.worker(role, f"{role}-{i}")  # a tensor/expert-parallel worker's ranks load their own slices
+                group = max(wc.engine.tensor_parallel_size, wc.engine.expert_parallel_size) > 1
+                w = HostedWorker(wc, None if group else self.loaded, self.tokenizer)
                 await w.start()
                 self.workers.append(w)
         rc = replace(c.router, model_name=c.router.model_name or served_model_name(self.loaded.path),

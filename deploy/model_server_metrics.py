@@ -13,7 +13,15 @@ on, its own plus those borrowed from idle peers on its host, engine/parallel/cor
 `pdserve:step_seconds` (histogram of the engine's steps, label `contended`: "true" for a step of
 a more urgent request beside less urgent ones here, which the step budget bounds; label
 `window`: "true" for a step of less urgent work within the urgent window, which `window_step_s`
-bounds; engine/core/step_cost.py).
+bounds; engine/core/step_cost.py), and `pdserve:computed_tokens_total` (counter, label `kind`:
+prompt or decode tokens its steps computed, as they run).
+
+A mixture-of-experts model adds its expert load: `pdserve:moe_expert_tokens_total` (counter,
+labels `model_name`, `expert`, `rank`: the (token, expert) pairs routed to the expert since
+the worker started, summed over the MoE layers; `rank` the expert-parallel rank that holds
+it, 0 without expert parallelism) and `pdserve:moe_rank_tokens_total` (counter, labels
+`model_name`, `rank`: the same summed over each rank's experts). A token counts once for
+each of its top-k experts.
 
 A small prometheus_client HTTP server per worker process; its port is in the worker's registry
 record (`WorkerRecord.metrics_port`) and its Stats (`/admin/workers`). Each scrape reads the
@@ -26,9 +34,10 @@ import time
 
 import torch
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pdserve.engine.core.step_cost import BUCKETS
+from pdserve.engine.parallel.ep import expert_load
 
 SCRAPE_TIMEOUT_S = 5.0  # a scrape waits for the step in progress (a long prefill chunk), not longer
 
@@ -46,7 +55,14 @@ def _snapshot(engine) -> dict:
             "cache_dtype": engine.kv_cache.format.name, "max_lora": engine.config.lora.max_loras,
             "running_loras": names(sched.running), "waiting_loras": names(waiting),
             "threads": torch.get_num_threads(),  # this thread's: what its steps run on
-            "steps": sched.times.snapshot()}
+            "computed": dict(sched.computed), "steps": sched.times.snapshot(),
+            "experts": expert_load(engine.runner.model, _ep(engine))}
+
+
+def _ep(engine) -> int:
+    """The engine's expert-parallel degree (1: its experts are all its own)."""
+    group = engine.tp
+    return group.tp if group is not None and group.expert else 1
 
 
 class ModelServerCollector:
@@ -74,6 +90,11 @@ class ModelServerCollector:
                               "peers on this host).", labels=["model_name"])
         g.add_metric(m, s["threads"])
         yield g
+        c = CounterMetricFamily("pdserve:computed_tokens", "Tokens the engine's steps have computed: kind prompt "
+                                "(chunks of more than one token) or decode.", labels=["model_name", "kind"])
+        for kind, n in s["computed"].items():
+            c.add_metric([self.model_name, kind], n)
+        yield c
         h = HistogramMetricFamily("pdserve:step_seconds", "Seconds of each engine step; contended: a more urgent "
                                   "request's step beside less urgent ones here; window: a step of less urgent work "
                                   "within the urgent window.", labels=["model_name", "contended", "window"])
@@ -81,10 +102,28 @@ class ModelServerCollector:
             h.add_metric([self.model_name, str(kind == "contended").lower(), str(kind == "window").lower()],
                          [(str(edge) if edge != float("inf") else "+Inf", n) for edge, n in zip(BUCKETS, counts)], total)
         yield h
+        yield from self._experts(s["experts"])
         g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         g.add_metric([s["running_loras"], s["waiting_loras"], str(s["max_lora"])], time.time())
         yield g
+
+    def _experts(self, load: list[tuple[int, int, int]]):
+        if not load:
+            return
+        c = CounterMetricFamily("pdserve:moe_expert_tokens", "(Token, expert) pairs routed to each expert, over "
+                                "the MoE layers; rank: the expert-parallel rank that holds it.",
+                                labels=["model_name", "expert", "rank"])
+        per_rank: dict[int, int] = {}
+        for expert, rank, n in load:
+            c.add_metric([self.model_name, str(expert), str(rank)], n)
+            per_rank[rank] = per_rank.get(rank, 0) + n
+        yield c
+        c = CounterMetricFamily("pdserve:moe_rank_tokens", "(Token, expert) pairs routed to each expert-parallel "
+                                "rank's experts.", labels=["model_name", "rank"])
+        for rank, n in sorted(per_rank.items()):
+            c.add_metric([self.model_name, str(rank)], n)
+        yield c
 
 
 class ModelServerMetrics:

@@ -47,7 +47,7 @@ def pool_demand(role: str, pool: PoolConfig, ranks: int, workers: int | None = N
 
 def cluster_demands(config: ClusterConfig) -> list[PoolDemand]:
     """Every pool of `config` (of each of its models) at its configured size."""
-    return [pool_demand(role, pool, pool.tp or c.engine.tensor_parallel_size)
+    return [pool_demand(role, pool, pool.ranks(c.engine))
             for c in config.model_clusters() for role, pool in c.pools().items()]
 
 

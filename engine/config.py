@@ -150,10 +150,9 @@ class ModelConfig:
         d = {
             "architectures": [_HF_CLASSES[self.model_type]], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
@@ -330,10 +329,9 @@ class EngineConfig:
     by the model in the same step (0: off). Without a `speculative_model`: prompt lookup
     (greedy requests guess from n-grams of their own prompt and output)."""
     speculative_max_batch: int = 2
-    """... only in steps that decode at most this many requests (0: any batch). Checking
-    guesses costs extra rows in every step: prompt lookup (5 guesses, default weights) measured
-    1.20-1.61x at one stream, 1.00-1.24x at two, 0.55-0.93x at four and 0.56-0.99x at eight
-    (bench/experiments/lookup_batch.py), where the step is no longer bound by reading weights."""
+    """... only in steps that decode at most this many requests (0: any batch): checked guesses
+    cost rows; prompt lookup measured 1.20-1.61x at one stream, 1.00-1.24x at two, 0.55-0.93x at
+    four, 0.56-0.99x at eight (bench/experiments/lookup_batch.py)."""
     speculative_model: str = ""
     """The draft model that proposes (engine/sampling/draft.py): "self" (this model's own weights,
     quantized as `speculative_quantization` says) or a GGUF file / Hugging Face directory
@@ -344,13 +342,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks the model is split over (engine/parallel/tp.py: processes on this host, gloo); it must
     divide the attention heads."""
+    expert_parallel_size: int = 1
+    """Ranks a mixture-of-experts model's experts are split over, the rest replicated on each
+    (engine/parallel/ep.py); at most the experts per layer; not with tensor_parallel_size > 1."""
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
     attention: str = "auto"
     """Attention kernels: "auto" (Triton on CUDA, the C kernel on CPU in fp32, else torch; with
-    the C kernel, RoPE and SwiGLU run on fused C kernels too),
-    "torch", "native" or "triton"."""
+    the C kernel, RoPE and SwiGLU run on fused C kernels too), "torch", "native" or "triton"."""
     quantization: str = "auto"
     """Weight quantization applied at load (engine/model/quant.py), CPU only: "auto" (matrices that are
     exactly Q4_1, as a Q4_1 GGUF's layers are, run with int8 activations per 16 on CPUs with
@@ -377,8 +377,9 @@ class EngineConfig:
                              f"got {self.speculative_quantization!r}")
         if self.speculative_model and self.speculative_tokens <= 0:
             raise ValueError("speculative_model needs speculative_tokens > 0 (how many tokens the draft proposes)")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if min(tp, ep) < 1 or (tp > 1 and ep > 1):  # tensor parallelism within an expert-parallel group: not yet
+            raise ValueError(f"tensor_parallel_size and expert_parallel_size must be >= 1, not both > 1: {tp}, {ep}")
         if self.speculative_max_batch < 0:
             raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
         if self.speculative_tokens < 0:

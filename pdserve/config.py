@@ -130,14 +130,27 @@ class PoolConfig:
     tp: int = 0
     """Tensor-parallel degree of each worker of the pool; 0: the cluster engine's. Pools may
     differ: the KV crosses in the whole model's layout and each group splits it its way."""
+    ep: int = 0
+    """Expert-parallel degree of each worker of the pool (a mixture-of-experts model's experts
+    split over its ranks, attention replicated: engine/parallel/ep.py); 0: the cluster
+    engine's. Not with tp above 1."""
 
     def __post_init__(self):
         at_least("tp", self.tp, 0)
+        at_least("ep", self.ep, 0)
+        if self.tp > 1 and self.ep > 1:
+            raise ValueError(f"a pool's tp ({self.tp}) and ep ({self.ep}) cannot both be above 1: tensor parallelism "
+                             "within an expert-parallel group is not implemented; use one of them")
         if self.kv_cache_dtype:
             one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         at_least("replicas", self.replicas, 0)
         at_least("max_queue", self.max_queue, 0)
         at_least("max_restarts", self.max_restarts, -1)
+
+    def ranks(self, engine) -> int:
+        """Processes of each worker of this pool (its tensor- or expert-parallel degree, the
+        pool's or else `engine`'s EngineConfig's)."""
+        return (self.tp or engine.tensor_parallel_size) * (self.ep or engine.expert_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -279,8 +292,9 @@ class ClusterConfig:
         engine = self.engine
         if pool.kv_cache_dtype:
             engine = replace(engine, cache=replace(engine.cache, kv_cache_dtype=pool.kv_cache_dtype))
-        if pool.tp:
-            engine = replace(engine, tensor_parallel_size=pool.tp)
+        if pool.tp or pool.ep:
+            engine = replace(engine, tensor_parallel_size=pool.tp or engine.tensor_parallel_size,
+                             expert_parallel_size=pool.ep or engine.expert_parallel_size)
         if role == "prefill":  # a prefill worker samples one token per prompt: nothing to speculate
             engine = replace(engine, speculative_tokens=0, speculative_model="", speculative_quantization="")
         fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),

@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: the model split over N processes of this host (gloo); it must "
                         "divide the attention heads (SmolLM2: 1, 3 or 9) (default: 1)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree of a mixture-of-experts model: its experts split over N processes "
+                        "of this host, attention replicated on each; at most the experts per layer, not with "
+                        "--tp (default: 1)")
     g.add_argument("--attention", choices=("auto", "torch", "native", "triton"), default="auto",
                    help="attention kernels: auto = Triton on CUDA, C on CPU (default: auto)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
@@ -68,6 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative_tokens=args.speculative_tokens, speculative_model=args.speculative_model,
         speculative_max_batch=args.speculative_max_batch,
         speculative_quantization=args.speculative_quantization or "", tensor_parallel_size=args.tp,
+        expert_parallel_size=args.ep,
         quantization=args.quantization, attention=args.attention, grammar_budget_s=args.grammar_budget,
         grammar_step_budget_ms=args.grammar_step_budget_ms,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),

@@ -14,8 +14,11 @@ only the chosen experts' weights are read (on CUDA the same grouping runs as two
 launches, engine/kernels/triton_moe.py). Each expert is a `LlamaMLP`: `fuse` gives it the
 linear kernels of engine/model/quant.py (oneDNN fp32, or a quantized kernel per expert
 matrix under "auto"), and the fused C SwiGLU when native ops are on. A `SparseMoeBlock`
-computes only the experts in its `owned` range; the others' pairs are skipped, which is
-where an expert-parallel rank would hand them to the rank that holds them.
+computes only the experts in its `owned` range; the others' pairs are skipped: an
+expert-parallel rank (engine/parallel/ep.py) holds only its range (`keep`: the others are
+`AbsentExpert`s, without weights) and its `tp` group sums the ranks' partial outputs. Each
+block counts the (token, expert) pairs its router chose (`routed`, every expert's, owned or
+not), which a worker's /metrics reports as expert load.
 
 Parameter names are the Qwen-MoE and OLMoE checkpoint names (`mlp.gate.weight`,
 `mlp.experts.{e}.{gate,up,down}_proj.weight`, `mlp.shared_expert.*`, `mlp.shared_expert_gate`);
@@ -48,6 +51,24 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), experts
+
+
+@dataclass(frozen=True)
+class ExpertShare:
+    """The experts one expert-parallel rank computes: `owned`, its range of every MoE layer's
+    routed experts, and `shared`, whether it computes the shared expert (one rank does, so it
+    is added once)."""
+
+    owned: range
+    shared: bool
+
+
+class AbsentExpert(nn.Module):
+    """In place of an expert another rank holds: no weights, never called (its pairs are
+    outside the block's `owned` range)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an expert held by another expert-parallel rank was called")
 
 
 @dataclass(frozen=True)
@@ -96,11 +117,22 @@ class SparseMoeBlock(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None  # (E, 2 I, H) once fused; the experts' are views
         self.down_weight: torch.Tensor | None = None     # (E, H, I)
         self.triton = False  # the experts by engine/kernels/triton_moe.py (set by fuse on CUDA)
-        self.tp = None  # a reducing group would sum the partial outputs (tensor parallelism is refused today)
+        self.tp = None  # an expert-parallel group: it sums the ranks' partial outputs (engine/parallel/ep.py)
+        self.routed: torch.Tensor | None = None  # (E,) pairs routed to each expert so far (from fuse on)
+
+    def keep(self, share: ExpertShare) -> None:
+        """Hold only `share`'s experts (the others become `AbsentExpert`s) and the shared
+        expert only if `share.shared`. Called before the weights load (they load by name)."""
+        for e in range(self.num_experts):
+            if e not in share.owned:
+                self.experts[e] = AbsentExpert()
+        self.owned = share.owned
+        if not share.shared:
+            self.shared_expert = self.shared_expert_gate = None
 
     @property
     def native(self) -> bool:
-        return bool(self.experts) and self.experts[0].native
+        return self.experts[self.owned.start].native
 
     @native.setter
     def native(self, on: bool) -> None:
@@ -111,16 +143,19 @@ class SparseMoeBlock(nn.Module):
         """Stack the experts' gate/up and down matrices ((E, 2I, H), (E, H, I): one tensor each,
         the grouped kernels' layout), each expert's named weights and kernels on views of
         them. The router keeps fp32 (`none`): which experts run must not move with quantization."""
-        gate_up = torch.stack([torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts])
-        down = torch.stack([e.down_proj.weight.data for e in self.experts])
-        for expert, gu, d in zip(self.experts, gate_up, down):
+        mine = [self.experts[e] for e in self.owned]  # (E, ...) stacks of the owned experts only
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in mine])
+        down = torch.stack([e.down_proj.weight.data for e in mine])
+        for expert, gu, d in zip(mine, gate_up, down):
             expert.gate_proj.weight.data, expert.up_proj.weight.data = gu.chunk(2)
             expert.down_proj.weight.data = d
             expert.gate_up_weight = gu
             expert.gate_up_linear = make_linear(gu, quantization, packed)
             expert.down_linear = make_linear(d, quantization, packed)
         self.gate_up_weight, self.down_weight = gate_up, down
-        self.triton = gate_up.is_cuda and _triton_installed()
+        # the Triton kernel indexes the stacks by expert id: all experts only (a rank's share runs the loop)
+        self.triton = gate_up.is_cuda and _triton_installed() and len(mine) == self.num_experts
+        self.routed = torch.zeros(self.num_experts, dtype=torch.long, device=gate_up.device)
         self.gate_linear = make_linear(self.gate.weight.data, "none", packed)
         if self.shared_expert is not None:
             self.shared_expert.fuse(packed, quantization)
@@ -131,6 +166,8 @@ class SparseMoeBlock(nn.Module):
         not applied to experts (adapters update attention only on these models)."""
         logits = self.gate(x) if self.gate_linear is None else self.gate_linear(x)  # (T, E)
         weights, experts = route(logits, self.top_k, self.renormalize)  # (T, k) each
+        if self.routed is not None:
+            self.routed += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         if self.triton:  # one grouped launch for gate/up, one for down
             from pdserve.engine.kernels import triton_moe
             out = triton_moe.moe_experts(x, experts, weights, self.gate_up_weight, self.down_weight, self.owned)
@@ -145,8 +182,8 @@ class SparseMoeBlock(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def mlps(self) -> list[LlamaMLP]:
-        """The experts, then the shared expert where there is one."""
-        return list(self.experts) + ([] if self.shared_expert is None else [self.shared_expert])
+        """The owned experts, then the shared expert where this block has one."""
+        return [self.experts[e] for e in self.owned] + ([] if self.shared_expert is None else [self.shared_expert])
 
     def linears(self) -> list:
         return [self.gate_linear, self.shared_gate_linear] + [
@@ -224,6 +261,17 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def keep_experts(self, share: ExpertShare) -> None:
+        """Hold only an expert-parallel rank's share of each MoE layer (`SparseMoeBlock.keep`)."""
+        for block in self.moe_blocks():
+            block.keep(share)
+
+    def expert_tokens(self) -> list[int]:
+        """(token, expert) pairs routed to each expert so far, summed over the MoE layers (every
+        expert's: each rank routes every token)."""
+        counts = [b.routed for b in self.moe_blocks() if b.routed is not None]
+        return torch.stack(counts).sum(0).tolist() if counts else [0] * self.config.num_experts
 
 
 def reference_moe(x: torch.Tensor, block: SparseMoeBlock) -> torch.Tensor:

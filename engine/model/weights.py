@@ -270,11 +270,15 @@ class LoadedModel:
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                device: str = "cpu", packed_weights: bool = True, quantization: str = "auto") -> LlamaForCausalLM:
-    """Instantiate the model for `cfg` with `state`'s weights, fused for inference."""
+                device: str = "cpu", packed_weights: bool = True, quantization: str = "auto",
+                experts=None) -> LlamaForCausalLM:
+    """Instantiate the model for `cfg` with `state`'s weights, fused for inference. `experts`:
+    an expert-parallel rank's share (moe.ExpertShare), whose experts alone `state` holds."""
     cfg.check_runnable()
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+    if experts is not None:
+        model.keep_experts(experts)
     load_weights_into(model, state, dtype)
     model.build_rotary()  # on the meta device until now
     return model.to(device).eval().fuse(packed_weights, quantization)

@@ -98,6 +98,11 @@ class Group:
         opts.rootRank = 0
         self._wait(self.pg.broadcast([t], opts), "a broadcast")
 
+    def broadcast_tensor(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` into every other rank's `t` (of the same shape and dtype), as raw as
+        `scatter` moves KV."""
+        self._bcast(t)
+
     def broadcast(self, obj) -> None:
         """Rank 0: send `obj` (what engine/parallel/wire.encode takes) to every other rank, sealed."""
         self._send_raw(seal(self.key, self.seq, encode(obj)))

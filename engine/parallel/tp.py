@@ -19,6 +19,9 @@ makes the next collective fail: rank 0 raises `RankFailed` and the ranks left ex
 adapters are split as the base weights; each rank holds its part of every adapter rank 0
 holds, and each step names its rows' adapters (engine/parallel/lora.py).
 
+In `expert` mode the same group runs expert parallelism instead (engine/parallel/ep.py): each
+rank holds the whole model but for its share of the experts, and its cache every KV head.
+
 The group is rank 0's process and the ranks it starts, and no one else: each group has a
 random secret that rank 0 hands its ranks on their stdin; the rendezvous, the ranks' proofs
 of the secret and rank 0's sealed, unpickled messages are in engine/parallel/group.py.
@@ -37,6 +40,7 @@ import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv.cache import KVCache
+from pdserve.engine.parallel.ep import EPKVCache, attach_experts, check_experts, shard_experts
 from pdserve.engine.parallel.group import Group, RankFailed, group_store
 from pdserve.engine.parallel.lora import GroupAdapters, RankAdapters, step_groups
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard, vocab_of
@@ -67,14 +71,20 @@ class ModelSource:
         return state, cfg, fp, path
 
 
-def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int):
+def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int, expert: bool = False):
     """The LoadedModel of one rank's slice (its config: the slice's heads and units, the
-    whole vocabulary), and the whole model's config."""
+    whole vocabulary; `expert`: the whole model's, its share of the experts), and the whole
+    model's config."""
     from pdserve.engine.model.weights import LoadedModel, build_model, quantized_fingerprint
 
     state, cfg, fp, path = source.read()
     if config.max_model_len:
         cfg = replace(cfg, max_position_embeddings=config.max_model_len)
+    if expert:
+        part, share = shard_experts(state, cfg, tp, rank)
+        model = build_model(cfg, part, getattr(torch, config.dtype), config.device, config.packed_weights,
+                            config.quantization, experts=share)
+        return LoadedModel(model, cfg, path, quantized_fingerprint(fp, config.quantization, model)), cfg
     local_state, local = shard(state, cfg, tp, rank)
     model = build_model(local, local_state, getattr(torch, config.dtype), config.device, config.packed_weights,
                         config.quantization)
@@ -82,9 +92,12 @@ def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int):
                        quantized_fingerprint(fp, config.quantization, model)), cfg
 
 
-def attach(model, group: Group, full: ModelConfig) -> None:
+def attach(model, group: Group, full: ModelConfig, expert: bool = False) -> None:
     """Sum every layer's partial attention and MLP outputs, and the embedding lookups, over
-    the group; gather the logits of every rank's vocabulary rows."""
+    the group; gather the logits of every rank's vocabulary rows. `expert`: sum only the MoE
+    layers' outputs (ep.attach_experts)."""
+    if expert:
+        return attach_experts(model, group)
     for layer in model.model.layers:
         layer.self_attn.tp = layer.mlp.tp = group
     spans = [vocab_of(full, group.world, r) for r in range(group.world)]
@@ -106,10 +119,10 @@ def _die_with_parent() -> None:
 
 
 def rank_args(source: ModelSource, config: EngineConfig, tp: int, rank: int, port: int, timeout_s: float,
-              threads: int, secret: bytes) -> bytes:
+              threads: int, secret: bytes, expert: bool = False) -> bytes:
     """A rank's arguments as the JSON its process reads on stdin (`follower_entry`)."""
     return json.dumps({"source": asdict(source), "config": asdict(config), "tp": tp, "rank": rank, "port": port,
-                       "timeout_s": timeout_s, "threads": threads, "secret": secret.hex()}).encode()
+                       "timeout_s": timeout_s, "threads": threads, "secret": secret.hex(), "expert": expert}).encode()
 
 
 def follower_entry() -> None:
@@ -121,24 +134,24 @@ def follower_entry() -> None:
     config = EngineConfig(**(cfg | {"cache": CacheConfig(**cfg["cache"]),
                                     "scheduler": SchedulerConfig(**cfg["scheduler"])}))
     follower_main(source, config, a["tp"], a["rank"], a["port"], a["timeout_s"], a["threads"],
-                  bytes.fromhex(a["secret"]))
+                  bytes.fromhex(a["secret"]), a["expert"])
 
 
 def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int, port: int, timeout_s: float,
-                  threads: int, secret: bytes) -> None:
+                  threads: int, secret: bytes, expert: bool = False) -> None:
     """A rank other than 0: build its slice and cache, then run the steps rank 0 sends."""
     _die_with_parent()
     torch.set_num_threads(max(1, threads))
     from pdserve.engine.kernels.attention import default_backend
-    loaded, full = load_rank(source, config, tp, rank)
+    loaded, full = load_rank(source, config, tp, rank, expert)
     _, store = group_store("127.0.0.1", port, tp, False, timeout_s, secret)
     try:
         group = Group(rank, tp, store, timeout_s, secret)
     except (RankFailed, PeerRefused) as e:
         print(f"pdserve tensor-parallel rank {rank}: {e}", file=sys.stderr)
         os._exit(1)
-    attach(loaded.model, group, full)
-    kv = TPKVCache(full, loaded.config, config, group)
+    attach(loaded.model, group, full, expert)
+    kv = EPKVCache(full, config, group) if expert else TPKVCache(full, loaded.config, config, group)
     model = loaded.model
     model.backend = default_backend(config.device, getattr(torch, config.dtype), config.attention)
     model.use_native_ops(_native_ok(model))
@@ -179,7 +192,8 @@ def _follow_step(model, kv: "TPKVCache", layers, adapters: RankAdapters, ids, po
                  lora) -> None:
     """Rank 0's step on this rank's slice: the forward pass (its rows under their adapters, this
     rank's parts of them) with its KV exports, then the same logits passes (their results live
-    on rank 0)."""
+    on rank 0; none on an expert-parallel rank, whose model holds the whole vocabulary: there
+    is no gather to join)."""
     model.backend.prepare(meta)
     after = None
     if streams:
@@ -189,6 +203,8 @@ def _follow_step(model, kv: "TPKVCache", layers, adapters: RankAdapters, ids, po
         hidden = model(ids, pos, layers, meta, after)
     else:
         hidden = model(ids, pos, layers, meta, after, lora=batch)
+    if model.tp is None:
+        return
     for lo, hi in passes:
         model.compute_logits(hidden[lo:hi])
     model.compute_logits(hidden if sampled is None else hidden[sampled])
@@ -249,13 +265,17 @@ class TPKVCache(KVCache):
 
 class TensorParallel:
     """Rank 0's side of a group: starts the other ranks, owns the collectives; `loaded` is its
-    own slice, `kv_cache(config)` its cache. `stop()` ends the group."""
+    own slice, `kv_cache(config)` its cache. `stop()` ends the group. `expert`: an
+    expert-parallel group of `tp` ranks (engine/parallel/ep.py)."""
 
     def __init__(self, source: ModelSource, config: EngineConfig, tp: int, timeout_s: float = 60.0,
-                 threads_per_rank: int = 0):
-        self.tp, self.config = tp, config
-        self.loaded, self.full = load_rank(source, config, tp, 0)
-        check_degree(self.full, tp)
+                 threads_per_rank: int = 0, expert: bool = False):
+        self.tp, self.config, self.expert = tp, config, expert
+        if expert and config.lora.max_loras:
+            raise ValueError("LoRA adapters on an expert-parallel group are not supported yet: use --max-loras 0 "
+                             "or expert-parallel degree 1")
+        self.loaded, self.full = load_rank(source, config, tp, 0, expert)
+        (check_experts if expert else check_degree)(self.full, tp)
         secret = group_secret()
         self._store, store = group_store("127.0.0.1", 0, tp, True, timeout_s, secret)
         port = self._store.port
@@ -267,7 +287,7 @@ class TensorParallel:
         for r in range(1, tp):
             p = subprocess.Popen([sys.executable, "-c", "from pdserve.engine.parallel.tp import follower_entry; follower_entry()"],
                                  stdin=subprocess.PIPE)
-            p.stdin.write(rank_args(source, config, tp, r, port, timeout_s, threads, secret))
+            p.stdin.write(rank_args(source, config, tp, r, port, timeout_s, threads, secret, expert))
             p.stdin.close()
             self.procs.append(p)
         try:
@@ -275,9 +295,11 @@ class TensorParallel:
         except (RankFailed, PeerRefused):
             self._kill_ranks()
             raise
-        attach(self.loaded.model, self.group, self.full)
+        attach(self.loaded.model, self.group, self.full, expert)
 
-    def kv_cache(self) -> TPKVCache:
+    def kv_cache(self) -> TPKVCache | EPKVCache:
+        if self.expert:
+            return EPKVCache(self.full, self.config, self.group)
         return TPKVCache(self.full, self.loaded.config, self.config, self.group)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, passes: list[tuple[int, int]],
@@ -285,10 +307,11 @@ class TensorParallel:
         """Before rank 0's forward pass: the other ranks run the same step, with the same
         prompt-logprob row ranges `passes`, then the sampled rows (`sampled`; None: all), the
         KV exports of `streams` ((blocks, every n layers)) inside it, and the rows of each
-        adapter of `lora` (the step's LoRABatch, None: all rows on the base) under their parts of it."""
+        adapter of `lora` (the step's LoRABatch, None: all rows on the base) under their parts of it.
+        An expert-parallel group's other ranks export no KV (rank 0's is the group's)."""
         if self.tp > 1:
-            self.group.broadcast(("step", input_ids, positions, meta, passes, sampled, streams or [],
-                                  step_groups(lora)))
+            streams = [] if self.expert else streams or []
+            self.group.broadcast(("step", input_ids, positions, meta, passes, sampled, streams, step_groups(lora)))
 
     def dead_ranks(self) -> list[int]:
         """The ranks whose processes have exited (the group cannot step any more)."""
