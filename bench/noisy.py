@@ -14,9 +14,10 @@ streams, A at the default priority and at a worse one (5), with and without tena
 "fair by default" (24 streams, no priority anywhere, each with its tenant header); and after each
 flood size, A's flood of as many streams without B (A's throughput unharmed: its price).
 
-Reports B's TTFT and ITL p50/p99 per phase and their ratios to `alone`; A's output tokens/s and
-tokens served/s (output + prompt, each prompt spread over its prefill) while B was served, as a
-share of A alone with as many streams; A's refusals; in the grid, whether each phase meets its goal.
+Reports B's TTFT and ITL p50/p99 per phase and their ratios to `alone`; A's output tokens/s as
+its client got them and the tokens the workers computed for it (prompts and decodes, from their
+/metrics, less B's) while B was served, each as a share of A alone with as many streams; A's
+refusals; in the grid, whether each phase meets its goal.
 """
 from __future__ import annotations
 
@@ -104,14 +105,13 @@ def add_noisy_args(w) -> None:
 async def _flood(http, url: str, model: str, vocab: Vocabulary, rng: random.Random, tag: str,
                  priority: int | None, args, stats: dict) -> None:
     """A's stream: its next request as soon as the last one ends, until cancelled; the time of
-    each token it receives goes into stats["tokens"], and each prompt's (sent, first token,
-    prompt tokens) into stats["prompts"] (A's throughput in any window)."""
+    each token it receives goes into stats["tokens"] (A's throughput in any window)."""
     k = 0
     while True:
         k += 1
         prompt = f"{tag} {k}:" + vocab.text(rng, args.flood_input_len)
         body = {"model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0.7, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
+                "ignore_eos": True}
         if priority is not None:
             body["priority"] = priority
         if k % 3 == 1:
@@ -119,19 +119,17 @@ async def _flood(http, url: str, model: str, vocab: Vocabulary, rng: random.Rand
                      "ignore_eos": False}
         elif k % 3 == 2:
             body["n"] = 2
-        status = await _stream_tokens(http, url + "/v1/completions", body, stats["tokens"], stats["prompts"])
+        status = await _stream_tokens(http, url + "/v1/completions", body, stats["tokens"])
         stats[status] = stats.get(status, 0) + 1
         if status != "ok":
             await asyncio.sleep(0.2)  # a refusal: A retries, as a client would
 
 
-async def _stream_tokens(http, url: str, body: dict, stamps: list[float], prompts: list | None = None) -> str:
+async def _stream_tokens(http, url: str, body: dict, stamps: list[float]) -> str:
     """One streamed completion; the arrival time of each token (each choice's text piece) is
-    appended to `stamps`, and (sent, first token, prompt tokens) to `prompts` once the usage
-    chunk has come. Its status: "ok", the HTTP status, or what broke."""
+    appended to `stamps`. Its status: "ok", the HTTP status, or what broke."""
     import httpx
 
-    sent, first = time.perf_counter(), None
     try:
         async with http.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -142,11 +140,7 @@ async def _stream_tokens(http, url: str, body: dict, stamps: list[float], prompt
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         return "stream_error"
-                    n = len(stamps)
                     stamps.extend(time.perf_counter() for c in chunk.get("choices") or [] if c.get("text"))
-                    first = first or (stamps[-1] if len(stamps) > n else None)
-                    if chunk.get("usage") and first is not None and prompts is not None:
-                        prompts.append((sent, first, chunk["usage"]["prompt_tokens"]))
     except (httpx.HTTPError, OSError, ValueError) as e:  # counted; A goes on as a client would
         return type(e).__name__
     return "ok"
@@ -200,6 +194,7 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         flood.start()
         assert await asyncio.get_running_loop().run_in_executor(None, results.get) == "flooding"
         await asyncio.sleep(args.warmup)
+    computed = await _computed_tokens(url, auth)
     t_b = time.perf_counter()
     if shape.chats:
         async with httpx_client(args, headers_b) as http_b:
@@ -208,29 +203,55 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         await asyncio.sleep(A_ONLY_WINDOW_S)
         b = []
     t_end = time.perf_counter()
-    stats: dict = {"tokens": [], "prompts": []}
+    computed = _minus(await _computed_tokens(url, auth), computed)
+    stats: dict = {"tokens": []}
     if flood is not None:
         stop.set()  # A goes away: what it asked for must stop on the server
         stats = await asyncio.get_running_loop().run_in_executor(None, results.get)
         flood.join(30)
     out = {"B": _summary(b) if shape.chats else None, "B_seconds": round(t_end - t_b, 1),
            "A": _a_rates(stats, t_b, t_end) if shape.flood else None}
+    if shape.flood and computed is not None:  # the workers' own count, less B's tokens
+        b_tokens = sum((r.prompt_tokens or r.input_len) + r.output_tokens for r in b)
+        out["A"]["computed_tokens_per_s"] = round((computed - b_tokens) / max(t_end - t_b, 1e-9), 1)
     if flood is not None:
         await asyncio.sleep(min(2.0, args.warmup))  # the server drops A's cancelled requests before the next phase
     return out
 
 
+async def _computed_tokens(url: str, auth: dict) -> int | None:
+    """Tokens every worker's steps have computed so far (pdserve's workers'
+    `pdserve:computed_tokens_total`, prompts and decodes); None where the server has no such
+    workers to ask (another server, or a router that does not list them)."""
+    import re
+
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10, headers=auth) as http:
+            workers = (await http.get(url + "/admin/workers")).json()["workers"]
+            total = 0
+            for w in workers:
+                host = w["address"].rpartition(":")[0]
+                text = (await http.get(f"http://{host}:{w['metrics_port']}/metrics")).text
+                total += sum(int(float(v)) for v in re.findall(r"^pdserve:computed_tokens_total\{[^}]*\} (\S+)$",
+                                                                text, re.M))
+            return total
+    except (httpx.HTTPError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _minus(after: int | None, before: int | None) -> int | None:
+    return None if after is None or before is None else after - before
+
+
 def _a_rates(stats: dict, t_b: float, t_end: float) -> dict:
-    """A's throughput from `t_b` to `t_end`: the output tokens that came in it, and the tokens
-    served (those plus the prompt tokens, each prompt's spread over the time from its sending
-    to its first token, where its prefill ran): A's requests take ~30 s at 24 streams and end
-    in waves, so a 6-15 s window of output alone moves +-40% from run to run."""
-    span = max(t_end - t_b, 1e-9)
+    """A's output tokens per second from `t_b` to `t_end`, as its client received them (A's
+    requests take ~30 s at 24 streams and end in waves: in a 6-15 s window this moves +-40%
+    from run to run; the workers' computed tokens, `_phase`, are the steadier price)."""
     out_tokens = sum(t_b <= t <= t_end for t in stats["tokens"])
-    prompt = sum(n * max(0.0, min(first, t_end) - max(sent, t_b)) / max(first - sent, 1e-9)
-                 for sent, first, n in stats["prompts"])
-    return {"output_tokens_per_s": round(out_tokens / span, 1), "served_tokens_per_s": round((out_tokens + prompt) / span, 1),
-            "requests": {k: v for k, v in stats.items() if k not in ("tokens", "prompts")}}
+    return {"output_tokens_per_s": round(out_tokens / max(t_end - t_b, 1e-9), 1),
+            "requests": {k: v for k, v in stats.items() if k != "tokens"}}
 
 
 def _flood_process(url, model, tokenizer, streams, priority, headers, input_len, timeout, seed, tag, stop,
@@ -248,7 +269,7 @@ async def _flood_main(url, model, tokenizer, streams, priority, headers, input_l
     import httpx
 
     vocab = Vocabulary(resolve_tokenizer(tokenizer, model)[0])
-    rng, stats = random.Random(seed), {"tokens": [], "prompts": []}
+    rng, stats = random.Random(seed), {"tokens": []}
     args = SimpleNamespace(flood_input_len=input_len)
     async with httpx.AsyncClient(timeout=timeout, headers=headers,
                                  limits=httpx.Limits(max_connections=2 * streams + 8)) as http:
@@ -302,8 +323,9 @@ def _judge(phases: dict, shapes) -> None:
         if shape.flood in a_only:  # A alone with as many streams
             base = a_only[shape.flood]
             p["A"]["share_of_alone"] = round(p["A"]["output_tokens_per_s"] / max(base["output_tokens_per_s"], 1e-9), 2)
-            p["A"]["served_share_of_alone"] = round(
-                p["A"]["served_tokens_per_s"] / max(base["served_tokens_per_s"], 1e-9), 2)
+            if "computed_tokens_per_s" in p["A"] and "computed_tokens_per_s" in base:
+                p["A"]["computed_share_of_alone"] = round(
+                    p["A"]["computed_tokens_per_s"] / max(base["computed_tokens_per_s"], 1e-9), 2)
         if shape.goal:
             r = p["ratio_to_alone"]
             p["goal_met"] = all(bound is None or (r[k] is not None and r[k] <= bound) for k, bound in
@@ -312,17 +334,17 @@ def _judge(phases: dict, shapes) -> None:
 
 def format_noisy(res: dict) -> str:
     rows = ["| phase | B TTFT p50 / p99 (ms) | B ITL p50 / p99 (ms) | B vs alone: TTFT p50, ITL p50, ITL p99 | "
-            "A out tok/s (of A alone) | A served tok/s (of A alone) | A refused | goal |", "|---|---|---|---|---|---|---|---|"]
+            "A out tok/s (of A alone) | A computed tok/s (of A alone) | A refused | goal |", "|---|---|---|---|---|---|---|---|"]
     for phase, p in res["phases"].items():
         b, ratio, a = p["B"] or {}, p.get("ratio_to_alone") or {}, p["A"] or {}
         refused = sum(v for k, v in (a.get("requests") or {}).items() if k not in ("ok", "CancelledError"))
         share = f" ({a['share_of_alone']}x)" if "share_of_alone" in a else ""
-        served = f" ({a['served_share_of_alone']}x)" if "served_share_of_alone" in a else ""
+        computed = f" ({a['computed_share_of_alone']}x)" if "computed_share_of_alone" in a else ""
         goal = {True: "met", False: "**missed**"}.get(p.get("goal_met"), "-")
         rows.append(f"| {phase} | {b.get('ttft_p50_ms', '-')} / {b.get('ttft_p99_ms', '-')} | "
                     f"{b.get('itl_p50_ms', '-')} / {b.get('itl_p99_ms', '-')} | "
                     f"{ratio.get('ttft_p50_ms', '-')}x, {ratio.get('itl_p50_ms', '-')}x, {ratio.get('itl_p99_ms', '-')}x | "
-                    f"{a.get('output_tokens_per_s', '-')}{share} | {a.get('served_tokens_per_s', '-')}{served} | "
+                    f"{a.get('output_tokens_per_s', '-')}{share} | {a.get('computed_tokens_per_s', '-')}{computed} | "
                     f"{refused if a else '-'} | {goal} |")
     return "\n".join(rows)
 

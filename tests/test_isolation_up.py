@@ -35,12 +35,14 @@ def url():
     assert rc == 0, up.text()
 
 
-def step_series(url: str) -> dict[str, list[tuple[float, float]]]:
+def step_series(url: str) -> dict:
     """The decode worker's pdserve:step_seconds buckets, {kind: [(le, cumulative count)]}: kinds
-"true" (contended), "window" and "false" (neither)."""
+    "true" (contended), "window" and "false" (neither); and "computed": {prompt, decode: the
+    tokens its steps computed}."""
     worker = next(w for w in httpx.get(url + "/admin/workers", timeout=10).json()["workers"] if w["role"] == "decode")
     text = httpx.get(f"http://{worker['address'].rpartition(':')[0]}:{worker['metrics_port']}/metrics", timeout=10).text
-    out: dict[str, list] = {"true": [], "false": [], "window": []}
+    out: dict = {"true": [], "false": [], "window": [], "computed": {k: float(v) for k, v in re.findall(
+        r'^pdserve:computed_tokens_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M)}}
     for labels, value in re.findall(r'^pdserve:step_seconds_bucket\{([^}]*)\} (\S+)$', text, re.M):
         kv = dict(re.findall(r'(\w+)="([^"]*)"', labels))
         out["window" if kv["window"] == "true" else kv["contended"]].append((float(kv["le"]), float(value)))
@@ -111,6 +113,7 @@ def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     # between B's chats the flood's steps are window steps, sized by the learnt cost to 15 ms
     # (the flood's 24 decodes take turns): B's next prompt waits for one of those at most;
     # measured: the 11-16 ms bucket; at most 23 ms (one bucket over) on a loaded machine
+    assert all(flood["computed"][k] > alone["computed"][k] > before["computed"][k] for k in ("prompt", "decode"))
     window_median, window_steps = median_step(alone, flood, "window")
     assert window_steps >= 10 and BUCKETS[window_median] <= 0.023, (window_steps, BUCKETS[window_median])
     wait_kv_back(url, 2, within_s=60)  # the flood's cancelled requests freed everything

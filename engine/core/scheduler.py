@@ -73,6 +73,9 @@ class Scheduler:
         self.cost = StepCost()
         self.times = StepTimes()
         """Every step's seconds, contended steps apart (each worker's /metrics)."""
+        self.computed = {"prompt": 0, "decode": 0}
+        """Tokens the steps have computed: chunks of more than one token (prompts) and single
+        ones (decodes), as they run (each worker's /metrics)."""
         self.preemptions = {"memory": 0, "priority": 0}
         """Running requests preempted: for blocks a running request needed, or for a waiting
         request of a higher priority."""
@@ -232,6 +235,8 @@ class Scheduler:
         the size of the steps the budget sizes) and goes into the histogram."""
         if out.num_tokens <= SMALL_STEP:
             self.cost.observe(seconds, out.num_tokens, out.context_tokens)
+        for c in out.chunks:
+            self.computed["prompt" if c.num_new_tokens > 1 else "decode"] += c.num_new_tokens
         self.times.add(seconds, out.contended, out.window)
 
     def note_urgency_elsewhere(self, priority: int, until: float | None = None) -> None:
