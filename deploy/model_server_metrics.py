@@ -13,7 +13,8 @@ on, its own plus those borrowed from idle peers on its host, engine/parallel/cor
 `pdserve:step_seconds` (histogram of the engine's steps, label `contended`: "true" for a step of
 a more urgent request beside less urgent ones here, which the step budget bounds; label
 `window`: "true" for a step of less urgent work within the urgent window, which `window_step_s`
-bounds; engine/core/step_cost.py).
+bounds; engine/core/step_cost.py), and `pdserve:computed_tokens_total` (counter, label `kind`:
+prompt or decode tokens its steps computed, as they run).
 
 A mixture-of-experts model adds its expert load: `pdserve:moe_expert_tokens_total` (counter,
 labels `model_name`, `expert`, `rank`: the (token, expert) pairs routed to the expert since
@@ -54,7 +55,8 @@ def _snapshot(engine) -> dict:
             "cache_dtype": engine.kv_cache.format.name, "max_lora": engine.config.lora.max_loras,
             "running_loras": names(sched.running), "waiting_loras": names(waiting),
             "threads": torch.get_num_threads(),  # this thread's: what its steps run on
-            "steps": sched.times.snapshot(), "experts": expert_load(engine.runner.model, _ep(engine))}
+            "computed": dict(sched.computed), "steps": sched.times.snapshot(),
+            "experts": expert_load(engine.runner.model, _ep(engine))}
 
 
 def _ep(engine) -> int:
@@ -88,6 +90,11 @@ class ModelServerCollector:
                               "peers on this host).", labels=["model_name"])
         g.add_metric(m, s["threads"])
         yield g
+        c = CounterMetricFamily("pdserve:computed_tokens", "Tokens the engine's steps have computed: kind prompt "
+                                "(chunks of more than one token) or decode.", labels=["model_name", "kind"])
+        for kind, n in s["computed"].items():
+            c.add_metric([self.model_name, kind], n)
+        yield c
         h = HistogramMetricFamily("pdserve:step_seconds", "Seconds of each engine step; contended: a more urgent "
                                   "request's step beside less urgent ones here; window: a step of less urgent work "
                                   "within the urgent window.", labels=["model_name", "contended", "window"])
