@@ -3,7 +3,9 @@ by transformers, saved as a Hugging Face directory with the default model's toke
 prefill and one decode worker at --quantization exact. Two greedy completions at once equal
 transformers' greedy tokens (the long prompt prefilled by the prefill worker and decoded over
 the KV hand-off, the short one prefilled by the decode worker); every KV block is back in its
-pool after."""
+pool after. The same with the decode pool's experts split over 2 ranks (--decode-ep 2), whose
+expert load is on the decode worker's /metrics."""
+import re
 import time
 
 import httpx
@@ -79,3 +81,44 @@ def test_up_serves_a_moe_model_as_transformers_computes_it(moe_dir, tokenizer):
     finally:
         rc = stop(up)
     assert rc == 0, up.text()
+
+
+def worker_metrics(url: str, role: str) -> str:
+    worker = next(w for w in httpx.get(url + "/admin/workers", timeout=10).json()["workers"] if w["role"] == role)
+    return httpx.get(f"http://{worker['address'].rpartition(':')[0]}:{worker['metrics_port']}/metrics", timeout=10).text
+
+
+def test_up_with_an_expert_parallel_decode_pool(moe_dir, tokenizer):
+    """`--decode-ep 2`: the decode worker's 8 experts over 2 ranks (4 each), attention on both;
+    the long prompt's KV, prefilled by the one-rank prefill worker, imported into the group. The
+    tokens are transformers'; the decode worker's /metrics counts the pairs routed to each
+    expert and rank (each row: 2 experts at each of the 2 layers), both ranks' experts used."""
+    path, want = moe_dir
+    port = free_port()
+    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--model", str(path), "--decode-ep", "2",
+              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--ray-cpus", "2", "--quantization", "exact",
+              "--kv-cache-memory", "16MiB", "--cluster-token", "test-token", "--shutdown-grace", "3")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        line = up.p.stdout.readline()
+        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": PROMPTS, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        got = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in got] == [tokenizer.decode(w, skip_special_tokens=True) for w in want]
+        assert prefill_tokens(url) >= 100  # the long prompt's KV came from the prefill worker
+        text = worker_metrics(url, "decode")
+        wait_kv_back(url, 2)
+    finally:
+        rc = stop(up)
+    assert rc == 0, up.text()
+    series = [(name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(v)) for name, labels, v in re.findall(
+        r'^(pdserve:moe_\w+_tokens_total)\{([^}]*)\} (\S+)$', text, re.MULTILINE)]
+    experts = {(int(kv["expert"]), int(kv["rank"])): v for name, kv, v in series if "expert" in name}
+    ranks = {int(kv["rank"]): v for name, kv, v in series if "rank_tokens" in name}
+    assert sorted(experts) == [(e, e // 4) for e in range(8)], text
+    assert ranks == {r: sum(v for (_, rr), v in experts.items() if rr == r) for r in (0, 1)} and min(ranks.values()) > 0
+    rows = sum(ranks.values()) / 4  # top-2 at each of 2 layers
+    assert rows == int(rows) and rows >= len(PROMPTS[0]) + 2 * (N - 1)  # the short prompt, both decodes
