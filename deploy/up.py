@@ -56,6 +56,26 @@ def _embedded_redis(config: ClusterConfig):
     return EmbeddedRedis(host=ray.util.get_node_ip_address(), password=password).start()
 
 
+def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
+    """Refuse at once, before Ray starts, a pool's tensor- or expert-parallel degree its model
+    cannot be split into (the model's config read from its directory or GGUF header), naming
+    the pool's flag and the degrees that fit."""
+    from pdserve.engine.model.weights import read_model_config
+    from pdserve.engine.parallel.ep import check_experts
+    from pdserve.engine.parallel.shard import check_degree
+
+    for c, path in zip(clusters, paths):
+        cfg = read_model_config(path)
+        for role, pool in c.pools().items():
+            tp, ep = pool.tp or c.engine.tensor_parallel_size, pool.ep or c.engine.expert_parallel_size
+            try:
+                if ep > 1:
+                    check_experts(cfg, ep)
+                check_degree(cfg, tp)
+            except ValueError as e:
+                raise ValueError(f"--{role}-{'ep' if ep > 1 else 'tp'}: {e}") from None
+
+
 def _check_placement(config: ClusterConfig, log) -> None:
     """Raise PlacementError at once when the pools cannot fit in the local Ray (Ray would keep
     them pending for good, silently). A joined cluster may grow (an autoscaler adds nodes for
@@ -123,6 +143,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     log = make_logger(t0)
     clusters = config.model_clusters()  # one per served model (one: the cluster's own engine and pools)
     paths = [resolve_model_path(c.engine.model or None) for c in clusters]
+    _check_degrees(clusters, paths)
     up, clean = _Started(), False
     interrupts = Interrupts(log).install()
     try:

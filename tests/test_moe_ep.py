@@ -5,7 +5,8 @@ preemption, with a shared expert added once; a router that sends every token to 
 experts leaves the other ranks idle without a hang or a lost token; every KV block comes back;
 KV moves between an expert-parallel group and a single engine (and another group) with the
 same tokens after; a killed rank takes the group down; the expert load reaches the worker's
-/metrics; degrees and combinations it cannot run are refused by name."""
+/metrics; degrees and combinations it cannot run are refused by name (by `pdserve up` before
+Ray starts)."""
 import os
 import signal
 
@@ -226,3 +227,20 @@ def test_degrees_and_combinations_it_cannot_run_are_refused(model_dir):
     with pytest.raises(ValueError, match=r"tp \(2\) and ep \(2\) cannot both be above 1"):
         PoolConfig(tp=2, ep=2)
     assert PoolConfig(ep=4).ranks(EngineConfig()) == 4 and PoolConfig().ranks(EngineConfig(expert_parallel_size=3)) == 3
+
+
+def test_up_refuses_a_degree_the_experts_do_not_allow_before_starting_ray(model_dir):
+    import subprocess
+    import sys
+
+    from tests.helpers.procs import ENV
+
+    path = str(model_dir("mixtral"))
+    for flags, why in ((["--decode-ep", "7"], "--decode-ep: expert-parallel degree 7: this model has 6 experts "
+                        + "per layer: use 1 to 6"),
+                       (["--prefill-tp", "2"], "--prefill-tp: tensor-parallel degree 2: a mixture-of-experts model"),
+                       (["--decode-ep", "2", "--decode-tp", "2"], "tp (2) and ep (2) cannot both be above 1")):
+        r = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", path, *flags], capture_output=True,
+                           text=True, timeout=120, env=ENV, check=False)
+        assert r.returncode != 0 and why in r.stderr, r.stderr
+        assert "Ray" not in r.stderr  # refused before a local Ray started

@@ -182,6 +182,18 @@ def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConf
     return state, cfg
 
 
+def read_model_config(path: Path) -> ModelConfig:
+    """The config of the model at `path` (a Hugging Face directory's config.json, a GGUF file's
+    header), without reading its weights."""
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.exists():
+            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+        return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    from gguf import GGUFReader
+    return model_config_from_gguf(gguf_metadata(GGUFReader(str(path))))
+
+
 def read_hf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     from safetensors.torch import load_file
 
