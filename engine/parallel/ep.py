@@ -28,7 +28,7 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv.cache import KVCache, kv_format
 from pdserve.engine.model.moe import ExpertShare
-from pdserve.engine.parallel.shard import _span
+from pdserve.engine.parallel.shard import span
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
@@ -45,7 +45,7 @@ def check_experts(cfg: ModelConfig, ep: int) -> None:
 
 def experts_of(cfg: ModelConfig, ep: int, rank: int) -> range:
     """The experts rank `rank` holds: its contiguous share of each MoE layer's."""
-    s = _span(cfg.num_experts, ep, rank)
+    s = span(cfg.num_experts, ep, rank)
     return range(s.start, s.stop)
 
 

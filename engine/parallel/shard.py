@@ -17,8 +17,8 @@ VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 def check_degree(cfg: ModelConfig, tp: int) -> None:
     """Refuse a degree the model's heads cannot be split into, naming the degrees that work."""
     if tp > 1 and cfg.num_experts:
-        raise ValueError(f"tensor-parallel degree {tp}: a mixture-of-experts model ({cfg.model_type}) runs "
-                         "unsplit (tensor parallelism of its experts is not implemented): use 1")
+        raise ValueError(f"tensor-parallel degree {tp}: a mixture-of-experts model ({cfg.model_type}) is not "
+                         "split by tensor parallelism (not implemented): use 1, or expert parallelism (--ep)")
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     ok = h % tp == 0 and (kv % tp == 0 or tp % kv == 0)
     if tp < 1 or not ok:
@@ -27,8 +27,9 @@ def check_degree(cfg: ModelConfig, tp: int) -> None:
                          f"({kv} KV heads): use one of {', '.join(map(str, good))}")
 
 
-def _span(n: int, tp: int, rank: int) -> slice:
-    """Rank `rank`'s part of n units split as evenly as possible (the first n % tp get one more)."""
+def span(n: int, tp: int, rank: int) -> slice:
+    """Rank `rank`'s part of n units split as evenly as possible (the first n % tp get one more;
+    heads and units here, experts in ep.py)."""
     base, extra = divmod(n, tp)
     start = rank * base + min(rank, extra)
     return slice(start, start + base + (rank < extra))
@@ -37,29 +38,29 @@ def _span(n: int, tp: int, rank: int) -> slice:
 def kv_heads_of(cfg: ModelConfig, tp: int, rank: int) -> slice:
     kv = cfg.num_key_value_heads
     if tp <= kv:
-        return _span(kv, tp, rank)
+        return span(kv, tp, rank)
     per = tp // kv  # ranks sharing one KV head
     return slice(rank // per, rank // per + 1)
 
 
 def vocab_of(cfg: ModelConfig, tp: int, rank: int) -> slice:
     """Rank `rank`'s rows of the embedding and the LM head."""
-    return _span(cfg.vocab_size, tp, rank)
+    return span(cfg.vocab_size, tp, rank)
 
 
 def _rows(cfg: ModelConfig, tp: int, rank: int) -> dict[str, slice]:
     """Rank `rank`'s part of each projection: its output rows of q/k/v and gate/up (the
     column-parallel ones), its input columns of o and down (the row-parallel ones)."""
-    hd, heads = cfg.head_dim, _span(cfg.num_attention_heads, tp, rank)
-    kvh, mlp = kv_heads_of(cfg, tp, rank), _span(cfg.intermediate_size, tp, rank)
+    hd, heads = cfg.head_dim, span(cfg.num_attention_heads, tp, rank)
+    kvh, mlp = kv_heads_of(cfg, tp, rank), span(cfg.intermediate_size, tp, rank)
     q, kv = slice(heads.start * hd, heads.stop * hd), slice(kvh.start * hd, kvh.stop * hd)
     return {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": q, "gate_proj": mlp, "up_proj": mlp, "down_proj": mlp}
 
 
 def local_config(cfg: ModelConfig, tp: int, rank: int) -> ModelConfig:
     """The config of rank `rank`'s slice: its heads, MLP units and vocabulary rows."""
-    heads, kvh = _span(cfg.num_attention_heads, tp, rank), kv_heads_of(cfg, tp, rank)
-    mlp, vocab = _span(cfg.intermediate_size, tp, rank), vocab_of(cfg, tp, rank)
+    heads, kvh = span(cfg.num_attention_heads, tp, rank), kv_heads_of(cfg, tp, rank)
+    mlp, vocab = span(cfg.intermediate_size, tp, rank), vocab_of(cfg, tp, rank)
     return replace(cfg, num_attention_heads=heads.stop - heads.start, num_key_value_heads=kvh.stop - kvh.start,
                    intermediate_size=mlp.stop - mlp.start, head_dim=cfg.head_dim, vocab_size=vocab.stop - vocab.start)
 
