@@ -312,9 +312,9 @@ def test_pools_match_worker_groups(overlay):
         assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"], role
         assert int(flags[f"--{role}"]) == g["replicas"], f"{role}: pool size != worker group replicas"
         assert custom_resources(params) == {flags[f"--{role}-resource"]: 1}, f"{role}: one slot per pod"
-        # a tensor-parallel worker reserves --{role}-cpus (and -gpus) for each rank, all on its pod
-        tp = int(flags[f"--{role}-tp"]) or 1
-        cpus, gpus = float(flags[f"--{role}-cpus"]) * tp, float(flags[f"--{role}-gpus"]) * tp
+        # a tensor- or expert-parallel worker reserves --{role}-cpus (and -gpus) for each rank, all on its pod
+        ranks = (int(flags[f"--{role}-tp"]) or 1) * (int(flags[f"--{role}-ep"]) or 1)
+        cpus, gpus = float(flags[f"--{role}-cpus"]) * ranks, float(flags[f"--{role}-gpus"]) * ranks
         assert cpus <= float(params["num-cpus"]) <= float(limits["cpu"]), f"{role}: CPUs"
         assert c["resources"]["requests"] == limits, f"{role}: Guaranteed QoS (requests == limits)"
         assert gpus <= float(params.get("num-gpus", 0)) <= float(limits.get("nvidia.com/gpu", 0)), f"{role}: GPUs"
