@@ -114,8 +114,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.owned = owned or range(cfg.num_experts)  # the experts this block computes (all, without EP)
         self.gate_linear = None
-        self.gate_up_weight: torch.Tensor | None = None  # (E, 2 I, H) once fused; the experts' are views
-        self.down_weight: torch.Tensor | None = None     # (E, H, I)
+        self.gate_up_weight: torch.Tensor | None = None  # (owned E, 2 I, H) once fused; the experts' are views
+        self.down_weight: torch.Tensor | None = None     # (owned E, H, I)
         self.triton = False  # the experts by engine/kernels/triton_moe.py (set by fuse on CUDA)
         self.tp = None  # an expert-parallel group: it sums the ranks' partial outputs (engine/parallel/ep.py)
         self.routed: torch.Tensor | None = None  # (E,) pairs routed to each expert so far (from fuse on)
