@@ -58,16 +58,19 @@ def _embedded_redis(config: ClusterConfig):
 
 def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
     """Refuse at once, before Ray starts, a pool's tensor- or expert-parallel degree its model
-    cannot be split into (the model's config read from its directory or GGUF header), naming
-    the pool's flag and the degrees that fit."""
+    cannot be split into (the model's config read from its directory or GGUF header, only
+    where a degree is above 1), naming the pool's flag and the degrees that fit."""
     from pdserve.engine.model.weights import read_model_config
     from pdserve.engine.parallel.ep import check_experts
     from pdserve.engine.parallel.shard import check_degree
 
     for c, path in zip(clusters, paths):
+        degrees = {role: (pool.tp or c.engine.tensor_parallel_size, pool.ep or c.engine.expert_parallel_size)
+                   for role, pool in c.pools().items()}
+        if all(d == (1, 1) for d in degrees.values()):
+            continue  # one rank a worker: nothing to split (the model is read where it loads)
         cfg = read_model_config(path)
-        for role, pool in c.pools().items():
-            tp, ep = pool.tp or c.engine.tensor_parallel_size, pool.ep or c.engine.expert_parallel_size
+        for role, (tp, ep) in degrees.items():
             try:
                 if ep > 1:
                     check_experts(cfg, ep)
