@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.kernels.attention import AttentionBackend, TorchAttentionBackend
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, RotaryEmbedding
 from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
@@ -56,17 +55,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's decoder and LM head, with `LlamaForCausalLM`'s interface (fuse, kernels,
     forward over a flat batch, compute_logits)."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Gemma3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.build_rotary()
-        self.backend = backend or TorchAttentionBackend()
-        self.lm_head_linear = None
-        self.native_ops = False
+    decoder = Gemma3Model
 
     def build_rotary(self) -> None:
         """The RoPE tables: the global layers' base and the sliding layers' (computed, not loaded)."""

@@ -236,10 +236,12 @@ class LlamaForCausalLM(nn.Module):
     vocab_start = 0
     native_decode = None  # the C decode step's weights (engine/model/native_step.py), when the model qualifies
 
+    decoder = LlamaModel  # the embedding and layers (a relative's own, in its subclass)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.kernels.attention import AttentionBackend, TorchAttentionBackend
 from pdserve.engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
 from pdserve.engine.model.lora_batch import LoRALayer
 from pdserve.engine.model.quant import make_linear
@@ -239,17 +238,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     """An MoE decoder and LM head with `LlamaForCausalLM`'s interface (fuse, kernels, forward
     over a flat batch, compute_logits)."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.build_rotary()
-        self.backend = backend or TorchAttentionBackend()
-        self.lm_head_linear = None
-        self.native_ops = False
+    decoder = MoeModel
 
     def _linears(self) -> list:
         out = [self.lm_head_linear]
