@@ -248,16 +248,35 @@ def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp,
     assert all(p.poll() is not None for e in engines if e.tp for p in e.tp.procs)  # the ranks stopped with it
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("decode_workers", [1, 2])
-def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_moves_or_ends(smollm, decode_workers):
-    """A rank of the decode group serving a stream is killed: the group goes down (every rank
-    gone, every block back). With another decode worker the router moves the stream there and
-    it continues with exactly the tokens of an uninterrupted run; with none it ends with an
-    error event."""
+def _stream_killing_a_rank(c, body: dict) -> tuple[list, list, float, float, object]:
+    """Stream `body`, and at its fifth event SIGKILL rank 1 of the decode group serving it:
+    (events, texts, when killed, when the stream ended, that engine)."""
     import json
     import time
 
+    import httpx
+
+    events, texts, killed_at, victim = [], [], None, None
+    with httpx.stream("POST", c.url + "/v1/completions", timeout=120, json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            texts += [ch["text"] for ch in events[-1].get("choices", [])]
+            if len(events) == 5:
+                victim = next(e for e in c.engines() if e.tp and e.has_unfinished_requests())
+                os.kill(victim.tp.procs[1].pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert killed_at is not None
+    return events, texts, killed_at, time.monotonic(), victim
+
+
+@pytest.mark.slow
+def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_moves_or_ends(smollm):
+    """A rank of the decode group serving a stream is killed: the group goes down (every rank
+    gone, every block back). With another decode worker the router moves the stream there and
+    it continues with exactly the tokens of an uninterrupted run; then, a rank of that last
+    group killed under the next stream, with none left it ends with an error event."""
     import httpx
 
     from pdserve.config import PoolConfig
@@ -266,37 +285,26 @@ def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_mov
 
     loaded, tok = smollm
     config = local_config()
-    config = type(config)(**{**config.__dict__, "decode": PoolConfig(replicas=decode_workers, tp=3, max_queue=0)})
+    config = type(config)(**{**config.__dict__, "decode": PoolConfig(replicas=2, tp=3, max_queue=0)})
     body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 60, "temperature": 0,
             "ignore_eos": True}
     c = LocalCluster(loaded, tok, config).start()
     try:
         whole = httpx.post(c.url + "/v1/completions", timeout=120, json=body).json()["choices"][0]["text"]
-        events, texts, killed_at, victim = [], [], None, None
-        with httpx.stream("POST", c.url + "/v1/completions", timeout=120, json=body | {"stream": True}) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line[6:]))
-                texts += [ch["text"] for ch in events[-1].get("choices", [])]
-                if len(events) == 5:
-                    victim = next(e for e in c.engines() if e.tp and e.has_unfinished_requests())
-                    os.kill(victim.tp.procs[1].pid, signal.SIGKILL)
-                    killed_at = time.monotonic()
-        ended = time.monotonic()
-        engines = c.engines()
+        moved = _stream_killing_a_rank(c, body)
         metrics = httpx.get(c.url + "/metrics", timeout=10).text
+        ended = _stream_killing_a_rank(c, body)
+        engines = c.engines()
     finally:
         c.stop()
-    assert killed_at is not None and ended - killed_at < 60
-    if decode_workers == 1:
-        assert "error" in events[-1] or events[-1]["choices"][0].get("finish_reason") == "error", events[-1]
-        assert len(texts) < 60
-    else:
-        assert "error" not in events[-1] and "".join(texts) == whole, (texts, whole)
-        assert "pdserve_migrations_total 1.0" in metrics
+    events, texts, killed_at, done, first = moved
+    assert done - killed_at < 60 and "error" not in events[-1] and "".join(texts) == whole, (texts, whole)
+    assert "pdserve_migrations_total 1.0" in metrics
+    events, texts, killed_at, done, last = ended
+    assert last is not first and done - killed_at < 60 and len(texts) < 60
+    assert "error" in events[-1] or events[-1]["choices"][0].get("finish_reason") == "error", events[-1]
     assert all(e.blocks.num_used_blocks == 0 for e in engines)
-    assert all(p.poll() is not None for p in victim.tp.procs)  # the whole group is down
+    assert all(p.poll() is not None for g in (first, last) for p in g.tp.procs)  # both groups are down
 
 
 @pytest.mark.slow
