@@ -109,6 +109,23 @@ def test_greedy_tokens_match_transformers_batched_and_alone(pair):
     assert eng.generate(PROMPTS, params) == want                        # batched
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_a_bfloat16_model_runs_in_bfloat16_and_answers_as_in_fp32(arch, tmp_path_factory):
+    """`dtype=bfloat16` on the CPU: every layer stays in bf16 (RoPE's fp32 tables are cast to
+    it, as transformers does: fp32 q/k once met a bf16 o_proj and the step failed), logits
+    within bf16's rounding of the fp32 model's, the same greedy tokens on these peaked weights."""
+    _, path = saved(arch, tmp_path_factory)
+    fp32 = LLMEngine(load_model(path, quantization="none"), EngineConfig(quantization="none"))
+    bf16 = LLMEngine(load_model(path, dtype=torch.bfloat16, quantization="none"),
+                     EngineConfig(dtype="bfloat16", quantization="none"))
+    want, got = engine_logits(fp32, PROMPTS[2]), engine_logits(bf16, PROMPTS[2])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(), rtol=0.05)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert bf16.generate(PROMPTS[:2], params) == fp32.generate(PROMPTS[:2], params)
+    assert bf16.blocks.num_used_blocks == 0 and fp32.blocks.num_used_blocks == 0
+
+
 def test_prefix_hit_equals_miss(pair):
     _, eng = pair
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

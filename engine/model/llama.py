@@ -75,6 +75,8 @@ class Rope:
         return self.rotate(q.view(T, n_heads, hd)), self.rotate(k.view(T, n_kv, hd)), v.view(T, n_kv, hd)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cos.dtype != x.dtype:  # the tables are fp32; rotated in the model's dtype, as transformers does
+            self.cos, self.sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
         return apply_rope(x, self.cos, self.sin)
 
 
