@@ -17,7 +17,9 @@ flood size, A's flood of as many streams without B (A's throughput unharmed: its
 Reports B's TTFT and ITL p50/p99 per phase and their ratios to `alone`; A's output tokens/s as
 its client got them and the tokens the workers computed for it (prompts and decodes, from their
 /metrics, less B's) while B was served, each as a share of A alone with as many streams; A's
-refusals; in the grid, whether each phase meets its goal.
+refusals; in the grid, whether each phase meets its goal. A's ceiling: the share of A alone left
+once B's own steps have run (the seconds the workers stepped for B alone, over B's time in the
+phase), since B's steps take the machine's cores whatever the scheduler does.
 """
 from __future__ import annotations
 
@@ -84,6 +86,19 @@ def grid(floods=(8, 24, 48), urgent: int = -10) -> tuple[Shape, ...]:
     return tuple(shapes)
 
 
+def _flood_sizes(text: str) -> tuple[int, ...]:
+    """--grid-floods: comma-separated stream counts, each at least 1."""
+    import argparse
+
+    try:
+        sizes = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected stream counts such as 8,24,48")
+    return sizes
+
+
 def add_noisy_args(w) -> None:
     """The workload's flags (the `workload` group of `pdserve bench`)."""
     w.add_argument("--flood-concurrency", type=int, default=8,
@@ -100,6 +115,8 @@ def add_noisy_args(w) -> None:
                    help="noisy-neighbour: every shape of issue 'Isolation, round two' in one run (floods of 8, 24, "
                         "48 streams; A at the default priority and at 5; with and without tenant headers; B at -10; "
                         "fair by default; A alone)")
+    w.add_argument("--grid-floods", type=_flood_sizes, default=(8, 24, 48), metavar="N,N",
+                   help="noisy-neighbour: the grid's flood sizes (default: 8,24,48)")
 
 
 async def _flood(http, url: str, model: str, vocab: Vocabulary, rng: random.Random, tag: str,
@@ -194,7 +211,7 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         flood.start()
         assert await asyncio.get_running_loop().run_in_executor(None, results.get) == "flooding"
         await asyncio.sleep(args.warmup)
-    computed = await _computed_tokens(url, auth)
+    counts = await _worker_counts(url, auth)
     t_b = time.perf_counter()
     if shape.chats:
         async with httpx_client(args, headers_b) as http_b:
@@ -203,7 +220,7 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         await asyncio.sleep(A_ONLY_WINDOW_S)
         b = []
     t_end = time.perf_counter()
-    computed = _minus(await _computed_tokens(url, auth), computed)
+    counts = _minus(await _worker_counts(url, auth), counts)
     stats: dict = {"tokens": []}
     if flood is not None:
         stop.set()  # A goes away: what it asked for must stop on the server
@@ -211,18 +228,21 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         flood.join(30)
     out = {"B": _summary(b) if shape.chats else None, "B_seconds": round(t_end - t_b, 1),
            "A": _a_rates(stats, t_b, t_end) if shape.flood else None}
-    if shape.flood and computed is not None:  # the workers' own count, less B's tokens
+    if shape.flood and counts is not None:  # the workers' own count, less B's tokens
         b_tokens = sum((r.prompt_tokens or r.input_len) + r.output_tokens for r in b)
-        out["A"]["computed_tokens_per_s"] = round((computed - b_tokens) / max(t_end - t_b, 1e-9), 1)
+        out["A"]["computed_tokens_per_s"] = round((counts["tokens"] - b_tokens) / max(t_end - t_b, 1e-9), 1)
+    elif counts is not None:  # B alone: the seconds its steps took (the machine was B's then)
+        out["B_busy_s"] = round(counts["step_s"], 2)
     if flood is not None:
         await asyncio.sleep(min(2.0, args.warmup))  # the server drops A's cancelled requests before the next phase
     return out
 
 
-async def _computed_tokens(url: str, auth: dict) -> int | None:
-    """Tokens every worker's steps have computed so far (pdserve's workers'
-    `pdserve:computed_tokens_total`, prompts and decodes); None where the server has no such
-    workers to ask (another server, or a router that does not list them)."""
+async def _worker_counts(url: str, auth: dict) -> dict | None:
+    """What every worker's steps have done so far, from their /metrics: `tokens` computed
+    (`pdserve:computed_tokens_total`, prompts and decodes) and `step_s`, seconds stepping
+    (`pdserve:step_seconds_sum`); None where the server has no such workers to ask (another
+    server, or a router that does not list them)."""
     import re
 
     import httpx
@@ -230,19 +250,19 @@ async def _computed_tokens(url: str, auth: dict) -> int | None:
     try:
         async with httpx.AsyncClient(timeout=10, headers=auth) as http:
             workers = (await http.get(url + "/admin/workers")).json()["workers"]
-            total = 0
+            out = {"tokens": 0, "step_s": 0.0}
             for w in workers:
                 host = w["address"].rpartition(":")[0]
                 text = (await http.get(f"http://{host}:{w['metrics_port']}/metrics")).text
-                total += sum(int(float(v)) for v in re.findall(r"^pdserve:computed_tokens_total\{[^}]*\} (\S+)$",
-                                                                text, re.M))
-            return total
+                for key, name in (("tokens", "computed_tokens_total"), ("step_s", "step_seconds_sum")):
+                    out[key] += sum(float(v) for v in re.findall(rf"^pdserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+            return out
     except (httpx.HTTPError, KeyError, TypeError, ValueError):
         return None
 
 
-def _minus(after: int | None, before: int | None) -> int | None:
-    return None if after is None or before is None else after - before
+def _minus(after: dict | None, before: dict | None) -> dict | None:
+    return None if after is None or before is None else {k: after[k] - before[k] for k in after}
 
 
 def _a_rates(stats: dict, t_b: float, t_end: float) -> dict:
@@ -298,7 +318,7 @@ async def run(args) -> dict:
         model = args.model or await first_model(probe, url)
     tokenizer, _ = resolve_tokenizer(args.tokenizer, model)
     vocab = Vocabulary(tokenizer)
-    shapes = grid() if getattr(args, "grid", False) else phases(args.flood_concurrency)
+    shapes = grid(getattr(args, "grid_floods", (8, 24, 48))) if getattr(args, "grid", False) else phases(args.flood_concurrency)
     for n, shape in enumerate(shapes):
         out["phases"][shape.name] = phase = await _phase(url, model, vocab, shape, n, args, auth)
         phase["shape"] = {"flood": shape.flood, "a_priority": shape.a_priority, "b_priority": shape.b_priority,
@@ -311,7 +331,7 @@ async def run(args) -> dict:
 def _judge(phases: dict, shapes) -> None:
     """Each phase's ratios to `alone` and, where the shape has a goal, whether it is met; A's
     throughput beside B against A alone (the price), where the run has A alone."""
-    alone = phases["alone"]["B"]
+    alone, busy = phases["alone"]["B"], phases["alone"].get("B_busy_s")
     a_only = {s.flood: phases[s.name]["A"] for s in shapes if s.flood and not s.chats}
     for shape in shapes:
         p = phases[shape.name]
@@ -320,6 +340,8 @@ def _judge(phases: dict, shapes) -> None:
         b = p["B"]
         p["ratio_to_alone"] = {k: round(b[k] / alone[k], 2) if b[k] and alone[k] else None
                                for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+        if busy is not None:  # B's own steps need the machine that long whatever the scheduler does
+            p["A"]["ceiling_of_alone"] = round(max(1.0 - busy / max(p["B_seconds"], 1e-9), 0.0), 2)
         if shape.flood in a_only:  # A alone with as many streams
             base = a_only[shape.flood]
             p["A"]["share_of_alone"] = round(p["A"]["output_tokens_per_s"] / max(base["output_tokens_per_s"], 1e-9), 2)
@@ -334,12 +356,13 @@ def _judge(phases: dict, shapes) -> None:
 
 def format_noisy(res: dict) -> str:
     rows = ["| phase | B TTFT p50 / p99 (ms) | B ITL p50 / p99 (ms) | B vs alone: TTFT p50, ITL p50, ITL p99 | "
-            "A out tok/s (of A alone) | A computed tok/s (of A alone) | A refused | goal |", "|---|---|---|---|---|---|---|---|"]
+            "A out tok/s (of A alone) | A computed tok/s (of A alone; at most, by B's steps alone) | A refused | goal |", "|---|---|---|---|---|---|---|---|"]
     for phase, p in res["phases"].items():
         b, ratio, a = p["B"] or {}, p.get("ratio_to_alone") or {}, p["A"] or {}
         refused = sum(v for k, v in (a.get("requests") or {}).items() if k not in ("ok", "CancelledError"))
         share = f" ({a['share_of_alone']}x)" if "share_of_alone" in a else ""
-        computed = f" ({a['computed_share_of_alone']}x)" if "computed_share_of_alone" in a else ""
+        computed = f" ({a['computed_share_of_alone']}x" if "computed_share_of_alone" in a else ""
+        computed += f"; at most {a['ceiling_of_alone']}x)" if "ceiling_of_alone" in a else ")" if computed else ""
         goal = {True: "met", False: "**missed**"}.get(p.get("goal_met"), "-")
         rows.append(f"| {phase} | {b.get('ttft_p50_ms', '-')} / {b.get('ttft_p99_ms', '-')} | "
                     f"{b.get('itl_p50_ms', '-')} / {b.get('itl_p99_ms', '-')} | "

@@ -67,6 +67,10 @@ class RouterConfig:
     """A decode worker with no stream and no prompt of its own prefills a prompt itself: no
     stream's ITL pays for it, and the prompt skips the KV hand-off (on one host: 859 -> 696 ms
     TTFT p50 for 240-token prompts, one at a time). Off: only by the two rules above."""
+    urgent_lend_window_s: float = 5.0
+    """No less urgent prompt is lent to a decode worker that streamed for a more urgent request
+    within this many seconds (0: only while it streams for one; the worker's window steps,
+    SchedulerConfig.window_step_s, then bound what a lent prompt adds to each step)."""
     special_tokens_in_content: bool = False
     """Encode control-token text inside chat message content as control tokens (as
     transformers and vLLM do); off: as plain text, so users cannot forge turns."""
@@ -107,7 +111,8 @@ class RouterConfig:
         one_of("routing", self.routing, ROUTING_POLICIES)
         for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "prefill_queue_limit",
                      "max_body_bytes", "stream_stall_timeout_s", "shutdown_grace_s", "tenant_max_inflight",
-                     "tenant_max_queued_tokens", "session_kv_limit", "queue_size", "queue_timeout_s"):
+                     "tenant_max_queued_tokens", "session_kv_limit", "queue_size", "queue_timeout_s",
+                     "urgent_lend_window_s"):
             at_least(name, getattr(self, name), 0)
         at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 

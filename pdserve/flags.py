@@ -55,6 +55,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-idle-decode-prefill", dest="idle_decode_prefill", action="store_false",
                    help="send prompts to the prefill pool even when their decode worker is idle (default: an "
                         "idle decode worker prefills the prompt itself, skipping the KV hand-off)")
+    p.add_argument("--urgent-lend-window", type=float, default=_R.urgent_lend_window_s, metavar="SECONDS",
+                   help="no less urgent prompt is lent to a decode worker that streamed for a more urgent request "
+                        "within SECONDS (0: only while it streams for one; default: %(default)s)")
     p.add_argument("--special-tokens-in-content", action="store_true",
                    help="encode control-token text typed inside chat messages (<|im_start|>...) as control tokens "
                         "(default: as plain text, so a user cannot forge a system or assistant turn)")
@@ -316,7 +319,8 @@ def _router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, model_name=args.served_model_name, routing=args.routing,
                         decode_local_prefill=args.decode_local_prefill,
                         prefill_queue_limit=args.prefill_queue_limit,
-                        idle_decode_prefill=args.idle_decode_prefill, max_inflight=args.max_inflight,
+                        idle_decode_prefill=args.idle_decode_prefill, urgent_lend_window_s=args.urgent_lend_window,
+                        max_inflight=args.max_inflight,
                         queue_size=args.queue_size, queue_timeout_s=args.queue_timeout,
                         special_tokens_in_content=args.special_tokens_in_content,
                         stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,

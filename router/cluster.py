@@ -65,7 +65,8 @@ class ClusterClient:
     def __init__(self, *, routing: str = "prefix_aware", block_size: int = 16, namespace: str = "",
                  cluster_token: str = "", tls: TLSConfig | None = None, local_prefill_tokens: int = 0,
                  prefill_queue_limit: int = 0, idle_decode_prefill: bool = False,
-                 stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0, session_kv_limit: float = 0.9):
+                 stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0, session_kv_limit: float = 0.9,
+                 urgent_lend_window_s: float = URGENT_WINDOW_S):
         """block_size, namespace: the workers' KV block size and cache namespace (the prefix
         index hashes prompts as they do). tls: mutual TLS to the workers (their services must
         use the same CA). local_prefill_tokens: a decode worker whose own cache holds all of a
@@ -75,7 +76,10 @@ class ClusterClient:
         a prompt that would wait less on its decode worker is prefilled there
         (`policies.prefill_on_decode`); 0: never. idle_decode_prefill: a decode worker with no
         stream and no prompt of its own prefills the prompt itself. session_kv_limit: a session
-        stays on its decode worker while that worker's KV usage is below this."""
+        stays on its decode worker while that worker's KV usage is below this.
+        urgent_lend_window_s: no less urgent prompt is lent to a decode worker that streamed for
+        a more urgent request within this many seconds (0: only while it streams for one)."""
+        self.urgent_lend_window_s = urgent_lend_window_s
         self.local_prefill_tokens = local_prefill_tokens
         self.idle_decode_prefill = idle_decode_prefill
         self.prefill_queue_limit = prefill_queue_limit
@@ -111,7 +115,8 @@ class ClusterClient:
                    cluster_token=security.cluster_token, tls=security.tls,
                    local_prefill_tokens=router.decode_local_prefill,
                    prefill_queue_limit=router.prefill_queue_limit,
-                   idle_decode_prefill=router.idle_decode_prefill, session_kv_limit=router.session_kv_limit)
+                   idle_decode_prefill=router.idle_decode_prefill, session_kv_limit=router.session_kv_limit,
+                   urgent_lend_window_s=router.urgent_lend_window_s)
 
     # ---- membership ---------------------------------------------------------------------
     def set_workers(self, workers: list[WorkerEndpoint]) -> None:
@@ -277,11 +282,11 @@ class ClusterClient:
 
     def _urgent_lately(self, decode_id: str, priority: int) -> bool:
         """Whether `decode_id` streamed for a request more urgent than `priority` within
-        URGENT_WINDOW_S (noting this one's): a less urgent prompt is not lent to it then, so the
-        urgent client's next request (a person's next chat) finds it free."""
+        `urgent_lend_window_s` (noting this one's): a less urgent prompt is not lent to it then,
+        so the urgent client's next request (a person's next chat) finds it free."""
         now = time.monotonic()
         seen = self.decode_urgent.get(decode_id)
-        if seen is not None and now - seen[1] > URGENT_WINDOW_S:
+        if seen is not None and now - seen[1] > self.urgent_lend_window_s:
             seen = None
         if seen is None or priority <= seen[0]:
             self.decode_urgent[decode_id] = (priority, now)

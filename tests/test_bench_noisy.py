@@ -29,6 +29,9 @@ def test_noisy_neighbour_workload_reports_each_phase(smollm, tmp_path):
         if name != "alone":
             assert phase["A"]["output_tokens_per_s"] > 0 and phase["ratio_to_alone"]["ttft_p50_ms"] > 0
             assert phase["A"]["computed_tokens_per_s"] > 0  # the workers counted A's tokens (B's taken off)
+            assert 0 < phase["A"]["ceiling_of_alone"] < 1  # B's own steps took part of the machine
+        else:
+            assert 0 < phase["B_busy_s"] < phase["B_seconds"]  # the workers stepped for B part of its time
     assert all(e.blocks.num_used_blocks == 0 for e in cluster.engines())
 
 
@@ -46,7 +49,23 @@ def test_the_price_is_against_a_alone_with_as_many_streams():
                        "A": {"output_tokens_per_s": 10.0 * s.flood, "computed_tokens_per_s": 100.0 * s.flood}
                        if s.flood else None} for s in shapes}
     phases["48 streams, A 5, tenants"]["A"] = {"output_tokens_per_s": 240.0, "computed_tokens_per_s": 4000.0}
+    for name, p in phases.items():
+        p["B_seconds"] = 8.0 if name == "48 streams, A 5, tenants" else 5.0
+    phases["alone"]["B_busy_s"] = 2.0  # B's steps alone took 2 s of the machine
     _judge(phases, shapes)
+    assert phases["48 streams, A 5, tenants"]["A"]["ceiling_of_alone"] == 0.75  # 1 - 2 s / 8 s
     assert phases["48 streams, A 5, tenants"]["A"]["share_of_alone"] == 0.5  # against A alone at 48, not 24
     assert phases["48 streams, A 5, tenants"]["A"]["computed_share_of_alone"] == 0.83
     assert phases["8 streams, A default, no tenant"]["goal_met"]
+
+
+def test_grid_floods_names_the_flood_sizes_and_refuses_what_is_not_one():
+    import argparse
+
+    from pdserve.bench.noisy import _flood_sizes, grid
+
+    assert _flood_sizes("24") == (24,) and _flood_sizes("8,48") == (8, 48)
+    for bad in ("", "8,x", "0", "-8"):
+        with pytest.raises(argparse.ArgumentTypeError, match="stream counts"):
+            _flood_sizes(bad)
+    assert [s.flood for s in grid((24,)) if not s.chats] == [24]

@@ -400,3 +400,19 @@ def test_a_prompt_is_not_lent_to_a_decode_worker_streaming_for_more_urgent_reque
     later = time.monotonic() + URGENT_WINDOW_S + 1
     monkeypatch.setattr(time, "monotonic", lambda: later)
     assert c.route(next(prompts), priority=5).prefill is None  # nothing more urgent there lately: lent again
+
+
+def test_with_no_urgent_lend_window_a_prompt_is_lent_as_soon_as_the_urgent_stream_ends():
+    """urgent_lend_window_s=0: the decode worker gets no less urgent prompt while it streams for
+    a more urgent request, and gets one at once after (its window steps bound the chunks)."""
+    c = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=500, urgent_lend_window_s=0.0)
+    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
+    c.healthy = {"p0": True, "d0": True}
+    prompts = iter([[g * 1000 + i for i in range(250)] for g in range(8)])
+    urgent = c.route(next(prompts), priority=-1)
+    for _ in range(4):
+        c.route(next(prompts), priority=5)  # the prefill queue reaches the limit
+    assert c.route(next(prompts), priority=5).prefill.worker_id == "p0"  # d0 streams for priority -1
+    c.settle(urgent)
+    c.release(urgent)
+    assert c.route(next(prompts), priority=5).prefill is None  # it ended: lent
