@@ -89,7 +89,31 @@ def test_gguf_types_load_and_unpermute(tmp_path, qtype, monkeypatch):
     assert all(torch.equal(again[k], ours[k]) for k in ours)
 
 
-def test_tied_embeddings_when_no_output_tensor(tmp_path):
+def test_the_conversion_cache_keeps_one_file_per_model_file_that_exists(tmp_path, monkeypatch):
+    """A model file that changes, or is deleted, leaves no stale conversion behind (each is as
+    big as the model's fp32 weights): the next conversion removes them; others stay."""
+    import os
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(cache))
+    cfg = tiny_config()
+    a, b, gone = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "gone.gguf"
+    for path in (a, b, gone):
+        write_gguf(path, cfg, tiny_state_dict(cfg))
+        load_model(path)
+    assert len(list(cache.glob("*.safetensors"))) == 3
+    gone.unlink()
+    write_gguf(a, cfg, tiny_state_dict(cfg, seed=5))  # a new version of a
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))
+    load_model(a)
+    left = sorted(p.name.split("-")[0] for p in cache.glob("*.safetensors"))
+    assert left == ["a", "b"]  # a's new conversion and b's; a's old one and gone's are removed
+    torch.testing.assert_close(load_model(a).model.state_dict()["lm_head.weight"],
+                               tiny_state_dict(cfg, seed=5)["lm_head.weight"])
+
+
+def test_tied_embeddings_when_no_output_tensor(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     cfg = tiny_config(tie_word_embeddings=True)
     state = tiny_state_dict(cfg)
     write_gguf(tmp_path / "tied.gguf", cfg, state)

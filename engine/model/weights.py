@@ -238,11 +238,31 @@ def load_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, s
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        save_file(state, str(tmp), metadata={"pdserve_config": json.dumps(cfg.__dict__)})
+        save_file(state, str(tmp), metadata={"pdserve_config": json.dumps(cfg.__dict__),
+                                             "pdserve_source": str(path.resolve())})
         os.replace(tmp, cached)  # atomic: concurrent workers never read a half-written cache
+        _prune_conversions(cached, path.resolve())
     except OSError:
         pass  # a read-only home still works, only slower on the next start
     return state, cfg, fp
+
+
+def _prune_conversions(kept: Path, source: Path) -> None:
+    """Remove the cached conversions no model file needs any more: those of an older version
+    of `source` (`kept` is its current one) and those whose source file is gone; conversions
+    that do not name their source are kept."""
+    from safetensors import safe_open
+
+    for f in kept.parent.glob("*.safetensors"):
+        if f == kept:
+            continue
+        try:
+            with safe_open(str(f), "pt") as h:
+                other = (h.metadata() or {}).get("pdserve_source")
+        except Exception:  # half-written or foreign: not ours to judge
+            continue
+        if other and (other == str(source) or not Path(other).exists()):
+            f.unlink(missing_ok=True)
 
 
 def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
