@@ -19,7 +19,8 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # 
 from pdserve.engine.core.engine import LLMEngine  # noqa: E402
 from pdserve.engine.model.tiny import tiny_llama  # noqa: E402
 
-pytest_plugins = ["tests.timing"]  # each file's time against its budget, the fixtures slow tests waited on
+# each file's time against its budget, the fixtures slow tests waited on; the shared `pdserve up`
+pytest_plugins = ["tests.timing", "tests.helpers.shared_up"]
 
 
 def pytest_generate_tests(metafunc):

@@ -46,9 +46,10 @@ def test_interactive_chat_keeps_history_until_reset(smollm):
 
     q1, q2 = "My name is Ada and I love astronomy.", "What should I read next?"
     fresh = chat(q2 + "\n")
-    with_history = chat(f"{q1}\n{q2}\n")
-    after_reset = chat(f"{q1}\n/reset\n{q2}\n")
+    # one session: q1, then q2 with q1 in its history, then /reset and q2 again
+    session = chat(f"{q1}\n{q2}\n/reset\n{q2}\n")
     assert fresh.strip()
     # greedy replies: after /reset the answer to q2 is the fresh one; with history it is not
-    assert after_reset.endswith(fresh) and len(after_reset) > len(fresh)
+    assert session.endswith(fresh) and len(session) > len(fresh)
+    with_history = session[:-len(fresh)]  # the replies to q1 and to q2 after it, before the reset
     assert not with_history.endswith(fresh)

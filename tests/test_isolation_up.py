@@ -1,4 +1,5 @@
-"""Isolation through `pdserve up` under Ray, started as a user starts it (no flags), read from the
+"""Isolation through `pdserve up` under Ray, started as a user starts it (no flags; the one
+tests/test_up.py uses too, tests/helpers/shared_up.py), read from the
 decode worker's own step-time series (`pdserve:step_seconds` on its /metrics, not wall-clock):
 beside a 24-stream flood at the default priority, an urgent client's (priority -10) steps stay
 within the step budget of its steps alone, and the flood's steps between its chats are window
@@ -14,25 +15,17 @@ import httpx
 import pytest
 
 from pdserve.engine.core.step_cost import BUCKETS
-from pdserve.registry.embedded import free_port
-from tests.helpers.procs import Proc, stop, wait_kv_back
+from tests.helpers.procs import wait_kv_back
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 FLOOD, FLOOD_PROMPT, FLOOD_TOKENS, CHAT_TOKENS = 24, 64, 256, 24  # a decode-heavy flood: its streams decode beside B
 
 
-@pytest.fixture(scope="module")
-def url():
-    port = free_port()
-    up = Proc("up", "--port", str(port), "--cluster-token", "test-token", "--shutdown-grace", "3")
-    try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        rc = stop(up, 90)
-    assert rc == 0, up.text()
+@pytest.fixture
+def url(default_up):
+    """The router of the shared `pdserve up` (tests/helpers/shared_up.py)."""
+    return default_up.url
 
 
 def step_series(url: str) -> dict:

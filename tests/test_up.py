@@ -1,6 +1,8 @@
-"""`pdserve up` as a user runs it: embedded Redis, a local Ray cluster with a prefill and a
-decode actor, the router; an OpenAI request; a Redis that refuses clients without its password; Ctrl-C
-leaves no process behind; a Responses API conversation stored in its Redis."""
+"""`pdserve up` as a user runs it (the one shared with tests/test_isolation_up.py,
+tests/helpers/shared_up.py): embedded Redis, a local Ray cluster with a prefill and a decode
+actor, the router; an OpenAI request; a Redis that refuses clients without its password; a
+Responses API conversation stored in its Redis; Ctrl-C (the last test on it) leaves no
+process behind."""
 import os
 import re
 import signal
@@ -12,65 +14,71 @@ import time
 import httpx
 import pytest
 
-from pdserve.registry.embedded import free_port
-from tests.helpers.procs import Proc, alive, descendants
+from tests.helpers.procs import alive
+from tests.helpers.shared_up import stops_it
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
+LONG_TOKENS = 1 << 20  # over any context of the default cluster: refused (see the shutdown test)
 
 
-def test_up_serves_and_shuts_down_cleanly(smollm):
+def test_up_serves(default_up, smollm):
     from openai import OpenAI
 
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.core.engine import LLMEngine
     from pdserve.common.sampling_params import SamplingParams
 
-    port = free_port()
-    up = Proc("up", "--port", str(port), "--kv-cache-memory", "64MiB", "--cluster-token", "test-token",
-              "--shutdown-grace", "3")
-    proc = up.p
+    url, log = default_up.url, default_up.text()
+    assert len(default_up.track()) >= 4  # redis-server, Ray's own processes, two worker actors
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert httpx.get(f"{url}/health").status_code == 200
+    registry_refuses_strangers(log)
+    workers_run_at_our_priority(log)
+    model = client.models.list().data[0].id
+    assert model == "SmolLM2-135M-Instruct"
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
+    loaded, tok = smollm
+    ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok).generate(
+        [tok.encode(tok.apply_chat_template(msgs))], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    isolation_under_ray(url, model)
+    responses_under_ray(client, model)
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'role="prefill"' in metrics and 'role="decode"' in metrics
+    for role in ("prefill", "decode"):  # each worker reports its preemptions by cause
+        assert re.search(rf'^pdserve_preemptions_total{{cause="priority",role="{role}"', metrics, re.M), metrics
+        # the host KV tier is on by default (sized from free memory) on every worker
+        assert [line for line in metrics.splitlines() if line.startswith("pdserve_kv_tier_hits_tokens_total{")
+                and f'role="{role}"' in line and 'tier="host"' in line], metrics
+    deadline = time.time() + 5  # every KV block back in its pool, in both actor processes
+    while time.time() < deadline:
+        usage = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                 if line.startswith("pdserve_kv_usage_ratio{")]
+        running = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                   if line.startswith("pdserve_running_requests{")]
+        if len(usage) == 2 and all(line.endswith(" 0.0") for line in usage + running):
+            break
+        time.sleep(0.3)
+    assert len(usage) == 2 and all(line.endswith(" 0.0") for line in usage + running), usage + running
+
+
+@stops_it
+def test_up_shuts_down_cleanly_with_work_in_flight(default_up):
+    """Ctrl-C after three long stream requests: bounded shutdown, exit code 0, no traceback,
+    nothing left behind (the last test of the shared cluster). The requests ask for more than
+    the context, so they are refused at once (400) as this test's were before the cluster was
+    shared (3000 tokens then, over its 64 MiB KV cache's 1456): with streams really in flight the
+    router's Ctrl-C logs uvicorn's "Exception in ASGI application" tracebacks (CancelledError),
+    which this test's no-traceback check would report."""
+    proc, procs = default_up.up.p, default_up.track()
     try:
-        line = proc.stdout.readline()  # the curl line: printed once /health would answer 200
-        assert line.startswith("curl "), up.text() if proc.poll() is not None else line
-        procs = descendants(proc.pid)
-        assert len(procs) >= 4  # redis-server, Ray's own processes, two worker actors
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-        registry_refuses_strangers(up.text())
-        workers_run_at_our_priority(up.text())
-        model = client.models.list().data[0].id
-        assert model == "SmolLM2-135M-Instruct"
-        msgs = [{"role": "user", "content": "What is the capital of France?"}]
-        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
-        loaded, tok = smollm
-        ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20)), tok).generate(
-            [tok.encode(tok.apply_chat_template(msgs))], SamplingParams(max_tokens=24, temperature=0))[0]
-        assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
-        isolation_under_ray(port, model)
-        responses_under_ray(client, model)
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert 'role="prefill"' in metrics and 'role="decode"' in metrics
-        for role in ("prefill", "decode"):  # each worker reports its preemptions by cause
-            assert re.search(rf'^pdserve_preemptions_total{{cause="priority",role="{role}"', metrics, re.M), metrics
-            # the host KV tier is on by default (sized from free memory) on every worker
-            assert [line for line in metrics.splitlines() if line.startswith("pdserve_kv_tier_hits_tokens_total{")
-                    and f'role="{role}"' in line and 'tier="host"' in line], metrics
-        deadline = time.time() + 5  # every KV block back in its pool, in both actor processes
-        while time.time() < deadline:
-            usage = [line for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
-                     if line.startswith("pdserve_kv_usage_ratio{")]
-            running = [line for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
-                       if line.startswith("pdserve_running_requests{")]
-            if len(usage) == 2 and all(line.endswith(" 0.0") for line in usage + running):
-                break
-            time.sleep(0.3)
-        assert len(usage) == 2 and all(line.endswith(" 0.0") for line in usage + running), usage + running
-        # Ctrl-C with work in flight that would run for minutes: bounded shutdown all the same
-        streams = [threading.Thread(target=long_stream, args=(port, i), daemon=True) for i in range(3)]
+        streams = [threading.Thread(target=long_stream, args=(default_up.port, i), daemon=True) for i in range(3)]
         for t in streams:
             t.start()
         time.sleep(3)
     finally:
+        default_up.stopped = True
         proc.send_signal(signal.SIGINT)
         t0 = time.monotonic()
         try:
@@ -78,7 +86,7 @@ def test_up_serves_and_shuts_down_cleanly(smollm):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-        err = up.text()
+        err = default_up.text()
     # 3 s for the streams, 3 s for the workers, then Ray and Redis stop (not a timing
     # assertion: without the bound it waited for the streams, minutes here)
     assert time.monotonic() - t0 < 30, err
@@ -121,9 +129,8 @@ def registry_refuses_strangers(log: str) -> None:
             redis.Redis(host=m.group(1), port=int(m.group(2)), password=password, retry=once).ping()
 
 
-def isolation_under_ray(port: int, model: str) -> None:
+def isolation_under_ray(url: str, model: str) -> None:
     """Priorities, tenants, sessions and the grammar budget through `pdserve up`'s Ray pools."""
-    url = f"http://127.0.0.1:{port}"
     body = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     r = httpx.post(url + "/v1/completions", json=body | {"priority": -2}, timeout=60,
                    headers={"x-pdserve-tenant": "team-a", "x-pdserve-session": "conv-1"})
@@ -153,8 +160,8 @@ def responses_under_ray(client, model: str) -> None:
 
 
 def long_stream(port: int, i: int) -> None:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Tell story {i}", "max_tokens": 3000, "ignore_eos": True,
-            "stream": True}
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Tell story {i}", "max_tokens": LONG_TOKENS,
+            "ignore_eos": True, "stream": True}
     try:
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
             for _ in r.iter_lines():
