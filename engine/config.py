@@ -315,36 +315,33 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     detokenize: bool = True
-    """Give each output its text and apply stop strings (an engine used on its own); a
-    worker's engine returns token ids only: the router detokenizes and applies stop strings."""
+    """Give each output its text and apply stop strings (an engine used on its own; a worker's
+    returns token ids only: the router detokenizes)."""
     seed: int = 0
     """Seed for requests that give none."""
     grammar_budget_s: float = 2.0
-    """Structured output: a request whose grammar masks take longer than this in all ends
-    with an error naming its grammar (0: no limit); masks run beside the model's forward pass."""
+    """Structured output: a request whose grammar masks take longer than this in all ends with an
+    error naming its grammar (0: no limit)."""
     grammar_step_budget_ms: float = 200.0
     """... or whose mask for one token takes longer than this (0: no limit)."""
     speculative_tokens: int = 0
-    """Speculative decoding: up to this many tokens proposed per request and step, checked
-    by the model in the same step (0: off). Without a `speculative_model`: prompt lookup
-    (greedy requests guess from n-grams of their own prompt and output)."""
+    """Speculative decoding: up to this many tokens proposed per request and step, checked in the
+    same step (0: off); without a `speculative_model`, prompt lookup (n-grams of the request's own)."""
     speculative_max_batch: int = 2
-    """... only in steps that decode at most this many requests (0: any batch): checked guesses
-    cost rows; prompt lookup measured 1.20-1.61x at one stream, 1.00-1.24x at two, 0.55-0.93x at
-    four, 0.56-0.99x at eight (bench/experiments/lookup_batch.py)."""
+    """... only in steps that decode at most this many requests (0: any): checked guesses cost
+    rows (prompt lookup: 1.20-1.61x at 1 stream, 0.55-0.93x at 4, bench/experiments/lookup_batch.py)."""
     speculative_model: str = ""
-    """The draft model that proposes (engine/sampling/draft.py): "self" (this model's own weights,
-    quantized as `speculative_quantization` says) or a GGUF file / Hugging Face directory
-    with this model's tokenizer; "" for prompt lookup."""
+    """The draft model (engine/sampling/draft.py): "self" (this model's weights, quantized as
+    `speculative_quantization` says) or a GGUF / HF directory of its tokenizer; "": prompt lookup."""
     speculative_quantization: str = ""
-    """The draft's weight quantization (as `quantization`); "": int8 for "self", else this
-    model's."""
+    """The draft's weight quantization (as `quantization`); "": int8 for "self", else this model's."""
     tensor_parallel_size: int = 1
-    """Ranks the model is split over (engine/parallel/tp.py: processes on this host, gloo); it must
-    divide the attention heads."""
+    """Ranks the heads are split over (engine/parallel/tp.py: processes of this host, gloo)."""
     expert_parallel_size: int = 1
     """Ranks a mixture-of-experts model's experts are split over, the rest replicated on each
     (engine/parallel/ep.py); at most the experts per layer; not with tensor_parallel_size > 1."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are split over (engine/parallel/pp.py); at most the layers; not with the others > 1."""
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
@@ -377,9 +374,12 @@ class EngineConfig:
                              f"got {self.speculative_quantization!r}")
         if self.speculative_model and self.speculative_tokens <= 0:
             raise ValueError("speculative_model needs speculative_tokens > 0 (how many tokens the draft proposes)")
-        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        tp, ep, pp = self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size
         if min(tp, ep) < 1 or (tp > 1 and ep > 1):  # tensor parallelism within an expert-parallel group: not yet
             raise ValueError(f"tensor_parallel_size and expert_parallel_size must be >= 1, not both > 1: {tp}, {ep}")
+        if pp < 1 or (pp > 1 and max(tp, ep) > 1):  # stages split by tensor or expert parallelism: not yet
+            raise ValueError(f"pipeline_parallel_size must be >= 1, and 1 with tensor or expert parallelism: "
+                             f"{pp} (tp {tp}, ep {ep})")
         if self.speculative_max_batch < 0:
             raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
         if self.speculative_tokens < 0:

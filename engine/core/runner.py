@@ -83,10 +83,14 @@ class ModelRunner:
             self.tp.step(input_ids, positions, meta, [(lo, hi) for _, _, lo, hi in passes], sampled,
                          getattr(after_layer, "tp_plan", None), lora)
         self.model.backend.prepare(meta)
+        # a pipeline's layers run on several ranks: their KV streams once the pass is through (pp.py)
+        staged, after_layer = (after_layer, None) if getattr(self.tp, "pipeline", False) else (None, after_layer)
         if lora is None:
             hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)
         else:  # only LlamaForCausalLM's forward takes a LoRA batch (the registry refuses others)
             hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer, lora=lora)
+        for i in range(self.model.config.num_hidden_layers if staged is not None else 0):
+            staged(i)
         for req, first, lo, hi in passes:
             self._prompt_logprobs(req, hidden[lo:hi], first)
         logits = self.model.compute_logits(hidden if sampled is None else hidden[sampled])

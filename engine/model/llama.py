@@ -237,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
     tp = None
     vocab_start = 0
     native_decode = None  # the C decode step's weights (engine/model/native_step.py), when the model qualifies
+    pp = None  # a pipeline stage (engine/parallel/pp.Stage): the residual stream comes from and goes to others
 
     decoder = LlamaModel  # the embedding and layers (a relative's own, in its subclass)
 
@@ -309,9 +310,9 @@ class LlamaForCausalLM(nn.Module):
         Returns the final normed hidden states, (T, hidden)."""
         if lora is not None:
             lora.use_kernels_of(self)
-        if self.native_ops and native_step.usable(self, kv_caches, meta, after_layer, lora):
+        if self.native_ops and self.pp is None and native_step.usable(self, kv_caches, meta, after_layer, lora):
             return native_step.forward(self, input_ids, positions, kv_caches, meta, lora)
-        h = self.embed(input_ids)  # (T, hidden)
+        h = self.embed(input_ids) if self.pp is None else self.pp.enter(self, input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:
             return self._forward_fused_norms(h, rope, kv_caches, meta, after_layer, lora)
@@ -319,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, rope, kv, meta, self.backend, None if lora is None else lora.layer(i))
             if after_layer is not None:
                 after_layer(i)
-        return self.model.norm(h)
+        return self.model.norm(h) if self.pp is None else self.pp.leave(h, None, lambda: self.model.norm(h))
 
     def _forward_fused_norms(self, h, rope, kv_caches, meta, after_layer, lora=None) -> torch.Tensor:
         """The layers with each residual add fused into the RMSNorm that follows it (one C
@@ -334,7 +335,10 @@ class LlamaForCausalLM(nn.Module):
             delta = layer.mlp(native.add_rms_norm(h, a, norm_post.weight, norm_post.eps), at)
             if after_layer is not None:
                 after_layer(i)
-        return native.add_rms_norm(h, delta, self.model.norm.weight, self.model.norm.eps)
+        norm = self.model.norm
+        if self.pp is not None:  # a pipeline stage: h + delta moves on, the last stage norms it
+            return self.pp.leave(h, delta, lambda: native.add_rms_norm(h, delta, norm.weight, norm.eps))
+        return native.add_rms_norm(h, delta, norm.weight, norm.eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of `input_ids`. Vocabulary-parallel: each rank looks up the ids in

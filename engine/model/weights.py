@@ -303,12 +303,15 @@ class LoadedModel:
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: str = "cpu", packed_weights: bool = True, quantization: str = "auto",
-                experts=None) -> LlamaForCausalLM:
+                experts=None, layers: range | None = None) -> LlamaForCausalLM:
     """Instantiate the model for `cfg` with `state`'s weights, fused for inference. `experts`:
-    an expert-parallel rank's share (moe.ExpertShare), whose experts alone `state` holds."""
+    an expert-parallel rank's share (moe.ExpertShare), whose experts alone `state` holds;
+    `layers`: a pipeline stage's (engine/parallel/pp.py), numbered from 0 in `state`."""
     cfg.check_runnable()
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+    if layers is not None:  # each keeps its index in the whole model (per-layer windows)
+        model.model.layers = model.model.layers[layers.start:layers.stop]
     if experts is not None:
         model.keep_experts(experts)
     load_weights_into(model, state, dtype)

@@ -1,1 +1,1 @@
-"""Tensor parallelism across processes of one worker, and core sharing between workers."""
+"""Tensor, expert and pipeline parallelism across processes of one worker, and core sharing between workers."""

@@ -151,5 +151,17 @@ class Group:
         opts.rootRank = 0
         self._wait(self.pg.scatter([out], [parts] if self.rank == 0 else [], opts), "scattering KV")
 
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """`t`'s bytes to rank `dst` alone (point to point: a pipeline's activations and KV)."""
+        if t.numel():
+            self._wait(self.pg.send([t.contiguous().view(-1).view(torch.uint8)], dst, 0), f"sending to rank {dst}")
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` from rank `src` (what its `send` sent)."""
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel():
+            self._wait(self.pg.recv([out.view(-1).view(torch.uint8)], src, 0), f"receiving from rank {src}")
+        return out
+
     def close(self) -> None:
         self.pg = None

@@ -20,7 +20,9 @@ adapters are split as the base weights; each rank holds its part of every adapte
 holds, and each step names its rows' adapters (engine/parallel/lora.py).
 
 In `expert` mode the same group runs expert parallelism instead (engine/parallel/ep.py): each
-rank holds the whole model but for its share of the experts, and its cache every KV head.
+rank holds the whole model but for its share of the experts, and its cache every KV head. In
+`pipeline` mode it runs pipeline parallelism (engine/parallel/pp.py): each rank is a stage,
+holding its contiguous range of the layers, and the residual stream moves stage to stage.
 
 The group is rank 0's process and the ranks it starts, and no one else: each group has a
 random secret that rank 0 hands its ranks on their stdin; the rendezvous, the ranks' proofs
@@ -43,6 +45,7 @@ from pdserve.engine.kv.cache import KVCache
 from pdserve.engine.parallel.ep import EPKVCache, attach_experts, check_experts, shard_experts
 from pdserve.engine.parallel.group import Group, RankFailed, group_store
 from pdserve.engine.parallel.lora import GroupAdapters, RankAdapters, step_groups
+from pdserve.engine.parallel.pp import PPKVCache, attach_stage, load_stage
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard, vocab_of
 from pdserve.engine.parallel.wire import PeerRefused, group_secret
 
@@ -71,12 +74,15 @@ class ModelSource:
         return state, cfg, fp, path
 
 
-def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int, expert: bool = False):
+def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int, expert: bool = False,
+              pipeline: bool = False):
     """The LoadedModel of one rank's slice (its config: the slice's heads and units, the
-    whole vocabulary; `expert`: the whole model's, its share of the experts), and the whole
-    model's config."""
+    whole vocabulary; `expert`: the whole model's, its share of the experts; `pipeline`: the
+    whole model's, its stage's layers), and the whole model's config."""
     from pdserve.engine.model.weights import LoadedModel, build_model, quantized_fingerprint
 
+    if pipeline:
+        return load_stage(source, config, tp, rank)
     state, cfg, fp, path = source.read()
     if config.max_model_len:
         cfg = replace(cfg, max_position_embeddings=config.max_model_len)
@@ -92,12 +98,14 @@ def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int, exp
                        quantized_fingerprint(fp, config.quantization, model)), cfg
 
 
-def attach(model, group: Group, full: ModelConfig, expert: bool = False) -> None:
+def attach(model, group: Group, full: ModelConfig, expert: bool = False, pipeline: bool = False) -> None:
     """Sum every layer's partial attention and MLP outputs, and the embedding lookups, over
     the group; gather the logits of every rank's vocabulary rows. `expert`: sum only the MoE
-    layers' outputs (ep.attach_experts)."""
+    layers' outputs (ep.attach_experts); `pipeline`: make the model a stage (pp.attach_stage)."""
     if expert:
         return attach_experts(model, group)
+    if pipeline:
+        return attach_stage(model, group)
     for layer in model.model.layers:
         layer.self_attn.tp = layer.mlp.tp = group
     spans = [vocab_of(full, group.world, r) for r in range(group.world)]
@@ -119,10 +127,11 @@ def _die_with_parent() -> None:
 
 
 def rank_args(source: ModelSource, config: EngineConfig, tp: int, rank: int, port: int, timeout_s: float,
-              threads: int, secret: bytes, expert: bool = False) -> bytes:
+              threads: int, secret: bytes, expert: bool = False, pipeline: bool = False) -> bytes:
     """A rank's arguments as the JSON its process reads on stdin (`follower_entry`)."""
     return json.dumps({"source": asdict(source), "config": asdict(config), "tp": tp, "rank": rank, "port": port,
-                       "timeout_s": timeout_s, "threads": threads, "secret": secret.hex(), "expert": expert}).encode()
+                       "timeout_s": timeout_s, "threads": threads, "secret": secret.hex(), "expert": expert,
+                       "pipeline": pipeline}).encode()
 
 
 def follower_entry() -> None:
@@ -134,24 +143,25 @@ def follower_entry() -> None:
     config = EngineConfig(**(cfg | {"cache": CacheConfig(**cfg["cache"]),
                                     "scheduler": SchedulerConfig(**cfg["scheduler"])}))
     follower_main(source, config, a["tp"], a["rank"], a["port"], a["timeout_s"], a["threads"],
-                  bytes.fromhex(a["secret"]), a["expert"])
+                  bytes.fromhex(a["secret"]), a["expert"], a["pipeline"])
 
 
 def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int, port: int, timeout_s: float,
-                  threads: int, secret: bytes, expert: bool = False) -> None:
+                  threads: int, secret: bytes, expert: bool = False, pipeline: bool = False) -> None:
     """A rank other than 0: build its slice and cache, then run the steps rank 0 sends."""
     _die_with_parent()
     torch.set_num_threads(max(1, threads))
     from pdserve.engine.kernels.attention import default_backend
-    loaded, full = load_rank(source, config, tp, rank, expert)
+    loaded, full = load_rank(source, config, tp, rank, expert, pipeline)
     _, store = group_store("127.0.0.1", port, tp, False, timeout_s, secret)
     try:
         group = Group(rank, tp, store, timeout_s, secret)
     except (RankFailed, PeerRefused) as e:
         print(f"pdserve tensor-parallel rank {rank}: {e}", file=sys.stderr)
         os._exit(1)
-    attach(loaded.model, group, full, expert)
-    kv = EPKVCache(full, config, group) if expert else TPKVCache(full, loaded.config, config, group)
+    attach(loaded.model, group, full, expert, pipeline)
+    kv = EPKVCache(full, config, group) if expert else PPKVCache(full, config, group) if pipeline \
+        else TPKVCache(full, loaded.config, config, group)
     model = loaded.model
     model.backend = default_backend(config.device, getattr(torch, config.dtype), config.attention)
     model.use_native_ops(_native_ok(model))
@@ -266,16 +276,20 @@ class TPKVCache(KVCache):
 class TensorParallel:
     """Rank 0's side of a group: starts the other ranks, owns the collectives; `loaded` is its
     own slice, `kv_cache(config)` its cache. `stop()` ends the group. `expert`: an
-    expert-parallel group of `tp` ranks (engine/parallel/ep.py)."""
+    expert-parallel group of `tp` ranks (engine/parallel/ep.py); `pipeline`: a pipeline of `tp`
+    stages (engine/parallel/pp.py)."""
 
     def __init__(self, source: ModelSource, config: EngineConfig, tp: int, timeout_s: float = 60.0,
-                 threads_per_rank: int = 0, expert: bool = False):
-        self.tp, self.config, self.expert = tp, config, expert
-        if expert and config.lora.max_loras:
-            raise ValueError("LoRA adapters on an expert-parallel group are not supported yet: use --max-loras 0 "
-                             "or expert-parallel degree 1")
-        self.loaded, self.full = load_rank(source, config, tp, 0, expert)
-        (check_experts if expert else check_degree)(self.full, tp)
+                 threads_per_rank: int = 0, expert: bool = False, pipeline: bool = False):
+        self.tp, self.config, self.expert, self.pipeline = tp, config, expert, pipeline
+        kind = "an expert-parallel group" if expert else "a pipeline-parallel group" if pipeline else ""
+        if expert and pipeline:
+            raise ValueError("a group is expert-parallel or pipeline-parallel, not both")
+        if kind and config.lora.max_loras:
+            raise ValueError(f"LoRA adapters on {kind} are not supported yet: use --max-loras 0 or degree 1")
+        self.loaded, self.full = load_rank(source, config, tp, 0, expert, pipeline)
+        if not pipeline:  # a pipeline's degree is checked before its stage is built (pp.check_stages)
+            (check_experts if expert else check_degree)(self.full, tp)
         secret = group_secret()
         self._store, store = group_store("127.0.0.1", 0, tp, True, timeout_s, secret)
         port = self._store.port
@@ -287,7 +301,7 @@ class TensorParallel:
         for r in range(1, tp):
             p = subprocess.Popen([sys.executable, "-c", "from pdserve.engine.parallel.tp import follower_entry; follower_entry()"],
                                  stdin=subprocess.PIPE)
-            p.stdin.write(rank_args(source, config, tp, r, port, timeout_s, threads, secret, expert))
+            p.stdin.write(rank_args(source, config, tp, r, port, timeout_s, threads, secret, expert, pipeline))
             p.stdin.close()
             self.procs.append(p)
         try:
@@ -295,11 +309,13 @@ class TensorParallel:
         except (RankFailed, PeerRefused):
             self._kill_ranks()
             raise
-        attach(self.loaded.model, self.group, self.full, expert)
+        attach(self.loaded.model, self.group, self.full, expert, pipeline)
 
-    def kv_cache(self) -> TPKVCache | EPKVCache:
+    def kv_cache(self) -> TPKVCache | EPKVCache | PPKVCache:
         if self.expert:
             return EPKVCache(self.full, self.config, self.group)
+        if self.pipeline:
+            return PPKVCache(self.full, self.config, self.group)
         return TPKVCache(self.full, self.loaded.config, self.config, self.group)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, passes: list[tuple[int, int]],
@@ -308,9 +324,10 @@ class TensorParallel:
         prompt-logprob row ranges `passes`, then the sampled rows (`sampled`; None: all), the
         KV exports of `streams` ((blocks, every n layers)) inside it, and the rows of each
         adapter of `lora` (the step's LoRABatch, None: all rows on the base) under their parts of it.
-        An expert-parallel group's other ranks export no KV (rank 0's is the group's)."""
+        An expert-parallel group's other ranks export no KV (rank 0's is the group's), nor do a
+        pipeline's mid-pass (rank 0 exports once the pass is through, runner.py)."""
         if self.tp > 1:
-            streams = [] if self.expert else streams or []
+            streams = [] if self.expert or self.pipeline else streams or []
             self.group.broadcast(("step", input_ids, positions, meta, passes, sampled, streams, step_groups(lora)))
 
     def dead_ranks(self) -> list[int]:

@@ -1,0 +1,170 @@
+"""Pipeline parallelism (engine/parallel/pp.py): a degree above the layers is refused with the
+ones that fit; each stage holds its layers; engines over 2 and 3 stages (5 layers: uneven
+splits) give the single engine's greedy tokens and logprobs exactly, batched and chunked,
+with every block back; KV moves between pipelines and single engines token-exactly, and a
+step's layer streams are the exported KV; a stage killed mid-stream makes the next step raise
+RankFailed, the other stages go down and the blocks come back."""
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
+from pdserve.engine.model.weights import LoadedModel, build_model
+from pdserve.engine.parallel.pp import check_stages, layers_of, stage_state
+from pdserve.engine.parallel.tp import ModelSource, RankFailed
+from tests.helpers.prompts import prompts
+
+LAYERS = (("num_hidden_layers", 5),)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+CONFIG = EngineConfig(quantization="exact", num_threads=1, cache=CacheConfig(kv_cache_memory=4 << 20),
+                      scheduler=SchedulerConfig(max_num_batched_tokens=64))
+
+
+def single() -> LLMEngine:
+    cfg = tiny_config(**dict(LAYERS))
+    model = build_model(cfg, tiny_state_dict(cfg, 0), quantization="exact")
+    return LLMEngine(LoadedModel(model, cfg, Path("<tiny>"), "tiny-0"), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def pipelines():
+    """PP=2 and PP=3 engines of the 5-layer tiny model, shared by the tests that leave them clean."""
+    made = {pp: LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS), CONFIG, pp,
+                                          pipeline=True) for pp in (2, 3)}
+    yield made
+    for e in made.values():
+        e.shutdown()
+        assert all(p.poll() is not None for p in e.tp.procs)
+
+
+def clean(e: LLMEngine) -> None:
+    assert not e.has_unfinished_requests() and e.blocks.num_used_blocks == 0
+    e.blocks.check_invariants()
+
+
+def run(e: LLMEngine, ps, params=GREEDY):
+    ids = [f"r{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps):
+        e.add_request(rid, p, params)
+    toks, lps = {r: [] for r in ids}, {r: [] for r in ids}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            toks[o.request_id] += o.new_token_ids
+            lps[o.request_id] += [lp.logprob for lp in o.logprobs]
+    return [toks[r] for r in ids], [lps[r] for r in ids]
+
+
+def test_a_degree_above_the_layers_is_refused_with_the_ones_that_fit():
+    check_stages(tiny_config(num_hidden_layers=3), 3)
+    with pytest.raises(ValueError, match=r"pipeline-parallel degree 4: this model has 3 layers: use 1 to 3"):
+        check_stages(tiny_config(num_hidden_layers=3), 4)
+    with pytest.raises(ValueError, match=r"degree 4: this model has 3 layers"):  # before any rank starts
+        LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=(("num_hidden_layers", 3),)), CONFIG, 4,
+                                  pipeline=True)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, and 1 with tensor or expert"):
+        EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_each_stage_holds_its_layers_renumbered():
+    cfg = tiny_config(**dict(LAYERS))
+    assert [layers_of(cfg, 3, r) for r in range(3)] == [range(0, 2), range(2, 4), range(4, 5)]
+    state = tiny_state_dict(cfg, 0)
+    part = stage_state(state, range(2, 4))
+    assert torch.equal(part["model.layers.0.mlp.up_proj.weight"], state["model.layers.2.mlp.up_proj.weight"])
+    assert torch.equal(part["model.layers.1.self_attn.q_proj.weight"], state["model.layers.3.self_attn.q_proj.weight"])
+    assert not any(k.startswith(("model.layers.2.", "model.layers.4.")) for k in part)
+    assert torch.equal(part["model.embed_tokens.weight"], state["model.embed_tokens.weight"])  # kept on every stage
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_greedy_tokens_and_logprobs_equal_one_engine_batched_and_chunked(pipelines, pp):
+    ps = prompts(5, seed=11, lo=5, hi=100)  # 100 tokens over a 64-token budget: chunked prefill
+    want, want_lp = run(single(), ps)
+    e = pipelines[pp]
+    sends = e.runner.model.pp.sends
+    got, got_lp = run(e, ps)
+    assert got == want and got_lp == want_lp  # the same sums in the same order: exactly
+    assert len(e.runner.model.model.layers) == len(layers_of(e.model_config, pp, 0)) == (3 if pp == 2 else 2)
+    assert e.kv_cache.kv.shape[0] == len(e.runner.model.model.layers) and e.kv_cache.layout[0] == 5
+    assert e.runner.model.pp.sends > sends  # rank 0 sent its activations on
+    clean(e)
+
+
+def test_the_torch_layers_path_over_three_stages():
+    """Without the C kernels (attention "torch"): the plain layers and final norm, staged."""
+    config = EngineConfig(**{**CONFIG.__dict__, "attention": "torch"})
+    cfg = tiny_config(**dict(LAYERS))
+    ref = LLMEngine(LoadedModel(build_model(cfg, tiny_state_dict(cfg, 0), quantization="exact"), cfg, Path("<tiny>"),
+                                "tiny-0"), config)
+    ps = prompts(2, seed=3, lo=5, hi=80)
+    want = run(ref, ps)
+    e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS), config, 3, pipeline=True)
+    try:
+        assert not e.runner.model.native_ops and run(e, ps) == want
+        clean(e)
+    finally:
+        e.shutdown()
+
+
+def handoff(src: LLMEngine, dst: LLMEngine, ps, streamed=None):
+    out = []
+    for i, p in enumerate(ps):
+        rid = f"h{i}"
+        src.add_request(rid, p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
+        if streamed is not None:
+            src.stream_kv_layers(rid, lambda a, b, kv: streamed.append((a, b, kv)), group=2)
+        first = None
+        while src.has_unfinished_requests():
+            for o in src.step():
+                first = o.new_token_ids[0]
+        _, kv = src.export_kv(rid)
+        src.release_kv(rid)
+        if streamed is not None:  # layers [0, 2), [2, 4), [4, 5) of the prompt's blocks: the export's
+            assert [(a, b) for a, b, _ in streamed] == [(0, 2), (2, 4), (4, 5)]
+            assert torch.equal(torch.cat([kv for _, _, kv in streamed]), kv)
+            streamed.clear()
+        dst.add_remote_request(rid, p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        dst.import_kv(rid, kv, first)
+        toks = [first]
+        while dst.has_unfinished_requests():
+            for o in dst.step():
+                toks += o.new_token_ids
+        out.append(toks)
+    return out
+
+
+def test_kv_moves_between_pipelines_and_single_engines(pipelines):
+    ps = prompts(3, seed=12, lo=20, hi=70)
+    one = single()
+    want = one.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    two, three = pipelines[2], pipelines[3]
+    assert two.kv_cache.layout == one.kv_cache.layout == three.kv_cache.layout  # the whole model's layers
+    assert handoff(two, one, ps) == want  # prefill over 2 stages -> decode on 1
+    assert handoff(one, three, ps) == want  # 1 -> 3
+    assert handoff(three, two, ps, streamed=[]) == want  # 3 -> 2, its KV streamed as the step ends
+    for e in (two, one, three):
+        clean(e)
+
+
+def test_a_stage_killed_mid_stream_raises_rank_failed_and_frees_the_blocks():
+    e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS), CONFIG, 3, pipeline=True)
+    try:
+        e.add_request("a", prompts(1, seed=13, lo=30, hi=30)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(3):
+            e.step()
+        os.kill(e.tp.procs[0].pid, signal.SIGKILL)  # stage 1: rank 0 sends to it, stage 2 waits on it
+        e.tp.procs[0].wait(10)
+        with pytest.raises(RankFailed):
+            for _ in range(50):
+                e.step()
+        e.abort_all()
+        clean(e)
+        assert all(p.wait(10) is not None for p in e.tp.procs)  # the last stage was taken down at once
+    finally:
+        e.shutdown()
