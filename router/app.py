@@ -28,7 +28,7 @@ from .usage import Meter, MemoryUsage, RedisUsage
 from .responses_endpoint import add_responses_routes, request_context
 from .models_responses import add_model_responses_routes
 from .router import Router
-from .tenancy import RequestContext  # noqa: F401  (what `context` gives the routes)
+from .tenancy import RequestContext, sent_priority  # noqa: F401  (RequestContext: what `context` gives the routes)
 
 
 class BodyLimit:
@@ -290,7 +290,7 @@ def create_app(served: Router | ModelRouters) -> FastAPI:
     add_usage_route(app, usage, admin)
 
     def context(req, request: Request) -> RequestContext:
-        return request_context(router, request, req.priority, req.user, req.model)
+        return request_context(router, request, sent_priority(req), req.user, req.model)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(req: CompletionRequest, request: Request):

@@ -11,6 +11,7 @@ tenant and priority headers are honoured). For example:
     digest = "sha256:9f86d0..."    # printf %s "$KEY" | sha256sum
     tenant = "team-a"
     priority_ceiling = 0           # the default: no queue jumping
+    priority = 5                   # its requests' priority when they send none (omitted: 0)
     over_ceiling = "clamp"         # or "refuse" (403)
     models = ["SmolLM2-135M-Instruct", "sql"]
     trusted = false
@@ -43,7 +44,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued_tokens")
-FIELDS = {"name", "digest", "tenant", "priority_ceiling", "over_ceiling", "models", "trusted", "on_redis_error",
+FIELDS = {"name", "digest", "tenant", "priority", "priority_ceiling", "over_ceiling", "models", "trusted",
+          "on_redis_error",
           *LIMITS}
 CLEAR = {"key", "api_key", "secret", "token"}  # what a key in clear would be called
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -90,6 +92,9 @@ class APIKey:
     max_queued_tokens: int = 0
     tenant_limits: Limits = Limits()
     """Its tenant's limits (a `[tenants.NAME]` table), counted across all the tenant's keys."""
+    priority: int | None = None
+    """Its requests' priority when they send none: the operator's, not the client's (None: the
+    default, 0, where the router's fair-by-default rule applies). Never above the ceiling."""
 
     @property
     def limits(self) -> Limits:
@@ -134,6 +139,11 @@ def _key(entry: dict, n: int) -> tuple[str, APIKey]:
     ceiling = entry.get("priority_ceiling", 0)
     if not isinstance(ceiling, int) or isinstance(ceiling, bool) or abs(ceiling) > 10 ** 9:
         raise ValueError("priority_ceiling must be an integer (the most urgent priority the key may ask for)")
+    priority = entry.get("priority")
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > 10 ** 9):
+        raise ValueError("priority must be an integer (its requests' priority when they send none)")
+    if priority is not None and priority < ceiling:
+        raise ValueError(f"priority {priority} is more urgent than the key's priority_ceiling {ceiling}")
     over = entry.get("over_ceiling", "clamp")
     if over not in ("clamp", "refuse"):
         raise ValueError(f"over_ceiling must be \"clamp\" or \"refuse\", got {over!r}")
@@ -151,7 +161,7 @@ def _key(entry: dict, n: int) -> tuple[str, APIKey]:
     if on_error not in ("open", "closed"):
         raise ValueError(f"on_redis_error must be \"open\" or \"closed\", got {on_error!r}")
     return d, APIKey(name, tenant, ceiling, over == "refuse", frozenset(models), trusted, **limits,
-                     fail_closed=on_error == "closed")
+                     fail_closed=on_error == "closed", priority=priority)
 
 
 def _limits(entry: dict) -> dict[str, int]:

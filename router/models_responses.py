@@ -9,6 +9,7 @@ from .errors import APIError
 from .response_store import ResponseStore
 from .responses_api import ResponsesRequest
 from .responses_endpoint import ResponsesEndpoint, request_context
+from .tenancy import sent_priority
 
 
 def add_model_responses_routes(app: FastAPI, routers, authorized, while_connected, wants_timing) -> None:
@@ -18,7 +19,7 @@ def add_model_responses_routes(app: FastAPI, routers, authorized, while_connecte
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def create_response(req: ResponsesRequest, request: Request):
         router = routers.pick(req.model)
-        ctx = request_context(router, request, req.priority, req.user, req.model or "")
+        ctx = request_context(router, request, sent_priority(req), req.user, req.model or "")
         return await while_connected(request, endpoints[router.model_name].create(req, ctx, wants_timing(request)))
 
     async def first_found(method: str, response_id: str, request: Request):

@@ -21,7 +21,7 @@ from .errors import APIError
 from .response_store import ResponseStore, StoredResponse
 from .responses_api import ResponsesRequest, chat_request, input_messages, renamed
 from .responses_output import ResponseEvents, Turn, finished, new_id, now, response_object
-from .tenancy import RequestContext
+from .tenancy import RequestContext, sent_priority
 from .tools import parse_tool_call
 
 log = logging.getLogger("pdserve.router")
@@ -147,11 +147,12 @@ class _Run:
         return resp
 
 
-def request_context(router, request: Request, priority: int = 0, user: str | None = None,
+def request_context(router, request: Request, priority: int | None = None, user: str | None = None,
                     model: str = "") -> RequestContext:
     """Who a request is for, as every endpoint sees it: under a keys-file key (`authorized`
-    put it in request.state), its tenant and ceiling, and 403 for a `model` it may not use;
-    else the tenant of the operator's API key (its digest) or, with none, of the headers."""
+    put it in request.state), its tenant, ceiling and default priority (`priority` None: the
+    body has none), and 403 for a `model` it may not use; else the tenant of the operator's
+    API key (its digest) or, with none, of the headers."""
     key = getattr(request.state, "api_key", None)
     if key is not None:
         if model and not key.allows(model):
@@ -160,7 +161,7 @@ def request_context(router, request: Request, priority: int = 0, user: str | Non
         return replace(RequestContext.for_key(key, request.headers, priority, user),
                        meter=getattr(request.state, "meter", None))
     bearer = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    return replace(RequestContext.of(request.headers, priority, user,
+    return replace(RequestContext.of(request.headers, priority or 0, user,
                                      bearer if bearer in router.security.api_keys else ""),
                    meter=getattr(request.state, "meter", None))
 
@@ -172,7 +173,7 @@ def add_responses_routes(app: FastAPI, router, authorized, while_connected, want
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def create_response(req: ResponsesRequest, request: Request):
-        ctx = request_context(router, request, req.priority, req.user, req.model or "")
+        ctx = request_context(router, request, sent_priority(req), req.user, req.model or "")
         return await while_connected(request, endpoint.create(req, ctx, wants_timing(request)))
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorized)])

@@ -58,13 +58,16 @@ class RequestContext:
         return cls(priority, tenant, session)
 
     @classmethod
-    def for_key(cls, key, headers: Mapping[str, str], body_priority: int = 0,
+    def for_key(cls, key, headers: Mapping[str, str], body_priority: int | None = None,
                 user: str | None = None) -> "RequestContext":
         """A request under an operator's key (router/keys.py APIKey): its tenant is the key's and
-        its priority the body's, held to the key's ceiling (clamped, or 403 where the key says
-        refuse); only a trusted key's (a gateway's) tenant and priority headers count."""
+        its priority the body's (None: it sent none; the key's own `priority` then, if it has
+        one), held to the key's ceiling (clamped, or 403 where the key says refuse); only a
+        trusted key's (a gateway's) tenant and priority headers count."""
         if not key.trusted:
             headers = {h: v for h, v in headers.items() if h.lower() not in (PRIORITY_HEADER, *TENANT_HEADERS)}
+        if body_priority is None:
+            body_priority = key.priority or 0
         base = cls.of(headers, body_priority, user)
         priority = base.priority
         if priority < key.priority_ceiling:
@@ -74,6 +77,12 @@ class RequestContext:
                                param="priority", code="priority_not_allowed")
             priority = key.priority_ceiling
         return cls(priority, (base.tenant if key.trusted else "") or key.tenant, base.session, key=key.name)
+
+
+def sent_priority(req) -> int | None:
+    """A request body's `priority`, None where the client sent none (a key's own priority,
+    or the default, applies then)."""
+    return req.priority if "priority" in req.model_fields_set else None
 
 
 class TenantLimits:

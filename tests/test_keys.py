@@ -40,6 +40,8 @@ def test_a_file_gives_each_key_its_tenant_ceiling_models_and_trust():
     (f'# the team\n\n[[key]]\ndigest = "{digest(A)}"\n', 3, "needs its tenant"),
     ('[[key]]\ndigest = "sha256:abc"\ntenant = "a"\n', 1, "64 lowercase hex"),
     (entry(A, "a", models="all"), 1, "models must be a list"),
+    (entry(A, "a", priority=-1), 1, "priority -1 is more urgent than the key's priority_ceiling 0"),
+    (entry(A, "a", priority="high"), 1, "priority must be an integer"),
 ])
 def test_a_bad_file_is_refused_with_the_line_of_its_fault(text, line, match):
     with pytest.raises(KeysFileError, match=rf"keys\.toml line {line} .*{match}"):
@@ -140,3 +142,29 @@ def test_a_negative_limit_or_a_bad_redis_policy_is_refused_with_its_line():
         parse(entry(A, "a", requests_per_minute=-1), "keys.toml")
     with pytest.raises(KeysFileError, match=r"line 1 .*on_redis_error must be"):
         parse(entry(A, "a", on_redis_error="maybe"), "keys.toml")
+
+
+def test_a_keys_own_priority_is_its_requests_when_they_send_none():
+    """The operator decides: a batch key's requests run at its `priority` unless they ask for
+    another, which its ceiling still holds; a key without one leaves the default (0)."""
+    keys = parse(entry(A, "batch", priority=5) + entry(B, "chat", priority_ceiling=-10, priority=-5)
+                 + entry(GW, "plain"))
+    batch, chat, plain = keys[digest(A)], keys[digest(B)], keys[digest(GW)]
+    assert (batch.priority, chat.priority, plain.priority) == (5, -5, None)
+    assert RequestContext.for_key(batch, {}, body_priority=None).priority == 5
+    assert RequestContext.for_key(batch, {}, body_priority=9).priority == 9  # sent: as asked
+    assert RequestContext.for_key(batch, {}, body_priority=-3).priority == 0  # sent: clamped to the ceiling
+    assert RequestContext.for_key(chat, {}, body_priority=None).priority == -5
+    assert RequestContext.for_key(plain, {}, body_priority=None).priority == 0
+    assert RequestContext.for_key(batch, {"x-pdserve-priority": "-9"}, body_priority=None).priority == 5  # not trusted
+
+
+def test_a_body_without_priority_is_told_from_one_that_sends_the_default():
+    from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest
+    from pdserve.router.responses_api import ResponsesRequest
+    from pdserve.router.tenancy import sent_priority
+
+    assert sent_priority(CompletionRequest(model="m", prompt="x")) is None
+    assert sent_priority(CompletionRequest(model="m", prompt="x", priority=0)) == 0
+    assert sent_priority(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], priority=3)) == 3
+    assert sent_priority(ResponsesRequest(model="m", input="x")) is None

@@ -1,5 +1,5 @@
 """The operator's keys file through `pdserve up --keys-file` under Ray: a key is its tenant and
-its priority ceiling whatever its client sends (read back from the router's own per-tenant,
+its priority ceiling whatever its client sends, and its own priority when the client sends none (read back from the router's own per-tenant,
 per-band series), a key may be refused a priority or a model, only a trusted key reaches the
 admin endpoints, and the file is reloaded on change and on SIGHUP, adding and revoking keys
 while a stream runs, keeping the keys in force when the new file is bad. Rate limits per key
@@ -21,8 +21,8 @@ from tests.helpers.procs import Proc, stop, wait_kv_back
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 MODEL = "SmolLM2-135M-Instruct"
-A, B, C, D, E, F, G, H, I, J, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j",
-                                                                  "operator"))
+A, B, C, D, E, F, G, H, I, J, K, OP = (f"sk-{n}-{n * 8}" for n in ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j",
+                                                                     "k", "operator"))
 
 
 def key(k: str, tenant: str, extra: str = "") -> str:
@@ -32,7 +32,7 @@ def key(k: str, tenant: str, extra: str = "") -> str:
 FILE = (key(A, "team-a") + key(B, "team-b", "priority_ceiling = -10")
         + key(C, "team-c", 'over_ceiling = "refuse"') + key(D, "team-d", 'models = ["another-model"]')
         + key(F, "team-f", "requests_per_minute = 3") + key(G, "team-g", "max_concurrent = 1") + key(J, "team-g")
-        + key(H, "team-h") + key(I, "team-h") + "[tenants.team-h]\nrequests_per_minute = 3\n"
+        + key(H, "team-h") + key(I, "team-h") + key(K, "team-k", "priority = 5") + "[tenants.team-h]\nrequests_per_minute = 3\n"
         + "[tenants.team-g]\nmax_queued_tokens = 4\n")
 
 
@@ -98,6 +98,8 @@ def test_a_key_is_its_tenant_and_its_ceiling_whatever_its_client_sends(served):
     assert complete(url, B, priority=-5).status_code == 200
     assert waits(url, "default", "team-a") == 1 and waits(url, "high", "team-a") == 0  # clamped to 0, its own tenant
     assert waits(url, "high", "team-b") == 1  # within B's ceiling: urgent
+    assert complete(url, K).status_code == 200 and complete(url, K, priority=0).status_code == 200
+    assert waits(url, "low", "team-k") == 1 and waits(url, "default", "team-k") == 1  # the key's 5 unless sent
     r = complete(url, C, priority=-1)
     assert r.status_code == 403 and r.json()["error"]["code"] == "priority_not_allowed", r.text
     r = complete(url, D)
