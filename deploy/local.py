@@ -40,7 +40,8 @@ class LocalCluster:
         for role, pool in c.pools().items():
             for i in range(pool.replicas):
                 wc = c.worker(role, f"{role}-{i}")  # a tensor/expert-parallel worker's ranks load their own slices
-                group = max(wc.engine.tensor_parallel_size, wc.engine.expert_parallel_size) > 1
+                group = max(wc.engine.tensor_parallel_size, wc.engine.expert_parallel_size,
+                            wc.engine.pipeline_parallel_size) > 1
                 w = HostedWorker(wc, None if group else self.loaded, self.tokenizer)
                 await w.start()
                 self.workers.append(w)

@@ -114,7 +114,7 @@ def _room_hint(demands: list[PoolDemand], need: dict[str, float], has: RayResour
         if fewer:
             hints.append(f"fewer CPUs per worker: {fewer}")
         if any(d.ranks > 1 for d in demands):
-            hints.append("a smaller " + " / ".join(f"--{d.role}-tp (or -ep)" for d in demands if d.ranks > 1))
+            hints.append("a smaller " + " / ".join(f"--{d.role}-tp (or -ep, -pp)" for d in demands if d.ranks > 1))
     if "GPU" in short:
         gpus = " / ".join(f"--{d.role}-gpus" for d in demands)
         hints.append(f"fewer GPUs per worker ({gpus}) or nodes with GPUs")

@@ -32,9 +32,9 @@ log = logging.getLogger("pdserve.worker")
 
 
 def load_worker_model(engine: EngineConfig) -> tuple[LoadedModel | None, Tokenizer]:
-    """The model a worker serves and its tokenizer; no model for a tensor- or expert-parallel
-    worker (its ranks load their own slices, see HostedWorker)."""
-    if engine.tensor_parallel_size > 1 or engine.expert_parallel_size > 1:
+    """The model a worker serves and its tokenizer; no model for a tensor-, expert- or
+    pipeline-parallel worker (its ranks load their own slices, see HostedWorker)."""
+    if max(engine.tensor_parallel_size, engine.expert_parallel_size, engine.pipeline_parallel_size) > 1:
         return None, Tokenizer.from_model_path(resolve_model_path(engine.model or None))
     loaded = load_for_config(engine)
     return loaded, Tokenizer.from_model_path(loaded.path)
@@ -47,8 +47,8 @@ class HostedWorker:
         tensor-parallel group), leave the registry and end the process, so that Ray (or the
         process supervisor) starts a fresh worker; off, the worker only leaves the registry (a
         worker hosted inside another program). `loaded` None: a tensor-parallel group of
-        `engine.tensor_parallel_size` ranks, or an expert-parallel one of
-        `engine.expert_parallel_size`, reading the configured model."""
+        `engine.tensor_parallel_size` ranks, an expert-parallel one of `engine.expert_parallel_size`
+        or a pipeline of `engine.pipeline_parallel_size` stages, reading the configured model."""
         self.config = c = config
         self.exit_on_engine_death = exit_on_engine_death
         self._watchdog: asyncio.Task | None = None
@@ -60,10 +60,10 @@ class HostedWorker:
         # token ids only: the router detokenizes and applies stop strings
         engine_config = replace(c.engine, detokenize=False)
         if loaded is None:
-            ep = c.engine.expert_parallel_size
+            ep, pp = c.engine.expert_parallel_size, c.engine.pipeline_parallel_size
             core = LLMEngine.tensor_parallel(ModelSource(c.engine.model), engine_config,
-                                             max(c.engine.tensor_parallel_size, ep), tokenizer,
-                                             event_listener=self.publisher, expert=ep > 1)
+                                             max(c.engine.tensor_parallel_size, ep, pp), tokenizer,
+                                             event_listener=self.publisher, expert=ep > 1, pipeline=pp > 1)
         else:
             core = LLMEngine(loaded, engine_config, tokenizer, self.publisher)
         engine = AsyncEngine(core, cores=self.cores)

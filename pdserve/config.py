@@ -139,13 +139,20 @@ class PoolConfig:
     """Expert-parallel degree of each worker of the pool (a mixture-of-experts model's experts
     split over its ranks, attention replicated: engine/parallel/ep.py); 0: the cluster
     engine's. Not with tp above 1."""
+    pp: int = 0
+    """Pipeline-parallel degree of each worker of the pool (its layers split into stages, one
+    process each: engine/parallel/pp.py); 0: the cluster engine's. Not with tp or ep above 1."""
 
     def __post_init__(self):
         at_least("tp", self.tp, 0)
         at_least("ep", self.ep, 0)
+        at_least("pp", self.pp, 0)
         if self.tp > 1 and self.ep > 1:
             raise ValueError(f"a pool's tp ({self.tp}) and ep ({self.ep}) cannot both be above 1: tensor parallelism "
                              "within an expert-parallel group is not implemented; use one of them")
+        if self.pp > 1 and max(self.tp, self.ep) > 1:
+            raise ValueError(f"a pool's pp ({self.pp}) cannot be above 1 with tp ({self.tp}) or ep ({self.ep}) above "
+                             "1: stages split by tensor or expert parallelism are not implemented; use one of them")
         if self.kv_cache_dtype:
             one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         at_least("replicas", self.replicas, 0)
@@ -153,9 +160,10 @@ class PoolConfig:
         at_least("max_restarts", self.max_restarts, -1)
 
     def ranks(self, engine) -> int:
-        """Processes of each worker of this pool (its tensor- or expert-parallel degree, the
-        pool's or else `engine`'s EngineConfig's)."""
-        return (self.tp or engine.tensor_parallel_size) * (self.ep or engine.expert_parallel_size)
+        """Processes of each worker of this pool (its tensor-, expert- or pipeline-parallel
+        degree, the pool's or else `engine`'s EngineConfig's)."""
+        return ((self.tp or engine.tensor_parallel_size) * (self.ep or engine.expert_parallel_size)
+                * (self.pp or engine.pipeline_parallel_size))
 
 
 @dataclass(frozen=True)
@@ -297,9 +305,10 @@ class ClusterConfig:
         engine = self.engine
         if pool.kv_cache_dtype:
             engine = replace(engine, cache=replace(engine.cache, kv_cache_dtype=pool.kv_cache_dtype))
-        if pool.tp or pool.ep:
+        if pool.tp or pool.ep or pool.pp:
             engine = replace(engine, tensor_parallel_size=pool.tp or engine.tensor_parallel_size,
-                             expert_parallel_size=pool.ep or engine.expert_parallel_size)
+                             expert_parallel_size=pool.ep or engine.expert_parallel_size,
+                             pipeline_parallel_size=pool.pp or engine.pipeline_parallel_size)
         if role == "prefill":  # a prefill worker samples one token per prompt: nothing to speculate
             engine = replace(engine, speculative_tokens=0, speculative_model="", speculative_quantization="")
         fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),

@@ -188,6 +188,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                        help=f"expert-parallel degree of each {pool} worker of a mixture-of-experts model: its "
                             "experts split over N ranks (processes), attention replicated on each; at most the "
                             f"experts per layer, not with --{pool}-tp (default: --ep); pools may differ")
+        p.add_argument(f"--{pool}-pp", type=int, default=0, help=f"pipeline-parallel degree of each {pool} worker: "
+                       "its layers split into N stages (processes); not with tp/ep (default: --pp)")
         p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
                        help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
                             "refused by every worker of a pool gets 429")
@@ -340,7 +342,8 @@ def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:
                       max_queue=getattr(args, f"{role}_max_queue"), max_restarts=args.max_restarts,
                       resource=getattr(args, f"{role}_resource"),
                       kv_cache_dtype=getattr(args, f"{role}_kv_cache_dtype", None) or "",
-                      tp=getattr(args, f"{role}_tp", 0) or 0, ep=getattr(args, f"{role}_ep", 0) or 0)
+                      tp=getattr(args, f"{role}_tp", 0) or 0, ep=getattr(args, f"{role}_ep", 0) or 0,
+                      pp=getattr(args, f"{role}_pp", 0) or 0)
 
 
 def up_config(args: argparse.Namespace) -> ClusterConfig:

@@ -23,7 +23,7 @@ from pdserve.config import PoolConfig, ServedModel
 from pdserve.engine.config import EngineConfig, LoRAConfig
 
 MODEL_KEYS = ("name", "path", "lora_modules", "max_loras", "max_lora_rank", "max_model_len", "prefill", "decode")
-POOL_KEYS = {"replicas": int, "tp": int, "ep": int, "kv_cache_dtype": str, "num_cpus": (int, float), "num_gpus": (int, float),
+POOL_KEYS = {"replicas": int, "tp": int, "ep": int, "pp": int, "kv_cache_dtype": str, "num_cpus": (int, float), "num_gpus": (int, float),
              "max_queue": int, "resource": str}
 _TYPE_NAMES = {int: "an integer", str: "a string", (int, float): "a number"}
 

@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel degree of a mixture-of-experts model: its experts split over N processes "
                         "of this host, attention replicated on each; at most the experts per layer, not with "
                         "--tp (default: 1)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel degree: the model's layers split into N stages, processes of this host "
+                        "(gloo); at most the layers, not with --tp or --ep (default: 1)")
     g.add_argument("--attention", choices=("auto", "torch", "native", "triton"), default="auto",
                    help="attention kernels: auto = Triton on CUDA, C on CPU (default: auto)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
@@ -72,7 +75,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative_tokens=args.speculative_tokens, speculative_model=args.speculative_model,
         speculative_max_batch=args.speculative_max_batch,
         speculative_quantization=args.speculative_quantization or "", tensor_parallel_size=args.tp,
-        expert_parallel_size=args.ep,
+        expert_parallel_size=args.ep, pipeline_parallel_size=args.pp,
         quantization=args.quantization, attention=args.attention, grammar_budget_s=args.grammar_budget,
         grammar_step_budget_ms=args.grammar_step_budget_ms,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
