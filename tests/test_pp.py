@@ -1,7 +1,7 @@
 """Pipeline parallelism (engine/parallel/pp.py): a degree above the layers is refused with the
 ones that fit; each stage holds its layers; engines over 2 and 3 stages (5 layers: uneven
 splits) give the single engine's greedy tokens and logprobs exactly, batched and chunked,
-with every block back; KV moves between pipelines and single engines token-exactly, and a
+with every block back (a mixture-of-experts model too); KV moves between pipelines and single engines token-exactly, and a
 step's layer streams are the exported KV; a stage killed mid-stream makes the next step raise
 RankFailed, the other stages go down and the blocks come back."""
 import os
@@ -107,6 +107,25 @@ def test_the_torch_layers_path_over_three_stages():
     e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS), config, 3, pipeline=True)
     try:
         assert not e.runner.model.native_ops and run(e, ps) == want
+        clean(e)
+    finally:
+        e.shutdown()
+
+
+def test_a_mixture_of_experts_model_over_three_stages(tmp_path):
+    """Qwen2-MoE of 3 layers, the middle one dense (mlp_only_layers): each stage builds its
+    layer as the whole model does (by its index in the whole model); tokens and logprobs exact."""
+    pytest.importorskip("transformers")
+    from pdserve.engine.model.weights import load_model
+    from tests.test_moe import hf_model
+
+    hf_model("qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1]).save_pretrained(tmp_path)
+    ps = [[t % 317 + 3 for t in p] for p in prompts(3, seed=21, lo=5, hi=90)]
+    want = run(LLMEngine(load_model(str(tmp_path), quantization="exact"), CONFIG), ps)
+    e = LLMEngine.tensor_parallel(ModelSource(str(tmp_path)), CONFIG, 3, pipeline=True)
+    try:
+        assert type(e.runner.model.model.layers[0].mlp).__name__ == "SparseMoeBlock"
+        assert run(e, ps) == want
         clean(e)
     finally:
         e.shutdown()
