@@ -4,7 +4,11 @@ ranks, rows of two adapters and of the base batched in one step, gives the singl
 greedy tokens and logprobs within float tolerance; an adapter loaded at run time reaches every
 rank (and a bad one is refused without disturbing the others); every KV block comes back and
 the ranks stop. Through `pdserve up` under Ray, a decode pool of 3 ranks serves adapters given
-at start and loaded at run time as the single engine does."""
+at start and loaded at run time as the single engine does, from a placement group that reserves
+every rank's CPUs and in which Ray restarts the whole group when a rank is killed."""
+import os
+import signal
+
 import pytest
 import torch
 
@@ -135,24 +139,86 @@ def test_an_adapter_loaded_at_run_time_reaches_every_rank(root, single, group, t
                                                                        for i in single.loras.adapters()]
 
 
+def _served(tok, want, prompt, n, url, paths):
+    """The adapter given at start, one loaded at run time and the base answer as the single
+    engine (`want`: its tokens by adapter, "None" the base); both workers list both adapters;
+    every KV block is back after."""
+    import httpx
+
+    from tests.helpers.procs import wait_kv_back
+
+    base = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def complete(model):
+        r = httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    assert complete("sql") == tok.decode(want["sql"], skip_special_tokens=True)
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": paths["chat"]}, timeout=300)
+    assert r.status_code == 200, r.text
+    assert complete("chat") == tok.decode(want["chat"], skip_special_tokens=True)
+    assert complete(base) == tok.decode(want["None"], skip_special_tokens=True)
+    workers = httpx.get(url + "/admin/workers", timeout=10).json()["workers"]
+    assert len(workers) == 2 and all(sorted(a["name"] for a in w["lora_adapters"]) == ["chat", "sql"]
+                                     for w in workers), workers
+    wait_kv_back(url, 2)
+
+
+def _rank_killed(up, url, prompt):
+    """Ask for `prompt`, SIGKILL a rank of decode-0, wait for Ray to restart the worker and ask
+    again; then the placement groups and free resources, as a Ray driver sees them, and
+    `pdserve scale --decode 2`: (first answer, second, the probe's run, the scale's run, the
+    cluster's processes seen after the restart)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.helpers.procs import ENV, descendants
+    from tests.helpers.ray_procs import scale, wait_until
+
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", timeout=120, json=body)
+    actor = int(up.find("decode worker decode-0 (pid ").split("(pid ")[1].split(")")[0])
+    ranks = sorted(descendants(actor))
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[0], signal.SIGKILL)
+    wait_until(lambda: up.find("decode worker decode-0 restarted"), 180, "decode-0 to restart")
+    wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 60, "the cluster to serve")
+    again = httpx.post(url + "/v1/completions", timeout=120, json=body)
+    procs = descendants(up.p.pid)
+    gcs = up.find("ray: ").split("ray: ")[1].split()[0]
+    probe = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
+             "print(json.dumps([list(ray.util.placement_group_table().values()), ray.available_resources()]))")
+    out = subprocess.run([sys.executable, "-c", probe % gcs], check=False, capture_output=True, text=True, timeout=120,
+                         env=ENV)
+    return r, again, out, scale(url, decode=2), procs
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-def test_up_serves_adapters_on_a_tensor_parallel_decode_pool(smollm, tmp_path):
+def test_a_ray_tensor_parallel_decode_pool_serves_adapters_from_a_placement_group(smollm, tmp_path):
     """`pdserve up --decode-tp 3` with --lora-modules: the prefill worker (one rank) and the
-    decode worker (three) run the adapter's request as the single engine does; an adapter loaded
-    at run time reaches the decode worker's ranks; every KV block is back after."""
-    import httpx
+    decode worker (three) run the adapters' requests as the single engine does, and an adapter
+    loaded at run time reaches the decode worker's ranks (`_served`). The decode worker holds a
+    placement group of one bundle per rank, packed on one node (the actor in the first), so its
+    ranks' CPUs are reserved; a rank killed takes its worker down and Ray restarts the whole
+    group in its placement group, which answers as the single engine; growing the pool past the
+    free CPUs is refused at once, counting every rank; nothing is left after Ctrl-C."""
+    import json
 
     from pdserve.engine.model.export import export_hf
     from pdserve.registry.embedded import free_port
-    from tests.helpers.procs import Proc, stop, wait_kv_back
+    from tests.helpers.procs import alive, descendants, stop
+    from tests.helpers.ray_procs import Proc, wait_until
 
     tok = smollm[1]
     export_hf("", tmp_path / "hf")
     make_adapter(tmp_path / "hf", tmp_path / "sql", seed=3, scale=0.5)
     make_adapter(tmp_path / "hf", tmp_path / "chat", seed=5, r=4, targets=["q_proj", "v_proj"], scale=0.5)
     paths = {"sql": str(tmp_path / "sql"), "chat": str(tmp_path / "chat")}
-    prompt, n = tok.encode("Write a short poem about the harbour at dawn."), 10
+    prompt, n, colours = tok.encode("Write a short poem about the harbour at dawn."), 10, "The three primary colours are"
     ref = LLMEngine(load_model(quantization="none"), EngineConfig(
         quantization="none", cache=CacheConfig(kv_cache_memory=32 << 20),
         lora=LoRAConfig(max_loras=2, modules=tuple(paths.items()))), tok)
@@ -165,30 +231,29 @@ def test_up_serves_adapters_on_a_tensor_parallel_decode_pool(smollm, tmp_path):
             want.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert want["sql"] != want["None"] and want["chat"] != want["None"]
     port = free_port()
-    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--decode-tp", "3", "--ray-cpus", "4",
-              "--quantization", "none", "--kv-cache-memory", "64MiB", "--lora-modules", f"sql={paths['sql']}",
-              "--max-loras", "2", "--cluster-token", "test-token", "--shutdown-grace", "3")
-    url = f"http://127.0.0.1:{port}"
+    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--decode-tp", "3", "--prefill-cpus", "0.5",
+              "--decode-cpus", "0.5", "--ray-cpus", "2", "--quantization", "none", "--kv-cache-memory", "64MiB",
+              "--lora-modules", f"sql={paths['sql']}", "--max-loras", "2", "--cluster-token", "tp-token",
+              "--shutdown-grace", "3")
+    url, procs = f"http://127.0.0.1:{port}", set()
     try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
-        base = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-
-        def complete(model):
-            r = httpx.post(url + "/v1/completions", timeout=300, json={
-                "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-        assert complete("sql") == tok.decode(want["sql"], skip_special_tokens=True)
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": paths["chat"]},
-                       timeout=300)
-        assert r.status_code == 200, r.text
-        assert complete("chat") == tok.decode(want["chat"], skip_special_tokens=True)
-        assert complete(base) == tok.decode(want["None"], skip_special_tokens=True)
-        workers = httpx.get(url + "/admin/workers", timeout=10).json()["workers"]
-        assert len(workers) == 2 and all(sorted(a["name"] for a in w["lora_adapters"]) == ["chat", "sql"]
-                                         for w in workers), workers
-        wait_kv_back(url, 2)
+        up.wait_ready()
+        procs = descendants(up.p.pid)
+        _served(tok, want, prompt, n, url, paths)
+        r, again, out, full, later = _rank_killed(up, url, colours)
+        procs |= later
     finally:
-        rc = stop(up)
+        rc = stop(up, within_s=90)
     assert rc == 0, up.text()
+    assert r.status_code == again.status_code == 200, (r.text, again.text)
+    plain = tok.decode(ref.generate([tok.encode(colours)], SamplingParams(max_tokens=12, temperature=0))[0],
+                       skip_special_tokens=True)
+    assert r.json()["choices"][0]["text"] == again.json()["choices"][0]["text"] == plain
+    assert out.returncode == 0, out.stderr
+    groups, free = json.loads(out.stdout.strip().splitlines()[-1])
+    (group,) = [g for g in groups if g["state"] == "CREATED"]
+    assert group["name"] == "pdserve-decode-0" and group["strategy"] == "STRICT_PACK"
+    assert list(group["bundles"].values()) == [{"CPU": 0.5}] * 3
+    assert free.get("CPU", 0.0) == 0.0  # 2 CPUs: the prefill worker's 0.5 and the three ranks' 1.5
+    assert full.returncode == 1 and "no room for 1 more decode worker(s): they need 1.5 CPU" in full.stderr, full.stderr
+    wait_until(lambda: not [p for p in procs if alive(p)], 30, "every process of the cluster to exit")

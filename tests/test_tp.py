@@ -2,17 +2,19 @@
 has the right shapes; an engine over 2 and 4 ranks (4: the KV heads replicated) gives the
 single engine's logits within float tolerance and its greedy tokens, batched and chunked, with
 every block back; KV moves between groups of different degrees token-exactly; a rank killed
-mid-stream makes the next step raise RankFailed and the blocks still come back; the real
-SmolLM2 over 3 ranks answers as over 1."""
+mid-stream makes the next step raise RankFailed and the blocks still come back (the tiny
+groups are the module's, started once; that kill comes last). The real SmolLM2 over 3 ranks
+answers as over 1, directly and served with prefill and decode groups of different degrees;
+a killed decode rank takes its group down and the stream moves to another or ends."""
 import os
 import signal
 
 import pytest
 import torch
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.core.engine import LLMEngine
-from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.model.tiny import tiny_config, tiny_llama, tiny_state_dict
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard
 from pdserve.engine.parallel.tp import ModelSource, RankFailed
@@ -67,13 +69,20 @@ def run(e: LLMEngine, ps, params=GREEDY):
     return [toks[r] for r in ids], [lps[r] for r in ids]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tp_engine():
-    made = []
+    """tp_engine(tp) -> the module's tiny-model group of `tp` ranks (CONFIG), started once and
+    shared by the tests: each leaves it as it found it (no request, every block back), and one
+    that killed a rank leaves it dead: the next call starts a fresh group (one left with
+    requests is replaced too, so a failure does not spread). At the end every group is shut
+    down and each of its ranks has exited."""
+    made, live = [], {}
 
-    def factory(tp: int, config: EngineConfig = CONFIG) -> LLMEngine:
-        e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), config, tp)
-        made.append(e)
+    def factory(tp: int) -> LLMEngine:
+        e = live.get(tp)
+        if e is None or e.tp.dead_ranks() or e.has_unfinished_requests():
+            e = live[tp] = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), CONFIG, tp)
+            made.append(e)
         return e
     yield factory
     for e in made:
@@ -86,11 +95,13 @@ def test_greedy_tokens_and_logprobs_equal_one_rank_batched_and_chunked(tp_engine
     ps = prompts(5, seed=11, lo=5, hi=100)  # 100 tokens over a 64-token budget: chunked prefill
     want, want_lp = run(LLMEngine(tiny_llama(0), CONFIG), ps)
     e = tp_engine(tp)
+    before = e.tp.group.allreduces  # the group is the module's: count this test's steps alone
     got, got_lp = run(e, ps)
     assert got == want
     assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-4
     # per step: two per layer (two layers) and the embedding lookup
-    assert e.tp.group.allreduces > 0 and e.tp.group.allreduces % (2 * 2 + 1) == 0
+    ours = e.tp.group.allreduces - before
+    assert ours > 0 and ours % (2 * 2 + 1) == 0
     vocab = tiny_config().vocab_size  # rank 0 holds its share of the vocabulary, not all of it
     assert e.runner.model.model.embed_tokens.weight.shape[0] == -(-vocab // tp) == e.runner.model.lm_head.weight.shape[0]
     clean(e)
@@ -201,49 +212,76 @@ def test_the_real_model_over_three_ranks_answers_as_over_one(smollm, quantizatio
         assert max(abs(a - b) for a, b in zip(got_lp[0], want_lp[0])) < 1e-3
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(3, 1), (1, 3)])
-def test_served_with_different_degrees_on_prefill_and_decode(smollm, prefill_tp, decode_tp):
-    """`pdserve up --prefill-tp P --decode-tp D`: the KV crosses between groups of different
-    degrees (gathered to the whole model's layout, split again), streamed every 5 layers as
-    they are computed, and for a prompt whose prefix the decode worker holds only the tail
-    travels; the answers are the single engine's; every block of every group comes back."""
-    import httpx
-
-    from pdserve.config import PoolConfig, TransferConfig
-    from pdserve.deploy.local import LocalCluster
+def _chats(tok):
+    """Two chats sharing a long system prompt, the fp32 weights, and the single engine's answers."""
     from pdserve.engine.model.weights import load_model
-    from tests.helpers.clusters import MODEL, local_config
 
-    tok = smollm[1]
     loaded = load_model(quantization="none")
-    engine = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=32 << 20))
     system = "You are a helpful assistant who answers in one short sentence, plainly and kindly. " * 3
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
              for q in ("Name three colours.", "Name three fruits.")]
-    ref = LLMEngine(loaded, engine, tok)
+    ref = LLMEngine(loaded, EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=32 << 20)), tok)
     want = [tok.decode(ref.generate([tok.encode(tok.apply_chat_template(m))], SamplingParams(
         max_tokens=16, temperature=0))[0], skip_special_tokens=True) for m in chats]
+    return chats, loaded, want
+
+
+def _degrees(prefill_tp: int, decode_tp: int, decode: int = 1):
+    """The cluster of `pdserve up --prefill-tp P --decode-tp D --decode N`: fp32 weights, the
+    KV streamed every 5 layers."""
+    from pdserve.config import PoolConfig, TransferConfig
+    from tests.helpers.clusters import local_config
+
+    engine = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=32 << 20))
     config = local_config(engine=engine, transfer=TransferConfig(layer_group=5))
-    config = type(config)(**{**config.__dict__, "prefill": PoolConfig(replicas=1, tp=prefill_tp, max_queue=0),
-                             "decode": PoolConfig(replicas=1, tp=decode_tp, max_queue=0)})
-    c = LocalCluster(loaded, tok, config).start()
-    try:
-        rs = [httpx.post(c.url + "/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": m, "max_tokens": 16, "temperature": 0}) for m in chats]
-        engines = c.engines()
-        assert [e.tp.tp if e.tp else 1 for e in engines] == [prefill_tp, decode_tp]
-        pushes = c.worker("prefill-0").worker.stream_pushes
-        dw = c.worker("decode-0").worker
-        handoffs = (dw.remote_prefills, dw.local_prefills, dw.transfer_failures)
-    finally:
-        c.stop()
+    return type(config)(**{**config.__dict__, "prefill": PoolConfig(replicas=1, tp=prefill_tp, max_queue=0),
+                           "decode": PoolConfig(replicas=decode, tp=decode_tp, max_queue=0)})
+
+
+def _ask(c, chats):
+    """Post the chats one after the other: (responses, the prefill worker's KV pushes, each
+    decode worker's (remote prefills, local prefills, transfer failures))."""
+    import httpx
+
+    from tests.helpers.clusters import MODEL
+
+    rs = [httpx.post(c.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": m, "max_tokens": 16, "temperature": 0}) for m in chats]
+    pushes = c.worker("prefill-0").worker.stream_pushes
+    handoffs = sorted((w.worker.remote_prefills, w.worker.local_prefills, w.worker.transfer_failures)
+                      for w in c.workers if w.config.role == "decode")
+    return rs, pushes, handoffs
+
+
+def _assert_answered(rs, pushes, handoffs, want):
     assert [r.status_code for r in rs] == [200, 200], rs[0].text
     assert [r.json()["choices"][0]["message"]["content"] for r in rs] == want
-    assert handoffs == (2, 0, 0)  # both prompts' KV crossed between the groups (none recomputed)
+    # both prompts' KV crossed between the groups, to one decode worker (none recomputed)
+    assert handoffs == [(0, 0, 0)] * (len(handoffs) - 1) + [(2, 0, 0)]
     assert pushes == 2 * 6  # 30 layers in groups of 5, for each prompt
     cached = rs[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 32  # the shared system prompt's blocks stayed on the decode side: only the tail came
+
+
+@pytest.mark.slow
+def test_served_with_three_prefill_ranks_and_one_decode_rank(smollm):
+    """`pdserve up --prefill-tp 3 --decode-tp 1`: the KV crosses between groups of different
+    degrees (gathered to the whole model's layout, split again), streamed every 5 layers as
+    they are computed, and for a prompt whose prefix the decode worker holds only the tail
+    travels; the answers are the single engine's; every block of every group comes back. (The
+    other way round, one prefill rank and three decode ranks, is the first part of the
+    decode-rank-killed test below, on its cluster.)"""
+    from pdserve.deploy.local import LocalCluster
+
+    chats, loaded, want = _chats(smollm[1])
+    c = LocalCluster(loaded, smollm[1], _degrees(3, 1)).start()
+    try:
+        answered = _ask(c, chats)
+        engines = c.engines()
+        assert [e.tp.tp if e.tp else 1 for e in engines] == [3, 1]
+    finally:
+        c.stop()
+    _assert_answered(*answered, want)
     assert all(e.blocks.num_used_blocks == 0 for e in engines)
     assert all(p.poll() is not None for e in engines if e.tp for p in e.tp.procs)  # the ranks stopped with it
 
@@ -273,23 +311,26 @@ def _stream_killing_a_rank(c, body: dict) -> tuple[list, list, float, float, obj
 
 @pytest.mark.slow
 def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_moves_or_ends(smollm):
-    """A rank of the decode group serving a stream is killed: the group goes down (every rank
-    gone, every block back). With another decode worker the router moves the stream there and
-    it continues with exactly the tokens of an uninterrupted run; then, a rank of that last
-    group killed under the next stream, with none left it ends with an error event."""
+    """`pdserve up --prefill-tp 1 --decode-tp 3 --decode 2` (fp32): first two chats sharing a
+    system prompt cross from the prefill rank to one decode group (gathered to the whole
+    model's layout, split again), streamed every 5 layers, only the tail of the second, with
+    the single engine's answers. Then a rank of the decode group serving a stream is killed: the
+    group goes down (every rank gone, every block back). With another decode worker the router
+    moves the stream there and it continues with exactly the tokens of an uninterrupted run;
+    then, a rank of that last group killed under the next stream, with none left it ends with
+    an error event."""
     import httpx
 
-    from pdserve.config import PoolConfig
     from pdserve.deploy.local import LocalCluster
-    from tests.helpers.clusters import MODEL, local_config
+    from tests.helpers.clusters import MODEL
 
-    loaded, tok = smollm
-    config = local_config()
-    config = type(config)(**{**config.__dict__, "decode": PoolConfig(replicas=2, tp=3, max_queue=0)})
+    chats, loaded, want = _chats(smollm[1])
     body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 60, "temperature": 0,
             "ignore_eos": True}
-    c = LocalCluster(loaded, tok, config).start()
+    c = LocalCluster(loaded, smollm[1], _degrees(1, 3, decode=2)).start()
     try:
+        answered = _ask(c, chats)
+        assert [e.tp.tp if e.tp else 1 for e in c.engines()] == [1, 3, 3]
         whole = httpx.post(c.url + "/v1/completions", timeout=120, json=body).json()["choices"][0]["text"]
         moved = _stream_killing_a_rank(c, body)
         metrics = httpx.get(c.url + "/metrics", timeout=10).text
@@ -297,6 +338,7 @@ def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_mov
         engines = c.engines()
     finally:
         c.stop()
+    _assert_answered(*answered, want)
     events, texts, killed_at, done, first = moved
     assert done - killed_at < 60 and "error" not in events[-1] and "".join(texts) == whole, (texts, whole)
     assert "pdserve_migrations_total 1.0" in metrics
@@ -305,68 +347,4 @@ def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_mov
     assert "error" in events[-1] or events[-1]["choices"][0].get("finish_reason") == "error", events[-1]
     assert all(e.blocks.num_used_blocks == 0 for e in engines)
     assert all(p.poll() is not None for g in (first, last) for p in g.tp.procs)  # both groups are down
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_a_ray_pool_of_tensor_parallel_workers_reserves_a_placement_group(smollm):
-    """`pdserve up --decode-tp 3`: each decode worker holds a placement group of one bundle
-    per rank, packed on one node (the actor in the first), so its ranks' CPUs are reserved;
-    the answer is the single engine's; a rank killed takes its worker down and Ray restarts
-    the whole group in its placement group; growing the pool past the free CPUs is refused at
-    once, counting every rank; nothing is left after Ctrl-C."""
-    import json
-    import subprocess
-    import sys
-
-    import httpx
-
-    from pdserve.engine.model.weights import load_model
-    from pdserve.registry.embedded import free_port
-    from tests.helpers.procs import ENV, alive, descendants
-    from tests.helpers.ray_procs import Proc, scale, wait_until
-
-    tok = smollm[1]
-    port = free_port()
-    up = Proc("up", "--port", str(port), "--decode-tp", "3", "--prefill-cpus", "0.5", "--decode-cpus", "0.5",
-              "--ray-cpus", "2", "--kv-cache-memory", "64MiB", "--cluster-token", "tp-token", "--quantization", "none")
-    url, procs = f"http://127.0.0.1:{port}", set()
-    try:
-        up.wait_ready()
-        procs = descendants(up.p.pid)
-        prompt = "The three primary colours are"
-        r = httpx.post(url + "/v1/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12, "temperature": 0})
-        # a rank dies: its worker exits, Ray restarts the actor in the same placement group and
-        # the new group serves
-        actor = int(up.find("decode worker decode-0 (pid ").split("(pid ")[1].split(")")[0])
-        ranks = sorted(descendants(actor))
-        assert len(ranks) == 2, ranks
-        os.kill(ranks[0], signal.SIGKILL)
-        wait_until(lambda: up.find("decode worker decode-0 restarted"), 180, "decode-0 to restart")
-        wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 60, "the cluster to serve")
-        again = httpx.post(url + "/v1/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12, "temperature": 0})
-        procs |= descendants(up.p.pid)
-        gcs = up.find("ray: ").split("ray: ")[1].split()[0]
-        probe = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
-                 "print(json.dumps([list(ray.util.placement_group_table().values()), ray.available_resources()]))")
-        out = subprocess.run([sys.executable, "-c", probe % gcs], capture_output=True, text=True, timeout=120, env=ENV)
-        full = scale(url, decode=2)
-    finally:
-        up.p.send_signal(signal.SIGINT)
-        rc = up.p.wait(90)
-    assert rc == 0, up.text()
-    assert r.status_code == again.status_code == 200, (r.text, again.text)
-    ref = LLMEngine(load_model(quantization="none"), EngineConfig(quantization="none"), tok)
-    want = tok.decode(ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=12, temperature=0))[0],
-                      skip_special_tokens=True)
-    assert r.json()["choices"][0]["text"] == again.json()["choices"][0]["text"] == want
-    assert out.returncode == 0, out.stderr
-    groups, free = json.loads(out.stdout.strip().splitlines()[-1])
-    (group,) = [g for g in groups if g["state"] == "CREATED"]
-    assert group["name"] == "pdserve-decode-0" and group["strategy"] == "STRICT_PACK"
-    assert list(group["bundles"].values()) == [{"CPU": 0.5}] * 3
-    assert free.get("CPU", 0.0) == 0.0  # 2 CPUs: the prefill worker's 0.5 and the three ranks' 1.5
-    assert full.returncode == 1 and "no room for 1 more decode worker(s): they need 1.5 CPU" in full.stderr, full.stderr
-    wait_until(lambda: not [p for p in procs if alive(p)], 30, "every process of the cluster to exit")
+    assert all(p.poll() is not None for e in engines if e.tp for p in e.tp.procs)  # the ranks stopped with it
