@@ -1,7 +1,9 @@
 """Pipeline parallelism through `pdserve up` (engine/parallel/pp.py, deploy/up.py): a degree
 above the layers, or a pipeline with tensor parallelism, is refused before Ray starts, naming
 the flag and what fits; a pipeline's stages count as ranks when the pools are placed; and a
-Ray cluster of 2-stage prefill and decode workers answers greedily as the single engine."""
+Ray cluster of 2-stage prefill and decode workers answers greedily as the single engine;
+a decode stage killed mid-stream moves the stream to another worker, token-exact."""
+import os
 import re
 import signal
 import subprocess
@@ -89,3 +91,47 @@ def test_a_ray_cluster_of_two_stage_workers_answers_as_one_engine(tokenizer):
                             skip_special_tokens=True)
     assert r.json()["choices"][0]["text"] == want
     wait_until(lambda: not [p for p in procs if alive(p)], 30, "every process of the cluster to exit")
+
+
+@pytest.mark.slow
+def test_a_decode_stage_killed_mid_stream_moves_the_stream(smollm):
+    """A stage of the decode pipeline serving a stream is killed: the pipeline goes down (its
+    other stage gone, every block back) and the router moves the stream to the other decode
+    worker, where it continues with exactly the tokens of an uninterrupted run, within a bound."""
+    import json
+    import time
+
+    import httpx
+
+    from pdserve.deploy.local import LocalCluster
+    from tests.helpers.clusters import MODEL, local_config
+
+    loaded, tok = smollm
+    config = local_config()
+    config = type(config)(**{**config.__dict__, "decode": PoolConfig(replicas=2, pp=2, max_queue=0)})
+    body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    c = LocalCluster(loaded, tok, config).start()
+    texts, killed_at, victim = [], None, None
+    try:
+        whole = httpx.post(c.url + "/v1/completions", timeout=120, json=body).json()["choices"][0]["text"]
+        with httpx.stream("POST", c.url + "/v1/completions", timeout=120, json=body | {"stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                texts += [ch["text"] for ch in event.get("choices", [])]
+                if len(texts) == 5:
+                    victim = next(e for e in c.engines() if e.tp and e.has_unfinished_requests())
+                    os.kill(victim.tp.procs[0].pid, signal.SIGKILL)  # stage 1 of 2
+                    killed_at = time.monotonic()
+        done = time.monotonic()
+        metrics = httpx.get(c.url + "/metrics", timeout=10).text
+        engines = c.engines()
+    finally:
+        c.stop()
+    assert killed_at is not None and done - killed_at < 60
+    assert "error" not in event and "".join(texts) == whole, (texts, whole)
+    assert "pdserve_migrations_total 1.0" in metrics
+    assert victim.tp.pipeline and all(p.poll() is not None for p in victim.tp.procs)  # the pipeline is down
+    assert all(e.blocks.num_used_blocks == 0 for e in engines)
