@@ -78,12 +78,13 @@ def test_scale_decode_up_then_drain_down(smollm):
         for t in (*threads.values(), scaler):
             t.join(180)
         assert shrink["r"].returncode == 0 and json.loads(shrink["r"].stdout) == {"prefill": 1, "decode": 1}
-        ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=32 << 20)), tok)
-        for k, prompt in prompts.items():  # both streams finished untouched, the drained one too
+        # both prompts' references in one batch (the engine is batch invariant, docs/models.md)
+        ref = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)), tok)
+        wanted = ref.generate([tok.encode(p) for p in prompts.values()],
+                              SamplingParams(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True))
+        for k, want in zip(prompts, wanted):  # both streams finished untouched, the drained one too
             text, events = results[k]
             assert not any("error" in e for e in events), events[-1]
-            want = ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=STREAM_TOKENS, temperature=0,
-                                                                     ignore_eos=True))[0]
             assert text == tok.decode(want, skip_special_tokens=True)
         assert "decode worker decode-1 removed after draining" in "".join(up.log)
         assert "pdserve_migrations_total 0.0" in httpx.get(url + "/metrics").text  # finished, not migrated
