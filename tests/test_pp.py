@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
 from pdserve.engine.model.weights import LoadedModel, build_model
@@ -61,6 +61,7 @@ def run(e: LLMEngine, ps, params=GREEDY):
 
 
 def test_a_degree_above_the_layers_is_refused_with_the_ones_that_fit():
+    """And what this slice does not run: PP with tensor parallelism, LoRA adapters."""
     check_stages(tiny_config(num_hidden_layers=3), 3)
     with pytest.raises(ValueError, match=r"pipeline-parallel degree 4: this model has 3 layers: use 1 to 3"):
         check_stages(tiny_config(num_hidden_layers=3), 4)
@@ -69,6 +70,9 @@ def test_a_degree_above_the_layers_is_refused_with_the_ones_that_fit():
                                   pipeline=True)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, and 1 with tensor or expert"):
         EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"LoRA adapters on a pipeline-parallel group are not supported yet"):
+        LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS),
+                                  EngineConfig(lora=LoRAConfig(max_loras=1)), 2, pipeline=True)
 
 
 def test_each_stage_holds_its_layers_renumbered():

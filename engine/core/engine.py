@@ -110,8 +110,8 @@ class LLMEngine(KVTransferHooks):
         if draft is None and not config.speculative_model:
             return NgramSpeculator(config.speculative_tokens, self.blocks, self.max_model_len, budget)
         if self.tp is not None:
-            raise ValueError("a draft model with tensor parallelism is not supported yet: use prompt lookup "
-                             "(--speculative-tokens without --speculative-model) or --tp 1")
+            raise ValueError("a draft model with tensor, expert or pipeline parallelism is not supported yet: use "
+                             "prompt lookup (--speculative-tokens without --speculative-model) or degree 1")
         draft = draft or load_draft(config, self.loaded, self.tokenizer)
         self._attach_kernels(draft)
         return DraftSpeculator(config.speculative_tokens, draft, self.blocks, self.kv_cache, config.cache,
