@@ -71,7 +71,8 @@ class ModelRunner:
                 all_rows: frozenset[str] = frozenset()) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run one step. Returns the chunks that complete (in row order) and their logits:
         one row each, or every row of the chunks of the requests in `all_rows`.
-        after_layer(i): called as soon as layer i has written this step's K/V."""
+        after_layer(i): called as soon as layer i has written this step's K/V (in a pipeline,
+        for every layer once the pass is through)."""
         # decode rows first: the attention backend expects that layout
         ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
         self._prompt_spans, self._all_rows = [], all_rows
@@ -89,8 +90,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer)
         else:  # only LlamaForCausalLM's forward takes a LoRA batch (the registry refuses others)
             hidden = self.model(input_ids, positions, self._kv_layers, meta, after_layer, lora=lora)
-        for i in range(self.model.config.num_hidden_layers if staged is not None else 0):
-            staged(i)
+        if staged is not None:
+            for i in range(self.model.config.num_hidden_layers):
+                staged(i)
         for req, first, lo, hi in passes:
             self._prompt_logprobs(req, hidden[lo:hi], first)
         logits = self.model.compute_logits(hidden if sampled is None else hidden[sampled])
