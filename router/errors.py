@@ -4,6 +4,8 @@ turned into the same shape, and `ErrorBoundary` turns every other exception into
 every route, so that no request is answered with a plain-text 500 or a dropped connection."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from typing import Any
@@ -105,6 +107,15 @@ class ErrorBoundary:
                 log.error("error after a response was sent", exc_info=e)
                 return
             await _answer(e, state, send)
+        except asyncio.CancelledError:
+            # the server cancels what is still in flight once its shutdown grace has run out: the
+            # request's own cleanup has aborted its generations; its client hears why, not a
+            # traceback in the server's log
+            log.info("a request in flight was cancelled: the server is stopping")
+            if not state["ended"]:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await _answer(APIError(503, "the server is shutting down; retry on another replica",
+                                           "server_error", code="shutting_down"), state, send)
 
 
 async def _answer(e: BaseException, state: dict, send) -> None:

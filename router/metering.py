@@ -4,6 +4,7 @@ whole, counts the request out of its limits and records what it used in the usag
 `GET /admin/usage` reads that store (router/usage.py) for a window."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -39,14 +40,19 @@ class RequestEnd:
         try:
             await self.app(scope, receive, with_headers)
         finally:
-            meter, ticket = state.get("meter"), state.get("ticket")
-            if ticket is not None:
-                await self.limiter.leave(ticket, meter.tokens if meter is not None else 0)
-            if meter is not None and meter.rows:
-                try:
-                    await self.usage.record(meter, time.time())
-                except (RedisError, OSError) as e:  # /metrics still has it
-                    log.warning("usage of a request not recorded (%s: %s)", type(e).__name__, e)
+            try:
+                await self._count_out(state.get("meter"), state.get("ticket"))
+            except asyncio.CancelledError:  # the server stops: its last requests' counts go unrecorded
+                log.warning("a request was not counted out of its limits and usage: the server is stopping")
+
+    async def _count_out(self, meter, ticket) -> None:
+        if ticket is not None:
+            await self.limiter.leave(ticket, meter.tokens if meter is not None else 0)
+        if meter is not None and meter.rows:
+            try:
+                await self.usage.record(meter, time.time())
+            except (RedisError, OSError) as e:  # /metrics still has it
+                log.warning("usage of a request not recorded (%s: %s)", type(e).__name__, e)
 
 
 def add_usage_route(app: FastAPI, usage: MemoryUsage | RedisUsage, admin) -> None:

@@ -261,3 +261,33 @@ def test_a_choice_that_fails_mid_stream_ends_the_stream_with_an_error_and_done()
     assert data[0] == '{"text": "Hel"}' and data[-1] == "[DONE]", data
     err = json.loads(data[1])["error"]
     assert err["type"] == "server_error" and "s3cret" not in err["message"]
+
+
+def test_a_request_cancelled_by_the_servers_stop_is_told_so_and_ends_quietly():
+    """The server cancels what is still in flight once its shutdown grace runs out: the client
+    hears 503 `shutting_down` (or, mid-stream, the error event), and the cancellation ends at
+    the app's boundary instead of reaching the server as 'Exception in ASGI application'."""
+    import asyncio
+
+    from pdserve.router.errors import ErrorBoundary
+
+    async def handler(scope, receive, send, started: bool):
+        if started:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        raise asyncio.CancelledError
+
+    async def run(started: bool) -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+        app = ErrorBoundary(lambda s, r, sn: handler(s, r, sn, started))
+        await app({"type": "http"}, None, send)  # returns: nothing propagates to the server
+        return sent
+
+    before = asyncio.run(run(False))
+    assert before[0]["status"] == 503 and b"shutting_down" in before[1]["body"]
+    during = asyncio.run(run(True))
+    assert b"shutting_down" in during[-1]["body"] or b"shutting_down" in during[-2]["body"]
