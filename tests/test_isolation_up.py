@@ -8,6 +8,7 @@ with less in flight is served as the more urgent one (its steps are the contende
 ones), not behind the other's backlog; every KV block is back in its pool after."""
 import asyncio
 import json
+import math
 import random
 import re
 
@@ -16,6 +17,7 @@ import pytest
 
 from pdserve.engine.core.step_cost import BUCKETS
 from tests.helpers.procs import wait_kv_back
+from tests.helpers.ray_procs import slowness
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -40,6 +42,13 @@ def step_series(url: str) -> dict:
         kv = dict(re.findall(r'(\w+)="([^"]*)"', labels))
         out["window" if kv["window"] == "true" else kv["contended"]].append((float(kv["le"]), float(value)))
     return out
+
+
+def load_buckets() -> int:
+    """Buckets a step may move up by the machine's other load (0 on an idle machine): a step's
+    time stretches with the cores' other users, each bucket sqrt(2) wider than the last.
+    Measured before the test's own load starts."""
+    return max(0, round(2 * math.log2(slowness())))
 
 
 def median_step(before: dict, after: dict, contended: str) -> tuple[int, int]:
@@ -90,6 +99,7 @@ async def _beside_a_flood(url: str, priority: int | None, tenants: bool) -> None
 
 def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     rng = random.Random(1)
+    load = load_buckets()
     before = step_series(url)
     asyncio.run(_chats(url, 3, -10, None, rng))
     alone = step_series(url)
@@ -102,17 +112,19 @@ def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     # the budget lets the flood's decodes add 30% to B's step; the flood's client and the router
     # take CPU from B's two threads too: at most 2x (two buckets) over B's steps alone (measured:
     # one bucket; with the flood's decodes and chunks in B's steps, three)
-    assert urgent_median <= alone_median + 2, (urgent_median, alone_median)
+    assert urgent_median <= alone_median + 2 + load, (urgent_median, alone_median, load)
     # between B's chats the flood's steps are window steps, sized by the learnt cost to 15 ms
     # (the flood's 24 decodes take turns): B's next prompt waits for one of those at most;
     # measured: the 11-16 ms bucket; at most 23 ms (one bucket over) on a loaded machine
     assert all(flood["computed"][k] > alone["computed"][k] > before["computed"][k] for k in ("prompt", "decode"))
     window_median, window_steps = median_step(alone, flood, "window")
-    assert window_steps >= 10 and BUCKETS[window_median] <= 0.023, (window_steps, BUCKETS[window_median])
+    last_ok = max(i for i, b in enumerate(BUCKETS) if b <= 0.023)
+    assert window_steps >= 10 and window_median <= last_ok + load, (window_steps, BUCKETS[window_median], load)
     wait_kv_back(url, 2, within_s=60)  # the flood's cancelled requests freed everything
 
 
 def test_a_tenant_with_no_priority_is_served_ahead_of_another_tenants_backlog(url):
+    load = load_buckets()
     before = step_series(url)
     asyncio.run(_chats(url, 2, None, "B", random.Random(2)))
     alone = step_series(url)
@@ -123,5 +135,5 @@ def test_a_tenant_with_no_priority_is_served_ahead_of_another_tenants_backlog(ur
     assert steps >= 3 * (CHAT_TOKENS - 1), steps  # B (less in flight) was the urgent one in its steps
     # measured: one or two buckets over B's steps alone (steps that carried the flood's decodes and
     # chunks were three or more)
-    assert median <= alone_median + 3, (median, alone_median)
+    assert median <= alone_median + 3 + load, (median, alone_median, load)
     wait_kv_back(url, 2, within_s=60)

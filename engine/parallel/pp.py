@@ -29,6 +29,7 @@ the embedding, the final norm and the LM head (only rank 0 and the last stage us
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import replace
 
 import torch
@@ -93,6 +94,7 @@ class Stage:
     def __init__(self, group):
         self.group, self.rank, self.world = group, group.rank, group.world
         self.sends = 0  # activations sent (a step's pass sends one per stage)
+        self.idle_s = 0.0  # rank 0: seconds waiting for the last stage's output (the pipe's bubble)
 
     def enter(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream at this stage's first layer, (T, hidden): the embeddings on
@@ -117,7 +119,10 @@ class Stage:
         self._send(h, self.rank + 1)
         if self.rank != 0:
             return h
-        return self.group.recv(tuple(h.shape), h.dtype, self.world - 1).to(h.device)
+        t = time.perf_counter()
+        out = self.group.recv(tuple(h.shape), h.dtype, self.world - 1)
+        self.idle_s += time.perf_counter() - t
+        return out.to(h.device)
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
         self.group.send(t.cpu(), dst)

@@ -1,0 +1,74 @@
+"""Pipeline parallelism on this machine, in one run: SmolLM2 (30 layers) as one engine (2
+threads) and as PP=2 (two processes of one thread each, 15 layers a stage, gloo between them),
+decode-heavy: 1 and 32 streams of 64-token prompts and 64 tokens out, each stream's prompt
+new. Reports tokens/s (prompt + output over the run's wall time, and output alone), the decode
+step time, and the pipe's bubble: the share of rank 0's step time spent waiting for the last
+stage (engine/parallel/pp.py `Stage.idle_s`; with one micro-batch in the pipe, every stage
+waits while the others compute). The machine has 2 cores: PP=2 shows what the pipe costs, not
+a speed-up. 3 interleaved repeats, medians. Writes bench/experiments/pp-results.json.
+
+    . .venv/bin/activate && python bench/experiments/pp.py
+"""
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.model.weights import load_model
+from pdserve.engine.parallel.tp import ModelSource
+
+CFG = EngineConfig(cache=CacheConfig(kv_cache_memory=256 << 20))
+OUT = 64
+
+
+def run(e: LLMEngine, streams: int, seed: int) -> dict:
+    """`streams` requests at once to the end; tokens/s and, under PP, rank 0's idle share."""
+    stage = getattr(e.runner.model, "pp", None)
+    idle0 = stage.idle_s if stage else 0.0
+    for i in range(streams):
+        base = 1000 + ((seed * 97 + i) * 64) % 40000  # distinct first ids: no prefix is shared
+        e.add_request(f"s{seed}-{i}", list(range(base, base + 64)),
+                      SamplingParams(max_tokens=OUT, temperature=0, ignore_eos=True))
+    steps, t0 = [], time.perf_counter()
+    while e.has_unfinished_requests():
+        t = time.perf_counter()
+        e.step()
+        steps.append(time.perf_counter() - t)
+    wall = time.perf_counter() - t0
+    r = {"tokens_per_s": streams * (64 + OUT) / wall, "output_tokens_per_s": streams * OUT / wall,
+         "decode_step_s": statistics.median(steps[-OUT // 2:])}
+    if stage:
+        r["bubble"] = (stage.idle_s - idle0) / wall
+    assert e.blocks.num_used_blocks == 0
+    return r
+
+
+def main() -> None:
+    loaded = load_model()
+    runs: dict = {(pp, n): [] for pp in (1, 2) for n in (1, 32)}
+    for rep in range(3):
+        for pp in (1, 2):
+            torch.set_num_threads(2 if pp == 1 else 1)  # 2 cores: one thread a stage at PP=2
+            e = LLMEngine(loaded, CFG) if pp == 1 else LLMEngine.tensor_parallel(ModelSource(), CFG, pp, pipeline=True)
+            try:
+                for n in (1, 32):
+                    runs[(pp, n)].append(run(e, n, rep * 10 + n))
+                    print(pp, n, runs[(pp, n)][-1], flush=True)
+            finally:
+                e.shutdown()
+    med = {f"pp{pp}_{n}": {k: statistics.median(x[k] for x in rs) for k in rs[0]} for (pp, n), rs in runs.items()}
+    out = {"cpu": subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("\n")[:20], **med,
+           "pp2_over_pp1_tokens_per_s": {n: med[f"pp2_{n}"]["tokens_per_s"] / med[f"pp1_{n}"]["tokens_per_s"]
+                                         for n in (1, 32)}}
+    Path(__file__).with_name("pp-results.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k != "cpu"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
