@@ -37,7 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-dev", "gpu", "two-models", "cpu-dev-keys")  # cpu-dev-keys: tests/test_k8s_keys.py too
+OVERLAYS = ("cpu-dev", "gpu", "two-models", "cpu-dev-keys", "cpu-dev-pp")  # cpu-dev-keys: tests/test_k8s_keys.py too
 K8S_VERSION = "1.30"
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches"}
 KUBE_REF = re.compile(r"(?<!\$)\$\((\w+)\)")       # Kubernetes' expansion in command, args, env values
@@ -312,8 +312,9 @@ def test_pools_match_worker_groups(overlay):
         assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"], role
         assert int(flags[f"--{role}"]) == g["replicas"], f"{role}: pool size != worker group replicas"
         assert custom_resources(params) == {flags[f"--{role}-resource"]: 1}, f"{role}: one slot per pod"
-        # a tensor- or expert-parallel worker reserves --{role}-cpus (and -gpus) for each rank, all on its pod
-        ranks = (int(flags[f"--{role}-tp"]) or 1) * (int(flags[f"--{role}-ep"]) or 1)
+        # a tensor-, expert- or pipeline-parallel worker reserves --{role}-cpus (and -gpus) for each
+        # rank (a stage is a rank), all on its pod
+        ranks = (int(flags[f"--{role}-tp"]) or 1) * (int(flags[f"--{role}-ep"]) or 1) * (int(flags[f"--{role}-pp"]) or 1)
         cpus, gpus = float(flags[f"--{role}-cpus"]) * ranks, float(flags[f"--{role}-gpus"]) * ranks
         assert cpus <= float(params["num-cpus"]) <= float(limits["cpu"]), f"{role}: CPUs"
         assert c["resources"]["requests"] == limits, f"{role}: Guaranteed QoS (requests == limits)"
@@ -327,8 +328,10 @@ def test_pools_match_worker_groups(overlay):
     router_flags = {k: KUBE_REF.sub(lambda m: config[m.group(1)], v) for k, v in flag_values(router["args"]).items()}
     for flag in ("--cluster-name", "--model", "--block-size"):  # routers and pools must agree
         assert router_flags[flag] == flags[flag], flag
-    expected = {"cpu-dev": ("1", "1", "cpu"), "gpu": ("2", "2", "cuda")}[name.removesuffix("-keys")]
+    expected = {"cpu-dev": ("1", "1", "cpu"), "gpu": ("2", "2", "cuda"),
+                "cpu-dev-pp": ("1", "1", "cpu")}[name.removesuffix("-keys")]
     assert (flags["--prefill"], flags["--decode"], device) == expected
+    assert (flags["--prefill-pp"], flags["--decode-pp"]) == (("1", "2") if name == "cpu-dev-pp" else ("1", "1"))
 
 
 def mounted_file(objs: list[dict], container: dict, template: dict, path: str) -> dict:
@@ -359,7 +362,8 @@ def check_model_pools(objs: list[dict], flags: dict[str, str], config: dict) -> 
             params, limits = g["rayStartParams"], g["template"]["spec"]["containers"][0]["resources"]["limits"]
             assert custom_resources(params) == {pool["resource"]: 1}
             assert pool["replicas"] == g["replicas"] and g["template"]["metadata"]["labels"]["pdserve.io/model"] == m["name"]
-            assert float(pool["num_cpus"]) * pool.get("tp", 1) <= float(params["num-cpus"]) <= float(limits["cpu"])
+            ranks = pool.get("tp", 1) * pool.get("ep", 1) * pool.get("pp", 1)
+            assert float(pool["num_cpus"]) * ranks <= float(params["num-cpus"]) <= float(limits["cpu"])
         paths = [m["path"]] + list(m.get("lora_modules", {}).values())
         for where, tpl in pod_templates([cluster]):  # every Ray pod reads the model files and adapters
             mounts = [mt["mountPath"] for mt in tpl["spec"]["containers"][0].get("volumeMounts", [])]
