@@ -64,7 +64,8 @@ ENGINE_ROOMS = {
     f"{_E}.sampling": {f"{_E}.config", f"{_E}.core", f"{_E}.kv", f"{_E}.kernels", f"{_E}.kernels.native",
                        f"{_E}.model"},
     f"{_E}.parallel": {f"{_E}.config", f"{_E}.core", f"{_E}.kv", f"{_E}.kernels", f"{_E}.model"},
-    **{f"{_E}.core.{front}": {"*"} for front in ("engine", "kv_hooks", "async_engine", "interactive", "arg_utils")},
+    **{f"{_E}.core.{front}": {"*"} for front in ("engine", "kv_hooks", "async_engine", "interactive", "arg_utils",
+                                                          "micro_batches")},
 }
 OLD_NAMES = {"common", "engine", "router", "deploy", "protos", "kv_transfer", "prefill_worker", "decode_worker",
              "registry", "bench"}

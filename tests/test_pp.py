@@ -191,3 +191,44 @@ def test_a_stage_killed_mid_stream_raises_rank_failed_and_frees_the_blocks():
         assert all(p.wait(10) is not None for p in e.tp.procs)  # the last stage was taken down at once
     finally:
         e.shutdown()
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_micro_batches_in_flight_keep_tokens_and_logprobs_exact(pipelines, pp):
+    """Many streams, batched and chunked: the pipe holds `pp` micro-batches at once (each its
+    own scheduler step), and every token and logprob is the single engine's; a request aborted
+    while its micro-batch is in the pipe is dropped when it lands, a KV export lands the pipe
+    first (its outputs come with the next step), and every block comes back."""
+    ps = prompts(12, seed=31, lo=5, hi=90)
+    want, want_lp = run(single(), ps)
+    e = pipelines[pp]
+    mb = e.micro_batches
+    launched, sends = mb.launched, e.runner.model.pp.sends
+    mb.most = 0
+    got, got_lp = run(e, ps)
+    assert got == want and got_lp == want_lp
+    assert mb.most == pp and mb.launched - launched >= 16  # the pipe was full, many times over
+    clean(e)
+
+    e.add_request("held", ps[0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
+    for i, p in enumerate(ps[1:6]):
+        e.add_request(f"m{i}", p, GREEDY)
+    outs = []
+    while not any(c.request.request_id == "m1" for chunks, *_ in mb.flight for c in chunks):
+        outs += e.step()
+    assert e.abort("m1") and "m1" in e.scheduler.in_flight  # aborted mid-pipe
+    while e.scheduler.requests.get("held") is not None:
+        outs += e.step()
+    assert mb.flight
+    _, kv = e.export_kv("held")  # lands the pipe first: nothing may be in flight while the stages send KV
+    assert not mb.flight and kv.shape[0] == 5
+    e.release_kv("held")
+    while e.has_unfinished_requests():
+        outs += e.step()
+    toks = {}
+    for o in outs:
+        toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert "m1" not in toks or len(toks["m1"]) < 16
+    assert [toks[f"m{i}"] for i in (0, 2, 3, 4)] == [want[i] for i in (1, 3, 4, 5)]
+    assert e.runner.model.pp.sends > sends
+    clean(e)

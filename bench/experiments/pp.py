@@ -1,10 +1,12 @@
 """Pipeline parallelism on this machine, in one run: SmolLM2 (30 layers) as one engine (2
 threads) and as PP=2 (two processes of one thread each, 15 layers a stage, gloo between them),
+with micro-batches in flight (engine/core/micro_batches.py) and without (one step at a time),
 decode-heavy: 1 and 32 streams of 64-token prompts and 64 tokens out, each stream's prompt
 new. Reports tokens/s (prompt + output over the run's wall time, and output alone), the decode
-step time, and the pipe's bubble: the share of rank 0's step time spent waiting for the last
-stage (engine/parallel/pp.py `Stage.idle_s`; with one micro-batch in the pipe, every stage
-waits while the others compute). The machine has 2 cores: PP=2 shows what the pipe costs, not
+step time (with micro-batches: the time of an engine step, which lands one micro-batch), and
+the pipe's bubble: the share of rank 0's time spent waiting for the last stage
+(engine/parallel/pp.py `Stage.idle_s`; with one micro-batch in the pipe, every stage waits
+while the others compute). The machine has 2 cores: PP=2 shows what the pipe costs, not
 a speed-up. 3 interleaved repeats, medians. Writes bench/experiments/pp-results.json.
 
     . .venv/bin/activate && python bench/experiments/pp.py
@@ -49,23 +51,28 @@ def run(e: LLMEngine, streams: int, seed: int) -> dict:
     return r
 
 
+MODES = ("pp1", "pp2_one_step", "pp2")  # pp2_one_step: PP=2 with micro-batching off (before issue 47's 2nd slice)
+
+
 def main() -> None:
     loaded = load_model()
-    runs: dict = {(pp, n): [] for pp in (1, 2) for n in (1, 32)}
+    runs: dict = {(m, n): [] for m in MODES for n in (1, 32)}
     for rep in range(3):
-        for pp in (1, 2):
-            torch.set_num_threads(2 if pp == 1 else 1)  # 2 cores: one thread a stage at PP=2
-            e = LLMEngine(loaded, CFG) if pp == 1 else LLMEngine.tensor_parallel(ModelSource(), CFG, pp, pipeline=True)
+        for m in MODES:
+            torch.set_num_threads(2 if m == "pp1" else 1)  # 2 cores: one thread a stage at PP=2
+            e = LLMEngine(loaded, CFG) if m == "pp1" else LLMEngine.tensor_parallel(ModelSource(), CFG, 2, pipeline=True)
+            if m == "pp2_one_step":
+                e.micro_batches = None
             try:
                 for n in (1, 32):
-                    runs[(pp, n)].append(run(e, n, rep * 10 + n))
-                    print(pp, n, runs[(pp, n)][-1], flush=True)
+                    runs[(m, n)].append(run(e, n, rep * 10 + n))
+                    print(m, n, runs[(m, n)][-1], flush=True)
             finally:
                 e.shutdown()
-    med = {f"pp{pp}_{n}": {k: statistics.median(x[k] for x in rs) for k in rs[0]} for (pp, n), rs in runs.items()}
+    med = {f"{m}_{n}": {k: statistics.median(x[k] for x in rs) for k in rs[0]} for (m, n), rs in runs.items()}
     out = {"cpu": subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("\n")[:20], **med,
-           "pp2_over_pp1_tokens_per_s": {n: med[f"pp2_{n}"]["tokens_per_s"] / med[f"pp1_{n}"]["tokens_per_s"]
-                                         for n in (1, 32)}}
+           **{f"{m}_over_pp1_tokens_per_s": {n: med[f"{m}_{n}"]["tokens_per_s"] / med[f"pp1_{n}"]["tokens_per_s"]
+                                             for n in (1, 32)} for m in MODES[1:]}}
     Path(__file__).with_name("pp-results.json").write_text(json.dumps(out, indent=1))
     print(json.dumps({k: v for k, v in out.items() if k != "cpu"}, indent=1))
 

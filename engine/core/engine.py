@@ -28,6 +28,7 @@ from pdserve.common.kv_events import EventListener
 from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.engine.kv.cache import KVCache, kv_format
 from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.micro_batches import MicroBatches
 from pdserve.engine.core.runner import ModelRunner
 from pdserve.engine.sampling.sampler import draw, sample
 from pdserve.common.sampling_params import SamplingParams
@@ -87,6 +88,7 @@ class LLMEngine(KVTransferHooks):
         self.last_step_progress = False
         self._hold: set[str] = set()
         self._layer_streams: dict[str, tuple] = {}  # request id -> (on_layers, group, first_block)
+        self.micro_batches = MicroBatches.of(self)  # a pipeline's micro-batches in flight; None: one step at a time
 
     def _attach_kernels(self, loaded: LoadedModel) -> None:
         config = self.config
@@ -135,6 +137,8 @@ class LLMEngine(KVTransferHooks):
         if self._mask_pool is not None:
             self._mask_pool.shutdown(wait=False)
             self._mask_pool = None
+        if self.micro_batches is not None:
+            self.micro_batches.close()
         if self.tp is not None:
             self.tp.stop()
         if self.blocks.tiers is not None:
@@ -259,7 +263,7 @@ class LLMEngine(KVTransferHooks):
             self.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.micro_batches and self.micro_batches.stash)
 
     def most_urgent_priority(self) -> int | None:
         """The most urgent priority this engine has work for (None: none needs compute)."""
@@ -267,10 +271,16 @@ class LLMEngine(KVTransferHooks):
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.micro_batches is not None:
+            return self.micro_batches.step()
         sched = self.scheduler.schedule()
         # False: nothing ran and nothing changed (all waiting on remote KV or on memory), so
         # stepping again before the next add/abort/import would only spin
         self.last_step_progress = sched.num_tokens > 0 or bool(sched.preempted)
+        return self._run(sched)
+
+    def _run(self, sched) -> list[RequestOutput]:
+        """Run a scheduled step through the model in one pass and sample it."""
         if not sched.chunks:
             return []
         t0 = time.perf_counter()

@@ -98,6 +98,31 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if sampled is None else hidden[sampled])
         return [c for c in ordered if c.completes], logits
 
+    @torch.inference_mode()
+    def launch(self, chunks: list[ScheduledChunk]):
+        """A pipeline's rank 0: start one micro-batch (no prompt logprobs, layer streams nor
+        adapters; engine/core/micro_batches.py): the step goes to the other stages and this
+        stage's layers run; its result lands later (`land`, micro-batches in launch order)."""
+        ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
+        self._prompt_spans, self._all_rows = [], frozenset()
+        input_ids, positions, meta, sample_rows = self._build(ordered)
+        sampled = None if len(sample_rows) == input_ids.shape[0] else sample_rows
+        self.tp.step(input_ids, positions, meta, [], sampled)
+        self.model.backend.prepare(meta)
+        self.model.pp.defer = True
+        try:
+            self.model(input_ids, positions, self._kv_layers, meta, None)
+        finally:
+            self.model.pp.defer = False
+        return ordered, sampled
+
+    @torch.inference_mode()
+    def land(self, launched) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """The oldest micro-batch in flight's completing chunks and logits (as `execute`'s)."""
+        ordered, sampled = launched
+        hidden = self.model.pp.land(self.device)
+        return [c for c in ordered if c.completes], self.model.compute_logits(hidden if sampled is None else hidden[sampled])
+
     def _lora_batch(self, ordered: list[ScheduledChunk]) -> LoRABatch | None:
         """Which rows run under which adapter (rows laid out as `_build` does); None: no adapter."""
         spans, row = [], 0

@@ -68,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}
+        self.in_flight: set[str] = set()  # in a pipeline's micro-batch: neither scheduled nor preempted
         self.urgency = UrgencyWindow(config.urgent_window_s)
         self._allow = Allowance()  # this step's room for less urgent work
         self.cost = StepCost()
@@ -150,7 +151,7 @@ class Scheduler:
         recently admitted among those; `below`: only one less urgent than that priority."""
         best = None
         for r in self.running[start:end]:
-            if best is None or r.priority >= best.priority:
+            if r.request_id not in self.in_flight and (best is None or r.priority >= best.priority):
                 best = r
         if best is None or (below is not None and best.priority <= below):
             return None
@@ -304,7 +305,8 @@ class Scheduler:
         i, short_of_blocks, yielded = 0, False, []
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget, req)
+            n = 0 if req.request_id in self.in_flight else self._chunk_size(
+                req.num_tokens - req.num_computed_tokens, budget, req)
             if n == 0 or self._yields_decode(req, n):
                 i += 1
                 continue

@@ -32,6 +32,9 @@ def group_store(host: str, port: int, world: int, is_rank0: bool, timeout_s: flo
     return store, dist.PrefixStore(store_prefix(secret), store)
 
 
+MESSAGES = 1  # the tag of rank 0's posted messages (activations and KV move under tag 0)
+
+
 class Group:
     """This process's membership of a group: gloo collectives on a process group of its own
     (not torch's default group, so that one process can hold several, as tests do). Every
@@ -53,6 +56,8 @@ class Group:
         self.gather_s = 0.0  # time in gather_columns (the logits)
         self.seq = 0  # messages rank 0 sent (or this rank received): each is sealed with its number
         self.key = b""  # the session's, once every rank proved the secret
+        self.posted = False  # rank 0's messages point to point, unwaited (a pipeline's: pp.attach_stage)
+        self._sent: list = []  # isend's works not yet complete, with their buffers
         self._authenticate(secret)
 
     def _authenticate(self, secret: bytes) -> None:
@@ -87,11 +92,14 @@ class Group:
         try:
             work.wait()
         except RuntimeError as e:
-            if self.on_failure is not None:
-                self.on_failure()
-                self.on_failure = None
-            raise RankFailed(f"{what} over the tensor-parallel group failed (a rank died or stopped "
-                             f"answering): {e}") from e
+            self._failed(what, e)
+
+    def _failed(self, what: str, e: RuntimeError):
+        if self.on_failure is not None:
+            self.on_failure()
+            self.on_failure = None
+        raise RankFailed(f"{what} over the tensor-parallel group failed (a rank died or stopped "
+                         f"answering): {e}") from e
 
     def _bcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -104,8 +112,16 @@ class Group:
         self._bcast(t)
 
     def broadcast(self, obj) -> None:
-        """Rank 0: send `obj` (what engine/parallel/wire.encode takes) to every other rank, sealed."""
-        self._send_raw(seal(self.key, self.seq, encode(obj)))
+        """Rank 0: send `obj` (what engine/parallel/wire.encode takes) to every other rank, sealed.
+        With `posted` (a pipeline's group), point to point and not waited for: rank 0 goes on
+        while a stage still computes an earlier micro-batch (a gloo broadcast waits for it)."""
+        data = seal(self.key, self.seq, encode(obj))
+        if self.posted:
+            for r in range(1, self.world):
+                self.isend(torch.tensor([len(data)]), r, MESSAGES)
+                self.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), r, MESSAGES)
+        else:
+            self._send_raw(data)
         self.seq += 1
 
     def _send_raw(self, data: bytes) -> None:
@@ -115,12 +131,14 @@ class Group:
     def receive(self, device: str = "cpu"):
         """Another rank: rank 0's next message, its tensors on `device`. Raises PeerRefused
         (and takes this rank out) when it is not sealed by a holder of the group's secret."""
-        n = torch.zeros(1, dtype=torch.long)
-        self._bcast(n)
+        n = self.recv((1,), torch.long, 0, MESSAGES) if self.posted else torch.zeros(1, dtype=torch.long)
+        if not self.posted:
+            self._bcast(n)
         if not 0 < int(n) <= MAX_MESSAGE:
             raise PeerRefused(f"a tensor-parallel message of {int(n)} bytes is refused")
-        data = torch.empty(int(n), dtype=torch.uint8)
-        self._bcast(data)
+        data = self.recv((int(n),), torch.uint8, 0, MESSAGES) if self.posted else torch.empty(int(n), dtype=torch.uint8)
+        if not self.posted:
+            self._bcast(data)
         payload = unseal(self.key, self.seq, data.numpy().tobytes())
         self.seq += 1
         return decode(payload, device)
@@ -156,12 +174,35 @@ class Group:
         if t.numel():
             self._wait(self.pg.send([t.contiguous().view(-1).view(torch.uint8)], dst, 0), f"sending to rank {dst}")
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int = 0) -> torch.Tensor:
         """A tensor of `shape` and `dtype` from rank `src` (what its `send` sent)."""
-        out = torch.empty(shape, dtype=dtype)
-        if out.numel():
-            self._wait(self.pg.recv([out.view(-1).view(torch.uint8)], src, 0), f"receiving from rank {src}")
+        work, out = self.irecv(shape, dtype, src, tag)
+        self.finish(work, src)
         return out
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """`t`'s bytes to rank `dst`, not waited for: gloo moves them once `dst` receives, and
+        keeps them till then; a rank that died shows in a later wait."""
+        self._sent = [(w, b) for w, b in self._sent if not w.is_completed()]
+        if t.numel():
+            buf = t.contiguous().view(-1).view(torch.uint8)
+            try:  # gloo raises here at once when it knows `dst` is gone
+                self._sent.append((self.pg.send([buf], dst, tag), buf))
+            except RuntimeError as e:
+                self._failed(f"sending to rank {dst}", e)
+
+    def irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int = 0):
+        """Post a receive from rank `src`: (its work, the tensor it fills); `finish` waits."""
+        out = torch.empty(shape, dtype=dtype)
+        try:
+            return (self.pg.recv([out.view(-1).view(torch.uint8)], src, tag) if out.numel() else None), out
+        except RuntimeError as e:
+            self._failed(f"receiving from rank {src}", e)
+
+    def finish(self, work, src: int) -> None:
+        """Wait for `irecv`'s work (RankFailed if rank `src` died)."""
+        if work is not None:
+            self._wait(work, f"receiving from rank {src}")
 
     def close(self) -> None:
         self.pg = None

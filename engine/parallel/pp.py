@@ -1,16 +1,19 @@
 """Pipeline parallelism: a model's layers split over the ranks of a group (the processes, the
-authenticated gloo group and the per-step broadcast of engine/parallel/tp.py, in its
+authenticated gloo group and the per-step message of engine/parallel/tp.py, in its
 `pipeline` mode), each rank one stage.
 
 Stage r holds the contiguous layers `layers_of(cfg, pp, r)` (as even as possible, the first
 stages one more when the degree does not divide the layers), renumbered from 0 in its model,
 and a paged cache of those layers alone. Rank 0 is the engine (scheduler, block manager,
-sampler) and stage 0: it broadcasts each step as tensor parallelism does, embeds the tokens
-and runs its layers, then sends the residual stream (T, hidden) to rank 1 point to point;
-each stage receives it, runs its layers and sends it on; the last applies the final norm and
-sends the normed hidden states back to rank 0, whose logits and sampling are those of one
-engine. The stages compute the same sums in the same order as one engine's layers do, so
-their tokens and logprobs are the single engine's exactly.
+sampler) and stage 0: it sends each step to every stage (point to point, not waited for:
+`Group.posted`, so it goes on while a stage computes), embeds the tokens and runs its
+layers, then sends the residual stream (T, hidden) to rank 1; each stage receives it, runs
+its layers and sends it on; the last applies the final norm and sends the normed hidden
+states back to rank 0, whose logits and sampling are those of one engine. The stages
+compute the same sums in the same order as one engine's layers do, so their tokens and
+logprobs are the single engine's exactly. With micro-batches in flight
+(engine/core/micro_batches.py) rank 0's pass posts the residual stream and a receive for its
+result (`Stage.defer`) and returns; `Stage.land` waits for the oldest result.
 
 KV leaves and enters the group in the whole model's layout (`PPKVCache`): an export gathers
 every stage's layers on rank 0 (concatenated along the layer dimension), an import sends each
@@ -19,9 +22,8 @@ engines do. Rank 0's block manager is the group's: a block id names the same blo
 stage's cache (rank 0, holding the most layers, holds the fewest blocks). A stage that dies
 makes the next send or receive fail: rank 0 raises `RankFailed`, as for a tensor-parallel rank.
 
-Not in this slice: micro-batching (one step runs through the stages one after the other, so
-a stage idles while the others compute: PP here buys memory, not speed), each stage sending
-its own layers' KV straight to the decode worker (rank 0 gathers them), the native one-call
+Not in this slice: each stage sending its own layers' KV straight to the decode worker (rank
+0 gathers them), the native one-call
 decode step and layer-wise KV streaming mid-pass (a step's streams export once the pass is
 through), LoRA adapters, and PP together with tensor or expert parallelism. Every stage keeps
 the embedding, the final norm and the LM head (only rank 0 and the last stage use them).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from dataclasses import replace
 
 import torch
@@ -95,6 +98,9 @@ class Stage:
         self.group, self.rank, self.world = group, group.rank, group.world
         self.sends = 0  # activations sent (a step's pass sends one per stage)
         self.idle_s = 0.0  # rank 0: seconds waiting for the last stage's output (the pipe's bubble)
+        self.defer = False  # rank 0: a pass leaves its result in `landing` (a micro-batch in flight)
+        self.landing: deque = deque()  # rank 0: (posted receive, its tensor) per micro-batch in flight
+        self.broken: list = []  # rank 0: the landings of a pipe a stage broke (kept for gloo)
 
     def enter(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream at this stage's first layer, (T, hidden): the embeddings on
@@ -108,7 +114,8 @@ class Stage:
     def leave(self, h: torch.Tensor, delta: torch.Tensor | None, finish) -> torch.Tensor:
         """After this stage's layers: the last stage's `finish()` (the final norm, adding the
         pending `delta` of the fused path) goes back to rank 0; any other stage sends the
-        residual stream h + delta on. Rank 0 returns the final normed hidden states."""
+        residual stream h + delta on. Rank 0 returns the final normed hidden states, or, with
+        `defer`, posts h and a receive for them (`land`) and returns h."""
         if self.rank == self.world - 1:
             out = finish()
             if self.rank != 0:
@@ -116,6 +123,11 @@ class Stage:
             return out
         if delta is not None:
             h.add_(delta)  # what the next layer's fused norm would add first: the same fp32 sum
+        if self.defer:  # a copy: the native path may reuse h's memory in the next pass, before it left
+            self.group.isend(h.clone(), 1)
+            self.sends += 1
+            self.landing.append(self.group.irecv(tuple(h.shape), h.dtype, self.world - 1))
+            return h
         self._send(h, self.rank + 1)
         if self.rank != 0:
             return h
@@ -124,14 +136,24 @@ class Stage:
         self.idle_s += time.perf_counter() - t
         return out.to(h.device)
 
+    def land(self, device) -> torch.Tensor:
+        """Rank 0: the final normed hidden states of the oldest micro-batch in flight."""
+        work, out = self.landing.popleft()
+        t = time.perf_counter()
+        self.group.finish(work, self.world - 1)
+        self.idle_s += time.perf_counter() - t
+        return out.to(device)
+
     def _send(self, t: torch.Tensor, dst: int) -> None:
         self.group.send(t.cpu(), dst)
         self.sends += 1
 
 
 def attach_stage(model, group) -> None:
-    """Make `model` (a stage's layers) one stage of `group`'s pipeline."""
+    """Make `model` (a stage's layers) one stage of `group`'s pipeline; rank 0's messages are
+    posted (Group.posted) so that it can send a micro-batch's step while a stage computes another."""
     model.pp = Stage(group)
+    group.posted = True
 
 
 class PPKVCache(KVCache):
@@ -145,6 +167,7 @@ class PPKVCache(KVCache):
         super().__init__(local, config.cache, kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype),
                                                         config.device), config.device)
         self.full, self.group = full, group
+        self.settle = None  # rank 0: lands the micro-batches in flight first (its engine's MicroBatches)
 
     @property
     def layout(self) -> tuple[int, ...]:
@@ -164,6 +187,8 @@ class PPKVCache(KVCache):
         through (runner.py), when the other stages wait for rank 0's next message."""
         g = self.group
         lo, hi = layers or (0, self.full.num_hidden_layers)
+        if g.rank == 0 and self.settle is not None:  # the parts come under tag 0, as the results do
+            self.settle()
         if g.rank == 0 and g.world > 1:
             g.broadcast(("export", block_ids, layers))
         mine = super().export_blocks(block_ids, self._part(g.rank, lo, hi))
@@ -186,6 +211,8 @@ class PPKVCache(KVCache):
         if tuple(data.shape) != expected or data.dtype != self.kv.dtype:  # refused before any stage is told
             raise KVTransferError(f"KV data has shape {tuple(data.shape)} and dtype {data.dtype}, expected "
                                   f"{expected} and {self.kv.dtype}")
+        if self.settle is not None:
+            self.settle()
         if g.world > 1:
             g.broadcast(("import", block_ids))
         for r in range(1, g.world):
