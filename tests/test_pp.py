@@ -232,3 +232,15 @@ def test_micro_batches_in_flight_keep_tokens_and_logprobs_exact(pipelines, pp):
     assert [toks[f"m{i}"] for i in (0, 2, 3, 4)] == [want[i] for i in (1, 3, 4, 5)]
     assert e.runner.model.pp.sends > sends
     clean(e)
+
+
+def test_a_long_prompt_s_chunks_follow_each_other_into_the_pipe(pipelines):
+    """One stream: its prompt's chunks (4 of at most 64 tokens) go into the pipe one after
+    another, as micro-batches (only the last samples); tokens and logprobs exact."""
+    ps = prompts(1, seed=41, lo=230, hi=230)
+    want = run(single(), ps)
+    e = pipelines[2]
+    e.micro_batches.most = 0
+    assert run(e, ps) == want
+    assert e.micro_batches.most == 2
+    clean(e)

@@ -10,11 +10,14 @@ landed (and new ones), launches it (the step is posted to the stages, rank 0 run
 and posts the residual stream on: runner.launch), and then lands the oldest once N are in
 flight (or when nothing new could be scheduled): its logits, sampling and outputs, exactly
 as a one-step engine's. Every stage processes micro-batches in launch order; rank 0 has a
-receive posted for each one's result, so no stage waits on rank 0 to send it.
+receive posted for each one's result, so no stage waits on rank 0 to send it. A prompt's
+chunk that does not complete it samples nothing: its request counts the chunk at launch and
+stays schedulable, so the prompt's next chunk follows it into the pipe (its KV is written on
+every stage first, as the stages keep the order).
 
 What a micro-batch does not carry runs the one-step way once the pipe is drained: a step
-with one chunk and nothing in flight (nothing to overlap), prompt logprobs, layer streams or
-speculation. A KV export or import lands the micro-batches in flight first (`settle`), their
+of one chunk that samples and nothing in flight (one stream decoding: nothing to overlap),
+prompt logprobs, layer streams or speculation. A KV export or import lands the micro-batches in flight first (`settle`), their
 outputs returned by the next step. A request aborted while in the pipe is dropped when its
 micro-batch lands. RankFailed empties the pipe (the blocks are freed by the engine's abort).
 """
@@ -76,7 +79,8 @@ class MicroBatches:
         out, self.stash = self.stash, []
         sched = e.scheduler.schedule()
         e.last_step_progress = bool(self.flight) or sched.num_tokens > 0 or bool(sched.preempted)
-        if sched.chunks and (not self._carries(sched) or (not self.flight and len(sched.chunks) == 1)):
+        alone = not self.flight and len(sched.chunks) == 1 and sched.chunks[0].completes
+        if sched.chunks and (not self._carries(sched) or alone):
             return out + self.drain() + e._run(sched)
         if sched.chunks:
             t0 = time.perf_counter()
@@ -90,13 +94,16 @@ class MicroBatches:
     def _launch(self, chunks) -> None:
         e = self.engine
         masks = e._start_masks(chunks)
-        e.scheduler.in_flight.update(c.request.request_id for c in chunks)
+        e.scheduler.in_flight.update(c.request.request_id for c in chunks if c.completes)
         try:
             self.flight.append((chunks, e.runner.launch(chunks), masks))
             self.launched, self.most = self.launched + 1, max(self.most, len(self.flight))
         except RankFailed:
             self.clear()
             raise
+        for c in chunks:  # a prompt's next chunk may follow this one into the pipe: it samples nothing
+            if not c.completes:
+                c.request.num_computed_tokens += c.num_new_tokens
 
     def _land(self) -> list[RequestOutput]:
         e = self.engine
@@ -107,6 +114,8 @@ class MicroBatches:
             self.clear()
             raise
         for c in chunks:
+            if not c.completes:
+                continue  # counted at launch
             e.scheduler.in_flight.discard(c.request.request_id)
             if not c.request.status.finished:  # aborted while in the pipe: its blocks are gone
                 c.request.num_computed_tokens += c.num_new_tokens
