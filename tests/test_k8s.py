@@ -312,8 +312,7 @@ def test_pools_match_worker_groups(overlay):
         assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"], role
         assert int(flags[f"--{role}"]) == g["replicas"], f"{role}: pool size != worker group replicas"
         assert custom_resources(params) == {flags[f"--{role}-resource"]: 1}, f"{role}: one slot per pod"
-        # a tensor-, expert- or pipeline-parallel worker reserves --{role}-cpus (and -gpus) for each
-        # rank (a stage is a rank), all on its pod
+        # a TP, EP or PP worker reserves --{role}-cpus (and -gpus) for each rank (a stage: a rank), on its pod
         ranks = (int(flags[f"--{role}-tp"]) or 1) * (int(flags[f"--{role}-ep"]) or 1) * (int(flags[f"--{role}-pp"]) or 1)
         cpus, gpus = float(flags[f"--{role}-cpus"]) * ranks, float(flags[f"--{role}-gpus"]) * ranks
         assert cpus <= float(params["num-cpus"]) <= float(limits["cpu"]), f"{role}: CPUs"
@@ -328,10 +327,9 @@ def test_pools_match_worker_groups(overlay):
     router_flags = {k: KUBE_REF.sub(lambda m: config[m.group(1)], v) for k, v in flag_values(router["args"]).items()}
     for flag in ("--cluster-name", "--model", "--block-size"):  # routers and pools must agree
         assert router_flags[flag] == flags[flag], flag
-    expected = {"cpu-dev": ("1", "1", "cpu"), "gpu": ("2", "2", "cuda"),
-                "cpu-dev-pp": ("1", "1", "cpu")}[name.removesuffix("-keys")]
-    assert (flags["--prefill"], flags["--decode"], device) == expected
-    assert (flags["--prefill-pp"], flags["--decode-pp"]) == (("1", "2") if name == "cpu-dev-pp" else ("1", "1"))
+    expected = {"cpu-dev": ("1", "1", "cpu", "1"), "gpu": ("2", "2", "cuda", "1"),
+                "cpu-dev-pp": ("1", "1", "cpu", "2")}[name.removesuffix("-keys")]
+    assert (flags["--prefill"], flags["--decode"], device, flags["--decode-pp"]) == expected
 
 
 def mounted_file(objs: list[dict], container: dict, template: dict, path: str) -> dict:
