@@ -18,10 +18,10 @@ from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
 from pdserve.engine.model.weights import LoadedModel, build_model
 from pdserve.engine.parallel.pp import check_stages, layers_of, stage_state
 from pdserve.engine.parallel.tp import ModelSource, RankFailed
+from tests.helpers.engine_runs import GREEDY, clean, handoff, run
 from tests.helpers.prompts import prompts
 
 LAYERS = (("num_hidden_layers", 5),)
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
 CONFIG = EngineConfig(quantization="exact", num_threads=1, cache=CacheConfig(kv_cache_memory=4 << 20),
                       scheduler=SchedulerConfig(max_num_batched_tokens=64))
 
@@ -41,23 +41,6 @@ def pipelines():
     for e in made.values():
         e.shutdown()
         assert all(p.poll() is not None for p in e.tp.procs)
-
-
-def clean(e: LLMEngine) -> None:
-    assert not e.has_unfinished_requests() and e.blocks.num_used_blocks == 0
-    e.blocks.check_invariants()
-
-
-def run(e: LLMEngine, ps, params=GREEDY):
-    ids = [f"r{i}" for i in range(len(ps))]
-    for rid, p in zip(ids, ps):
-        e.add_request(rid, p, params)
-    toks, lps = {r: [] for r in ids}, {r: [] for r in ids}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            toks[o.request_id] += o.new_token_ids
-            lps[o.request_id] += [lp.logprob for lp in o.logprobs]
-    return [toks[r] for r in ids], [lps[r] for r in ids]
 
 
 def test_a_degree_above_the_layers_is_refused_with_the_ones_that_fit():
@@ -135,31 +118,11 @@ def test_a_mixture_of_experts_model_over_three_stages(tmp_path):
         e.shutdown()
 
 
-def handoff(src: LLMEngine, dst: LLMEngine, ps, streamed=None):
-    out = []
-    for i, p in enumerate(ps):
-        rid = f"h{i}"
-        src.add_request(rid, p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
-        if streamed is not None:
-            src.stream_kv_layers(rid, lambda a, b, kv: streamed.append((a, b, kv)), group=2)
-        first = None
-        while src.has_unfinished_requests():
-            for o in src.step():
-                first = o.new_token_ids[0]
-        _, kv = src.export_kv(rid)
-        src.release_kv(rid)
-        if streamed is not None:  # layers [0, 2), [2, 4), [4, 5) of the prompt's blocks: the export's
-            assert [(a, b) for a, b, _ in streamed] == [(0, 2), (2, 4), (4, 5)]
-            assert torch.equal(torch.cat([kv for _, _, kv in streamed]), kv)
-            streamed.clear()
-        dst.add_remote_request(rid, p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        dst.import_kv(rid, kv, first)
-        toks = [first]
-        while dst.has_unfinished_requests():
-            for o in dst.step():
-                toks += o.new_token_ids
-        out.append(toks)
-    return out
+def five_layers_streamed(streamed: list, kv) -> None:
+    """A step's layer streams of the 5-layer model are layers [0, 2), [2, 4), [4, 5) of the
+    prompt's blocks: together, the export."""
+    assert [(a, b) for a, b, _ in streamed] == [(0, 2), (2, 4), (4, 5)]
+    assert torch.equal(torch.cat([kv for _, _, kv in streamed]), kv)
 
 
 def test_kv_moves_between_pipelines_and_single_engines(pipelines):
@@ -170,7 +133,7 @@ def test_kv_moves_between_pipelines_and_single_engines(pipelines):
     assert two.kv_cache.layout == one.kv_cache.layout == three.kv_cache.layout  # the whole model's layers
     assert handoff(two, one, ps) == want  # prefill over 2 stages -> decode on 1
     assert handoff(one, three, ps) == want  # 1 -> 3
-    assert handoff(three, two, ps, streamed=[]) == want  # 3 -> 2, its KV streamed as the step ends
+    assert handoff(three, two, ps, [], five_layers_streamed) == want  # 3 -> 2, its KV streamed as the step ends
     for e in (two, one, three):
         clean(e)
 

@@ -18,9 +18,9 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.tiny import tiny_config, tiny_llama, tiny_state_dict
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard
 from pdserve.engine.parallel.tp import ModelSource, RankFailed
+from tests.helpers.engine_runs import clean, handoff, run
 from tests.helpers.prompts import prompts
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
 CONFIG = EngineConfig(cache=CacheConfig(kv_cache_memory=4 << 20), scheduler=SchedulerConfig(max_num_batched_tokens=64))
 
 
@@ -50,23 +50,6 @@ def test_each_rank_holds_its_heads_and_mlp_units(tp):
         assert torch.equal(part["model.norm.weight"], state["model.norm.weight"])  # replicated
         rows = state["model.embed_tokens.weight"].tensor_split(tp)[rank]  # vocabulary-parallel
         assert torch.equal(part["model.embed_tokens.weight"], rows) and local.vocab_size == rows.shape[0]
-
-
-def clean(e: LLMEngine) -> None:
-    assert not e.has_unfinished_requests() and e.blocks.num_used_blocks == 0
-    e.blocks.check_invariants()
-
-
-def run(e: LLMEngine, ps, params=GREEDY):
-    ids = [f"r{i}" for i in range(len(ps))]
-    for rid, p in zip(ids, ps):
-        e.add_request(rid, p, params)
-    toks, lps = {r: [] for r in ids}, {r: [] for r in ids}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            toks[o.request_id] += o.new_token_ids
-            lps[o.request_id] += [lp.logprob for lp in o.logprobs]
-    return [toks[r] for r in ids], [lps[r] for r in ids]
 
 
 @pytest.fixture(scope="module")
@@ -134,27 +117,6 @@ def test_an_uneven_tied_vocabulary_and_prompt_logprobs_over_two_ranks(tp_engine)
             assert [t for t, _ in tp_plp[-1].top] == [t for t, _ in plp[-1].top]
     finally:
         e.shutdown()
-
-
-def handoff(src: LLMEngine, dst: LLMEngine, ps):
-    out = []
-    for i, p in enumerate(ps):
-        rid = f"h{i}"
-        src.add_request(rid, p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
-        first = None
-        while src.has_unfinished_requests():
-            for o in src.step():
-                first = o.new_token_ids[0]
-        _, kv = src.export_kv(rid)
-        src.release_kv(rid)
-        dst.add_remote_request(rid, p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        dst.import_kv(rid, kv, first)
-        toks = [first]
-        while dst.has_unfinished_requests():
-            for o in dst.step():
-                toks += o.new_token_ids
-        out.append(toks)
-    return out
 
 
 def test_kv_moves_between_groups_of_different_degrees(tp_engine):
