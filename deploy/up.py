@@ -59,8 +59,9 @@ def _embedded_redis(config: ClusterConfig):
 def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
     """Refuse at once, before Ray starts, a pool's tensor-, expert- or pipeline-parallel degree
     its model cannot be split into (the model's config read from its directory or GGUF header,
-    only where a degree is above 1), or a pipeline whose stages would be split again (not
-    implemented), naming the pool's flag and the degrees that fit."""
+    only where a degree is above 1), or a pipeline whose stages would be split by experts (not
+    implemented; by tensor parallelism they are: PP x TP), naming the pool's flag and the
+    degrees that fit."""
     from pdserve.engine.model.weights import read_model_config
     from pdserve.engine.parallel.ep import check_experts
     from pdserve.engine.parallel.pp import check_stages
@@ -73,19 +74,18 @@ def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
         if all(d == (1, 1, 1) for d in degrees.values()):
             continue  # one rank a worker: nothing to split (the model is read where it loads)
         for role, (tp, ep, pp) in degrees.items():
-            if pp > 1 and max(tp, ep) > 1:
-                raise ValueError(f"--{role}-pp {pp} with a tensor- or expert-parallel degree above 1 (tp {tp}, ep "
-                                 f"{ep}): stages split again are not implemented; use --{role}-pp or the other")
+            if pp > 1 and ep > 1:
+                raise ValueError(f"--{role}-pp {pp} with an expert-parallel degree above 1 (ep {ep}): stages split "
+                                 f"by experts are not implemented; use --{role}-pp or --{role}-ep (or --{role}-tp "
+                                 "with --pp: PP x TP)")
         cfg = read_model_config(path)
         for role, (tp, ep, pp) in degrees.items():
-            flag = "ep" if ep > 1 else "pp" if pp > 1 else "tp"
-            try:
-                if ep > 1:
-                    check_experts(cfg, ep)
-                check_stages(cfg, pp)
-                check_degree(cfg, tp)
-            except ValueError as err:
-                raise ValueError(f"--{role}-{flag}: {err}") from None
+            checks = [("ep", check_experts, ep)] if ep > 1 else []  # a dense model is refused any ep
+            for flag, check, degree in checks + [("pp", check_stages, pp), ("tp", check_degree, tp)]:
+                try:
+                    check(cfg, degree)
+                except ValueError as err:
+                    raise ValueError(f"--{role}-{flag}: {err}") from None
 
 
 def _check_placement(config: ClusterConfig, log) -> None:

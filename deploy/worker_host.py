@@ -48,7 +48,8 @@ class HostedWorker:
         process supervisor) starts a fresh worker; off, the worker only leaves the registry (a
         worker hosted inside another program). `loaded` None: a tensor-parallel group of
         `engine.tensor_parallel_size` ranks, an expert-parallel one of `engine.expert_parallel_size`
-        or a pipeline of `engine.pipeline_parallel_size` stages, reading the configured model."""
+        or a pipeline of `engine.pipeline_parallel_size` stages (of `engine.tensor_parallel_size`
+        ranks each), reading the configured model."""
         self.config = c = config
         self.exit_on_engine_death = exit_on_engine_death
         self._watchdog: asyncio.Task | None = None
@@ -61,8 +62,8 @@ class HostedWorker:
         engine_config = replace(c.engine, detokenize=False)
         if loaded is None:
             ep, pp = c.engine.expert_parallel_size, c.engine.pipeline_parallel_size
-            core = LLMEngine.tensor_parallel(ModelSource(c.engine.model), engine_config,
-                                             max(c.engine.tensor_parallel_size, ep, pp), tokenizer,
+            core = LLMEngine.tensor_parallel(ModelSource(c.engine.model), engine_config,  # PP x TP: pp * tp ranks
+                                             c.engine.tensor_parallel_size * ep * pp, tokenizer,
                                              event_listener=self.publisher, expert=ep > 1, pipeline=pp > 1)
         else:
             core = LLMEngine(loaded, engine_config, tokenizer, self.publisher)

@@ -189,7 +189,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                             "experts split over N ranks (processes), attention replicated on each; at most the "
                             f"experts per layer, not with --{pool}-tp (default: --ep); pools may differ")
         p.add_argument(f"--{pool}-pp", type=int, default=0, help=f"pipeline-parallel degree of each {pool} worker: "
-                       "its layers split into N stages (processes); not with tp/ep (default: --pp)")
+                       f"its layers split into N stages (processes); with --{pool}-tp T each stage is T ranks "
+                       f"(PP x TP: N*T processes); at most the layers, not with --{pool}-ep (default: --pp)")
         p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
                        help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
                             "refused by every worker of a pool gets 429")

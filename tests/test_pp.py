@@ -44,15 +44,16 @@ def pipelines():
 
 
 def test_a_degree_above_the_layers_is_refused_with_the_ones_that_fit():
-    """And what this slice does not run: PP with tensor parallelism, LoRA adapters."""
+    """And what this slice does not run: PP with expert parallelism, LoRA adapters (PP x TP:
+    tests/test_pp_tp.py)."""
     check_stages(tiny_config(num_hidden_layers=3), 3)
     with pytest.raises(ValueError, match=r"pipeline-parallel degree 4: this model has 3 layers: use 1 to 3"):
         check_stages(tiny_config(num_hidden_layers=3), 4)
     with pytest.raises(ValueError, match=r"degree 4: this model has 3 layers"):  # before any rank starts
         LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=(("num_hidden_layers", 3),)), CONFIG, 4,
                                   pipeline=True)
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, and 1 with tensor or expert"):
-        EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, and 1 with expert parallelism"):
+        EngineConfig(pipeline_parallel_size=2, expert_parallel_size=2)
     with pytest.raises(ValueError, match=r"LoRA adapters on a pipeline-parallel group are not supported yet"):
         LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS),
                                   EngineConfig(lora=LoRAConfig(max_loras=1)), 2, pipeline=True)

@@ -1,8 +1,9 @@
 """Pipeline parallelism through `pdserve up` (engine/parallel/pp.py, deploy/up.py): a degree
-above the layers, or a pipeline with tensor parallelism, is refused before Ray starts, naming
-the flag and what fits; a pipeline's stages count as ranks when the pools are placed; and a
-Ray cluster of 2-stage prefill and decode workers answers greedily as the single engine;
-a decode stage killed mid-stream moves the stream to another worker, token-exact."""
+above the layers, a pipeline with expert parallelism, or PP x TP whose TP degree does not
+divide the heads, is refused before Ray starts, naming the flag and what fits; a pipeline's
+stages count as ranks when the pools are placed; and a Ray cluster of 2-stage prefill and
+decode workers answers greedily as the single engine; a decode stage killed mid-stream moves
+the stream to another worker, token-exact."""
 import os
 import re
 import signal
@@ -20,14 +21,16 @@ from tests.helpers.procs import ENV
 def test_up_refuses_a_pipeline_that_does_not_fit_before_starting_ray():
     for flags, why in ((["--decode-pp", "31"], "--decode-pp: pipeline-parallel degree 31: this model has 30 layers: "
                         "use 1 to 30"),
-                       (["--pp", "2", "--decode-tp", "3"], "--decode-pp 2 with a tensor- or expert-parallel degree "
-                        "above 1 (tp 3, ep 1)")):
+                       (["--pp", "2", "--decode-ep", "2"], "--decode-pp 2 with an expert-parallel degree above 1 "
+                        "(ep 2): stages split by experts are not implemented"),
+                       (["--decode-pp", "2", "--decode-tp", "2"], "--decode-tp: tensor-parallel degree 2 does not "
+                        "divide this model's 9 attention heads (3 KV heads): use one of 1, 3, 9")):
         r = subprocess.run([sys.executable, "-m", "pdserve", "up", *flags], capture_output=True, text=True,
                            timeout=120, env=ENV, check=False)
         assert r.returncode != 0 and why in r.stderr, r.stderr
         assert "Ray" not in r.stderr  # refused before a local Ray started
-    with pytest.raises(ValueError, match=r"a pool's pp \(2\) cannot be above 1 with tp \(3\)"):
-        PoolConfig(pp=2, tp=3)
+    with pytest.raises(ValueError, match=r"a pool's pp \(2\) cannot be above 1 with ep \(3\)"):
+        PoolConfig(pp=2, ep=3)
 
 
 def test_a_pipelines_stages_are_placed_as_ranks():

@@ -52,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--tp (default: 1)")
     g.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel degree: the model's layers split into N stages, processes of this host "
-                        "(gloo); at most the layers, not with --tp or --ep (default: 1)")
+                        "(gloo); with --tp T each stage is T ranks (PP x TP: N*T processes); at most the layers, "
+                        "not with --ep (default: 1)")
     g.add_argument("--attention", choices=("auto", "torch", "native", "triton"), default="auto",
                    help="attention kernels: auto = Triton on CUDA, C on CPU (default: auto)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",

@@ -1,6 +1,6 @@
-"""Micro-batches in a pipeline's flight (issue 47): rank 0 of a pipeline of N stages keeps up
-to N steps in the pipe, so that its stage computes one micro-batch while the later stages
-compute the ones before it.
+"""Micro-batches in a pipeline's flight (issue 47): rank 0 of a pipeline of N stages (each one
+rank, or a tensor-parallel group under PP x TP) keeps up to N steps in the pipe, so that its
+stage computes one micro-batch while the later stages compute the ones before it.
 
 Each micro-batch is a scheduler step of its own over the requests not in flight (the
 scheduler skips `Scheduler.in_flight` and never preempts them), with its own blocks. When
@@ -49,16 +49,18 @@ class MicroBatches:
 
     @classmethod
     def of(cls, engine) -> "MicroBatches | None":
-        """An engine's micro-batches: a pipeline's of 2 stages or more, but a mixture of experts's
+        """An engine's micro-batches: a pipeline's of 2 stages or more (its stages of one rank
+        or PP x TP groups alike: each stage's ranks take the steps in launch order, and stage 0's
+        post their sends on, pp.Stage.leave), but a mixture of experts's
         (its expert matmuls' sums depend on which rows share the batch: a micro-batch would
         change the last bits of the logprobs)."""
         tp = engine.tp
-        if tp is None or not tp.pipeline or tp.tp < 2 or engine.model_config.num_experts:
+        if tp is None or not tp.pipeline or tp.stages < 2 or engine.model_config.num_experts:
             return None
         return cls(engine)
 
     def __init__(self, engine):
-        self.engine, self.depth = engine, engine.tp.tp
+        self.engine, self.depth = engine, engine.tp.stages  # one micro-batch in flight a stage
         self.flight: deque = deque()  # (chunks, the runner's launch, grammar masks)
         self.stash: list[RequestOutput] = []  # outputs of micro-batches landed by `settle`
         self.launched = 0  # micro-batches launched

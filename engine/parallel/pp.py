@@ -22,11 +22,20 @@ engines do. Rank 0's block manager is the group's: a block id names the same blo
 stage's cache (rank 0, holding the most layers, holds the fewest blocks). A stage that dies
 makes the next send or receive fail: rank 0 raises `RankFailed`, as for a tensor-parallel rank.
 
+PP x TP: with `EngineConfig.tensor_parallel_size` = w > 1 each stage is a tensor-parallel
+group of w ranks (global rank = stage * w + its rank in the stage; `stage_group`): its layers
+split Megatron-style (engine/parallel/shard.py) and their partial sums all-reduced within the
+stage. Every rank of a stage holds the whole residual stream after each layer, so rank t of
+stage s sends it to rank t of stage s + 1 (as vLLM's pipeline groups do, without its
+all-gather shortcut), and the last stage's rank 0 alone sends the normed result to rank 0.
+The vocabulary is not split (every rank keeps the whole embedding and LM head, as a pipeline
+stage does): stage 0's ranks each embed the tokens, and rank 0 alone computes the logits.
+
 Not in this slice: each stage sending its own layers' KV straight to the decode worker (rank
-0 gathers them), the native one-call
+0 gathers every stage's and every rank's part), the native one-call
 decode step and layer-wise KV streaming mid-pass (a step's streams export once the pass is
-through), LoRA adapters, and PP together with tensor or expert parallelism. Every stage keeps
-the embedding, the final norm and the LM head (only rank 0 and the last stage use them).
+through), LoRA adapters, and PP together with expert parallelism. Every stage keeps
+the embedding, the final norm and the LM head (only stage 0 and rank 0 use them).
 """
 from __future__ import annotations
 
@@ -36,11 +45,13 @@ from collections import deque
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from pdserve.common.errors import KVTransferError
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv.cache import KVCache, kv_format
-from pdserve.engine.parallel.shard import span
+from pdserve.engine.parallel.group import Group
+from pdserve.engine.parallel.shard import kv_heads_of, shard, span
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -53,6 +64,16 @@ def check_stages(cfg: ModelConfig, pp: int) -> None:
     if not 1 <= pp <= cfg.num_hidden_layers:
         raise ValueError(f"pipeline-parallel degree {pp}: this model has {cfg.num_hidden_layers} layers: use 1 to "
                          f"{cfg.num_hidden_layers}")
+
+
+def stage_width(config: EngineConfig, world: int) -> int:
+    """Ranks in each stage of a pipeline group of `world` ranks: the config's tensor-parallel
+    degree (1: a stage is one process). Refuses a world it does not divide."""
+    w = config.tensor_parallel_size
+    if world % w:
+        raise ValueError(f"a pipeline group of {world} ranks cannot be split into stages of {w} tensor-parallel "
+                         f"ranks: use a multiple of {w}")
+    return w
 
 
 def layers_of(cfg: ModelConfig, pp: int, rank: int) -> range:
@@ -74,28 +95,35 @@ def stage_state(state: dict[str, torch.Tensor], layers: range) -> dict[str, torc
     return out
 
 
-def load_stage(source, config: EngineConfig, pp: int, rank: int):
-    """The LoadedModel of stage `rank` (its config: the whole model's; its model: its layers,
-    each keeping its index in the whole model for per-layer settings such as sliding
-    windows), and the whole model's config."""
+def load_stage(source, config: EngineConfig, world: int, rank: int):
+    """The LoadedModel of global rank `rank` of a pipeline group of `world` ranks (its config:
+    the whole model's; its model: its stage's layers, each keeping its index in the whole
+    model for per-layer settings such as sliding windows; with stages of w > 1 ranks, its
+    tensor-parallel slice of them, the vocabulary whole), and the whole model's config."""
     from pdserve.engine.model.weights import LoadedModel, build_model, quantized_fingerprint
 
     state, cfg, fp, path = source.read()
     if config.max_model_len:
         cfg = replace(cfg, max_position_embeddings=config.max_model_len)
-    check_stages(cfg, pp)
-    layers = layers_of(cfg, pp, rank)
-    model = build_model(cfg, stage_state(state, layers), getattr(torch, config.dtype), config.device,
+    w = stage_width(config, world)
+    check_stages(cfg, world // w)
+    layers = layers_of(cfg, world // w, rank // w)
+    part, local = stage_state(state, layers), cfg
+    if w > 1:
+        part, local = shard(part, cfg, w, rank % w, vocab=False)
+    model = build_model(local, part, getattr(torch, config.dtype), config.device,
                         config.packed_weights, config.quantization, layers=layers)
     return LoadedModel(model, cfg, path, quantized_fingerprint(fp, config.quantization, model)), cfg
 
 
 class Stage:
     """A model's place in a pipeline (`model.pp`): where its forward pass's residual stream
-    comes from and goes to."""
+    comes from and goes to. `width`: ranks per stage (PP x TP); the group's rank r is rank
+    r % width of stage r // width."""
 
-    def __init__(self, group):
-        self.group, self.rank, self.world = group, group.rank, group.world
+    def __init__(self, group, width: int = 1):
+        self.group, self.rank, self.world, self.width = group, group.rank, group.world, width
+        self.stage, self.last = group.rank // width, (group.world // width - 1) * width  # last: its first rank
         self.sends = 0  # activations sent (a step's pass sends one per stage)
         self.idle_s = 0.0  # rank 0: seconds waiting for the last stage's output (the pipe's bubble)
         self.defer = False  # rank 0: a pass leaves its result in `landing` (a micro-batch in flight)
@@ -104,35 +132,42 @@ class Stage:
 
     def enter(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream at this stage's first layer, (T, hidden): the embeddings on
-        rank 0, else the previous stage's output."""
-        if self.rank == 0:
+        stage 0's ranks, else the previous stage's output (from its rank of this rank's place)."""
+        if self.stage == 0:
             return model.embed(input_ids)
         dtype = model.model.embed_tokens.weight.dtype
-        h = self.group.recv((input_ids.shape[0], model.config.hidden_size), dtype, self.rank - 1)
+        h = self.group.recv((input_ids.shape[0], model.config.hidden_size), dtype, self.rank - self.width)
         return h.to(input_ids.device)
 
     def leave(self, h: torch.Tensor, delta: torch.Tensor | None, finish) -> torch.Tensor:
-        """After this stage's layers: the last stage's `finish()` (the final norm, adding the
-        pending `delta` of the fused path) goes back to rank 0; any other stage sends the
-        residual stream h + delta on. Rank 0 returns the final normed hidden states, or, with
-        `defer`, posts h and a receive for them (`land`) and returns h."""
-        if self.rank == self.world - 1:
+        """After this stage's layers: the last stage's first rank sends `finish()` (the final
+        norm, adding the pending `delta` of the fused path) back to rank 0 (its other ranks'
+        results go nowhere); any other stage sends the residual stream h + delta on. Rank 0
+        returns the final normed hidden states, or, with `defer`, posts h and a receive for
+        them (`land`) and returns h. Stage 0's other ranks post theirs too: a blocking send
+        would hold them out of rank 0's next micro-batch's all-reduces."""
+        if self.stage == self.world // self.width - 1:
+            if self.rank != self.last:
+                return h
             out = finish()
             if self.rank != 0:
                 self._send(out, 0)
             return out
         if delta is not None:
             h.add_(delta)  # what the next layer's fused norm would add first: the same fp32 sum
-        if self.defer:  # a copy: the native path may reuse h's memory in the next pass, before it left
-            self.group.isend(h.clone(), 1)
+        nxt = self.rank + self.width
+        if self.defer or (self.stage == 0 and self.rank != 0):
+            # a copy: the native path may reuse h's memory in the next pass, before it left
+            self.group.isend(h.clone(), nxt)
             self.sends += 1
-            self.landing.append(self.group.irecv(tuple(h.shape), h.dtype, self.world - 1))
+            if self.defer:
+                self.landing.append(self.group.irecv(tuple(h.shape), h.dtype, self.last))
             return h
-        self._send(h, self.rank + 1)
+        self._send(h, nxt)
         if self.rank != 0:
             return h
         t = time.perf_counter()
-        out = self.group.recv(tuple(h.shape), h.dtype, self.world - 1)
+        out = self.group.recv(tuple(h.shape), h.dtype, self.last)
         self.idle_s += time.perf_counter() - t
         return out.to(h.device)
 
@@ -140,7 +175,7 @@ class Stage:
         """Rank 0: the final normed hidden states of the oldest micro-batch in flight."""
         work, out = self.landing.popleft()
         t = time.perf_counter()
-        self.group.finish(work, self.world - 1)
+        self.group.finish(work, self.last)
         self.idle_s += time.perf_counter() - t
         return out.to(device)
 
@@ -149,43 +184,65 @@ class Stage:
         self.sends += 1
 
 
-def attach_stage(model, group) -> None:
+def stage_group(store, rank: int, width: int, timeout_s: float, secret: bytes, on_failure=None) -> Group | None:
+    """The tensor-parallel group of rank `rank`'s stage (None: stages of one rank): a Group of
+    its stage's `width` ranks on the rendezvous store under the stage's own prefix, proving the
+    same secret. Every rank of the pipeline forms it after the pipeline's group."""
+    if width == 1:
+        return None
+    return Group(rank % width, width, dist.PrefixStore(f"stage{rank // width}", store), timeout_s, secret, on_failure)
+
+
+def attach_stage(model, group, stage_tp: Group | None = None) -> None:
     """Make `model` (a stage's layers) one stage of `group`'s pipeline; rank 0's messages are
-    posted (Group.posted) so that it can send a micro-batch's step while a stage computes another."""
-    model.pp = Stage(group)
+    posted (Group.posted) so that it can send a micro-batch's step while a stage computes another.
+    `stage_tp`: its stage's tensor-parallel group, which sums its layers' partial outputs."""
+    model.pp = Stage(group, 1 if stage_tp is None else stage_tp.world)
     group.posted = True
+    for layer in model.model.layers if stage_tp is not None else ():
+        layer.self_attn.tp = layer.mlp.tp = stage_tp
 
 
 class PPKVCache(KVCache):
-    """One stage's paged cache (its layers), exporting and importing in the whole model's
-    layout: rank 0 gathers the stages' layers on export and sends each its layers on import
-    (the other stages take part, told by rank 0's broadcast)."""
+    """One rank's paged cache (its stage's layers; with PP x TP, its KV heads of them),
+    exporting and importing in the whole model's layout: rank 0 gathers every rank's part on
+    export (for this slice, rather than each stage shipping its own) and sends each its part on
+    import (the other ranks take part, told by rank 0's broadcast)."""
 
     def __init__(self, full: ModelConfig, config: EngineConfig, group):
-        self.spans = [layers_of(full, group.world, r) for r in range(group.world)]
-        local = replace(full, num_hidden_layers=len(self.spans[group.rank]))
+        w = self.width = stage_width(config, group.world)
+        self.spans = [layers_of(full, group.world // w, r // w) for r in range(group.world)]  # per global rank
+        self.heads = [kv_heads_of(full, w, r % w) for r in range(group.world)]
+        local = replace(full, num_hidden_layers=len(self.spans[group.rank]),
+                        num_key_value_heads=self.heads[group.rank].stop - self.heads[group.rank].start)
         super().__init__(local, config.cache, kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype),
                                                         config.device), config.device)
         self.full, self.group = full, group
+        kv = full.num_key_value_heads  # each stage's ranks whose heads make up the whole (one per replicated head)
+        self.owners = list(range(w)) if w <= kv else list(range(0, w, w // kv))
         self.settle = None  # rank 0: lands the micro-batches in flight first (its engine's MicroBatches)
 
     @property
     def layout(self) -> tuple[int, ...]:
-        _, two, bs, h, hd = super().layout
-        return (self.full.num_hidden_layers, two, bs, h, hd)
+        _, two, bs, _, hd = super().layout
+        return (self.full.num_hidden_layers, two, bs, self.full.num_key_value_heads, hd)
 
     def _part(self, r: int, lo: int, hi: int) -> tuple[int, int]:
-        """Stage r's share of the whole model's layers [lo, hi), in its own numbering."""
+        """Rank r's share of the whole model's layers [lo, hi), in its own numbering."""
         s = self.spans[r]
         a, b = max(lo, s.start), min(hi, s.stop)
         return (a - s.start, max(a, b) - s.start)
+
+    def _shape(self, r: int, layers: tuple[int, int], n: int) -> tuple[int, ...]:
+        h = self.heads[r]
+        return (layers[1] - layers[0], 2, n, self.block_size, h.stop - h.start, self.kv.shape[-1])
 
     def export_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None,
                       announce: bool = True) -> torch.Tensor:
         """Rank 0: the blocks' KV of layers [start, end) (all: None) of the whole model. Always
         announced, whatever `announce` says: a pipeline's step streams its KV once the pass is
-        through (runner.py), when the other stages wait for rank 0's next message."""
-        g = self.group
+        through (runner.py), when the other ranks wait for rank 0's next message."""
+        g, w = self.group, self.width
         lo, hi = layers or (0, self.full.num_hidden_layers)
         if g.rank == 0 and self.settle is not None:  # the parts come under tag 0, as the results do
             self.settle()
@@ -193,22 +250,25 @@ class PPKVCache(KVCache):
             g.broadcast(("export", block_ids, layers))
         mine = super().export_blocks(block_ids, self._part(g.rank, lo, hi))
         if g.rank != 0:
-            g.send(mine.cpu(), 0)
+            if g.rank % w in self.owners:
+                g.send(mine.cpu(), 0)
             return mine
-        parts = [mine]
-        for r in range(1, g.world):
-            a, b = self._part(r, lo, hi)
-            parts.append(g.recv((b - a, 2, len(block_ids), *self.kv.shape[3:]), self.kv.dtype, r).to(mine.device))
-        return torch.cat(parts)
+        stages = []
+        for s in range(0, g.world, w):
+            parts = [mine if r == 0 else g.recv(self._shape(r, self._part(r, lo, hi), len(block_ids)),
+                                                self.kv.dtype, r).to(mine.device)
+                     for r in (s + t for t in self.owners)]
+            stages.append(torch.cat(parts, dim=4))
+        return torch.cat(stages)
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor | None) -> None:
         g = self.group
         if g.rank != 0:
-            a, b = self._part(g.rank, 0, self.full.num_hidden_layers)
-            part = g.recv((b - a, 2, len(block_ids), *self.kv.shape[3:]), self.kv.dtype, 0)
+            part = g.recv(self._shape(g.rank, self._part(g.rank, 0, self.full.num_hidden_layers), len(block_ids)),
+                          self.kv.dtype, 0)
             return super().import_blocks(block_ids, part)
-        expected = (self.full.num_hidden_layers, 2, len(block_ids), *self.kv.shape[3:])
-        if tuple(data.shape) != expected or data.dtype != self.kv.dtype:  # refused before any stage is told
+        expected = (self.full.num_hidden_layers, 2, len(block_ids), *self.layout[2:])
+        if tuple(data.shape) != expected or data.dtype != self.kv.dtype:  # refused before any rank is told
             raise KVTransferError(f"KV data has shape {tuple(data.shape)} and dtype {data.dtype}, expected "
                                   f"{expected} and {self.kv.dtype}")
         if self.settle is not None:
@@ -216,6 +276,9 @@ class PPKVCache(KVCache):
         if g.world > 1:
             g.broadcast(("import", block_ids))
         for r in range(1, g.world):
-            g.send(data[self.spans[r].start:self.spans[r].stop].cpu(), r)
-        s = self.spans[0]
-        super().import_blocks(block_ids, data[s.start:s.stop])
+            g.send(self._of(data, r).cpu(), r)
+        super().import_blocks(block_ids, self._of(data, 0))
+
+    def _of(self, data: torch.Tensor, r: int) -> torch.Tensor:
+        """Rank r's part of the whole model's KV `data`: its layers, its KV heads."""
+        return data[self.spans[r].start:self.spans[r].stop, :, :, :, self.heads[r]].contiguous()

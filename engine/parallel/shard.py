@@ -65,12 +65,14 @@ def local_config(cfg: ModelConfig, tp: int, rank: int) -> ModelConfig:
                    intermediate_size=mlp.stop - mlp.start, head_dim=cfg.head_dim, vocab_size=vocab.stop - vocab.start)
 
 
-def shard(state: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int
+def shard(state: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int, vocab: bool = True
           ) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """Rank `rank`'s weights (Hugging Face names) and the config of its slice (its vocabulary
-    size: its rows of the embedding)."""
+    size: its rows of the embedding). `vocab` False: the embedding and LM head stay whole (a
+    pipeline stage's tensor-parallel rank, engine/parallel/pp.py)."""
     check_degree(cfg, tp)
-    rows, vocab = _rows(cfg, tp, rank), vocab_of(cfg, tp, rank)
+    rows, split = _rows(cfg, tp, rank), vocab
+    vocab = vocab_of(cfg, tp, rank) if split else slice(None)
     out = {}
     for name, w in state.items():
         part = name.rsplit(".", 2)
@@ -82,7 +84,8 @@ def shard(state: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int
         elif name in VOCAB:
             w = w[vocab]
         out[name] = w.contiguous()
-    return out, local_config(cfg, tp, rank)
+    local = local_config(cfg, tp, rank)
+    return out, local if split else replace(local, vocab_size=cfg.vocab_size)
 
 
 def shard_lora(pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig, tp: int,

@@ -21,8 +21,10 @@ holds, and each step names its rows' adapters (engine/parallel/lora.py).
 
 In `expert` mode the same group runs expert parallelism instead (engine/parallel/ep.py): each
 rank holds the whole model but for its share of the experts, and its cache every KV head. In
-`pipeline` mode it runs pipeline parallelism (engine/parallel/pp.py): each rank is a stage,
-holding its contiguous range of the layers, and the residual stream moves stage to stage.
+`pipeline` mode it runs pipeline parallelism (engine/parallel/pp.py): each stage holds its
+contiguous range of the layers, and the residual stream moves stage to stage; a stage is one
+rank, or with `EngineConfig.tensor_parallel_size` > 1 a tensor-parallel group of that many
+(PP x TP: a stage group of its own beside the pipeline's, pp.stage_group).
 
 The group is rank 0's process and the ranks it starts, and no one else: each group has a
 random secret that rank 0 hands its ranks on their stdin; the rendezvous, the ranks' proofs
@@ -45,7 +47,7 @@ from pdserve.engine.kv.cache import KVCache
 from pdserve.engine.parallel.ep import EPKVCache, attach_experts, check_experts, shard_experts
 from pdserve.engine.parallel.group import Group, RankFailed, group_store
 from pdserve.engine.parallel.lora import GroupAdapters, RankAdapters, step_groups
-from pdserve.engine.parallel.pp import PPKVCache, attach_stage, load_stage
+from pdserve.engine.parallel.pp import PPKVCache, attach_stage, load_stage, stage_group, stage_width
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard, vocab_of
 from pdserve.engine.parallel.wire import PeerRefused, group_secret
 
@@ -78,7 +80,7 @@ def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int, exp
               pipeline: bool = False):
     """The LoadedModel of one rank's slice (its config: the slice's heads and units, the
     whole vocabulary; `expert`: the whole model's, its share of the experts; `pipeline`: the
-    whole model's, its stage's layers), and the whole model's config."""
+    whole model's, its stage's layers: pp.load_stage), and the whole model's config."""
     from pdserve.engine.model.weights import LoadedModel, build_model, quantized_fingerprint
 
     if pipeline:
@@ -98,14 +100,16 @@ def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int, exp
                        quantized_fingerprint(fp, config.quantization, model)), cfg
 
 
-def attach(model, group: Group, full: ModelConfig, expert: bool = False, pipeline: bool = False) -> None:
+def attach(model, group: Group, full: ModelConfig, expert: bool = False, pipeline: bool = False,
+           stage_tp: Group | None = None) -> None:
     """Sum every layer's partial attention and MLP outputs, and the embedding lookups, over
     the group; gather the logits of every rank's vocabulary rows. `expert`: sum only the MoE
-    layers' outputs (ep.attach_experts); `pipeline`: make the model a stage (pp.attach_stage)."""
+    layers' outputs (ep.attach_experts); `pipeline`: make the model a stage (pp.attach_stage),
+    its layers' sums over `stage_tp` (its stage's group; None: a stage of one rank)."""
     if expert:
         return attach_experts(model, group)
     if pipeline:
-        return attach_stage(model, group)
+        return attach_stage(model, group, stage_tp)
     for layer in model.model.layers:
         layer.self_attn.tp = layer.mlp.tp = group
     spans = [vocab_of(full, group.world, r) for r in range(group.world)]
@@ -156,10 +160,11 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
     _, store = group_store("127.0.0.1", port, tp, False, timeout_s, secret)
     try:
         group = Group(rank, tp, store, timeout_s, secret)
+        stage_tp = stage_group(store, rank, stage_width(config, tp), timeout_s, secret) if pipeline else None
     except (RankFailed, PeerRefused) as e:
         print(f"pdserve tensor-parallel rank {rank}: {e}", file=sys.stderr)
         os._exit(1)
-    attach(loaded.model, group, full, expert, pipeline)
+    attach(loaded.model, group, full, expert, pipeline, stage_tp)
     kv = EPKVCache(full, config, group) if expert else PPKVCache(full, config, group) if pipeline \
         else TPKVCache(full, loaded.config, config, group)
     model = loaded.model
@@ -185,6 +190,8 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
         os._exit(1)  # rank 0 is gone, or what came was not from it: nothing left to serve
     finally:
         group.close()
+        if stage_tp is not None:
+            stage_tp.close()
 
 
 def layer_streams(streams: list[tuple[list[int], int]], n_layers: int, export):
@@ -277,11 +284,13 @@ class TensorParallel:
     """Rank 0's side of a group: starts the other ranks, owns the collectives; `loaded` is its
     own slice, `kv_cache(config)` its cache. `stop()` ends the group. `expert`: an
     expert-parallel group of `tp` ranks (engine/parallel/ep.py); `pipeline`: a pipeline of `tp`
-    stages (engine/parallel/pp.py)."""
+    ranks (engine/parallel/pp.py) in `stages` stages of `config.tensor_parallel_size` ranks each
+    (PP x TP; 1: a stage a rank), `stage_tp` rank 0's stage group."""
 
     def __init__(self, source: ModelSource, config: EngineConfig, tp: int, timeout_s: float = 60.0,
                  threads_per_rank: int = 0, expert: bool = False, pipeline: bool = False):
         self.tp, self.config, self.expert, self.pipeline = tp, config, expert, pipeline
+        self.stages = tp // stage_width(config, tp) if pipeline else 1
         kind = "an expert-parallel group" if expert else "a pipeline-parallel group" if pipeline else ""
         if expert and pipeline:
             raise ValueError("a group is expert-parallel or pipeline-parallel, not both")
@@ -304,12 +313,15 @@ class TensorParallel:
             p.stdin.write(rank_args(source, config, tp, r, port, timeout_s, threads, secret, expert, pipeline))
             p.stdin.close()
             self.procs.append(p)
+        self.stage_tp = None
         try:
             self.group = Group(0, tp, store, timeout_s, secret, on_failure=self._kill_ranks)
+            if pipeline:
+                self.stage_tp = stage_group(store, 0, tp // self.stages, timeout_s, secret, self._kill_ranks)
         except (RankFailed, PeerRefused):
             self._kill_ranks()
             raise
-        attach(self.loaded.model, self.group, self.full, expert, pipeline)
+        attach(self.loaded.model, self.group, self.full, expert, pipeline, self.stage_tp)
 
     def kv_cache(self) -> TPKVCache | EPKVCache | PPKVCache:
         if self.expert:
@@ -353,3 +365,5 @@ class TensorParallel:
                 p.kill()
                 p.wait()
         self.group.close()
+        if self.stage_tp is not None:
+            self.stage_tp.close()
