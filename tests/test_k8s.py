@@ -37,7 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-dev", "gpu", "two-models", "cpu-dev-keys", "cpu-dev-pp")  # cpu-dev-keys: tests/test_k8s_keys.py too
+OVERLAYS = ("cpu-dev", "gpu", "two-models", "cpu-dev-keys", "cpu-dev-pp", "cpu-pp-tp")  # -keys: test_k8s_keys too
 K8S_VERSION = "1.30"
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches"}
 KUBE_REF = re.compile(r"(?<!\$)\$\((\w+)\)")       # Kubernetes' expansion in command, args, env values
@@ -327,9 +327,9 @@ def test_pools_match_worker_groups(overlay):
     router_flags = {k: KUBE_REF.sub(lambda m: config[m.group(1)], v) for k, v in flag_values(router["args"]).items()}
     for flag in ("--cluster-name", "--model", "--block-size"):  # routers and pools must agree
         assert router_flags[flag] == flags[flag], flag
-    expected = {"cpu-dev": ("1", "1", "cpu", "1"), "gpu": ("2", "2", "cuda", "1"),
-                "cpu-dev-pp": ("1", "1", "cpu", "2")}[name.removesuffix("-keys")]
-    assert (flags["--prefill"], flags["--decode"], device, flags["--decode-pp"]) == expected
+    expected = {"cpu-dev": ("1", "1", "cpu", "1x1"), "gpu": ("2", "2", "cuda", "1x1"), "cpu-pp-tp": ("1", "1", "cpu", "2x3"),
+                "cpu-dev-pp": ("1", "1", "cpu", "2x1")}[name.removesuffix("-keys")]  # the decode pool's PP x TP
+    assert (flags["--prefill"], flags["--decode"], device, f'{flags["--decode-pp"]}x{flags["--decode-tp"]}') == expected
 
 
 def mounted_file(objs: list[dict], container: dict, template: dict, path: str) -> dict:
