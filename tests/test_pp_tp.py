@@ -5,9 +5,10 @@ sums in the same order; the single engine's within float tolerance, as TP's are)
 chunked and with micro-batches filling the pipe, a long prompt's chunks one after another;
 every block is back in the pool afterwards (rank 0's block manager is every rank's: a block id
 names the same block in each rank's cache). KV crosses token-exactly between it, a TP=2
-engine, a PP=2 pipeline and a single engine, in the whole model's layout. Degrees that do not
-fit are refused before a rank starts, naming what fits; a killed rank of a stage's group
-takes the worker down with every block back."""
+engine, a PP=2 pipeline and a single engine, in the whole model's layout (a model of one KV
+head too, replicated on both ranks of a stage). Degrees that do not fit are refused before
+a rank starts, naming what fits; a killed rank of a stage's group takes the worker down with
+every block back."""
 import os
 import signal
 from dataclasses import replace
@@ -32,8 +33,8 @@ PPTP = replace(CONFIG, tensor_parallel_size=2, pipeline_parallel_size=2)
 SOURCE = ModelSource(tiny_seed=0, tiny_overrides=LAYERS)
 
 
-def single() -> LLMEngine:
-    cfg = tiny_config(**dict(LAYERS))
+def single(overrides=LAYERS) -> LLMEngine:
+    cfg = tiny_config(**dict(overrides))
     return LLMEngine(LoadedModel(build_model(cfg, tiny_state_dict(cfg, 0), quantization="exact"), cfg,
                                  Path("<tiny>"), "tiny-0"), CONFIG)
 
@@ -136,6 +137,23 @@ def test_kv_crosses_between_pp_x_tp_tp_pp_and_one_engine(engines):
             clean(e)
     finally:
         pp.shutdown()
+
+
+def test_kv_heads_replicated_over_a_stage_s_ranks():
+    """One KV head over a stage of 2 ranks: each holds it (the export takes rank 0's of each
+    stage, the import sends it to both); KV crosses to and from one engine token-exactly."""
+    over = LAYERS + (("num_key_value_heads", 1),)
+    ps = prompts(2, seed=14, lo=20, hi=70)
+    one = single(over)
+    want = one.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=over), PPTP, 4, pipeline=True)
+    try:
+        assert e.kv_cache.owners == [0] and e.kv_cache.layout[3] == e.kv_cache.kv.shape[4] == 1
+        assert handoff(e, one, ps) == want and handoff(one, e, ps) == want
+        for x in (e, one):
+            clean(x)
+    finally:
+        e.shutdown()
 
 
 def test_a_killed_rank_of_a_stage_s_group_raises_rank_failed_and_frees_the_blocks(engines):
