@@ -1,6 +1,6 @@
 """Pipeline parallelism: a model's layers split over the ranks of a group (the processes, the
 authenticated gloo group and the per-step message of engine/parallel/tp.py, in its
-`pipeline` mode), each rank one stage.
+`pipeline` mode), each rank one stage (or, PP x TP below, each stage a group of ranks).
 
 Stage r holds the contiguous layers `layers_of(cfg, pp, r)` (as even as possible, the first
 stages one more when the degree does not divide the layers), renumbered from 0 in its model,
@@ -34,8 +34,9 @@ stage does): stage 0's ranks each embed the tokens, and rank 0 alone computes th
 Not in this slice: each stage sending its own layers' KV straight to the decode worker (rank
 0 gathers every stage's and every rank's part), the native one-call
 decode step and layer-wise KV streaming mid-pass (a step's streams export once the pass is
-through), LoRA adapters, and PP together with expert parallelism. Every stage keeps
-the embedding, the final norm and the LM head (only stage 0 and rank 0 use them).
+through), LoRA adapters, and PP together with expert parallelism. Every rank keeps the
+embedding, the final norm and the LM head (stage 0's ranks use the embedding, the last
+stage's first rank the norm, rank 0 the LM head).
 """
 from __future__ import annotations
 
