@@ -1,14 +1,14 @@
 """Pipeline x tensor parallelism (engine/parallel/pp.py, PP x TP): a pipeline of 2 stages, each
-a tensor-parallel group of 2 ranks (4 processes), over the 5-layer tiny model. Its greedy
-tokens are the single engine's and its logprobs the TP=2 engine's exactly (the same partial
-sums in the same order; the single engine's within float tolerance, as TP's are), batched,
-chunked and with micro-batches filling the pipe, a long prompt's chunks one after another;
-every block is back in the pool afterwards (rank 0's block manager is every rank's: a block id
-names the same block in each rank's cache). KV crosses token-exactly between it, a TP=2
-engine, a PP=2 pipeline and a single engine, in the whole model's layout (a model of one KV
-head too, replicated on both ranks of a stage). Degrees that do not fit are refused before
-a rank starts, naming what fits; a killed rank of a stage's group takes the worker down with
-every block back."""
+a tensor-parallel group of 2 ranks (4 processes), over the 5-layer tiny model (and 3 stages
+of 2: 6 processes). Its greedy tokens are the single engine's and its logprobs the TP=2
+engine's exactly (the same partial sums in the same order; the single engine's within float
+tolerance, as TP's are), batched, chunked and with micro-batches filling the pipe, a long
+prompt's chunks one after another; every block is back in the pool afterwards (rank 0's
+block manager is every rank's: a block id names the same block in each rank's cache). KV
+crosses token-exactly between it, a TP=2 engine, a PP=2 pipeline and a single engine, in the
+whole model's layout (a model of one KV head too, replicated on both ranks of a stage).
+Degrees that do not fit are refused before a rank starts, naming what fits; a killed rank of
+a stage's group takes the worker down with every block back."""
 import os
 import signal
 from dataclasses import replace
@@ -137,6 +137,28 @@ def test_kv_crosses_between_pp_x_tp_tp_pp_and_one_engine(engines):
             clean(e)
     finally:
         pp.shutdown()
+
+
+def test_three_stages_of_two_ranks():
+    """PP=3 x TP=2 (6 processes): the middle stage's ranks each receive from and send to their
+    place in the stages around them; 3 micro-batches in flight, tokens the single engine's,
+    KV to and from one engine token-exactly."""
+    ps = prompts(12, seed=31, lo=5, hi=90)
+    one = single()
+    want, want_lp = run(one, ps)
+    e = LLMEngine.tensor_parallel(SOURCE, replace(PPTP, pipeline_parallel_size=3), 6, pipeline=True)
+    try:
+        assert e.tp.stages == 3 and len(e.runner.model.model.layers) == 2  # 5 layers: 2, 2, 1
+        got, got_lp = run(e, ps)
+        assert got == want and e.micro_batches.most == 3
+        assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-5
+        short = ps[:2]
+        kv_want = one.generate(short, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        assert handoff(e, one, short) == kv_want and handoff(one, e, short) == kv_want
+        for x in (e, one):
+            clean(x)
+    finally:
+        e.shutdown()
 
 
 def test_kv_heads_replicated_over_a_stage_s_ranks():
