@@ -233,6 +233,8 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         out["A"]["computed_tokens_per_s"] = round((counts["tokens"] - b_tokens) / max(t_end - t_b, 1e-9), 1)
     elif counts is not None:  # B alone: the seconds its steps took (the machine was B's then)
         out["B_busy_s"] = round(counts["step_s"], 2)
+    if counts is not None:
+        out["workers"] = counts["roles"]
     if flood is not None:
         await asyncio.sleep(min(2.0, args.warmup))  # the server drops A's cancelled requests before the next phase
     return out
@@ -241,28 +243,56 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
 async def _worker_counts(url: str, auth: dict) -> dict | None:
     """What every worker's steps have done so far, from their /metrics: `tokens` computed
     (`pdserve:computed_tokens_total`, prompts and decodes) and `step_s`, seconds stepping
-    (`pdserve:step_seconds_sum`); None where the server has no such workers to ask (another
-    server, or a router that does not list them)."""
-    import re
-
+    (`pdserve:step_seconds_sum`), in all and by role (`roles`: each role's prompt and decode
+    tokens and its step seconds by kind, plain / contended / window: where A's price goes);
+    None where the server has no such workers to ask (another server, or a router that does
+    not list them)."""
     import httpx
 
     try:
         async with httpx.AsyncClient(timeout=10, headers=auth) as http:
             workers = (await http.get(url + "/admin/workers")).json()["workers"]
-            out = {"tokens": 0, "step_s": 0.0}
+            out: dict = {"tokens": 0, "step_s": 0.0, "roles": {}}
             for w in workers:
                 host = w["address"].rpartition(":")[0]
                 text = (await http.get(f"http://{host}:{w['metrics_port']}/metrics")).text
-                for key, name in (("tokens", "computed_tokens_total"), ("step_s", "step_seconds_sum")):
-                    out[key] += sum(float(v) for v in re.findall(rf"^pdserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+                role, counts = out["roles"].setdefault(w["role"], {}), _role_counts(text)
+                for key, value in counts.items():
+                    role[key] = role.get(key, 0.0) + value
+                out["tokens"] += _role_sum(counts, "tokens")
+                out["step_s"] += _role_sum(counts, "s")
             return out
     except (httpx.HTTPError, KeyError, TypeError, ValueError):
         return None
 
 
+def _role_counts(text: str) -> dict[str, float]:
+    """One worker's counters from its /metrics text: `<kind>_tokens` (prompt, decode) and
+    `<kind>_s` (step seconds: plain, contended, window), `yielded` (seconds it stood aside for a
+    peer's more urgent steps) and `stopped` (steps it stopped for a more urgent request)."""
+    import re
+
+    out: dict[str, float] = {}
+    for kind, v in re.findall(r'^pdserve:computed_tokens_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        out[f"{kind}_tokens"] = out.get(f"{kind}_tokens", 0.0) + float(v)
+    for labels, v in re.findall(r"^pdserve:step_seconds_sum\{([^}]*)\} (\S+)$", text, re.M):
+        kind = "contended" if 'contended="true"' in labels else "window" if 'window="true"' in labels else "plain"
+        out[f"{kind}_s"] = out.get(f"{kind}_s", 0.0) + float(v)
+    for key, name in (("yielded", "yielded_seconds_total"), ("stopped", "stopped_steps_total")):
+        out[key] = sum(float(v) for v in re.findall(rf"^pdserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+    return out
+
+
+def _role_sum(counts: dict[str, float], suffix: str) -> float:
+    return sum(v for k, v in counts.items() if k.endswith("_" + suffix))
+
+
 def _minus(after: dict | None, before: dict | None) -> dict | None:
-    return None if after is None or before is None else {k: after[k] - before[k] for k in after}
+    if after is None or before is None:
+        return None
+    roles = {r: {k: round(v - before["roles"].get(r, {}).get(k, 0.0), 2) for k, v in c.items()}
+             for r, c in after["roles"].items()}
+    return {"tokens": after["tokens"] - before["tokens"], "step_s": after["step_s"] - before["step_s"], "roles": roles}
 
 
 def _a_rates(stats: dict, t_b: float, t_end: float) -> dict:

@@ -199,6 +199,7 @@ class DecodeWorker:
         request was added for a local prefill instead (in the same engine call, so the
         cached prefix cannot be evicted in between)."""
         deadline = time.monotonic() + self.transfer.timeout_s
+        self.engine.note_arrival(params.priority)  # a long step of less urgent work stops for it
         while True:
             dest = await self.engine.run(partial(self._take_blocks, rid=rid, prompt=prompt, params=params,
                                                  local_tail=local_tail, lora=lora))

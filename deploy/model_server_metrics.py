@@ -14,7 +14,11 @@ on, its own plus those borrowed from idle peers on its host, engine/parallel/cor
 a more urgent request beside less urgent ones here, which the step budget bounds; label
 `window`: "true" for a step of less urgent work within the urgent window, which `window_step_s`
 bounds; engine/core/step_cost.py), and `pdserve:computed_tokens_total` (counter, label `kind`:
-prompt or decode tokens its steps computed, as they run).
+prompt or decode tokens its steps computed, as they run), and `pdserve:yielded_seconds_total`
+(counter: seconds the worker stood aside for a peer's more urgent steps on its host, idle
+between its steps or paused at a layer's end; engine/parallel/cores.py) and
+`pdserve:stopped_steps_total` (counter: long steps of less urgent work stopped at a layer's
+end for a more urgent request, engine/core/kv_hooks.py).
 
 A mixture-of-experts model adds its expert load: `pdserve:moe_expert_tokens_total` (counter,
 labels `model_name`, `expert`, `rank`: the (token, expert) pairs routed to the expert since
@@ -55,8 +59,13 @@ def _snapshot(engine) -> dict:
             "cache_dtype": engine.kv_cache.format.name, "max_lora": engine.config.lora.max_loras,
             "running_loras": names(sched.running), "waiting_loras": names(waiting),
             "threads": torch.get_num_threads(),  # this thread's: what its steps run on
-            "computed": dict(sched.computed), "steps": sched.times.snapshot(),
+            "computed": dict(sched.computed), "steps": sched.times.snapshot(), "stopped": sched.stopped_steps,
             "experts": expert_load(engine.runner.model, _ep(engine))}
+
+
+def _yielded(async_engine) -> float:
+    cores = getattr(async_engine, "cores", None)
+    return 0.0 if cores is None else cores.yielded_s
 
 
 def _ep(engine) -> int:
@@ -73,6 +82,7 @@ class ModelServerCollector:
 
     def collect(self):
         s = self.engine.call(_snapshot).result(timeout=SCRAPE_TIMEOUT_S)
+        s["yielded_s"] = _yielded(self.engine)
         m = [self.model_name]
         for name, doc, value in (
                 ("vllm:num_requests_running", "Requests in the running batch.", s["running"]),
@@ -94,6 +104,15 @@ class ModelServerCollector:
                                 "(chunks of more than one token) or decode.", labels=["model_name", "kind"])
         for kind, n in s["computed"].items():
             c.add_metric([self.model_name, kind], n)
+        yield c
+        c = CounterMetricFamily("pdserve:yielded_seconds", "Seconds this worker stood aside for a peer's more "
+                                "urgent steps on its host (idle between steps, or paused at a layer's end).",
+                                labels=["model_name"])
+        c.add_metric(m, s["yielded_s"])
+        yield c
+        c = CounterMetricFamily("pdserve:stopped_steps", "Long steps of less urgent work stopped at a layer's end "
+                                "for a more urgent request (they run again).", labels=["model_name"])
+        c.add_metric(m, s["stopped"])
         yield c
         h = HistogramMetricFamily("pdserve:step_seconds", "Seconds of each engine step; contended: a more urgent "
                                   "request's step beside less urgent ones here; window: a step of less urgent work "

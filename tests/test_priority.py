@@ -354,7 +354,7 @@ def test_only_a_long_prompt_step_offers_a_pause_at_each_layers_end(make_engine):
     want = make_engine().generate([long, short], params)
     eng = make_engine()
     calls = []
-    eng.between_layers = lambda: calls.append(eng.scheduler.running[0].num_computed_tokens)
+    eng.between_layers = lambda may_stop: calls.append(eng.scheduler.running[0].num_computed_tokens)
     assert eng.generate([short], params) == [want[1]] and calls == []  # 20 prompt tokens, then decodes
     assert eng.generate([long], params) == [want[0]]
     assert calls == [0] * eng.model_config.num_hidden_layers  # once a layer, within the prompt's step

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.core.kv_hooks import StepStopped
 from pdserve.engine.parallel.cores import CHECK_INTERVAL_S, CoreShare
 
 T = TypeVar("T")
@@ -47,8 +48,8 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self._urgency = 0  # the most urgent priority of the step in flight
-        if cores is not None:  # a long step pauses at a layer's end for a peer's urgent step
-            engine.between_layers = lambda: cores.pause_for_peers(self._urgency)
+        self._arrived: int | None = None  # the most urgent priority added since the step in flight began
+        engine.between_layers = self._between_layers
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -85,7 +86,14 @@ class AsyncEngine:
         return await asyncio.shield(asyncio.wrap_future(self.call(fn)))
 
     # ---- named engine calls (each runs on the engine thread between two steps) -------------
+    def note_arrival(self, priority: int) -> None:
+        """A request of `priority` is about to be added (by a command queued next): a long step
+        of less urgent work in flight stops at its next layer's end (`_between_layers`)."""
+        if self._arrived is None or priority < self._arrived:
+            self._arrived = priority
+
     async def add_request(self, request_id: str, prompt, params: SamplingParams, **kw) -> None:
+        self.note_arrival(params.priority)
         await self.run(methodcaller("add_request", request_id=request_id, prompt=prompt,
                                          params=params, **kw))
 
@@ -189,12 +197,17 @@ class AsyncEngine:
                 # only a command can change that, so sleep until one arrives, never spin
                 if idle and self.cores is not None:
                     self.cores.idle()
+                # cleared before the drain: a request added after it is either drained (then the
+                # step's urgency counts it) or not (then the step may stop for it)
+                self._arrived = None
                 self._drain(block=idle)
                 if self._stopping:
                     break
                 idle = True
                 if self.engine.has_unfinished_requests():
-                    if self.cores is not None and self._stand_aside():
+                    urgency = self.engine.most_urgent_priority()
+                    self._urgency = 0 if urgency is None else urgency
+                    if self.cores is not None and self._stand_aside(urgency):
                         idle = False
                         continue
                     self._publish(self.engine.step())
@@ -204,12 +217,11 @@ class AsyncEngine:
         finally:
             self._shutdown()
 
-    def _stand_aside(self) -> bool:
+    def _stand_aside(self, urgency: int | None) -> bool:
         """Before a step: if a peer on this host steps for more urgent work than any here, lend
         it the cores and wait for a command (or the next look at the peers) instead of stepping;
-        True then. Otherwise take the cores for the step."""
-        urgency = self.engine.most_urgent_priority()
-        self._urgency = 0 if urgency is None else urgency
+        True then. Otherwise take the cores for the step. `urgency`: the most urgent priority
+        here (None: none needs compute)."""
         stands_aside = urgency is not None and self.cores.yields_to_peer(urgency)
         peer, window = self.cores.peer_urgency, self.cores.peer_window
         if peer is not None and (urgency is None or peer < urgency):
@@ -228,6 +240,17 @@ class AsyncEngine:
         if urgency is not None and peer is not None and peer > urgency:  # a peer busy with less urgent work
             self.cores.wait_for_peers(URGENT_PEER_WAIT_S)
         return False
+
+    def _between_layers(self, may_stop: bool) -> None:
+        """At a layer's end of a long step: a peer on this host stepping for more urgent work
+        gets the cores until it is done (`pause_for_peers`); a request more urgent than any
+        here that came since the step began stops it (StepStopped, if it `may_stop`), so the
+        request waits for one layer of the step, not for all of it."""
+        if self.cores is not None:
+            self.cores.pause_for_peers(self._urgency)
+        arrived = self._arrived
+        if may_stop and arrived is not None and arrived < self._urgency:
+            raise StepStopped(f"a request of priority {arrived} came during a step for {self._urgency}")
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
         while True:

@@ -286,7 +286,9 @@ class LLMEngine(KVTransferHooks):
         t0 = time.perf_counter()
         guesses = self.speculator.extend(sched, self._hold) if self._speculates(sched) else {}
         masks = None if guesses else self._start_masks(sched.chunks)
-        completed, logits = self.runner.execute(sched.chunks, self._layer_hook(sched.chunks), frozenset(guesses))
+        if (ran := self._execute(sched, guesses, masks)) is None:
+            return []
+        completed, logits = ran
         for c in sched.chunks:
             if c.request.request_id not in guesses:  # a speculative chunk's progress is settled below
                 c.request.num_computed_tokens += c.num_new_tokens

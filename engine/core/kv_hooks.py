@@ -12,13 +12,20 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.sampling.sampler import draw
 
 
-PAUSE_MIN_TOKENS = 64  # steps of more prompt tokens pause at a layer's end when asked (shorter ones end soon)
+from pdserve.engine.core.urgency import PAUSE_MIN_TOKENS
+
+
+class StepStopped(Exception):
+    """Raised at a layer's end by `between_layers` when a more urgent request has come while a
+    long step of less urgent work runs: the step stops there and counts for nothing
+    (`Scheduler.undo`), so the urgent request waits for one layer, not for the whole step."""
 
 
 class KVTransferHooks:
     between_layers = None
-    """Called at each layer's end of a step of more than PAUSE_MIN_TOKENS prompt tokens (it may block
-    there: the worker lends its cores to a peer's urgent step, engine/core/async_engine.py)."""
+    """Called at each layer's end of a step of more than PAUSE_MIN_TOKENS prompt tokens, with
+    whether the step may stop there: it may block (the worker lends its cores to a peer's
+    urgent step) or, if the step may stop, raise StepStopped (engine/core/async_engine.py)."""
 
     def stream_kv_layers(self, request_id: str, on_layers, group: int = 6, first_block: int = 0) -> None:
         """Layer-wise KV streaming: in the step that finishes `request_id`'s prompt, call
@@ -31,18 +38,33 @@ class KVTransferHooks:
     def stop_kv_stream(self, request_id: str) -> None:
         self._layer_streams.pop(request_id, None)
 
-    def _layer_hook(self, chunks):
+    def _execute(self, sched, guesses: dict, masks):
+        """The step's pass (`runner.execute`) with its layer hook: (completing chunks, logits),
+        or None if it stopped at a layer's end for a more urgent request (StepStopped; only a
+        step without speculation whose blocks are its own, `Scheduler.can_stop`): then nothing
+        it computed counts (`Scheduler.undo`)."""
+        may_stop = not guesses and self.scheduler.can_stop(sched)
+        try:
+            return self.runner.execute(sched.chunks, self._layer_hook(sched.chunks, may_stop), frozenset(guesses))
+        except StepStopped:
+            if masks is not None:
+                masks.result()  # its grammar thread is done with the grammars before the next step's
+            self.scheduler.undo(sched)
+            return None
+
+    def _layer_hook(self, chunks, may_stop: bool = False):
         """The per-layer callback of a step, if a streamed request's prompt completes in it (in
         a tensor-parallel group every rank runs it: the step carries `tp_plan`, and each export
         gathers the ranks' heads), or if the step is a long one that may pause (`between_layers`;
-        not in a group, whose ranks would wait in their next collective)."""
+        not in a group, whose ranks would wait in their next collective). `may_stop`: the step
+        may stop at a layer's end (StepStopped) when no KV streams out of it."""
         streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
                    if c.completes and c.request.request_id in self._layer_streams]
         # prompt tokens only: a decode-only step of any size keeps the one-call C step (no hook)
         pause = self.between_layers if self.tp is None and sum(
             c.num_new_tokens for c in chunks if c.num_new_tokens > 1) > PAUSE_MIN_TOKENS else None
-        if not streams:
-            return None if pause is None else (lambda i: pause())
+        if not streams:  # a step that streams KV out never stops midway: its layers already left
+            return None if pause is None else (lambda i: pause(may_stop))
         from pdserve.engine.parallel.tp import layer_streams
         plan = [(self.blocks.block_table(req.request_id)[first_block:], group) for req, _, group, first_block in streams]
         kw = {"announce": False} if self.tp is not None else {}  # the other ranks export in their own pass
@@ -56,7 +78,7 @@ class KVTransferHooks:
 
         def export_then_pause(i: int) -> None:
             after_layer(i)
-            pause()
+            pause(False)
         return export_then_pause
 
     def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:

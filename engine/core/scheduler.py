@@ -69,6 +69,7 @@ class Scheduler:
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}
         self.in_flight: set[str] = set()  # in a pipeline's micro-batch: neither scheduled nor preempted
+        self.stopped_steps = 0  # steps stopped at a layer's end for a more urgent arrival (`undo`)
         self.urgency = UrgencyWindow(config.urgent_window_s)
         self._allow = Allowance()  # this step's room for less urgent work
         self.cost = StepCost()
@@ -147,11 +148,14 @@ class Scheduler:
                 out.preempted.append(victim)
 
     def _victim(self, end: int, start: int = 0, below: int | None = None) -> Request | None:
-        """The running request (of running[start:end]) to preempt: the least urgent, the most
-        recently admitted among those; `below`: only one less urgent than that priority."""
+        """The running request (of running[start:end]) to preempt: the least urgent, the latest
+        to arrive among those (its place in `running` moves as requests take turns, so a row
+        that just decoded is not picked for it; the newest has the least to compute again);
+        `below`: only one less urgent than that priority."""
         best = None
         for r in self.running[start:end]:
-            if r.request_id not in self.in_flight and (best is None or r.priority >= best.priority):
+            if r.request_id not in self.in_flight and (best is None or (r.priority, r.arrival_time) >= (
+                    best.priority, best.arrival_time)):
                 best = r
         if best is None or (below is not None and best.priority <= below):
             return None
@@ -239,6 +243,22 @@ class Scheduler:
         for c in out.chunks:
             self.computed["prompt" if c.num_new_tokens > 1 else "decode"] += c.num_new_tokens
         self.times.add(seconds, out.contended, out.window)
+
+    def can_stop(self, out: SchedulerOutput) -> bool:
+        """Whether the step `out` may stop at a layer's end and count for nothing (`undo`): no
+        block it writes is another request's too (a prefix it shares would be read as computed)."""
+        return not any(self.blocks.writes_shared(c.request.request_id, c.request.num_computed_tokens,
+                                                 c.request.num_computed_tokens + c.num_new_tokens) for c in out.chunks)
+
+    def undo(self, out: SchedulerOutput) -> None:
+        """The step `out` stopped at a layer's end (a more urgent request came, `can_stop`):
+        nothing it computed counts. Its requests keep their places and the tokens computed
+        before it (their next step computes the rest again); the blocks it registered leave
+        the prefix cache, and its tokens are not charged to their tenants."""
+        for c in out.chunks:
+            self.blocks.uncache_from(c.request.request_id, c.request.num_computed_tokens)
+            self.waiting.charge(c.request.tenant, -c.num_new_tokens)
+        self.stopped_steps += 1
 
     def note_urgency_elsewhere(self, priority: int, until: float | None = None) -> None:
         """A peer on this host steps for requests of `priority` now, or did within its urgent

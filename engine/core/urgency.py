@@ -14,6 +14,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+# steps of more prompt tokens pause or stop at a layer's end when asked (engine/core/kv_hooks.py);
+# shorter ones run as one call of the native step and end soon
+PAUSE_MIN_TOKENS = 64
+
 
 class UrgencyWindow:
     def __init__(self, window_s: float):
