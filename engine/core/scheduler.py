@@ -8,11 +8,12 @@ counter, `num_computed_tokens`, catching up with `num_tokens` (prompt + generate
 scheduler never distinguishes "prefill" from "decode" beyond how many tokens that takes.
 
 When a running request needs a block and none is free, the least urgent running request
-(the highest priority value, the most recently admitted among those) is preempted: its blocks
+(the highest priority value, the latest to arrive among those) is preempted: its blocks
 are freed and it goes back to the front of the queue with its progress reset (recompute; its
 prefix blocks usually come straight back from the cache). A waiting request that cannot get a
 seat or blocks preempts running requests of a lower priority the same way (vLLM's priority
-policy never does: a high-priority request would wait for the batch to drain).
+policy never does: a high-priority request would wait for the batch to drain). A step that
+stopped at a layer's end for a more urgent arrival is undone (`undo`): it counts for nothing.
 """
 from __future__ import annotations
 
