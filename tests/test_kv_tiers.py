@@ -322,7 +322,7 @@ def test_agent_sessions_that_outgrow_the_pool_compute_their_histories_once_with_
                 got = e.generate(prompts, params)
                 outs.append(got)
                 history[pair], history[pair + 1] = (p + o for p, o in zip(prompts, got))
-        assert e.scheduler.preemptions == {"memory": 0, "priority": 0}
+        assert e.scheduler.preemptions == {"memory": 0, "priority": 0, "stopped": 0}
         assert_engine_clean(e)
         runs.append((outs, computed[0], e))
     (plain, computed_off, off), (tiered, computed_on, on) = runs

@@ -73,7 +73,7 @@ def test_a_waiting_higher_priority_request_preempts_when_the_batch_is_full():
     sched.add(hi)
     out = step(sched)
     assert out.preempted == [low[1]] and low[1].status == RequestStatus.PREEMPTED  # the most recent
-    assert hi in sched.running and sched.preemptions == {"memory": 0, "priority": 1}
+    assert hi in sched.running and sched.preemptions == {"memory": 0, "priority": 1, "stopped": 0}
     while sched.num_unfinished:
         step(sched)
     assert sched.blocks.num_used_blocks == 0

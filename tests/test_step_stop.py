@@ -1,7 +1,7 @@
 """A long step of less urgent work stops at a layer's end when a more urgent request comes
 (engine/core/kv_hooks.py StepStopped, Scheduler.undo): it counts for nothing, its requests
-run it again with the same results, no block it did not compute is left in the prefix cache,
-and every block comes back."""
+run it again with the same results (one that took its blocks as a prefix is preempted), no
+block it did not compute is left in the prefix cache, and every block comes back."""
 import asyncio
 import threading
 
@@ -54,18 +54,28 @@ def test_a_stopped_step_counts_for_nothing_and_leaves_no_block_cached(make_engin
     assert eng.blocks.match_prefix(LONG, count=False).num_tokens > 0  # computed now: cached
 
 
-def test_a_step_that_writes_a_shared_block_does_not_stop(make_engine):
+def test_a_stopped_step_whose_blocks_another_request_took_preempts_that_one(make_engine):
     """Two requests of one prompt in one step: the second's prefix is the first's blocks of this
-    very step (read as computed), so the step may not stop; both still answer as one alone."""
+    very step (read as computed). When the step stops, the second is preempted (it finds the
+    prefix again once it is computed), nothing uncomputed stays cached, and both answer as
+    one alone."""
     want = make_engine().generate([LONG], GREEDY)[0]
     eng = make_engine()
     calls: list[bool] = []
-    eng.between_layers = calls.append
+
+    def stop_once(may_stop: bool) -> None:
+        calls.append(may_stop)
+        if len(calls) == 1:
+            raise StepStopped("test")
+    eng.between_layers = stop_once
     eng.add_request("a", LONG, GREEDY)
     eng.add_request("b", LONG, GREEDY)
-    got = _until_done(eng)
-    assert got == {"a": want, "b": want}
-    assert calls and not any(calls) and eng.scheduler.stopped_steps == 0
+    assert eng.step() == [] and calls == [True]
+    assert eng.scheduler.preemptions["stopped"] == 1 and eng.scheduler.requests["b"] in eng.scheduler.waiting
+    assert eng.blocks.match_prefix(LONG, count=False).num_tokens == 0
+    eng.blocks.check_invariants()
+    assert _until_done(eng) == {"a": want, "b": want}
+    assert eng.scheduler.stopped_steps == 1
 
 
 def test_the_rule_stops_only_for_a_more_urgent_arrival(make_engine):

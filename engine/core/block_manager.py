@@ -228,29 +228,31 @@ class BlockManager:
                 self._emit(lambda s: BlockStored(s, h, parent, tuple(chunk), block.block_id))
             parent = h
 
-    def writes_shared(self, req_id: str, start: int, end: int) -> bool:
-        """Whether a block holding `req_id`'s tokens [start, end) is another request's too (a
-        prefix matched while those tokens were being computed)."""
-        owned = self._owned.get(req_id)
-        bs = self.block_size
-        return owned is not None and end > start and any(
-            self.blocks[b].ref_count > 1 for b in owned.blocks[start // bs:(end - 1) // bs + 1])
+    def sharers(self, req_id: str, start: int, n: int) -> set[str]:
+        """The other requests holding a block of `req_id`'s `n` tokens from `start` (a prefix
+        they matched while those tokens were being computed)."""
+        owned, bs, end = self._owned.get(req_id), self.block_size, start + n
+        if owned is None or n <= 0:
+            return set()
+        mine = {b for b in owned.blocks[start // bs:(end - 1) // bs + 1] if self.blocks[b].ref_count > 1}
+        return {rid for rid, o in self._owned.items() if rid != req_id and mine.intersection(o.blocks)} if mine else set()
 
     def uncache_from(self, req_id: str, num_tokens: int) -> None:
         """Take `req_id`'s blocks past its first `num_tokens` tokens out of the prefix cache
         (their KV was to be computed in a step that stopped before it was): nobody may match a
-        block whose KV is not there. They stay the request's; the next step registers them again."""
+        block whose KV is not there. They stay the request's (and whoever else's took them as a
+        prefix meanwhile: the caller preempts those); the next step registers them again."""
         owned = self._owned.get(req_id)
         if owned is None or not self.enable_caching:
             return
         keep = num_tokens // self.block_size
-        for b in range(len(owned.hashes) - 1, keep - 1, -1):
-            h = owned.hashes.pop()
+        for b, h in list(enumerate(owned.hashes))[keep:]:
             block = self.blocks[owned.blocks[b]]
-            if block.block_hash == h and block.ref_count == 1:  # registered by this request, shared by none
+            if block.block_hash == h:
                 block.block_hash = None
                 del self._cached[h]
                 self._emit(lambda s, h=h, bid=block.block_id: BlockRemoved(s, h, bid))
+        del owned.hashes[keep:]
 
     def free(self, req_id: str) -> None:
         """Release all of `req_id`'s blocks (tail first); cached ones stay reusable."""

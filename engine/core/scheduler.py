@@ -79,7 +79,7 @@ class Scheduler:
         self.computed = {"prompt": 0, "decode": 0}
         """Tokens the steps have computed: chunks of more than one token (prompts) and single
         ones (decodes), as they run (each worker's /metrics)."""
-        self.preemptions = {"memory": 0, "priority": 0}
+        self.preemptions = {"memory": 0, "priority": 0, "stopped": 0}
         """Running requests preempted: for blocks a running request needed, or for a waiting
         request of a higher priority."""
 
@@ -246,20 +246,25 @@ class Scheduler:
         self.times.add(seconds, out.contended, out.window)
 
     def can_stop(self, out: SchedulerOutput) -> bool:
-        """Whether the step `out` may stop at a layer's end and count for nothing (`undo`): no
-        block it writes is another request's too (a prefix it shares would be read as computed)."""
-        return not any(self.blocks.writes_shared(c.request.request_id, c.request.num_computed_tokens,
-                                                 c.request.num_computed_tokens + c.num_new_tokens) for c in out.chunks)
+        """Whether the step `out` may stop at a layer's end and count for nothing (`undo`):
+        whoever else holds a block it writes (a prefix matched in this schedule) is running."""
+        return all(self.requests.get(rid) in self.running and rid not in self.in_flight for rid in self._sharers(out))
 
     def undo(self, out: SchedulerOutput) -> None:
-        """The step `out` stopped at a layer's end (a more urgent request came, `can_stop`):
-        nothing it computed counts. Its requests keep their places and the tokens computed
-        before it (their next step computes the rest again); the blocks it registered leave
-        the prefix cache, and its tokens are not charged to their tenants."""
+        """The step `out` stopped at a layer's end (`can_stop`): it counts for nothing. Its requests
+        keep their places and the tokens computed before it; one that took a block it wrote as
+        a computed prefix is preempted; the blocks it registered leave the prefix cache."""
+        sharers = self._sharers(out)
         for c in out.chunks:
             self.blocks.uncache_from(c.request.request_id, c.request.num_computed_tokens)
             self.waiting.charge(c.request.tenant, -c.num_new_tokens)
+        for req in [self.requests[rid] for rid in sharers]:
+            self.running.remove(req)
+            self._preempt(req, "stopped")
         self.stopped_steps += 1
+
+    def _sharers(self, out: SchedulerOutput) -> set[str]:
+        return {rid for c in out.chunks for rid in self.blocks.sharers(c.request.request_id, c.request.num_computed_tokens, c.num_new_tokens)}
 
     def note_urgency_elsewhere(self, priority: int, until: float | None = None) -> None:
         """A peer on this host steps for requests of `priority` now, or did within its urgent
