@@ -1,34 +1,43 @@
 """Pipeline parallelism through `pdserve up` (engine/parallel/pp.py, deploy/up.py): a degree
 above the layers, a pipeline with expert parallelism, or PP x TP whose TP degree does not
 divide the heads, is refused before Ray starts, naming the flag and what fits; a pipeline's
-stages count as ranks when the pools are placed; and a Ray cluster of 2-stage prefill and
-decode workers answers greedily as the single engine; a decode stage killed mid-stream moves
-the stream to another worker, token-exact."""
+stages count as ranks when the pools are placed; one Ray cluster (`--models-file`) of two
+models, SmolLM2 on 2-stage prefill and decode workers and a tiny random Llama on a decode
+worker of 2 stages x 2 tensor-parallel ranks, answers greedily as each single engine, prompts
+prefilled remotely and locally, and every process exits on Ctrl-C; a decode stage killed
+mid-stream moves the stream to another worker, token-exact."""
 import os
 import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 
+import httpx
 import pytest
+import torch
 
 from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.deploy.placement import RayResources, cluster_demands, placement_shortfall
 from pdserve.engine.config import EngineConfig
-from tests.helpers.procs import ENV
+from pdserve.registry.embedded import free_port
+from tests.helpers.procs import ENV, Proc, alive, descendants, stop, wait_kv_back
+from tests.helpers.ray_procs import wait_until
 
 
 def test_up_refuses_a_pipeline_that_does_not_fit_before_starting_ray():
-    for flags, why in ((["--decode-pp", "31"], "--decode-pp: pipeline-parallel degree 31: this model has 30 layers: "
-                        "use 1 to 30"),
-                       (["--pp", "2", "--decode-ep", "2"], "--decode-pp 2 with an expert-parallel degree above 1 "
-                        "(ep 2): stages split by experts are not implemented"),
-                       (["--decode-pp", "2", "--decode-tp", "2"], "--decode-tp: tensor-parallel degree 2 does not "
-                        "divide this model's 9 attention heads (3 KV heads): use one of 1, 3, 9")):
-        r = subprocess.run([sys.executable, "-m", "pdserve", "up", *flags], capture_output=True, text=True,
-                           timeout=120, env=ENV, check=False)
-        assert r.returncode != 0 and why in r.stderr, r.stderr
-        assert "Ray" not in r.stderr  # refused before a local Ray started
+    refusals = {("--decode-pp", "31"): ("--decode-pp: pipeline-parallel degree 31: this model has 30 layers: "
+                                        "use 1 to 30"),
+                ("--pp", "2", "--decode-ep", "2"): ("--decode-pp 2 with an expert-parallel degree above 1 (ep 2): "
+                                                    "stages split by experts are not implemented"),
+                ("--decode-pp", "2", "--decode-tp", "2"): ("--decode-tp: tensor-parallel degree 2 does not divide "
+                                                           "this model's 9 attention heads (3 KV heads): use one of 1, 3, 9")}
+    runs = {flags: subprocess.Popen([sys.executable, "-m", "pdserve", "up", *flags], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=ENV) for flags in refusals}  # at once
+    for flags, why in refusals.items():
+        _, stderr = runs[flags].communicate(timeout=120)
+        assert runs[flags].returncode != 0 and why in stderr, (flags, stderr)
+        assert "Ray" not in stderr  # refused before a local Ray started
     with pytest.raises(ValueError, match=r"a pool's pp \(2\) cannot be above 1 with ep \(3\)"):
         PoolConfig(pp=2, ep=3)
 
@@ -48,52 +57,131 @@ def test_a_pipelines_stages_are_placed_as_ranks():
     assert fits.worker("decode", "d").engine.pipeline_parallel_size == 2
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_a_ray_cluster_of_two_stage_workers_answers_as_one_engine(tokenizer):
-    """`pdserve up --prefill-pp 2 --decode-pp 2 --quantization exact`: each worker's second
-    stage is a process of its actor; the prompt is prefilled remotely (no local prefill), so
-    its KV leaves the prefill pipeline (its layer streams exported once the pass is through)
-    and enters the decode pipeline in the whole model's layout; the greedy answer is the
-    single engine's; nothing is left after Ctrl-C."""
-    import httpx
+N = 8  # tokens of each greedy completion
+LLAMA_PROMPTS = [[15, 4000, 977, 31, 12000, 5], list(range(300, 400))]  # the long one is prefilled remotely
+# SmolLM2's prompts: the short one prefilled by its decode worker, the long one (101 tokens, over
+# --decode-local-prefill's 64, its decode worker busy with the short one) by its prefill pipeline
+PROMPT = "The three primary colours are"
+SMOLLM_PROMPTS = [PROMPT, "Red, green and blue are the colours of light; painters learn another set. " * 6 + PROMPT]
+SMOLLM, SMOLLM_N = "SmolLM2-135M-Instruct", 12
 
+
+def _remote_and_local(url: str, model: str) -> str:
+    """/metrics once `model`'s decode worker counts one prompt prefilled remotely (its KV
+    crossed from the prefill worker) and one it prefilled itself (stats refresh every ~1 s)."""
+    def counted():
+        text = httpx.get(url + "/metrics", timeout=10).text
+        return all(re.search(rf'pdserve_decode_prefills(_total)?\{{[^}}]*model="{model}"[^}}]*where="{where}"'
+                             r'[^}]*\} 1\.0', text) for where in ("remote", "local")) and text
+    return wait_until(counted, 30, f"{model}'s decode worker's remote and local prefill counts")
+
+
+def _ranks(up, worker: str) -> set[int]:
+    """The processes below worker `worker`'s actor process: its other ranks (stages)."""
+    return descendants(int(re.search(rf"worker {worker} \(pid (\d+)\)", up.text()).group(1)))
+
+
+@dataclass
+class PPCluster:
+    up: Proc
+    url: str
+    llama_want: list[list[int]]
+    smollm_want: list[str]
+    procs: set[int]
+
+
+@pytest.fixture(scope="module")
+def pp_cluster(tmp_path_factory, tokenizer):
+    """One `pdserve up --models-file` under Ray at --quantization exact (default routing: a
+    decode worker prefills a prompt of at most 64 tokens itself): SmolLM2 with one prefill and
+    one decode worker of 2 stages each (--prefill-pp 2 --decode-pp 2 as a file's pools), and a
+    tiny Llama (4 heads, 2 KV heads, 4 layers, weights wide enough that greedy has no near-ties;
+    saved with the default model's tokenizer) with a prefill worker of one rank and a decode
+    worker of 2 stages x 2 TP ranks (--decode-pp 2 --decode-tp 2); 9 worker processes. Each
+    single engine's greedy answers are computed while it starts. Its last test stops it."""
+    transformers = pytest.importorskip("transformers")
     from pdserve.common.sampling_params import SamplingParams
     from pdserve.engine.core.engine import LLMEngine
     from pdserve.engine.model.weights import load_model
-    from pdserve.registry.embedded import free_port
-    from tests.helpers.procs import alive, descendants
-    from tests.helpers.ray_procs import Proc, wait_until
 
+    cfg = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.5 if "embed" in name else p.shape[-1] ** -0.5)
+    path = tmp_path_factory.mktemp("llama")
+    hf.save_pretrained(path)
+    tokenizer._tok.save(str(path / "tokenizer.json"))
+    models = path.parent / "models.toml"
+    models.write_text(f'[[model]]\nname = "{SMOLLM}"\npath = "default"\n[model.prefill]\npp = 2\n[model.decode]\n'
+                      f'pp = 2\n\n[[model]]\nname = "llama"\npath = "{path}"\n[model.decode]\npp = 2\ntp = 2\n')
     port = free_port()
-    up = Proc("up", "--port", str(port), "--prefill-pp", "2", "--decode-pp", "2", "--prefill-cpus", "0.5",
-              "--decode-cpus", "0.5", "--ray-cpus", "2", "--kv-cache-memory", "64MiB", "--cluster-token", "pp-token",
-              "--quantization", "exact", "--local-prefill-threshold", "0", "--decode-local-prefill", "0",
-              "--no-idle-decode-prefill")
-    url, procs, prompt = f"http://127.0.0.1:{port}", set(), "The three primary colours are"
+    up = Proc("up", "--port", str(port), "--models-file", str(models), "--prefill", "1", "--decode", "1",
+              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--ray-cpus", "5", "--quantization", "exact",
+              "--kv-cache-memory", "64MiB", "--cluster-token", "pp-token", "--shutdown-grace", "3")
     try:
-        up.wait_ready()
-        procs = descendants(up.p.pid)
-        r = httpx.post(url + "/v1/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12, "temperature": 0})
-        # the prompt was prefilled remotely: its KV crossed from one pipeline to the other
-        remote = r'pdserve_decode_prefills(_total)?\{[^}]*where="remote"[^}]*\} 1\.0'
-        wait_until(lambda: re.search(remote, httpx.get(url + "/metrics", timeout=10).text), 30,
-                   "the decode worker's remote prefill count")
-        stages = {role: descendants(int(up.find(f"{role} worker {role}-0 (pid ").split("(pid ")[1].split(")")[0]))
-                  for role in ("prefill", "decode")}
-        procs |= descendants(up.p.pid)
+        llama = LLMEngine(load_model(str(path), quantization="exact"), EngineConfig(quantization="exact"))
+        llama_want = llama.generate(LLAMA_PROMPTS, SamplingParams(max_tokens=N, temperature=0, ignore_eos=True))
+        smollm = LLMEngine(load_model(quantization="exact"), EngineConfig(quantization="exact"), tokenizer)
+        smollm_want = [tokenizer.decode(t, skip_special_tokens=True) for t in smollm.generate(
+            [tokenizer.encode(p) for p in SMOLLM_PROMPTS], SamplingParams(max_tokens=SMOLLM_N, temperature=0))]
+        del llama, smollm
+        line = up.p.stdout.readline()  # the curl line: printed once the router can serve
+        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        yield PPCluster(up, f"http://127.0.0.1:{port}", llama_want, smollm_want, descendants(up.p.pid))
     finally:
-        up.p.send_signal(signal.SIGINT)
-        rc = up.p.wait(90)
-    assert rc == 0, up.text()
-    assert [len(s) for s in stages.values()] == [1, 1], stages  # stage 1 of each worker: a process of its actor
+        if up.p.poll() is None:
+            stop(up, 90)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_up_with_a_pp_x_tp_decode_pool(pp_cluster, tokenizer):
+    """Two greedy completions at once to the Llama are the single engine's tokens: the long
+    prompt prefilled by the prefill worker, its KV imported into the decode worker's 4 ranks;
+    the short one prefilled by the decode worker. Every KV block is back in its pool after."""
+    c = pp_cluster
+    r = httpx.post(c.url + "/v1/completions", timeout=120, json={
+        "model": "llama", "prompt": LLAMA_PROMPTS, "max_tokens": N, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
-    ref = LLMEngine(load_model(quantization="exact"), EngineConfig(quantization="exact"), tokenizer)
-    want = tokenizer.decode(ref.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=12, temperature=0))[0],
-                            skip_special_tokens=True)
-    assert r.json()["choices"][0]["text"] == want
-    wait_until(lambda: not [p for p in procs if alive(p)], 30, "every process of the cluster to exit")
+    got = sorted(r.json()["choices"], key=lambda ch: ch["index"])
+    assert [ch["text"] for ch in got] == [tokenizer.decode(w, skip_special_tokens=True) for w in c.llama_want]
+    _remote_and_local(c.url, "llama")  # the long prompt's KV crossed, the short one's did not
+    ranks = _ranks(c.up, "llama-decode-0")
+    wait_kv_back(c.url, 4)
+    c.procs |= descendants(c.up.p.pid)
+    assert len(ranks) == 3, ranks  # the decode worker's ranks 1-3: processes of its actor
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_ray_cluster_of_two_stage_workers_answers_as_one_engine(pp_cluster):
+    """SmolLM2's workers: each one's second stage is a process of its actor; the long prompt
+    is prefilled remotely, so its KV leaves the prefill pipeline (its layer streams exported
+    once the pass is through) and enters the decode pipeline in the whole model's layout; the
+    short one is prefilled by the decode pipeline; the greedy answers are the single engine's.
+    Then Ctrl-C: exit code 0, and nothing of the cluster (either model's workers) is left."""
+    c = pp_cluster
+    try:
+        r = httpx.post(c.url + "/v1/completions", timeout=120, json={
+            "model": SMOLLM, "prompt": SMOLLM_PROMPTS, "max_tokens": SMOLLM_N, "temperature": 0})
+        assert r.status_code == 200, r.text
+        _remote_and_local(c.url, SMOLLM)
+        stages = [_ranks(c.up, f"{SMOLLM}-{role}-0") for role in ("prefill", "decode")]
+        wait_kv_back(c.url, 4)
+        c.procs |= descendants(c.up.p.pid)
+    finally:
+        rc = stop(c.up, 90)
+    assert rc == 0, c.up.text()
+    assert [len(s) for s in stages] == [1, 1], stages  # stage 1 of each worker: a process of its actor
+    got = sorted(r.json()["choices"], key=lambda ch: ch["index"])
+    assert [ch["text"] for ch in got] == c.smollm_want
+    wait_until(lambda: not [p for p in c.procs if alive(p)], 30, "every process of the cluster to exit")
 
 
 @pytest.mark.slow
