@@ -8,6 +8,7 @@ answers as over 1, directly and served with prefill and decode groups of differe
 a killed decode rank takes its group down and the stream moves to another or ends."""
 import os
 import signal
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -149,14 +150,14 @@ def test_a_rank_killed_mid_stream_raises_rank_failed_and_frees_the_blocks(tp_eng
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["none", "auto"])
-def test_the_real_model_over_three_ranks_answers_as_over_one(smollm, quantization):
+def test_the_real_model_over_three_ranks_answers_as_over_one(smollm, fp32, quantization):
     """fp32 weights: logprobs within float tolerance. The default weights round activations
     to int8, which turns the all-reduce's other summation order into differences of up to
     ~0.1 in a logprob (as any change of sum order does there): the same greedy text."""
     from pdserve.engine.model.weights import load_model
 
     tok = smollm[1]
-    loaded = load_model(quantization=quantization)
+    loaded = fp32.loaded if quantization == "none" else load_model(quantization=quantization)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     cfg = EngineConfig(quantization=quantization, cache=CacheConfig(kv_cache_memory=16 << 20))
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=1)
@@ -174,10 +175,27 @@ def test_the_real_model_over_three_ranks_answers_as_over_one(smollm, quantizatio
         assert max(abs(a - b) for a, b in zip(got_lp[0], want_lp[0])) < 1e-3
 
 
-def _chats(tok):
-    """Two chats sharing a long system prompt, the fp32 weights, and the single engine's answers."""
+COUNT, COUNT_TOKENS = "Count from one to one thousand:", 60  # the stream a decode rank is killed under
+
+
+@dataclass(frozen=True)
+class FP32:
+    """SmolLM2's fp32 weights (loaded once for the module's tests), two chats sharing a long
+    system prompt, and the single engine's answers to them; COUNT's greedy completion of
+    COUNT_TOKENS by the single engine: what an uninterrupted run streams (the fp32 model
+    over 3 ranks answers as over one: test_the_real_model_over_three_ranks_answers_as_over_one)."""
+
+    loaded: object
+    chats: list
+    want: list[str]
+    whole: str
+
+
+@pytest.fixture(scope="module")
+def fp32(smollm):
     from pdserve.engine.model.weights import load_model
 
+    tok = smollm[1]
     loaded = load_model(quantization="none")
     system = "You are a helpful assistant who answers in one short sentence, plainly and kindly. " * 3
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
@@ -185,7 +203,8 @@ def _chats(tok):
     ref = LLMEngine(loaded, EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=32 << 20)), tok)
     want = [tok.decode(ref.generate([tok.encode(tok.apply_chat_template(m))], SamplingParams(
         max_tokens=16, temperature=0))[0], skip_special_tokens=True) for m in chats]
-    return chats, loaded, want
+    whole = ref.generate([tok.encode(COUNT)], SamplingParams(max_tokens=COUNT_TOKENS, temperature=0, ignore_eos=True))
+    return FP32(loaded, chats, want, tok.decode(whole[0], skip_special_tokens=True))
 
 
 def _degrees(prefill_tp: int, decode_tp: int, decode: int = 1):
@@ -226,7 +245,7 @@ def _assert_answered(rs, pushes, handoffs, want):
 
 
 @pytest.mark.slow
-def test_served_with_three_prefill_ranks_and_one_decode_rank(smollm):
+def test_served_with_three_prefill_ranks_and_one_decode_rank(smollm, fp32):
     """`pdserve up --prefill-tp 3 --decode-tp 1`: the KV crosses between groups of different
     degrees (gathered to the whole model's layout, split again), streamed every 5 layers as
     they are computed, and for a prompt whose prefix the decode worker holds only the tail
@@ -235,8 +254,8 @@ def test_served_with_three_prefill_ranks_and_one_decode_rank(smollm):
     decode-rank-killed test below, on its cluster.)"""
     from pdserve.deploy.local import LocalCluster
 
-    chats, loaded, want = _chats(smollm[1])
-    c = LocalCluster(loaded, smollm[1], _degrees(3, 1)).start()
+    chats, want = fp32.chats, fp32.want
+    c = LocalCluster(fp32.loaded, smollm[1], _degrees(3, 1)).start()
     try:
         answered = _ask(c, chats)
         engines = c.engines()
@@ -272,28 +291,26 @@ def _stream_killing_a_rank(c, body: dict) -> tuple[list, list, float, float, obj
 
 
 @pytest.mark.slow
-def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_moves_or_ends(smollm):
+def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_moves_or_ends(smollm, fp32):
     """`pdserve up --prefill-tp 1 --decode-tp 3 --decode 2` (fp32): first two chats sharing a
     system prompt cross from the prefill rank to one decode group (gathered to the whole
     model's layout, split again), streamed every 5 layers, only the tail of the second, with
     the single engine's answers. Then a rank of the decode group serving a stream is killed: the
     group goes down (every rank gone, every block back). With another decode worker the router
-    moves the stream there and it continues with exactly the tokens of an uninterrupted run;
-    then, a rank of that last group killed under the next stream, with none left it ends with
+    moves the stream there and it continues with exactly the tokens of an uninterrupted run
+    (the single engine's, `fp32.whole`); then, a rank of that last group killed under the next stream, with none left it ends with
     an error event."""
     import httpx
 
     from pdserve.deploy.local import LocalCluster
     from tests.helpers.clusters import MODEL
 
-    chats, loaded, want = _chats(smollm[1])
-    body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 60, "temperature": 0,
-            "ignore_eos": True}
-    c = LocalCluster(loaded, smollm[1], _degrees(1, 3, decode=2)).start()
+    chats, want = fp32.chats, fp32.want
+    body = {"model": MODEL, "prompt": COUNT, "max_tokens": COUNT_TOKENS, "temperature": 0, "ignore_eos": True}
+    c = LocalCluster(fp32.loaded, smollm[1], _degrees(1, 3, decode=2)).start()
     try:
         answered = _ask(c, chats)
         assert [e.tp.tp if e.tp else 1 for e in c.engines()] == [1, 3, 3]
-        whole = httpx.post(c.url + "/v1/completions", timeout=120, json=body).json()["choices"][0]["text"]
         moved = _stream_killing_a_rank(c, body)
         metrics = httpx.get(c.url + "/metrics", timeout=10).text
         ended = _stream_killing_a_rank(c, body)
@@ -302,10 +319,10 @@ def test_a_decode_rank_killed_mid_stream_takes_the_group_down_and_the_stream_mov
         c.stop()
     _assert_answered(*answered, want)
     events, texts, killed_at, done, first = moved
-    assert done - killed_at < 60 and "error" not in events[-1] and "".join(texts) == whole, (texts, whole)
+    assert done - killed_at < 60 and "error" not in events[-1] and "".join(texts) == fp32.whole, (texts, fp32.whole)
     assert "pdserve_migrations_total 1.0" in metrics
     events, texts, killed_at, done, last = ended
-    assert last is not first and done - killed_at < 60 and len(texts) < 60
+    assert last is not first and done - killed_at < 60 and len(texts) < COUNT_TOKENS
     assert "error" in events[-1] or events[-1]["choices"][0].get("finish_reason") == "error", events[-1]
     assert all(e.blocks.num_used_blocks == 0 for e in engines)
     assert all(p.poll() is not None for g in (first, last) for p in g.tp.procs)  # both groups are down
