@@ -236,11 +236,14 @@ def test_up_refuses_a_degree_the_experts_do_not_allow_before_starting_ray(model_
     from tests.helpers.procs import ENV
 
     path = str(model_dir("mixtral"))
-    for flags, why in ((["--decode-ep", "7"], "--decode-ep: expert-parallel degree 7: this model has 6 experts "
-                        + "per layer: use 1 to 6"),
-                       (["--prefill-tp", "2"], "--prefill-tp: tensor-parallel degree 2: a mixture-of-experts model"),
-                       (["--decode-ep", "2", "--decode-tp", "2"], "tp (2) and ep (2) cannot both be above 1")):
-        r = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", path, *flags], capture_output=True,
-                           text=True, timeout=120, env=ENV, check=False)
-        assert r.returncode != 0 and why in r.stderr, r.stderr
-        assert "Ray" not in r.stderr  # refused before a local Ray started
+    refusals = {("--decode-ep", "7"): "--decode-ep: expert-parallel degree 7: this model has 6 experts per layer: "
+                                      "use 1 to 6",
+                ("--prefill-tp", "2"): "--prefill-tp: tensor-parallel degree 2: a mixture-of-experts model",
+                ("--decode-ep", "2", "--decode-tp", "2"): "tp (2) and ep (2) cannot both be above 1"}
+    runs = {flags: subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", path, *flags],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+            for flags in refusals}  # the three at once
+    for flags, why in refusals.items():
+        _, stderr = runs[flags].communicate(timeout=120)
+        assert runs[flags].returncode != 0 and why in stderr, (flags, stderr)
+        assert "Ray" not in stderr  # refused before a local Ray started
