@@ -83,18 +83,42 @@ def ep_engine():
         assert all(p.poll() is not None for p in e.tp.procs)
 
 
+@pytest.fixture(scope="module")
+def ep_group():
+    """ep_group(path, ep) -> the module's group of `ep` ranks over the model at `path` (CONFIG),
+    started once and shared by the tests: each leaves it as it found it (no request, every
+    block back; its counters only grow, so a test counts its own steps from a `before`) and
+    finds its prefix cache emptied (every prompt computed afresh, as on a new group); one
+    that killed a rank leaves it dead, and the next call starts a fresh group (one left with
+    requests is replaced too). At the end every group is shut down and each rank has exited."""
+    made, live = [], {}
+
+    def get(path, ep: int) -> LLMEngine:
+        e = live.get((path, ep))
+        if e is None or e.tp.dead_ranks() or e.has_unfinished_requests():
+            e = live[path, ep] = LLMEngine.tensor_parallel(ModelSource(str(path)), CONFIG, ep, expert=True)
+            made.append(e)
+        assert e.blocks.reset_prefix_cache()
+        return e
+    yield get
+    for e in made:
+        e.shutdown()
+        assert all(p.poll() is not None for p in e.tp.procs)
+
+
 def single(path, config: EngineConfig = CONFIG) -> LLMEngine:
     return LLMEngine(load_model(path, quantization=config.quantization), config)
 
 
 @pytest.mark.parametrize("arch, ep", [("qwen3_moe", 2), ("qwen3_moe", 4), ("mixtral", 4), ("qwen2_moe", 2)])
-def test_greedy_tokens_equal_the_single_engine_batched_and_chunked(model_dir, ep_engine, arch, ep):
+def test_greedy_tokens_equal_the_single_engine_batched_and_chunked(model_dir, ep_group, arch, ep):
     """qwen3_moe: 8 experts (4 or 2 a rank); mixtral: 6 over 4 ranks (2, 2, 1, 1); qwen2_moe: 4
     experts and the shared expert, on rank 0 only."""
     path = model_dir(arch)
     ref = single(path)
     want = ref.generate(PROMPTS, GREEDY)
-    e = ep_engine(path, ep)
+    e = ep_group(path, ep)
+    before = e.tp.group.allreduces, e.runner.model.expert_tokens()  # the group is the module's: this test's alone
     assert e.generate(PROMPTS, GREEDY) == want
     n = e.model_config.num_experts
     for block in e.runner.model.moe_blocks():  # rank 0 holds only its experts
@@ -102,8 +126,10 @@ def test_greedy_tokens_equal_the_single_engine_batched_and_chunked(model_dir, ep
         assert isinstance(block.experts[n - 1], AbsentExpert) and block.gate_up_weight.shape[0] == len(block.owned)
         assert (block.shared_expert is not None) == (arch == "qwen2_moe")
     assert e.kv_cache.layout == ref.kv_cache.layout  # every KV head on each rank
-    assert e.tp.group.allreduces > 0 and e.tp.group.allreduces % 2 == 0  # one per MoE layer (2) per step
-    assert e.runner.model.expert_tokens() == ref.runner.model.expert_tokens()  # the same routing
+    ours = e.tp.group.allreduces - before[0]
+    assert ours > 0 and ours % 2 == 0  # one per MoE layer (2) per step
+    ours = [a - b for a, b in zip(e.runner.model.expert_tokens(), before[1], strict=True)]
+    assert ours == ref.runner.model.expert_tokens()  # the same routing
     clean(e)
 
 
@@ -136,13 +162,13 @@ def test_a_router_sending_every_token_to_rank_0_leaves_the_others_idle_without_a
     clean(e)
 
 
-def test_kv_moves_between_an_expert_parallel_group_and_a_single_engine(model_dir, ep_engine):
+def test_kv_moves_between_an_expert_parallel_group_and_a_single_engine(model_dir, ep_group):
     """EP=2 -> single (rank 0's cache exported alone), single -> EP=4 (the import broadcast to
     every rank: each one's attention reads it), EP=4 -> EP=2."""
     path = model_dir("qwen3_moe")
     ps = PROMPTS[:3]
     want = single(path).generate(ps, GREEDY)
-    two, one, four = ep_engine(path, 2), single(path), ep_engine(path, 4)
+    two, one, four = ep_group(path, 2), single(path), ep_group(path, 4)
     assert handoff(two, one, ps) == want
     assert handoff(one, four, ps) == want
     assert handoff(four, two, ps) == want
@@ -150,8 +176,8 @@ def test_kv_moves_between_an_expert_parallel_group_and_a_single_engine(model_dir
         clean(e)
 
 
-def test_a_rank_killed_mid_stream_raises_rank_failed_and_frees_the_blocks(model_dir, ep_engine):
-    e = ep_engine(model_dir("qwen3_moe"), 4)
+def test_a_rank_killed_mid_stream_raises_rank_failed_and_frees_the_blocks(model_dir, ep_group):
+    e = ep_group(model_dir("qwen3_moe"), 4)  # the module's group: this test, which kills it, comes after its others
     e.add_request("a", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
     for _ in range(3):
         e.step()
@@ -178,11 +204,12 @@ class _Now:
         return f
 
 
-def test_the_expert_load_per_expert_and_per_rank_on_the_worker_metrics(model_dir, ep_engine):
+def test_the_expert_load_per_expert_and_per_rank_on_the_worker_metrics(model_dir, ep_group):
     from pdserve.deploy.model_server_metrics import ModelServerCollector
     from pdserve.engine.model.tiny import tiny_llama
 
-    e = ep_engine(model_dir("mixtral"), 4)  # 6 experts: ranks 0, 0, 1, 1, 2, 3
+    e = ep_group(model_dir("mixtral"), 4)  # 6 experts: ranks 0, 0, 1, 1, 2, 3
+    before = sum(e.runner.model.expert_tokens())  # the module's group: the series count since it started
     e.generate(PROMPTS, GREEDY)
     families = {f.name: f for f in ModelServerCollector(_Now(e), "m").collect()}
     experts = {(s.labels["expert"], s.labels["rank"]): s.value
@@ -192,7 +219,7 @@ def test_the_expert_load_per_expert_and_per_rank_on_the_worker_metrics(model_dir
     tokens = e.runner.model.expert_tokens()
     assert experts == {(str(x), str(r)): tokens[x] for x, r in enumerate([0, 0, 1, 1, 2, 3])}
     assert ranks == {"0": tokens[0] + tokens[1], "1": tokens[2] + tokens[3], "2": tokens[4], "3": tokens[5]}
-    assert sum(ranks.values()) == sum(len(p) + GREEDY.max_tokens - 1 for p in PROMPTS) * 2 * 2
+    assert sum(ranks.values()) - before == sum(len(p) + GREEDY.max_tokens - 1 for p in PROMPTS) * 2 * 2
     dense = {f.name for f in ModelServerCollector(_Now(LLMEngine(tiny_llama(0), CONFIG)), "d").collect()}
     assert "pdserve:moe_expert_tokens" not in dense  # no expert series for a dense model
 
