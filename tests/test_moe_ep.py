@@ -7,8 +7,6 @@ KV moves between an expert-parallel group and a single engine (and another group
 same tokens after; a killed rank takes the group down; the expert load reaches the worker's
 /metrics; degrees and combinations it cannot run are refused by name (by `pdserve up` before
 Ray starts)."""
-import os
-import signal
 
 import pytest
 import torch
@@ -19,10 +17,10 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.moe import AbsentExpert
 from pdserve.engine.model.weights import load_model, load_state_dict
 from pdserve.engine.parallel.ep import check_experts, experts_of, shard_experts
-from pdserve.engine.parallel.tp import ModelSource, RankFailed
+from pdserve.engine.parallel.tp import ModelSource
+from tests.helpers.engine_runs import clean, handoff, kill_rank_mid_stream
 from tests.helpers.prompts import prompts
 from tests.test_moe import hf_model
-from tests.test_tp import clean, handoff
 
 pytest.importorskip("transformers")
 
@@ -178,17 +176,7 @@ def test_kv_moves_between_an_expert_parallel_group_and_a_single_engine(model_dir
 
 def test_a_rank_killed_mid_stream_raises_rank_failed_and_frees_the_blocks(model_dir, ep_group):
     e = ep_group(model_dir("qwen3_moe"), 4)  # the module's group: this test, which kills it, comes after its others
-    e.add_request("a", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
-    for _ in range(3):
-        e.step()
-    os.kill(e.tp.procs[1].pid, signal.SIGKILL)
-    e.tp.procs[1].wait(10)
-    with pytest.raises(RankFailed):
-        for _ in range(50):
-            e.step()
-    e.abort_all()
-    clean(e)
-    assert all(p.wait(10) is not None for p in e.tp.procs)
+    kill_rank_mid_stream(e, PROMPTS[0], 1)
 
 
 class _Now:

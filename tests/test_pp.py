@@ -4,8 +4,6 @@ splits) give the single engine's greedy tokens and logprobs exactly, batched and
 with every block back (a mixture-of-experts model too); KV moves between pipelines and single engines token-exactly, and a
 step's layer streams are the exported KV; a stage killed mid-stream makes the next step raise
 RankFailed, the other stages go down and the blocks come back."""
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,8 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
 from pdserve.engine.model.weights import LoadedModel, build_model
 from pdserve.engine.parallel.pp import check_stages, layers_of, stage_state
-from pdserve.engine.parallel.tp import ModelSource, RankFailed
-from tests.helpers.engine_runs import GREEDY, clean, handoff, run
+from pdserve.engine.parallel.tp import ModelSource
+from tests.helpers.engine_runs import GREEDY, clean, handoff, kill_rank_mid_stream, run
 from tests.helpers.prompts import prompts
 
 LAYERS = (("num_hidden_layers", 5),)
@@ -142,17 +140,8 @@ def test_kv_moves_between_pipelines_and_single_engines(pipelines):
 def test_a_stage_killed_mid_stream_raises_rank_failed_and_frees_the_blocks():
     e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS), CONFIG, 3, pipeline=True)
     try:
-        e.add_request("a", prompts(1, seed=13, lo=30, hi=30)[0], SamplingParams(max_tokens=200, ignore_eos=True))
-        for _ in range(3):
-            e.step()
-        os.kill(e.tp.procs[0].pid, signal.SIGKILL)  # stage 1: rank 0 sends to it, stage 2 waits on it
-        e.tp.procs[0].wait(10)
-        with pytest.raises(RankFailed):
-            for _ in range(50):
-                e.step()
-        e.abort_all()
-        clean(e)
-        assert all(p.wait(10) is not None for p in e.tp.procs)  # the last stage was taken down at once
+        # stage 1: rank 0 sends to it, stage 2 waits on it (and is taken down at once)
+        kill_rank_mid_stream(e, prompts(1, seed=13, lo=30, hi=30)[0], 0)
     finally:
         e.shutdown()
 

@@ -9,8 +9,6 @@ crosses token-exactly between it, a TP=2 engine, a PP=2 pipeline and a single en
 whole model's layout (a model of one KV head too, replicated on both ranks of a stage).
 Degrees that do not fit are refused before a rank starts, naming what fits; a killed rank of
 a stage's group takes the worker down with every block back."""
-import os
-import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,8 +22,8 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
 from pdserve.engine.model.weights import LoadedModel, build_model
 from pdserve.engine.parallel.pp import stage_width
-from pdserve.engine.parallel.tp import ModelSource, RankFailed
-from tests.helpers.engine_runs import clean, handoff, run
+from pdserve.engine.parallel.tp import ModelSource
+from tests.helpers.engine_runs import clean, handoff, kill_rank_mid_stream, run
 from tests.helpers.prompts import prompts
 from tests.test_pp import CONFIG, LAYERS, five_layers_streamed
 
@@ -182,14 +180,4 @@ def test_a_killed_rank_of_a_stage_s_group_raises_rank_failed_and_frees_the_block
     """Stage 0's second rank (rank 0's partner in every all-reduce) killed mid-stream: rank 0's
     next step raises RankFailed, every other rank is taken down, every block comes back."""
     e = engines["pptp"]
-    e.add_request("a", prompts(1, seed=13, lo=30, hi=30)[0], SamplingParams(max_tokens=200, ignore_eos=True))
-    for _ in range(3):
-        e.step()
-    os.kill(e.tp.procs[0].pid, signal.SIGKILL)
-    e.tp.procs[0].wait(10)
-    with pytest.raises(RankFailed):
-        for _ in range(50):
-            e.step()
-    e.abort_all()
-    clean(e)
-    assert all(p.wait(10) is not None for p in e.tp.procs)
+    kill_rank_mid_stream(e, prompts(1, seed=13, lo=30, hi=30)[0], 0)

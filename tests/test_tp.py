@@ -19,7 +19,7 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.tiny import tiny_config, tiny_llama, tiny_state_dict
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard
 from pdserve.engine.parallel.tp import ModelSource, RankFailed
-from tests.helpers.engine_runs import clean, handoff, run
+from tests.helpers.engine_runs import clean, handoff, kill_rank_mid_stream, run
 from tests.helpers.prompts import prompts
 
 CONFIG = EngineConfig(cache=CacheConfig(kv_cache_memory=4 << 20), scheduler=SchedulerConfig(max_num_batched_tokens=64))
@@ -135,17 +135,7 @@ def test_kv_moves_between_groups_of_different_degrees(tp_engine):
 
 def test_a_rank_killed_mid_stream_raises_rank_failed_and_frees_the_blocks(tp_engine):
     e = tp_engine(4)
-    e.add_request("a", prompts(1, seed=13, lo=30, hi=30)[0], SamplingParams(max_tokens=200, ignore_eos=True))
-    for _ in range(3):
-        e.step()
-    os.kill(e.tp.procs[0].pid, signal.SIGKILL)
-    e.tp.procs[0].wait(10)
-    with pytest.raises(RankFailed):
-        for _ in range(50):
-            e.step()
-    e.abort_all()
-    clean(e)
-    assert all(p.wait(10) is not None for p in e.tp.procs)  # the ranks left were taken down at once
+    kill_rank_mid_stream(e, prompts(1, seed=13, lo=30, hi=30)[0], 0)  # the ranks left were taken down at once
 
 
 @pytest.mark.slow

@@ -2,7 +2,13 @@
 tests that compare a split engine (tensor or pipeline parallel) with one engine."""
 from __future__ import annotations
 
+import os
+import signal
+
+import pytest
+
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.parallel.tp import RankFailed
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
 
@@ -55,3 +61,21 @@ def handoff(src, dst, ps, streamed: list | None = None, check_streams=None) -> l
                 toks += o.new_token_ids
         out.append(toks)
     return out
+
+
+def kill_rank_mid_stream(e, prompt: list[int], rank: int) -> None:
+    """A 200-token stream of `prompt` on the split engine `e`; after 3 steps its follower
+    `rank` (e.tp.procs index) is killed: rank 0's next steps raise RankFailed, every block
+    comes back, and every other rank is taken down at once."""
+    e.add_request("a", prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    os.kill(e.tp.procs[rank].pid, signal.SIGKILL)
+    e.tp.procs[rank].wait(10)
+    with pytest.raises(RankFailed):
+        for _ in range(50):
+            e.step()
+    e.abort_all()
+    clean(e)
+    assert all(p.wait(10) is not None for p in e.tp.procs)
+
