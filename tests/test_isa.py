@@ -54,7 +54,7 @@ from pdserve.engine.kernels import native
 from pdserve.engine.kernels.native import q8a16, step, w4a8
 g = torch.Generator().manual_seed(7)
 out = {"isa": native.isa(), "library": str(native.library_path())}
-for n, k in ((960, 576), (576, 1536)):
+for n, k in ((960, 576), (576, 1536), (24, 96)):  # 24: an odd count of 8-column blocks
     q, d, m = w4a8.pack(*native.quantize_q4_1(torch.randn(n, k, generator=g) * 0.05))
     head = q8a16.pack(*native.quantize_q8_0(torch.randn(n, k, generator=g) * 0.05))
     for rows in (1, 3, 4, 5, 8, 13, 32, 70):
