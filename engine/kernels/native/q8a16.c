@@ -17,7 +17,8 @@
  * columns reuse each broadcast for 2 column blocks and each weight vector for 4 rows.
  * Batch invariant: a row's result depends only on that row (same quantization and summation
  * order whatever M, the row's place in a tile, or the thread count). With VNNI (vnni.h)
- * vpdpwssd does the multiply-add and the sum in one instruction, the same int32 sums.
+ * vpdpwssd does the multiply-add and the sum in one instruction, the same int32 sums; built
+ * for AVX-512, a column pair's tile runs in 512-bit vectors (tile_pair512).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -110,10 +111,60 @@ static inline __attribute__((always_inline)) void tile(const int R, const int B,
         for (int b = 0; b < B; b++) _mm256_storeu_ps(y + r * N + b * 8, acc[r][b]);
 }
 
+#ifdef PDSERVE_VNNI512
+/* tile(R, 2, ...) with the column pair in one 512-bit vector (block c's 8 columns in the low
+ * half, c + 1's in the high): each broadcast feeds one vpdpwssd instead of two, and every
+ * lane's arithmetic is the 256-bit tile's, so the result is bitwise its. */
+static inline __attribute__((always_inline)) void tile_pair512(const int R, const int16_t *xq, const float *dx,
+                                                               int64_t K, const int8_t *wq, const int8_t *pf,
+                                                               const float *dw, float *y, int64_t N) {
+    const int64_t G = K / 32, wb = K * 8;
+    const int16_t *xr[4];
+    const float *dr[4];
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) xr[r] = xq + r * K, dr[r] = dx + r * G, acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++, wq += 256, dw += 8) {
+        if (pf)
+            for (int b = 0; b < 2; b++)
+                for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(pf + b * wb + g * 256 + 64 * l), _MM_HINT_T0);
+        __m512i a[4];
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) {
+            const __m256i w8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wq + t * 16))),
+                                                       _mm_loadu_si128((const __m128i *)(wq + wb + t * 16)), 1);
+            const __m512i wv = _mm512_cvtepi8_epi16(w8);
+            for (int r = 0; r < R; r++) {
+                a[r] = _mm512_dpwssd_epi32(t ? a[r] : _mm512_setzero_si512(), wv,
+                                           _mm512_set1_epi32(*(const int32_t *)(xr[r] + 2 * t)));
+                __asm__("" : "+v"(a[r])); /* one chain per sum, as in tile() */
+            }
+        }
+        const __m512 dv = w4a8_joinf(dw, dw + G * 8);
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_set1_ps(*dr[r]++);
+            xr[r] += 32;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_mul_ps(dv, s), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+#endif
+
 /* R and B to constants, so that each tile compiles unrolled. */
 static void tile_rows(int64_t R, int B, const int16_t *x, const float *d, int64_t K, const int8_t *w, const int8_t *pf,
                       const float *dw, float *out, int64_t N) {
 #define TILE(r, b) tile(r, b, x, d, K, w, pf, dw, out, N)
+#ifdef PDSERVE_VNNI512
+#define PAIR(r) tile_pair512(r, x, d, K, w, pf, dw, out, N)
+    if (B == 2) {
+        if (R == 4) PAIR(4);
+        else if (R == 3) PAIR(3);
+        else if (R == 2) PAIR(2);
+        else PAIR(1);
+        return;
+    }
+#undef PAIR
+#endif
     if (B == 2) {
         if (R == 4) TILE(4, 2);
         else if (R == 3) TILE(3, 2);
