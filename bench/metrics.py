@@ -232,15 +232,24 @@ def format_table(rows: list[list]) -> str:
 
 
 def cpu_description() -> dict:
-    """Which CPU the figures came from (`lscpu`'s model name and this process's cores)."""
+    """Which CPU the figures came from: `lscpu`'s model name, its family and model numbers (a
+    model name of "AMD EPYC" alone does not tell Zen 3 from Zen 5: family 25 is Zen 3 and 4,
+    26 Zen 5), this process's cores and the vector extensions."""
     from pdserve.engine.kernels.native import cpu_flags, isa  # torch: only when a result is written
 
-    model = ""
+    info: dict[str, str] = {}
     try:
-        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                key, _, value = ln.partition(":")
+                if key.strip() in ("model name", "cpu family", "model") and key.strip() not in info:
+                    info[key.strip()] = value.strip()
+                if not ln.strip():
+                    break  # the first processor's lines are enough
     except OSError:
         pass
     flags = cpu_flags()
-    return {"model": model, "cores": len(os.sched_getaffinity(0)),
+    return {"model": info.get("model name", ""), "family": info.get("cpu family", ""), "model_id": info.get("model", ""),
+            "cores": len(os.sched_getaffinity(0)),
             "isa": sorted(f for f in flags if f.startswith(("avx", "amx")) or f == "fma"),
             "kernels": isa()}  # the instruction set pdserve's C kernels were built for
