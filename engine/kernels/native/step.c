@@ -9,6 +9,11 @@
  * there): a row's result is bitwise the Python path's. Two schedules, the same result: a parallel region per op
  * (layer), or the whole step on one OpenMP team (team_step, the default).
  *
+ * A step may stop at a layer's end: each layer's end but the last reads the step's stop word (an
+ * int32 that another thread writes) and the step stops there, its work counting for nothing,
+ * when the word is below the step's threshold (engine/core/kv_hooks.py: a more urgent request
+ * came). In team_step every thread leaves at the same layer.
+ *
  * LoRA adapters (lora.c) add their updates to the four matrices' outputs, per row, where the
  * Python path adds them (before RoPE, before SwiGLU), with the routine that path calls.
  *
@@ -34,6 +39,7 @@ static inline int omp_get_num_threads(void) { return 1; }
 #include "kvformat.h"
 
 #define STEP_PTRS 14
+#define STEP_STOPPED (-4) /* decode_step_llama stopped at a layer's end: nothing it computed counts */
 
 int w4a8_matmul(const float *x, const uint8_t *wq, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
                 int64_t K, int nt);
@@ -133,6 +139,12 @@ static void put_kv(void *cache, int64_t at, const float *x, int64_t n, int64_t f
         memcpy(&u, x + i, 4);
         o[i] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
+}
+
+/* Whether the step stops at this layer's end: its stop word (NULL: none), which another thread
+ * may write at any time, is below the step's threshold. */
+static int stop_now(const int32_t *stop, int32_t threshold) {
+    return stop && __atomic_load_n(stop, __ATOMIC_ACQUIRE) < threshold;
 }
 
 /* The step's scratch, one allocation: each buffer is (M, width) fp32. */
@@ -283,18 +295,20 @@ static int team_layer(const step_dims *d, void *const *w, void *kc, void *vc, st
     return failed;
 }
 
-/* decode_step_llama's work on one team; returns 0, or -1 without memory. */
+/* decode_step_llama's work on one team; returns 0, -1 without memory, or STEP_STOPPED. At a
+ * layer's end (not the last) one thread reads the stop word for the team, and every thread
+ * leaves the layer loop there or none does. */
 static int team_step(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
                      float *out, step_bufs *s, const int64_t *positions, const float *cos_t, const float *sin_t,
                      const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
-                     const step_lora *L) {
+                     const step_lora *L, const int32_t *stop, int32_t threshold) {
     const int64_t H = d->hidden, Mp = (M + 3) / 4 * 4, nq = d->heads * d->head_dim;
     const int64_t kmax = H > nq ? (H > d->inter ? H : d->inter) : (nq > d->inter ? nq : d->inter);
     const size_t floats = (size_t)(2 * M * H + M * d->inter + Mp * (kmax / 32) * 3), bytes = (size_t)(Mp * kmax);
     const size_t lfloats = L && L->max_rank > 0 ? (size_t)L->max_rank : 0;
     const size_t per = ((floats + lfloats) * sizeof(float) + bytes + 63) & ~(size_t)63;
     char *all = aligned_alloc(64, per * (size_t)nt);
-    int failed = 0;
+    int failed = 0, stopped = 0;
     if (!all) return -1;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
@@ -303,16 +317,23 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
                        (float *)mine + 2 * M * H + M * d->inter, (int8_t *)(mine + floats * sizeof(float)),
                        (float *)(mine + floats * sizeof(float) + bytes)};
         memcpy(p.h, h, sizeof(float) * (size_t)(M * H));
-        for (int64_t i = 0; i < d->layers; i++)
+        for (int64_t i = 0; i < d->layers; i++) {
             failed |= team_layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], s, &p, i == 0, positions,
                                  cos_t, sin_t, slots, tables, lens, M, L, i);
-        if (omp_get_thread_num() == 0) {
+            if (stop && i + 1 < d->layers) { /* the layer ended in a barrier: the team is here */
+#pragma omp single
+                stopped = stop_now(stop, threshold);
+                if (stopped) /* read after the single's barrier; written again only after the next layer's */
+                    break;
+            }
+        }
+        if (!stopped && omp_get_thread_num() == 0) {
             add_rms_norm_f32(p.h, s->delta, final_w, out, M, H, d->eps, 1);
             memcpy(h, p.h, sizeof(float) * (size_t)(M * H));
         }
     }
     free(all);
-    return failed ? -1 : 0;
+    return failed ? -1 : stopped ? STEP_STOPPED : 0;
 }
 #endif
 
@@ -326,13 +347,16 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
  *                       (native.paged_attention_tables)
  *   one_region          1: the whole step on one OpenMP team (team_step), 0: each op its own region
  *   lora                the rows' LoRA adapters (step_lora above), or NULL
+ *   stop, threshold     the stop word (NULL: the step never stops), read at each layer's end
+ *                       but the last: the step stops there when it is below `threshold`
  * Returns 0, -1 when scratch memory could not be allocated, -2 (nothing run) when a position
- * or slot lies outside the tables or the cache, or -3 (nothing run) for a cache format other
- * than fp32 or bf16. */
+ * or slot lies outside the tables or the cache, -3 (nothing run) for a cache format other
+ * than fp32 or bf16, or STEP_STOPPED (-4) when it stopped: `out` is not written, `h` and the
+ * cache's new slots hold partial results (the layers it ran), which count for nothing. */
 int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
                       float *out, const int64_t *positions, const float *cos_t, const float *sin_t,
                       const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
-                      int one_region, const step_lora *lora) {
+                      int one_region, const step_lora *lora, const int32_t *stop, int32_t threshold) {
     if (M <= 0) return 0;
     if (d->kv_fmt != KV_F32 && d->kv_fmt != KV_BF16) return -3;
     for (int64_t i = 0; i < M; i++) /* checked here: in torch ops this cost 0.5 ms a step */
@@ -345,14 +369,16 @@ int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv,
 #ifdef __AVX2__
     if (one_region) {
         rc = team_step(d, weights, kv, final_w, h, out, &b, positions, cos_t, sin_t, slots, tables, lens, M,
-                       nt < 1 ? 1 : nt, lora);
+                       nt < 1 ? 1 : nt, lora, stop, threshold);
         free(base);
         return rc;
     }
 #endif
-    for (int64_t i = 0; i < d->layers && !rc; i++)
+    for (int64_t i = 0; i < d->layers && !rc; i++) {
         rc = layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h, i ? b.delta : NULL, &b, positions, cos_t,
                    sin_t, slots, tables, lens, M, nt, lora, i);
+        if (!rc && i + 1 < d->layers && stop_now(stop, threshold)) rc = STEP_STOPPED;
+    }
     if (!rc) add_rms_norm_f32(h, b.delta, final_w, out, M, d->hidden, d->eps, nt);
     free(base);
     return rc;

@@ -7,7 +7,8 @@ per-layer pointer array (built once per model: the tensors it points into are ke
 with it), and `one_region`, which of step.c's two schedules runs (the same result);
 `kv_pointers(kv_caches)` the per-layer K/V pointers (once per KV cache); `run(...)` one step,
 checking what varies per step (positions, slots, tables) and nothing it was given at
-construction.
+construction. Given a stop word, a step stops at a layer's end when the word is below its
+threshold (`Stopped`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ _fn = _nib = None
 _F32, _I64 = torch.float32, torch.int64
 PTRS = 14  # pointers per layer (step.c STEP_PTRS)
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # the caches step.c stores into (kvformat.h's codes)
+STOPPED = -4  # step.c STEP_STOPPED
+
+
+class Stopped(Exception):
+    """`run` stopped at a layer's end: its stop word was below its threshold there. Nothing it
+    computed counts: the K/V it stored (the new rows' slots, of the layers it ran) is
+    overwritten when the rows are computed again."""
 
 
 class _Dims(ctypes.Structure):
@@ -43,7 +51,7 @@ def _bound():
         if lib.decode_step_ptrs() != PTRS:
             raise RuntimeError("step.c and step.py disagree on the per-layer pointers")
         lib.decode_step_llama.argtypes = [ctypes.POINTER(_Dims), p, p, p, p, p, p, p, p, p, p, p, i64, ctypes.c_int,
-                                          ctypes.c_int, p]
+                                          ctypes.c_int, p, p, ctypes.c_int32]
         lib.decode_step_llama.restype = ctypes.c_int
         lib.w4a8n_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
         lib.w4a8n_matmul.restype = ctypes.c_int
@@ -126,7 +134,7 @@ class StepWeights:
 
 def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, lora=None,
-        one_team: bool = True) -> torch.Tensor:
+        one_team: bool = True, stop: tuple[int, int] | None = None) -> torch.Tensor:
     """The final normed hidden states (M, hidden) of a decode step; h (M, hidden) fp32, the
     embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) contiguous
     (num_blocks, block_size, kv_heads, head_dim), all fp32 or all bf16 (the new rows stored
@@ -136,7 +144,10 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     rows, or None. one_team False: some rows are consecutive positions of one sequence (a prompt
     chunk), which the one-team schedule cannot run (its items store a row's K/V and attend at
     once: a later row of the same sequence could attend before an earlier row's K/V is stored);
-    the schedule with a region per op stores every row first."""
+    the schedule with a region per op stores every row first. stop: (the address of an int32,
+    the stop word, which another thread may write meanwhile; a threshold): at each layer's end
+    but the last the step stops, raising `Stopped`, if the word is below the threshold; None:
+    it runs to the end."""
     fn = _bound()
     M = h.shape[0]
     k0 = kv_caches[0][0]
@@ -152,7 +163,9 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     rc = M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                   out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                   tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and one_team and M <= w.team_rows),
-                  None if lora is None else ctypes.addressof(lora))
+                  None if lora is None else ctypes.addressof(lora), *(stop or (None, 0)))
+    if rc == STOPPED:
+        raise Stopped(f"the stop word fell below {stop[1]}")
     if rc == -2:
         raise _bad("every position must lie in the RoPE tables and every slot in the cache", positions, slots)
     if rc == -3:
