@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.engine import LLMEngine
-from pdserve.engine.core.kv_hooks import StepStopped
+from pdserve.engine.core.kv_hooks import StepStopped, StopWord
 from pdserve.engine.parallel.cores import CHECK_INTERVAL_S, CoreShare
 
 T = TypeVar("T")
@@ -47,9 +47,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
-        self._urgency = 0  # the most urgent priority of the step in flight
-        self._arrived: int | None = None  # the most urgent priority added since the step in flight began
+        # its threshold: the most urgent priority of the step in flight; its word: the most urgent
+        # priority added since that step began (read by the native step at each layer's end)
+        self.stop_word = StopWord()
         engine.between_layers = self._between_layers
+        engine.stop_word = self.stop_word
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -88,9 +90,9 @@ class AsyncEngine:
     # ---- named engine calls (each runs on the engine thread between two steps) -------------
     def note_arrival(self, priority: int) -> None:
         """A request of `priority` is about to be added (by a command queued next): a long step
-        of less urgent work in flight stops at its next layer's end (`_between_layers`)."""
-        if self._arrived is None or priority < self._arrived:
-            self._arrived = priority
+        of less urgent work in flight stops at its next layer's end (`_between_layers`, or the
+        native step's own look at `stop_word`)."""
+        self.stop_word.note(priority)
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams, **kw) -> None:
         self.note_arrival(params.priority)
@@ -199,14 +201,14 @@ class AsyncEngine:
                     self.cores.idle()
                 # cleared before the drain: a request added after it is either drained (then the
                 # step's urgency counts it) or not (then the step may stop for it)
-                self._arrived = None
+                self.stop_word.clear()
                 self._drain(block=idle)
                 if self._stopping:
                     break
                 idle = True
                 if self.engine.has_unfinished_requests():
                     urgency = self.engine.most_urgent_priority()
-                    self._urgency = 0 if urgency is None else urgency
+                    self.stop_word.threshold = 0 if urgency is None else urgency
                     if self.cores is not None and self._stand_aside(urgency):
                         idle = False
                         continue
@@ -246,11 +248,11 @@ class AsyncEngine:
         gets the cores until it is done (`pause_for_peers`); a request more urgent than any
         here that came since the step began stops it (StepStopped, if it `may_stop`), so the
         request waits for one layer of the step, not for all of it."""
+        word = self.stop_word
         if self.cores is not None:
-            self.cores.pause_for_peers(self._urgency)
-        arrived = self._arrived
-        if may_stop and arrived is not None and arrived < self._urgency:
-            raise StepStopped(f"a request of priority {arrived} came during a step for {self._urgency}")
+            self.cores.pause_for_peers(word.threshold)
+        if may_stop and word.stops():
+            raise StepStopped(f"a request of priority {word.word.value} came during a step for {word.threshold}")
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
         while True:

@@ -4,21 +4,53 @@ whose prompt KV will be imported and lands it with the first token. A mixin of L
 uses the engine's scheduler, blocks, KV cache and requests."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from pdserve.common.errors import KVTransferError
 from pdserve.common.outputs import RequestOutput, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.sampling.sampler import draw
-
-
 from pdserve.engine.core.urgency import PAUSE_MIN_TOKENS
+from pdserve.engine.kernels.native.step import Stopped as NativeStepStopped
+from pdserve.engine.sampling.sampler import draw
 
 
 class StepStopped(Exception):
     """Raised at a layer's end by `between_layers` when a more urgent request has come while a
     long step of less urgent work runs: the step stops there and counts for nothing
-    (`Scheduler.undo`), so the urgent request waits for one layer, not for the whole step."""
+    (`Scheduler.undo`), so the urgent request waits for one layer, not for the whole step. A
+    shorter step that runs as one native call stops the same way (NativeStepStopped), at a
+    layer's end where it reads its `StopWord`."""
+
+
+class StopWord:
+    """Whether a step in flight should stop for a request that came meanwhile, as an int32 that
+    the one-call native step reads at each layer's end (engine/kernels/native/step.c; a long
+    step's `between_layers` asks `stops`): `word`
+    is the most urgent priority that arrived since the step began (NONE: none), `threshold`
+    the most urgent priority of the step; the step stops when word < threshold."""
+
+    NONE = 2 ** 31 - 1
+
+    def __init__(self):
+        self.word = ctypes.c_int32(self.NONE)
+        self.threshold = 0
+
+    def note(self, priority: int) -> None:
+        """A request of `priority` arrived (any thread)."""
+        if priority < self.word.value:  # no write otherwise: it could undo a clear made meanwhile
+            self.word.value = priority
+
+    def clear(self) -> None:
+        self.word.value = self.NONE
+
+    def stops(self) -> bool:
+        return self.word.value < self.threshold
+
+    def native(self) -> tuple[int, int]:
+        """(the word's address, the threshold), as step.run takes them."""
+        return ctypes.addressof(self.word), self.threshold
 
 
 class KVTransferHooks:
@@ -26,6 +58,10 @@ class KVTransferHooks:
     """Called at each layer's end of a step of more than PAUSE_MIN_TOKENS prompt tokens, with
     whether the step may stop there: it may block (the worker lends its cores to a peer's
     urgent step) or, if the step may stop, raise StepStopped (engine/core/async_engine.py)."""
+    stop_word: StopWord | None = None
+    """Read at each layer's end by a shorter step that may stop and runs as one native call (a
+    decode step, a small chunk): it stops there when the word says so (engine/core/async_engine.py
+    writes it). None: such steps run to their end."""
 
     def stream_kv_layers(self, request_id: str, on_layers, group: int = 6, first_block: int = 0) -> None:
         """Layer-wise KV streaming: in the step that finishes `request_id`'s prompt, call
@@ -40,13 +76,14 @@ class KVTransferHooks:
 
     def _execute(self, sched, guesses: dict, masks):
         """The step's pass (`runner.execute`) with its layer hook: (completing chunks, logits),
-        or None if it stopped at a layer's end for a more urgent request (StepStopped; only a
-        step without speculation whose blocks are its own, `Scheduler.can_stop`): then nothing
-        it computed counts (`Scheduler.undo`)."""
+        or None if it stopped at a layer's end for a more urgent request (StepStopped, or
+        NativeStepStopped from the one-call native step; only a step without speculation whose
+        blocks are its own, `Scheduler.can_stop`): then nothing it computed counts
+        (`Scheduler.undo`; the K/V it stored is overwritten when its chunks run again)."""
         may_stop = not guesses and self.scheduler.can_stop(sched)
         try:
             return self.runner.execute(sched.chunks, self._layer_hook(sched.chunks, may_stop), frozenset(guesses))
-        except StepStopped:
+        except (StepStopped, NativeStepStopped):
             if masks is not None:
                 masks.result()  # its grammar thread is done with the grammars before the next step's
             self.scheduler.undo(sched)
@@ -57,14 +94,18 @@ class KVTransferHooks:
         a tensor-parallel group every rank runs it: the step carries `tp_plan`, and each export
         gathers the ranks' heads), or if the step is a long one that may pause (`between_layers`;
         not in a group, whose ranks would wait in their next collective). `may_stop`: the step
-        may stop at a layer's end (StepStopped) when no KV streams out of it."""
+        may stop at a layer's end (StepStopped) when no KV streams out of it; a shorter step
+        then gets a hook that only carries the stop word (`_native_stop`)."""
         streams = [(c.request, *self._layer_streams.pop(c.request.request_id)) for c in chunks
                    if c.completes and c.request.request_id in self._layer_streams]
-        # prompt tokens only: a decode-only step of any size keeps the one-call C step (no hook)
+        # prompt tokens only: a decode-only step of any size keeps the one-call C step (no hook,
+        # or one that only stops it)
         pause = self.between_layers if self.tp is None and sum(
             c.num_new_tokens for c in chunks if c.num_new_tokens > 1) > PAUSE_MIN_TOKENS else None
         if not streams:  # a step that streams KV out never stops midway: its layers already left
-            return None if pause is None else (lambda i: pause(may_stop))
+            if pause is not None:
+                return lambda i: pause(may_stop)
+            return self._native_stop() if may_stop and self.tp is None else None
         from pdserve.engine.parallel.tp import layer_streams
         plan = [(self.blocks.block_table(req.request_id)[first_block:], group) for req, _, group, first_block in streams]
         kw = {"announce": False} if self.tp is not None else {}  # the other ranks export in their own pass
@@ -80,6 +121,20 @@ class KVTransferHooks:
             after_layer(i)
             pause(False)
         return export_then_pause
+
+    def _native_stop(self):
+        """The hook of a shorter step that may stop: called by the Python layer loop, it does
+        nothing (that loop runs such a step to its end); the one-call native step reads its
+        `native_stop` (the stop word's address, the step's threshold) at each layer's end
+        instead, and stops there (NativeStepStopped) if a more urgent request came. None
+        without a stop word."""
+        if self.stop_word is None:
+            return None
+
+        def hook(i: int) -> None:
+            pass
+        hook.native_stop = self.stop_word.native()
+        return hook
 
     def export_kv(self, request_id: str) -> tuple[list[int], torch.Tensor]:
         """The held request's computed tokens and the KV of their blocks,

@@ -305,13 +305,16 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, after_layer=None, lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids, positions: (T,). kv_caches: per layer (K, V) paged tensors.
-        after_layer(i): called once layer i has written its K/V (layer-wise KV streaming).
+        after_layer(i): called once layer i has written its K/V (layer-wise KV streaming); the
+        one-call native step runs instead of the layer loop only for a hook that merely stops
+        it, reading its `native_stop` (native_step.usable).
         lora: which rows run under which adapter (None: all on the base model).
         Returns the final normed hidden states, (T, hidden)."""
         if lora is not None:
             lora.use_kernels_of(self)
         if self.native_ops and self.pp is None and native_step.usable(self, kv_caches, meta, after_layer, lora):
-            return native_step.forward(self, input_ids, positions, kv_caches, meta, lora)
+            return native_step.forward(self, input_ids, positions, kv_caches, meta, lora,
+                                       getattr(after_layer, "native_stop", None))
         h = self.embed(input_ids) if self.pp is None else self.pp.enter(self, input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:

@@ -8,7 +8,9 @@ path calls for them (engine/kernels/native/lora.c).
 
 `prepare(model)` decides once (when native ops are switched on) whether the model qualifies
 and builds the per-layer pointer array; `usable(model, kv_caches, meta, after_layer)` is the
-per-step check; `forward(...)` runs the step. A row's result is bitwise the Python path's:
+per-step check; `forward(...)` runs the step, which stops at a layer's end (step.Stopped) if
+it was given a stop word (the `native_stop` of the step's layer hook) and the word falls
+below its threshold. A row's result is bitwise the Python path's:
 the C loop calls the same kernels on the same inputs in the same order.
 """
 from __future__ import annotations
@@ -78,11 +80,13 @@ MAX_ROWS_WITH_PROMPTS = 64
 
 def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer, lora=None) -> bool:
     """Whether this step runs natively: a prepared model, no tensor parallelism, no per-layer
-    hook, decode rows (and prompt rows, up to MAX_ROWS_WITH_PROMPTS rows in all), the C
-    attention backend and an fp32 or bf16 cache (not 8-bit: the C step has no quantizing
-    store); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU weights."""
+    hook but one that only stops the step (its `native_stop`, which the C step reads instead
+    of calling it), decode rows (and prompt rows, up to MAX_ROWS_WITH_PROMPTS rows in all),
+    the C attention backend and an fp32 or bf16 cache (not 8-bit: the C step has no
+    quantizing store); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU weights."""
     rows = meta.num_decode_tokens + sum(sp.end - sp.start for sp in meta.prefills)
-    return (model.native_decode is not None and model.tp is None and after_layer is None and rows > 0
+    return (model.native_decode is not None and model.tp is None and rows > 0
+            and (after_layer is None or hasattr(after_layer, "native_stop"))
             and (not meta.prefills or rows <= MAX_ROWS_WITH_PROMPTS)
             and isinstance(model.backend, NativeAttentionBackend)
             and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
@@ -95,9 +99,10 @@ def _fp32_cpu(adapter) -> bool:
 
 
 def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-            meta: AttentionMetadata, lora=None) -> torch.Tensor:
+            meta: AttentionMetadata, lora=None, stop: tuple[int, int] | None = None) -> torch.Tensor:
     """The final normed hidden states of a decode-only step (rows as `meta` orders them);
-    `lora`: the rows' adapters (lora_batch.LoRABatch) or None."""
+    `lora`: the rows' adapters (lora_batch.LoRABatch) or None; `stop`: step.run's (the stop
+    word's address, the threshold), or None."""
     from pdserve.engine.kernels.native import step
     from pdserve.engine.kernels.native.lora import StepLoRA
     st = meta.backend_state
@@ -113,4 +118,5 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: 
     rotary = model.rotary
     return step.run(model.native_decode, h, kv_caches, positions.to(torch.int64).contiguous(), rotary.cos,
                     rotary.sin, meta.slot_mapping.to(torch.int64).contiguous(), tables, lens,
-                    None if lora is None else StepLoRA.of(lora.groups, h.shape[0]), one_team=not meta.prefills)
+                    None if lora is None else StepLoRA.of(lora.groups, h.shape[0]), one_team=not meta.prefills,
+                    stop=stop)
