@@ -58,47 +58,94 @@ static inline float softmax_numerators(float *s, int64_t len) {
     return sum;
 }
 
-/* One head's query (64 floats) times the softmax scale, in 8 registers. */
-static inline __attribute__((always_inline)) void scaled_q_d64(const float *q, float scale, __m256 *qv) {
-    for (int c = 0; c < 8; c++) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), _mm256_set1_ps(scale));
+/* The D = 64 pieces below run on `avec`, AV_C vectors a head: 512-bit where the build targets
+ * AVX-512 (4 a head: half the multiply-adds of 8 x 256-bit), else 256-bit. The sums' order
+ * follows the vector width, so results differ in the last bits between builds; within a build
+ * every kernel that attends (one row, runs of rows, the one-call step) runs these functions. */
+#ifdef __AVX512F__
+typedef __m512 avec;
+#define AV_C 4
+#define av_load _mm512_loadu_ps
+#define av_store _mm512_storeu_ps
+#define av_set1 _mm512_set1_ps
+#define av_mul _mm512_mul_ps
+#define av_fmadd _mm512_fmadd_ps
+#define av_zero _mm512_setzero_ps
+/* 16 consecutive float-format K/V elements (fp32, bf16) as fp32. */
+static inline avec kvv(const void *p, int fmt) {
+    if (fmt == KV_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+/* A vector's two 256-bit halves added: its 16 partial sums as 8. */
+static inline __m256 av_fold(avec a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+}
+#else
+typedef __m256 avec;
+#define AV_C 8
+#define av_load _mm256_loadu_ps
+#define av_store _mm256_storeu_ps
+#define av_set1 _mm256_set1_ps
+#define av_mul _mm256_mul_ps
+#define av_fmadd _mm256_fmadd_ps
+#define av_zero _mm256_setzero_ps
+static inline avec kvv(const void *p, int fmt) { return kv8(p, fmt); }
+static inline __m256 av_fold(avec a) { return a; }
+#endif
+#define AV_LANES (64 / AV_C)
+
+/* One head's query (64 floats) times the softmax scale, in AV_C registers. */
+static inline __attribute__((always_inline)) void scaled_q_d64(const float *q, float scale, avec *qv) {
+    for (int c = 0; c < AV_C; c++) qv[c] = av_mul(av_load(q + AV_LANES * c), av_set1(scale));
 }
 
 /* s[t] = qv . k_t for the block's first n keys (token stride `row` bytes; fmt KV_F32 or
  * KV_BF16): 8 keys at a time through reduce8, the rest one by one. */
-static inline __attribute__((always_inline)) void block_scores_d64(const __m256 *qv, const char *kb, size_t row,
+static inline __attribute__((always_inline)) void block_scores_d64(const avec *qv, const char *kb, size_t row,
                                                                   int n, float *s, const int fmt) {
     const size_t esz = fmt == KV_F32 ? 4 : 2;
     int t = 0;
     for (; t + 8 <= n; t += 8) {
-        __m256 a[8];
-        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-        for (int c = 0; c < 8; c++)
-            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv[c], kv8(kb + (t + u) * row + 8 * c * esz, fmt), a[u]);
-        _mm256_storeu_ps(s + t, reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+        avec a[8];
+        for (int u = 0; u < 8; u++) a[u] = av_zero();
+        for (int c = 0; c < AV_C; c++)
+            for (int u = 0; u < 8; u++) a[u] = av_fmadd(qv[c], kvv(kb + (t + u) * row + AV_LANES * c * esz, fmt), a[u]);
+        _mm256_storeu_ps(s + t, reduce8(av_fold(a[0]), av_fold(a[1]), av_fold(a[2]), av_fold(a[3]), av_fold(a[4]),
+                                        av_fold(a[5]), av_fold(a[6]), av_fold(a[7])));
     }
     for (; t < n; t++) {
-        __m256 a = _mm256_setzero_ps();
-        for (int c = 0; c < 8; c++) a = _mm256_fmadd_ps(qv[c], kv8(kb + t * row + 8 * c * esz, fmt), a);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        avec a = av_zero();
+        for (int c = 0; c < AV_C; c++) a = av_fmadd(qv[c], kvv(kb + t * row + AV_LANES * c * esz, fmt), a);
+        const __m256 f = av_fold(a);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
         h = _mm_hadd_ps(h, h);
         s[t] = _mm_cvtss_f32(_mm_hadd_ps(h, h));
     }
 }
 
 /* acc += sum over the block's first n tokens of p[t] * v_t, in token order. */
-static inline __attribute__((always_inline)) void block_values_d64(__m256 *acc, const float *p, const char *vb,
+static inline __attribute__((always_inline)) void block_values_d64(avec *acc, const float *p, const char *vb,
                                                                   size_t row, int n, const int fmt) {
     const size_t esz = fmt == KV_F32 ? 4 : 2;
     for (int t = 0; t < n; t++) {
-        const __m256 pv = _mm256_set1_ps(p[t]);
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pv, kv8(vb + t * row + 8 * c * esz, fmt), acc[c]);
+        const avec pv = av_set1(p[t]);
+        for (int c = 0; c < AV_C; c++) acc[c] = av_fmadd(pv, kvv(vb + t * row + AV_LANES * c * esz, fmt), acc[c]);
     }
 }
 
+/* acc (64 floats in AV_C vectors) from / to memory. */
+static inline __attribute__((always_inline)) void load_d64(const float *src, avec *acc) {
+    for (int c = 0; c < AV_C; c++) acc[c] = av_load(src + AV_LANES * c);
+}
+static inline __attribute__((always_inline)) void store_d64(const avec *acc, float *dst) {
+    for (int c = 0; c < AV_C; c++) av_store(dst + AV_LANES * c, acc[c]);
+}
+
 /* out (64 floats) = acc / sum. */
-static inline void head_out_d64(const __m256 *acc, float sum, float *out) {
-    const __m256 inv = _mm256_set1_ps(1.f / sum);
-    for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+static inline void head_out_d64(const avec *acc, float sum, float *out) {
+    const avec inv = av_set1(1.f / sum);
+    for (int c = 0; c < AV_C; c++) av_store(out + AV_LANES * c, av_mul(acc[c], inv));
 }
 #endif /* __AVX2__ */
 #endif

@@ -78,14 +78,14 @@ static inline __attribute__((always_inline)) void attend_d64(const float *q, con
                                                             const int64_t *table, int64_t len, int64_t skip,
                                                             float *out, int G, int KVH, int kh, int bs, float scale,
                                                             float *scores, float *acc, const int fmt) {
-    enum { D = 64, C = D / 8 };
+    enum { D = 64 };
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow; /* bytes between tokens of a block */
     const int64_t nblk = (len + bs - 1) / bs;
     for (int64_t b = 0; b < nblk; b++) {
         const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
         const char *kb = kc + ((size_t)table[b] * bs * KVH + kh) * hrow;
         for (int g = 0; g < G; g++) {
-            __m256 qv[C];
+            avec qv[AV_C];
             scaled_q_d64(q + g * D, scale, qv);
             block_scores_d64(qv, kb, row, n, scores + (size_t)g * len + b * bs, fmt);
         }
@@ -100,15 +100,15 @@ static inline __attribute__((always_inline)) void attend_d64(const float *q, con
         const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
         const char *vb = vc + ((size_t)table[b] * bs * KVH + kh) * hrow;
         for (int g = 0; g < G; g++) {
-            __m256 a[C];
-            for (int c = 0; c < C; c++) a[c] = _mm256_loadu_ps(acc + g * D + 8 * c);
+            avec a[AV_C];
+            load_d64(acc + g * D, a);
             block_values_d64(a, scores + (size_t)g * len + b * bs, vb, row, n, fmt);
-            for (int c = 0; c < C; c++) _mm256_storeu_ps(acc + g * D + 8 * c, a[c]);
+            store_d64(a, acc + g * D);
         }
     }
     for (int g = 0; g < G; g++) {
-        __m256 a[C];
-        for (int c = 0; c < C; c++) a[c] = _mm256_loadu_ps(acc + g * D + 8 * c);
+        avec a[AV_C];
+        load_d64(acc + g * D, a);
         head_out_d64(a, sum[g], out + g * D);
     }
 }
@@ -126,63 +126,46 @@ static inline void decode_rows_d64(const char *rows, size_t row, int n, float *b
 }
 
 /* D = 64 over an 8-bit cache: each block is decoded once for the G heads (not once per head),
- * then scores, softmax and the weighted sum of V run as in attend_d64 on fp32 rows. buf: bs * 64. */
+ * then scores, softmax and the weighted sum of V run as in attend_d64 on its fp32 rows (the
+ * same block functions: the result is the fp32 kernel's over the decoded cache). buf: bs * 64. */
 static inline __attribute__((always_inline)) void attend_d64_8bit(const float *q, const char *kc, const char *vc,
                                                                  const int64_t *table, int64_t len, int64_t skip,
                                                                  float *out, int G, int KVH, int kh, int bs,
                                                                  float scale, float *scores, float *buf,
                                                                  const int fmt) {
-    enum { D = 64, C = D / 8 };
-    const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow;
+    enum { D = 64 };
+    const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow, frow = D * sizeof(float);
     const int64_t nblk = (len + bs - 1) / bs;
     for (int64_t b = 0; b < nblk; b++) {
         int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
         decode_rows_d64(kc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, n, buf, fmt);
         for (int g = 0; g < G; g++) {
-            __m256 qv[C];
-            for (int c = 0; c < C; c++) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * c), _mm256_set1_ps(scale));
-            float *s = scores + (size_t)g * len + b * bs;
-            int t = 0;
-            for (; t + 8 <= n; t += 8) {
-                __m256 a[8];
-                for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-                for (int c = 0; c < C; c++)
-                    for (int u = 0; u < 8; u++)
-                        a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(buf + (t + u) * D + 8 * c), a[u]);
-                _mm256_storeu_ps(s + t, reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
-            }
-            for (; t < n; t++) {
-                __m256 a = _mm256_setzero_ps();
-                for (int c = 0; c < C; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(buf + t * D + 8 * c), a);
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-                h = _mm_hadd_ps(h, h);
-                s[t] = _mm_cvtss_f32(_mm_hadd_ps(h, h));
-            }
+            avec qv[AV_C];
+            scaled_q_d64(q + g * D, scale, qv);
+            block_scores_d64(qv, (const char *)buf, frow, n, scores + (size_t)g * len + b * bs, KV_F32);
         }
     }
-    float inv[G];
+    float sum[G];
     for (int g = 0; g < G; g++) {
         mask_head(scores + (size_t)g * len, skip);
-        inv[g] = 1.f / softmax_numerators(scores + (size_t)g * len, len);
+        sum[g] = softmax_numerators(scores + (size_t)g * len, len);
     }
     memset(out, 0, sizeof(float) * G * D);
     for (int64_t b = 0; b < nblk; b++) {
         int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
         decode_rows_d64(vc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, n, buf, fmt);
         for (int g = 0; g < G; g++) {
-            const float *s = scores + (size_t)g * len + b * bs;
-            __m256 acc[C];
-            for (int c = 0; c < C; c++) acc[c] = _mm256_loadu_ps(out + g * D + 8 * c);
-            for (int t = 0; t < n; t++) {
-                __m256 p = _mm256_set1_ps(s[t]);
-                for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(buf + t * D + 8 * c), acc[c]);
-            }
-            for (int c = 0; c < C; c++) _mm256_storeu_ps(out + g * D + 8 * c, acc[c]);
+            avec a[AV_C];
+            load_d64(out + g * D, a);
+            block_values_d64(a, scores + (size_t)g * len + b * bs, (const char *)buf, frow, n, KV_F32);
+            store_d64(a, out + g * D);
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < C; c++)
-            _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(out + g * D + 8 * c), _mm256_set1_ps(inv[g])));
+    for (int g = 0; g < G; g++) {
+        avec a[AV_C];
+        load_d64(out + g * D, a);
+        head_out_d64(a, sum[g], out + g * D);
+    }
 }
 #endif
 

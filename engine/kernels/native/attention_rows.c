@@ -54,9 +54,9 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
     float *scores = sums + RG;
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
-            __m256 v[8];
+            avec v[AV_C];
             scaled_q_d64(q + ((size_t)r * H + (size_t)kh * G + g) * D, scale, v);
-            for (int c = 0; c < 8; c++) _mm256_storeu_ps(qs + (size_t)(r * G + g) * D + 8 * c, v[c]);
+            store_d64(v, qs + (size_t)(r * G + g) * D);
         }
     for (int64_t b = 0; b < nblk; b++) {
         size_t stride;
@@ -65,8 +65,8 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
             if (b * bs >= lens[r]) continue;
             const int n = (int)((b + 1) * bs <= lens[r] ? bs : lens[r] - b * bs);
             for (int g = 0; g < G; g++) {
-                __m256 qv[8];
-                for (int c = 0; c < 8; c++) qv[c] = _mm256_loadu_ps(qs + (size_t)(r * G + g) * D + 8 * c);
+                avec qv[AV_C];
+                load_d64(qs + (size_t)(r * G + g) * D, qv);
                 block_scores_d64(qv, kb, stride, n, scores + (size_t)(r * G + g) * Lmax + b * bs, KV_F32);
             }
         }
@@ -85,17 +85,17 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
             const int n = (int)((b + 1) * bs <= lens[r] ? bs : lens[r] - b * bs);
             for (int g = 0; g < G; g++) {
                 float *a = acc + (size_t)(r * G + g) * D;
-                __m256 v[8];
-                for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_ps(a + 8 * c);
+                avec v[AV_C];
+                load_d64(a, v);
                 block_values_d64(v, scores + (size_t)(r * G + g) * Lmax + b * bs, vb, stride, n, KV_F32);
-                for (int c = 0; c < 8; c++) _mm256_storeu_ps(a + 8 * c, v[c]);
+                store_d64(v, a);
             }
         }
     }
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
-            __m256 v[8];
-            for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_ps(acc + (size_t)(r * G + g) * D + 8 * c);
+            avec v[AV_C];
+            load_d64(acc + (size_t)(r * G + g) * D, v);
             head_out_d64(v, sums[r * G + g], out + ((size_t)r * H + (size_t)kh * G + g) * D);
         }
 }
