@@ -17,8 +17,9 @@ bounds; engine/core/step_cost.py), and `pdserve:computed_tokens_total` (counter,
 prompt or decode tokens its steps computed, as they run), and `pdserve:yielded_seconds_total`
 (counter: seconds the worker stood aside for a peer's more urgent steps on its host, idle
 between its steps or paused at a layer's end; engine/parallel/cores.py) and
-`pdserve:stopped_steps_total` (counter: long steps of less urgent work stopped at a layer's
-end for a more urgent request, engine/core/kv_hooks.py).
+`pdserve:stopped_steps_total` (counter: steps of less urgent work stopped at a layer's end for
+a more urgent request, long ones in the Python layer loop and short ones in the one-call native
+step, engine/core/kv_hooks.py).
 
 A mixture-of-experts model adds its expert load: `pdserve:moe_expert_tokens_total` (counter,
 labels `model_name`, `expert`, `rank`: the (token, expert) pairs routed to the expert since
@@ -110,7 +111,7 @@ class ModelServerCollector:
                                 labels=["model_name"])
         c.add_metric(m, s["yielded_s"])
         yield c
-        c = CounterMetricFamily("pdserve:stopped_steps", "Long steps of less urgent work stopped at a layer's end "
+        c = CounterMetricFamily("pdserve:stopped_steps", "Steps of less urgent work stopped at a layer's end "
                                 "for a more urgent request (they run again).", labels=["model_name"])
         c.add_metric(m, s["stopped"])
         yield c

@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-# steps of more prompt tokens pause or stop at a layer's end when asked (engine/core/kv_hooks.py);
-# shorter ones run as one call of the native step and end soon
+# steps of more prompt tokens run layer by layer in Python, which pauses for a peer's urgent step
+# or stops at a layer's end when asked (engine/core/kv_hooks.py); shorter ones run as one call
+# of the native step, which can stop at a layer's end but not pause
 PAUSE_MIN_TOKENS = 64
 
 
