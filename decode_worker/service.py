@@ -5,6 +5,9 @@ them (the KV arrives through this worker's KV transfer server and is checked aga
 lease), imports it with the first token, and streams token ids as the batch produces them.
 With no prefill worker, a short prompt, or a failed transfer under the `recompute` policy,
 the prompt is prefilled here instead. Every exit path releases the request's blocks.
+A pipeline-parallel engine receives by parts: each of its ranks serves its own layers (and
+heads) at an address of its own, which its KV address lists (kv_transfer/stages.py), holds
+the request's lease, and writes what it received when rank 0 imports its part.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ import grpc
 
 from pdserve.common.aio import stop_tasks
 from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.engine.parallel.pp import PPKVCache
 from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.kv_transfer import stages
 from pdserve.kv_transfer.grpc_transport import GrpcKVServer
 from pdserve.kv_transfer.peer import PeerPuller, PullCounters, serve_pulls
 from pdserve.kv_transfer.receiver import KVReceiver
@@ -130,8 +135,10 @@ class DecodeWorker:
         self.transfer = transfer
         self.tls, self.cluster_token = security.tls, security.cluster_token
         eng = engine.engine
+        self.staged = isinstance(eng.kv_cache, PPKVCache)  # each rank receives its own part (rank 0's: here)
         self.receiver = KVReceiver(eng.loaded.fingerprint, eng.kv_cache.layout, eng.kv_cache.format.name,
-                                   self.cluster_token, convert=transfer.kv_dtype_mismatch == "convert")
+                                   self.cluster_token, convert=transfer.kv_dtype_mismatch == "convert",
+                                   part=eng.kv_cache.own if self.staged else None)
         self.remote_prefills = self.local_prefills = self.transfer_failures = 0
         self.blocks_received = 0  # KV blocks imported (a cached prefix is not sent again)
         self.tail_prefills = 0  # of local_prefills: at most the router's limit of their tokens not cached here
@@ -243,6 +250,9 @@ class DecodeWorker:
         # included): a hand-off given up while queued there would be computed twice
         self.receiver.expect(rid, dest, len(prompt), self.transfer.prefill_timeout_s, first_token_index=skip,
                              lora_identity=identity)
+        if self.staged:  # the other ranks' leases of their parts
+            await self.engine.run(lambda e: e.kv_cache.expect_kv(rid, dest, len(prompt), self.transfer.prefill_timeout_s,
+                                                                 skip, identity))
         call = self.tracer.start("prefill.call", span, kind="client",
                                  attributes={"pdserve.prefill_worker": request.prefill_worker_id,
                                              "pdserve.cached_tokens": skip})
@@ -323,6 +333,12 @@ class DecodeWorker:
         else:
             self._kv_server = GrpcKVServer(self.receiver, host, kv_port, tls=self.tls)
         self.kv_address = await self._kv_server.start()
+        if self.staged:
+            meta = stages.serve_meta(host, self.engine.engine.loaded.fingerprint, self.cluster_token, self.tls,
+                                     self.transfer.kv_dtype_mismatch == "convert")
+            ranks = await self.engine.run(lambda e: e.kv_cache.serve_kv(meta, stages))
+            self.kv_address = stages.stage_address([(*self.receiver.part, self.kv_address)] +
+                                                   [(ls, hs, f"{host}:{port}") for ls, hs, port in ranks])
         self._server = grpc.aio.server()
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self._server)
         serve_pulls(self._server, self, self.pulls)

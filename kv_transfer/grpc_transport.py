@@ -100,11 +100,12 @@ class GrpcKVSender(HeaderSender):
 
     async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],
                    num_tokens: int, first_token: int, model_fingerprint: str, timeout_s: float,
-                   layer_start: int = 0, token_offset: int = 0, lora_identity: str = "") -> None:
+                   layer_start: int = 0, token_offset: int = 0, lora_identity: str = "",
+                   head_start: int = 0, head_end: int = 0) -> None:
         header, payload = self.framed(request_id, kv, dest_block_ids=dest_block_ids, num_tokens=num_tokens,
                                       first_token=first_token, model_fingerprint=model_fingerprint,
                                       layer_start=layer_start, token_offset=token_offset,
-                                      lora_identity=lora_identity)
+                                      lora_identity=lora_identity, head_start=head_start, head_end=head_end)
         await self.push_chunks(target, iter_chunks(header, payload, self.chunk_bytes), timeout_s)
 
     async def push_chunks(self, target: str, chunks, timeout_s: float) -> None:

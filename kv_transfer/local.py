@@ -19,14 +19,16 @@ class LocalKVSender:
 
     async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],
                    num_tokens: int, first_token: int, model_fingerprint: str, timeout_s: float,
-                   layer_start: int = 0, token_offset: int = 0, lora_identity: str = "") -> None:
+                   layer_start: int = 0, token_offset: int = 0, lora_identity: str = "",
+                   head_start: int = 0, head_end: int = 0) -> None:
         receiver = self.receivers.get(target)
         if receiver is None:
             raise KVTransferError(f"no in-process KV receiver named {target!r}")
         header = make_header(request_id, kv, sender_id=self.sender_id, model_fingerprint=model_fingerprint,
                              dest_block_ids=dest_block_ids, num_tokens=num_tokens, first_token=first_token,
                              layer_start=layer_start, cluster_token=self.cluster_token,
-                             token_offset=token_offset, lora_identity=lora_identity)
+                             token_offset=token_offset, lora_identity=lora_identity,
+                             head_start=head_start, head_end=head_end)
         receiver.accept_tensor(header, kv)
 
     async def close(self) -> None:

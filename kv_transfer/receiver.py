@@ -32,8 +32,8 @@ class Lease:
     deadline: float
     senders: frozenset[str] | None = None  # None: any sender that has the cluster token
     first_token_index: int = 0             # the blocks hold tokens [first_token_index, num_tokens)
-    layers_done: set[int] = field(default_factory=set)
-    buffer: torch.Tensor | None = None     # filled layer range by layer range
+    layers_done: set[tuple[int, int]] = field(default_factory=set)  # the (layer, KV head) cells filled
+    buffer: torch.Tensor | None = None     # filled piece by piece (layer ranges, head ranges)
     block_hashes: tuple[int, ...] | None = None  # a peer pull's: the header must name exactly these
     lora_identity: str = ""                # the adapter the KV must be computed under ("": the base model)
 
@@ -48,12 +48,16 @@ class Arrival:
 
 class KVReceiver:
     def __init__(self, model_fingerprint: str, layout: tuple[int, ...], dtype: str = "float32",
-                 cluster_token: str = "", clock: Callable[[], float] = time.monotonic, convert: bool = True):
+                 cluster_token: str = "", clock: Callable[[], float] = time.monotonic, convert: bool = True,
+                 part: tuple[range, range] | None = None):
         """layout: this worker's (layers, 2, block_size, n_kv_heads, head_dim); dtype: its
         cache's KV format name (engine/kv_format.FORMATS). convert=False: KV in another
-        format is refused instead of converted."""
+        format is refused instead of converted. part: the (layers, KV heads) of the whole
+        model's that this receiver takes (one rank of a pipeline group, kv_transfer/stages.py;
+        None: all); an arrival holds those alone."""
         self.fingerprint = model_fingerprint
         self.layout = tuple(layout)
+        self.part = part or (range(layout[0]), range(layout[3]))
         self.format = kv_format.FORMATS[dtype]
         self.cluster_token = cluster_token
         self.clock = clock
@@ -133,11 +137,16 @@ class KVReceiver:
             raise KVTransferError(f"KV push for {h.request_id!r}: {h.dtype} KV with scale layout {h.kv_scales!r}; "
                                   f"this worker reads {src.scale_layout or 'no scales'!r} for it")
         L, two, _, heads, hd = self.layout
+        own_l, own_h = self.part
+        hs, he = (h.head_start, h.head_end) if h.head_end else (0, heads)
         src_bs = h.layout[2] if len(h.layout) == 5 else 0  # the sender's block size may differ from ours
-        same_shape = tuple(h.layout[:2]) + tuple(h.layout[3:]) == (h.layer_end - h.layer_start, two, heads, hd)
-        if len(h.layout) != 5 or not same_shape or not 0 < src_bs <= 4096 or not 0 <= h.layer_start < h.layer_end <= L:
+        same_shape = tuple(h.layout[:2]) + tuple(h.layout[3:]) == (h.layer_end - h.layer_start, two, he - hs, hd)
+        if len(h.layout) != 5 or not same_shape or not 0 < src_bs <= 4096 or \
+                not own_l.start <= h.layer_start < h.layer_end <= own_l.stop or not own_h.start <= hs < he <= own_h.stop:
             raise KVTransferError(f"KV push for {h.request_id!r}: layout {tuple(h.layout)} layers "
-                                  f"[{h.layer_start}, {h.layer_end}) does not fit this cache {self.layout}")
+                                  f"[{h.layer_start}, {h.layer_end}) heads [{hs}, {he}) does not fit this cache "
+                                  f"{self.layout} (layers [{own_l.start}, {own_l.stop}), heads [{own_h.start}, "
+                                  f"{own_h.stop}) here)")
         if list(h.dest_block_ids) != lease.dest_block_ids or h.num_tokens != lease.num_tokens:
             raise KVTransferError(f"KV push for {h.request_id!r}: blocks/tokens do not match the lease")
         if lease.block_hashes is not None and tuple(h.block_hashes) != lease.block_hashes:
@@ -148,7 +157,7 @@ class KVReceiver:
         if h.token_offset % src_bs or not first - src_bs < h.token_offset <= first:
             raise KVTransferError(f"KV push for {h.request_id!r}: starts at token {h.token_offset}, but the blocks "
                                   f"await tokens from {lease.first_token_index} (sender block size {src_bs})")
-        expected = (h.layer_end - h.layer_start) * two * self._src_blocks(h) * src_bs * heads * src.bytes_per_row(hd)
+        expected = (h.layer_end - h.layer_start) * two * self._src_blocks(h) * src_bs * (he - hs) * src.bytes_per_row(hd)
         if h.payload_bytes != expected:
             raise KVTransferError(f"KV push for {h.request_id!r}: payload of {h.payload_bytes} bytes, expected {expected}")
         return lease
@@ -183,21 +192,22 @@ class KVReceiver:
 
     def _land(self, h: pb.KVHeader, kv: torch.Tensor) -> None:
         lease = self._leases[h.request_id]
-        L = self.layout[0]
         # into this cache's block size, from the first token its blocks await (no copy when equal)
         kv = reblock(kv, h.token_offset, lease.first_token_index, h.num_tokens, self.layout[2])
         kv = kv_format.convert(kv, self.format)  # pools with other KV formats: as this cache stores them
         if kv.shape[2] != len(lease.dest_block_ids):
             raise KVTransferError(f"KV push for {h.request_id!r}: {kv.shape[2]} blocks of tokens for "
                                   f"{len(lease.dest_block_ids)} destination blocks")
-        if h.layer_start == 0 and h.layer_end == L:
+        (ls, le), (hs, he) = (h.layer_start, h.layer_end), (h.head_start, h.head_end or self.layout[3])
+        own_l, own_h = self.part
+        if (ls, le, hs, he) == (own_l.start, own_l.stop, own_h.start, own_h.stop):
             full = kv
-        else:  # layer-wise streaming: collect ranges until every layer is there
+        else:  # pieces (layer ranges streamed, another group's ranks): collect them until every cell is there
             if lease.buffer is None:
-                lease.buffer = torch.empty((L, *kv.shape[1:]), dtype=kv.dtype)
-            lease.buffer[h.layer_start:h.layer_end] = kv
-            lease.layers_done.update(range(h.layer_start, h.layer_end))
-            if len(lease.layers_done) < L:
+                lease.buffer = torch.empty((len(own_l), *kv.shape[1:4], len(own_h), kv.shape[5]), dtype=kv.dtype)
+            lease.buffer[ls - own_l.start:le - own_l.start, :, :, :, hs - own_h.start:he - own_h.start] = kv
+            lease.layers_done.update((i, j) for i in range(ls, le) for j in range(hs, he))
+            if len(lease.layers_done) < len(own_l) * len(own_h):
                 return
             full = lease.buffer
         del self._leases[h.request_id]

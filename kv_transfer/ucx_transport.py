@@ -151,11 +151,12 @@ class UcxKVSender(HeaderSender):
 
     async def push(self, target: str, request_id: str, kv: torch.Tensor, *, dest_block_ids: list[int],
                    num_tokens: int, first_token: int, model_fingerprint: str, timeout_s: float,
-                   layer_start: int = 0, token_offset: int = 0, lora_identity: str = "") -> None:
+                   layer_start: int = 0, token_offset: int = 0, lora_identity: str = "",
+                   head_start: int = 0, head_end: int = 0) -> None:
         header, payload = self.framed(request_id, kv, dest_block_ids=dest_block_ids, num_tokens=num_tokens,
                                       first_token=first_token, model_fingerprint=model_fingerprint,
                                       layer_start=layer_start, token_offset=token_offset,
-                                      lora_identity=lora_identity)
+                                      lora_identity=lora_identity, head_start=head_start, head_end=head_end)
         # the payload goes out as views of the tensor's memory: no copy on the way to UCX
         pieces = (payload[off:off + self.chunk_bytes] for off in range(0, len(payload), self.chunk_bytes))
         await self._guarded(target, self._push(target, header, pieces), timeout_s)

@@ -37,10 +37,12 @@ def tensor_from_bytes(buf: bytes | bytearray, dtype: str, shape: tuple[int, ...]
 def make_header(request_id: str, kv: torch.Tensor, *, sender_id: str, model_fingerprint: str,
                 dest_block_ids: list[int], num_tokens: int, first_token: int,
                 payload: memoryview | None = None, layer_start: int = 0,
-                cluster_token: str = "", token_offset: int = 0, lora_identity: str = "") -> pb.KVHeader:
+                cluster_token: str = "", token_offset: int = 0, lora_identity: str = "",
+                head_start: int = 0, head_end: int = 0) -> pb.KVHeader:
     """Header for pushing `kv` (layers [layer_start, layer_start + kv.shape[0]), tokens from
-    `token_offset`, in the sender's block size). Without a payload (in-process transfer)
-    there is no checksum. `lora_identity`: the adapter the KV was computed under ("": base)."""
+    `token_offset`, in the sender's block size; KV heads [head_start, head_end) of the whole
+    model's, 0, 0: all). Without a payload (in-process transfer) there is no checksum.
+    `lora_identity`: the adapter the KV was computed under ("": base)."""
     L, two, n_blocks, bs, h, width = kv.shape
     fmt = format_of(kv.dtype)
     return pb.KVHeader(
@@ -50,7 +52,8 @@ def make_header(request_id: str, kv: torch.Tensor, *, sender_id: str, model_fing
         layer_end=layer_start + L, dest_block_ids=dest_block_ids, num_tokens=num_tokens,
         payload_bytes=kv.numel() * kv.element_size(),
         checksum=checksum(payload) if payload is not None else b"", first_token=first_token,
-        cluster_token=cluster_token, token_offset=token_offset, lora_identity=lora_identity)
+        cluster_token=cluster_token, token_offset=token_offset, lora_identity=lora_identity,
+        head_start=head_start, head_end=head_end)
 
 
 def iter_chunks(header: pb.KVHeader, payload: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.KVChunk]:

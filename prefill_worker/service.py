@@ -3,6 +3,8 @@
 `Prefill` runs the prompt through this worker's engine as a one-token request whose blocks
 are held after it finishes, exports them, pushes them into the decode worker's destination
 blocks, then frees its own copy (the full blocks stay in its prefix cache for later hits).
+A pipeline-parallel engine does not export: each of its ranks pushes its own layers (and
+heads) from its own process (`_ship`, engine/parallel/pp_handoff.py), once the pass is through.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import grpc
 
 from pdserve.engine.kv import formats as kv_format
 from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.engine.parallel.pp import PPKVCache
 from pdserve.common.errors import InvalidRequestError, KVTransferError
+from pdserve.kv_transfer import stages
 from pdserve.kv_transfer.base import KVSender
 from pdserve.kv_transfer.peer import PeerPuller, PullCounters, serve_pulls
 from pdserve.protos import worker_pb2 as pb
@@ -91,8 +95,9 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
 
         def on_layers(start: int, end: int, kv) -> None:  # on the engine thread, mid-forward
             loop.call_soon_threadsafe(lambda: pushes.append(asyncio.ensure_future(push(kv, start))))
+        shipped: KVTransferError | None = None
         try:
-            if w.layer_group:  # each group of layers leaves while the next ones compute
+            if w.layer_group and not w.staged:  # each group of layers leaves while the next ones compute
                 await w.engine.stream_kv_layers(rid, on_layers, w.layer_group, first_block)
             first = None
             try:  # held from the moment the request finishes, even if cancelled before the loop ends
@@ -105,16 +110,20 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
                 except InvalidRequestError as e:
                     await refuse_invalid(context, e)
                 t_computed = time.perf_counter()
-                if not w.layer_group:
+                if w.staged:  # while its blocks are held
+                    shipped = await self._ship(request, rid, first.new_token_ids[0], first_block * bs, identity, span)
+                elif not w.layer_group:
                     _, kv = await w.engine.export_kv(rid)
             finally:  # also when the client goes while the engine thread is in a step
                 await w.engine.release_kv(rid)
             try:
-                if w.layer_group:
+                if shipped is not None:
+                    raise shipped
+                if w.layer_group and not w.staged:
                     for result in await asyncio.gather(*pushes, return_exceptions=True):
                         if isinstance(result, BaseException):
                             raise result
-                else:
+                elif not w.staged:
                     await push(kv[:, :, first_block:].contiguous() if first_block else kv, 0, first.new_token_ids[0])
             except KVTransferError as e:
                 w.transfer_failures += 1
@@ -122,7 +131,7 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
         finally:  # a failed or cancelled prefill leaves no push and no stream registration behind
             for t in pushes:
                 t.cancel()
-            if w.layer_group:
+            if w.layer_group and not w.staged:
                 await w.engine.stop_kv_stream(rid)
         w.stream_pushes += len(pushes)
         w.prefills += 1
@@ -139,6 +148,29 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
             reply.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
         reply.prompt_logprobs.extend(logprob_to_proto(lp) for lp in first.prompt_logprobs or [])
         return reply
+
+    async def _ship(self, request, rid: str, first_token: int, token_offset: int, identity: str,
+                    span) -> KVTransferError | None:
+        """A pipeline's hand-off: each of its ranks pushes its own part of the held request's
+        blocks from the one holding token `token_offset` on; the failure, if one failed."""
+        w = self.w
+        meta = stages.ship_meta(
+            target=request.kv_address, request_id=rid, dest_block_ids=list(request.dest_block_ids),
+            num_tokens=len(request.prompt_token_ids), first_token=first_token, token_offset=token_offset,
+            model_fingerprint=w.fingerprint, lora_identity=identity, timeout_s=request.timeout_s or 30.0,
+            sender_id=w.worker_id, cluster_token=w.cluster_token, tls=w.tls,
+            wire=w.wire_format.name if w.wire_format is not None else "")
+        first_block, t = token_offset // w.engine.engine.blocks.block_size, time.perf_counter()
+        try:
+            nbytes = await w.engine.run(lambda e: e.kv_cache.ship(e.blocks.block_table(rid)[first_block:], meta,
+                                                                  stages))
+        except KVTransferError as e:
+            return e
+        t_end = time.perf_counter()
+        w.kv_seconds += t_end - t
+        w.kv_bytes += nbytes
+        w.tracer.record("kv.push", span, t, t_end, {"pdserve.kv_bytes": nbytes, "pdserve.kv_address": request.kv_address})
+        return None
 
 
 async def _generate(engine: AsyncEngine, rid: str, prompt: list[int], params, lora: str | None):
@@ -181,6 +213,7 @@ class PrefillWorker:
         self.draining = False  # set when the pool shrinks: refuse new prompts, finish the rest
         self.tls, self.cluster_token = security.tls, security.cluster_token
         self.layer_group = transfer.layer_group
+        self.staged = isinstance(engine.engine.kv_cache, PPKVCache)  # each rank pushes its own part
         wire = transfer.wire_dtype
         self.wire_format = None if wire == "auto" else kv_format.FORMATS[kv_format.CHOICES[wire]]
         self.stream_pushes = 0  # layer-range pushes sent (layer-wise streaming)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/protos/kv_transfer.proto\x12\npdserve.kv\"\xea\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06layout\x18\x05 \x03(\x05\x12\x13\n\x0blayer_start\x18\x06 \x01(\x05\x12\x11\n\tlayer_end\x18\x07 \x01(\x05\x12\x16\n\x0e\x64\x65st_block_ids\x18\x08 \x03(\x05\x12\x12\n\nnum_tokens\x18\t \x01(\x05\x12\x15\n\rpayload_bytes\x18\n \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\x0c\x12\x13\n\x0b\x66irst_token\x18\x0c \x01(\x05\x12\x15\n\rcluster_token\x18\r \x01(\t\x12\x14\n\x0ctoken_offset\x18\x0e \x01(\x05\x12\x11\n\tkv_scales\x18\x0f \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x10 \x03(\x04\x12\x15\n\rlora_identity\x18\x11 \x01(\t\"I\n\x07KVChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.kv.KVHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"@\n\x0bKVPushReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\"\xc0\x01\n\rKVPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tpuller_id\x18\x02 \x01(\t\x12\x15\n\rcluster_token\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x12\x16\n\x0e\x64\x65st_block_ids\x18\x06 \x03(\x05\x12\x14\n\x0ctoken_offset\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x32~\n\nKVTransfer\x12\x36\n\x04Push\x12\x13.pdserve.kv.KVChunk\x1a\x17.pdserve.kv.KVPushReply(\x01\x12\x38\n\x04Pull\x12\x19.pdserve.kv.KVPullRequest\x1a\x13.pdserve.kv.KVChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/protos/kv_transfer.proto\x12\npdserve.kv\"\x90\x03\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06layout\x18\x05 \x03(\x05\x12\x13\n\x0blayer_start\x18\x06 \x01(\x05\x12\x11\n\tlayer_end\x18\x07 \x01(\x05\x12\x16\n\x0e\x64\x65st_block_ids\x18\x08 \x03(\x05\x12\x12\n\nnum_tokens\x18\t \x01(\x05\x12\x15\n\rpayload_bytes\x18\n \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\x0c\x12\x13\n\x0b\x66irst_token\x18\x0c \x01(\x05\x12\x15\n\rcluster_token\x18\r \x01(\t\x12\x14\n\x0ctoken_offset\x18\x0e \x01(\x05\x12\x11\n\tkv_scales\x18\x0f \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x10 \x03(\x04\x12\x15\n\rlora_identity\x18\x11 \x01(\t\x12\x12\n\nhead_start\x18\x12 \x01(\x05\x12\x10\n\x08head_end\x18\x13 \x01(\x05\"I\n\x07KVChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.kv.KVHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"@\n\x0bKVPushReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\"\xc0\x01\n\rKVPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tpuller_id\x18\x02 \x01(\t\x12\x15\n\rcluster_token\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x12\x16\n\x0e\x64\x65st_block_ids\x18\x06 \x03(\x05\x12\x14\n\x0ctoken_offset\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x32~\n\nKVTransfer\x12\x36\n\x04Push\x12\x13.pdserve.kv.KVChunk\x1a\x17.pdserve.kv.KVPushReply(\x01\x12\x38\n\x04Pull\x12\x19.pdserve.kv.KVPullRequest\x1a\x13.pdserve.kv.KVChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.protos.kv_transfer_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHEADER']._serialized_start=49
-  _globals['_KVHEADER']._serialized_end=411
-  _globals['_KVCHUNK']._serialized_start=413
-  _globals['_KVCHUNK']._serialized_end=486
-  _globals['_KVPUSHREPLY']._serialized_start=488
-  _globals['_KVPUSHREPLY']._serialized_end=552
-  _globals['_KVPULLREQUEST']._serialized_start=555
-  _globals['_KVPULLREQUEST']._serialized_end=747
-  _globals['_KVTRANSFER']._serialized_start=749
-  _globals['_KVTRANSFER']._serialized_end=875
+  _globals['_KVHEADER']._serialized_end=449
+  _globals['_KVCHUNK']._serialized_start=451
+  _globals['_KVCHUNK']._serialized_end=524
+  _globals['_KVPUSHREPLY']._serialized_start=526
+  _globals['_KVPUSHREPLY']._serialized_end=590
+  _globals['_KVPULLREQUEST']._serialized_start=593
+  _globals['_KVPULLREQUEST']._serialized_end=785
+  _globals['_KVTRANSFER']._serialized_start=787
+  _globals['_KVTRANSFER']._serialized_end=913
 # @@protoc_insertion_point(module_scope)

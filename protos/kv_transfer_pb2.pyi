@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "sender_id", "model_fingerprint", "dtype", "layout", "layer_start", "layer_end", "dest_block_ids", "num_tokens", "payload_bytes", "checksum", "first_token", "cluster_token", "token_offset", "kv_scales", "block_hashes", "lora_identity")
+    __slots__ = ("request_id", "sender_id", "model_fingerprint", "dtype", "layout", "layer_start", "layer_end", "dest_block_ids", "num_tokens", "payload_bytes", "checksum", "first_token", "cluster_token", "token_offset", "kv_scales", "block_hashes", "lora_identity", "head_start", "head_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class KVHeader(_message.Message):
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LORA_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     model_fingerprint: str
@@ -42,7 +44,9 @@ class KVHeader(_message.Message):
     kv_scales: str
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     lora_identity: str
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., first_token: _Optional[int] = ..., cluster_token: _Optional[str] = ..., token_offset: _Optional[int] = ..., kv_scales: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., lora_identity: _Optional[str] = ...) -> None: ...
+    head_start: int
+    head_end: int
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., first_token: _Optional[int] = ..., cluster_token: _Optional[str] = ..., token_offset: _Optional[int] = ..., kv_scales: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., lora_identity: _Optional[str] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -2,7 +2,7 @@
 ones that fit; each stage holds its layers; engines over 2 and 3 stages (5 layers: uneven
 splits) give the single engine's greedy tokens and logprobs exactly, batched and chunked,
 with every block back (a mixture-of-experts model too); KV moves between pipelines and single engines token-exactly, and a
-step's layer streams are the exported KV; a stage killed mid-stream makes the next step raise
+step's layer streams are the exported KV; through the workers each stage hands off its own layers; a stage killed mid-stream makes the next step raise
 RankFailed, the other stages go down and the blocks come back."""
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from pdserve.engine.parallel.pp import check_stages, layers_of, stage_state
 from pdserve.engine.parallel.tp import ModelSource
 from tests.helpers.engine_runs import GREEDY, clean, handoff, kill_rank_mid_stream, run
 from tests.helpers.prompts import prompts
+from tests.test_pp_handoff import through_workers
 
 LAYERS = (("num_hidden_layers", 5),)
 CONFIG = EngineConfig(quantization="exact", num_threads=1, cache=CacheConfig(kv_cache_memory=4 << 20),
@@ -135,6 +136,22 @@ def test_kv_moves_between_pipelines_and_single_engines(pipelines):
     assert handoff(three, two, ps, [], five_layers_streamed) == want  # 3 -> 2, its KV streamed as the step ends
     for e in (two, one, three):
         clean(e)
+
+
+def test_kv_hands_off_by_parts_between_pipelines_and_one_engine(pipelines):
+    """Through a prefill and a decode worker (gRPC): P(PP=2) -> D(PP=1), P(PP=1) -> D(PP=2),
+    and pipelines of other splits (P(PP=3) -> D(PP=2) and back: each prefill stage sends each
+    decode stage the layers both hold). Each prefill rank pushes its own layers, no rank
+    gathers, a decode pipeline's rank 0 receives its own alone; greedy tokens the single
+    engine's, every block back (tests/test_pp_handoff.py's checks)."""
+    ps = prompts(2, seed=15, lo=20, hi=70)
+    one = single()
+    want = one.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    two, three = pipelines[2], pipelines[3]
+    assert through_workers(two, one, ps) == want
+    assert through_workers(one, two, ps) == want
+    assert through_workers(three, two, ps) == want
+    assert through_workers(two, three, ps) == want
 
 
 def test_a_stage_killed_mid_stream_raises_rank_failed_and_frees_the_blocks():

@@ -6,7 +6,8 @@ tolerance, as TP's are), batched, chunked and with micro-batches filling the pip
 prompt's chunks one after another; every block is back in the pool afterwards (rank 0's
 block manager is every rank's: a block id names the same block in each rank's cache). KV
 crosses token-exactly between it, a TP=2 engine, a PP=2 pipeline and a single engine, in the
-whole model's layout (a model of one KV head too, replicated on both ranks of a stage).
+whole model's layout (a model of one KV head too, replicated on both ranks of a stage), and
+through the workers by parts, each rank sending or receiving its own layers and heads.
 Degrees that do not fit are refused before a rank starts, naming what fits; a killed rank of
 a stage's group takes the worker down with every block back."""
 from dataclasses import replace
@@ -26,6 +27,7 @@ from pdserve.engine.parallel.tp import ModelSource
 from tests.helpers.engine_runs import clean, handoff, kill_rank_mid_stream, run
 from tests.helpers.prompts import prompts
 from tests.test_pp import CONFIG, LAYERS, five_layers_streamed
+from tests.test_pp_handoff import through_workers
 
 PPTP = replace(CONFIG, tensor_parallel_size=2, pipeline_parallel_size=2)
 SOURCE = ModelSource(tiny_seed=0, tiny_overrides=LAYERS)
@@ -39,10 +41,12 @@ def single(overrides=LAYERS) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def engines():
-    """The module's PP=2 x TP=2 engine ("pptp") and TP=2 engine ("tp"), started once; each test
-    leaves them clean, and the rank kill comes last. At the end every rank has exited."""
+    """The module's PP=2 x TP=2 engine ("pptp"), TP=2 engine ("tp") and PP=2 engine ("pp"),
+    started once; each test leaves them clean, and the rank kill comes last. At the end every
+    rank has exited."""
     made = {"pptp": LLMEngine.tensor_parallel(SOURCE, PPTP, 4, pipeline=True),
-            "tp": LLMEngine.tensor_parallel(SOURCE, CONFIG, 2)}
+            "tp": LLMEngine.tensor_parallel(SOURCE, CONFIG, 2),
+            "pp": LLMEngine.tensor_parallel(SOURCE, CONFIG, 2, pipeline=True)}
     yield made
     for e in made.values():
         e.shutdown()
@@ -122,19 +126,32 @@ def test_kv_crosses_between_pp_x_tp_tp_pp_and_one_engine(engines):
     ps = prompts(3, seed=12, lo=20, hi=70)
     one = single()
     want = one.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    pptp, tp = engines["pptp"], engines["tp"]
-    pp = LLMEngine.tensor_parallel(SOURCE, CONFIG, 2, pipeline=True)
-    try:
-        assert handoff(pptp, tp, ps) == want
-        assert handoff(tp, pptp, ps) == want
-        assert handoff(pptp, one, ps) == want
-        assert handoff(one, pptp, ps) == want
-        assert handoff(pptp, pp, ps, [], five_layers_streamed) == want
-        assert handoff(pp, pptp, ps) == want
-        for e in (pptp, tp, one, pp):
-            clean(e)
-    finally:
-        pp.shutdown()
+    pptp, tp, pp = engines["pptp"], engines["tp"], engines["pp"]
+    assert handoff(pptp, tp, ps) == want
+    assert handoff(tp, pptp, ps) == want
+    assert handoff(pptp, one, ps) == want
+    assert handoff(one, pptp, ps) == want
+    assert handoff(pptp, pp, ps, [], five_layers_streamed) == want
+    assert handoff(pp, pptp, ps) == want
+    for e in (pptp, tp, one, pp):
+        clean(e)
+
+
+def test_kv_hands_off_by_parts_between_shapes(engines):
+    """Through a prefill and a decode worker (gRPC): P(TP=2) -> D(PP=2) (rank 0 of the TP
+    group sends each stage its layers), P(PP=2 x TP=2) -> D(TP=2) (each of its 4 ranks sends
+    its layers' KV head, no rank gathers), P(PP=2) -> D(PP=2 x TP=2) (each stage sends each
+    decode rank its layers' head) and back, and one engine -> D(PP=2 x TP=2); greedy tokens the single engine's, every block back (the checks of
+    tests/test_pp_handoff.py)."""
+    ps = prompts(2, seed=16, lo=20, hi=70)
+    one = single()
+    want = one.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    pptp, tp, pp = engines["pptp"], engines["tp"], engines["pp"]
+    assert through_workers(tp, pp, ps) == want
+    assert through_workers(pptp, tp, ps) == want
+    assert through_workers(pp, pptp, ps) == want
+    assert through_workers(pptp, pp, ps) == want
+    assert through_workers(one, pptp, ps) == want
 
 
 def test_three_stages_of_two_ranks():
@@ -161,7 +178,8 @@ def test_three_stages_of_two_ranks():
 
 def test_kv_heads_replicated_over_a_stage_s_ranks():
     """One KV head over a stage of 2 ranks: each holds it (the export takes rank 0's of each
-    stage, the import sends it to both); KV crosses to and from one engine token-exactly."""
+    stage, the import sends it to both; by parts, one rank of each stage pushes it and both
+    receive it); KV crosses to and from one engine token-exactly."""
     over = LAYERS + (("num_key_value_heads", 1),)
     ps = prompts(2, seed=14, lo=20, hi=70)
     one = single(over)
@@ -170,6 +188,7 @@ def test_kv_heads_replicated_over_a_stage_s_ranks():
     try:
         assert e.kv_cache.owners == [0] and e.kv_cache.layout[3] == e.kv_cache.kv.shape[4] == 1
         assert handoff(e, one, ps) == want and handoff(one, e, ps) == want
+        assert through_workers(e, one, ps) == want and through_workers(one, e, ps) == want  # by parts
         for x in (e, one):
             clean(x)
     finally:

@@ -15,12 +15,15 @@ logprobs are the single engine's exactly. With micro-batches in flight
 (engine/core/micro_batches.py) rank 0's pass posts the residual stream and a receive for its
 result (`Stage.defer`) and returns; `Stage.land` waits for the oldest result.
 
-KV leaves and enters the group in the whole model's layout (`PPKVCache`): an export gathers
-every stage's layers on rank 0 (concatenated along the layer dimension), an import sends each
-stage its layer range, so groups of any degree and single engines exchange KV as any two
-engines do. Rank 0's block manager is the group's: a block id names the same block in every
-stage's cache (rank 0, holding the most layers, holds the fewest blocks). A stage that dies
-makes the next send or receive fail: rank 0 raises `RankFailed`, as for a tensor-parallel rank.
+A prefill pipeline's KV leaves it by parts (engine/parallel/pp_handoff.py): each rank pushes
+its own layers (and heads) straight to the decode ranks that own them, from its own process;
+a decode pipeline receives by parts, each rank at an address of its own, writing its own. An
+engine-level export or import (tests, a peer's prefix pull) is in the whole model's layout
+(`PPKVCache`): an export gathers every stage's layers on rank 0 (concatenated along the layer
+dimension), an import sends each stage its layer range. Rank 0's block manager is the group's:
+a block id names the same block in every stage's cache (rank 0, holding the most layers,
+holds the fewest blocks). A stage that dies makes the next send or receive fail: rank 0
+raises `RankFailed`, as for a tensor-parallel rank.
 
 PP x TP: with `EngineConfig.tensor_parallel_size` = w > 1 each stage is a tensor-parallel
 group of w ranks (global rank = stage * w + its rank in the stage; `stage_group`): its layers
@@ -31,10 +34,9 @@ all-gather shortcut), and the last stage's rank 0 alone sends the normed result 
 The vocabulary is not split (every rank keeps the whole embedding and LM head, as a pipeline
 stage does): stage 0's ranks each embed the tokens, and rank 0 alone computes the logits.
 
-Not in this slice: each stage sending its own layers' KV straight to the decode worker (rank
-0 gathers every stage's and every rank's part), the native one-call
-decode step and layer-wise KV streaming mid-pass (a step's streams export once the pass is
-through), LoRA adapters, and PP together with expert parallelism. Every rank keeps the
+Not in this slice: the native one-call decode step and layer-wise KV streaming mid-pass (a
+step's streams export once the pass is through; a prefill worker ships by parts then), LoRA
+adapters, and PP together with expert parallelism. Every rank keeps the
 embedding, the final norm and the LM head (stage 0's ranks use the embedding, the last
 stage's first rank the norm, rank 0 the LM head).
 """
@@ -52,6 +54,7 @@ from pdserve.common.errors import KVTransferError
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv.cache import KVCache, kv_format
 from pdserve.engine.parallel.group import Group
+from pdserve.engine.parallel.pp_handoff import StagedHandoff
 from pdserve.engine.parallel.shard import kv_heads_of, shard, span
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -204,11 +207,11 @@ def attach_stage(model, group, stage_tp: Group | None = None) -> None:
         layer.self_attn.tp = layer.mlp.tp = stage_tp
 
 
-class PPKVCache(KVCache):
-    """One rank's paged cache (its stage's layers; with PP x TP, its KV heads of them),
-    exporting and importing in the whole model's layout: rank 0 gathers every rank's part on
-    export (for this slice, rather than each stage shipping its own) and sends each its part on
-    import (the other ranks take part, told by rank 0's broadcast)."""
+class PPKVCache(StagedHandoff, KVCache):
+    """One rank's paged cache (its stage's layers; with PP x TP, its KV heads of them). A
+    hand-off moves by parts (StagedHandoff: `ship`, `serve_kv`, `expect_kv`, `take_kv`);
+    `export_blocks` and `import_blocks` of the whole model's layout gather every rank's part
+    on rank 0 and send each its part (the other ranks take part, told by rank 0's broadcast)."""
 
     def __init__(self, full: ModelConfig, config: EngineConfig, group):
         w = self.width = stage_width(config, group.world)
@@ -263,7 +266,10 @@ class PPKVCache(KVCache):
         return torch.cat(stages)
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor | None) -> None:
+        """`data`: the whole model's KV, or rank 0's part alone (a hand-off by parts, pp_handoff.py)."""
         g = self.group
+        if g.rank == 0 and data is not None and data.shape[0] != self.full.num_hidden_layers:
+            return self.take_kv(block_ids, data)
         if g.rank != 0:
             part = g.recv(self._shape(g.rank, self._part(g.rank, 0, self.full.num_hidden_layers), len(block_ids)),
                           self.kv.dtype, 0)

@@ -48,6 +48,7 @@ from pdserve.engine.parallel.ep import EPKVCache, attach_experts, check_experts,
 from pdserve.engine.parallel.group import Group, RankFailed, group_store
 from pdserve.engine.parallel.lora import GroupAdapters, RankAdapters, step_groups
 from pdserve.engine.parallel.pp import PPKVCache, attach_stage, load_stage, stage_group, stage_width
+from pdserve.engine.parallel.pp_handoff import COMMANDS as HANDOFF_COMMANDS
 from pdserve.engine.parallel.shard import check_degree, kv_heads_of, shard, vocab_of
 from pdserve.engine.parallel.wire import PeerRefused, group_secret
 
@@ -184,6 +185,8 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
                     kv.export_blocks(*cmd[1:])
                 elif cmd[0] == "import":
                     kv.import_blocks(cmd[1], None)
+                elif pipeline and cmd[0] in HANDOFF_COMMANDS:  # each rank's own part of a hand-off
+                    getattr(kv, cmd[0])(*cmd[1:])
                 elif cmd[0] == "stop":
                     return
     except (RankFailed, PeerRefused):
@@ -192,6 +195,8 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
         group.close()
         if stage_tp is not None:
             stage_tp.close()
+        if getattr(kv, "endpoint", None) is not None:
+            kv.endpoint.stop()
 
 
 def layer_streams(streams: list[tuple[list[int], int]], n_layers: int, export):
