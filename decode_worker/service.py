@@ -286,6 +286,9 @@ class DecodeWorker:
             await self._release(rid)
             raise
         nbytes = arrival.kv.numel() * arrival.kv.element_size()
+        if self.staged:  # rank 0's part of the hand-off: counted as the whole model's KV it is part of
+            (ls, hs), layout = self.receiver.part, self.receiver.layout
+            nbytes = nbytes * layout[0] * layout[3] // (len(ls) * len(hs))
         self.remote_prefills += 1
         self.blocks_received += len(dest)
         self.kv_bytes_received += nbytes

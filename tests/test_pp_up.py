@@ -76,6 +76,17 @@ def _remote_and_local(url: str, model: str) -> str:
     return wait_until(counted, 30, f"{model}'s decode worker's remote and local prefill counts")
 
 
+def _kv_bytes_alike(url: str, model: str) -> list[float]:
+    """`model`'s prefill and decode workers' KV bytes (pushed by every rank of the one, received
+    by every rank of the other), once /metrics has both and they are equal."""
+    def alike():
+        text = httpx.get(url + "/metrics", timeout=10).text
+        got = [float(v) for v in re.findall(rf'pdserve_kv_transfer_bytes(?:_total)?\{{[^}}]*{re.escape(model)}'
+                                            r'[^}]*\} ([0-9.e+]+)', text)]
+        return len(got) == 2 and got[0] == got[1] > 0 and got
+    return wait_until(alike, 30, f"{model}'s workers' KV bytes, pushed and received alike")
+
+
 def _ranks(up, worker: str) -> set[int]:
     """The processes below worker `worker`'s actor process: its other ranks (stages)."""
     return descendants(int(re.search(rf"worker {worker} \(pid (\d+)\)", up.text()).group(1)))
@@ -143,7 +154,9 @@ def pp_cluster(tmp_path_factory, tokenizer):
 @pytest.mark.ray
 def test_up_with_a_pp_x_tp_decode_pool(pp_cluster, tokenizer):
     """Two greedy completions at once to the Llama are the single engine's tokens: the long
-    prompt prefilled by the prefill worker, its KV imported into the decode worker's 4 ranks;
+    prompt prefilled by the prefill worker, its KV cut by the decode worker's KV address and
+    pushed to each of its 4 ranks, each serving its own layers' KV head (P(PP=1) -> D(PP=2 x
+    TP=2) by parts: rank 0's receiver refuses any layer or head it does not hold);
     the short one prefilled by the decode worker. Every KV block is back in its pool after."""
     c = pp_cluster
     r = httpx.post(c.url + "/v1/completions", timeout=120, json={
@@ -162,8 +175,10 @@ def test_up_with_a_pp_x_tp_decode_pool(pp_cluster, tokenizer):
 @pytest.mark.ray
 def test_a_ray_cluster_of_two_stage_workers_answers_as_one_engine(pp_cluster):
     """SmolLM2's workers: each one's second stage is a process of its actor; the long prompt
-    is prefilled remotely, so its KV leaves the prefill pipeline (its layer streams exported
-    once the pass is through) and enters the decode pipeline in the whole model's layout; the
+    is prefilled remotely, so its KV leaves the prefill pipeline by parts (each stage pushes its
+    own layers from its own process straight to the decode stage that holds them, which serves
+    and writes them: P(PP=2) -> D(PP=2), no stage gathering; the prefill worker's bytes pushed
+    are the decode worker's received); the
     short one is prefilled by the decode pipeline; the greedy answers are the single engine's.
     Then Ctrl-C: exit code 0, and nothing of the cluster (either model's workers) is left."""
     c = pp_cluster
@@ -172,6 +187,7 @@ def test_a_ray_cluster_of_two_stage_workers_answers_as_one_engine(pp_cluster):
             "model": SMOLLM, "prompt": SMOLLM_PROMPTS, "max_tokens": SMOLLM_N, "temperature": 0})
         assert r.status_code == 200, r.text
         _remote_and_local(c.url, SMOLLM)
+        pushed = _kv_bytes_alike(c.url, SMOLLM)
         stages = [_ranks(c.up, f"{SMOLLM}-{role}-0") for role in ("prefill", "decode")]
         wait_kv_back(c.url, 4)
         c.procs |= descendants(c.up.p.pid)
@@ -179,6 +195,7 @@ def test_a_ray_cluster_of_two_stage_workers_answers_as_one_engine(pp_cluster):
         rc = stop(c.up, 90)
     assert rc == 0, c.up.text()
     assert [len(s) for s in stages] == [1, 1], stages  # stage 1 of each worker: a process of its actor
+    assert len(pushed) == 2 and pushed[0] == pushed[1] > 0, pushed  # its prefill and its decode worker
     got = sorted(r.json()["choices"], key=lambda ch: ch["index"])
     assert [ch["text"] for ch in got] == c.smollm_want
     wait_until(lambda: not [p for p in c.procs if alive(p)], 30, "every process of the cluster to exit")
