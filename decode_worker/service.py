@@ -307,6 +307,8 @@ class DecodeWorker:
 
     async def _release(self, rid: str) -> None:
         self.receiver.cancel(rid)
+        if self.staged:  # the other ranks' leases too (a late push to one is refused at once)
+            await self.engine.run_always(lambda e: e.kv_cache.drop_kv(rid))
         await self.engine.abort_always(rid)
 
     def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from concurrent import futures
 
 import grpc
@@ -131,12 +132,13 @@ class StageReceiver(KVReceiver):
     """A KVReceiver shared by a gRPC server's threads and the rank's main loop: a push waits
     (up to LEASE_WAIT_S) for its lease, and an arrival is taken by its destination blocks
     (`take_blocks`: rank 0's import names the blocks; a block is one live request's, so a new
-    lease drops any older one on its blocks)."""
+    lease drops any older one on its blocks). A push for a lease dropped here fails at once."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.cond = threading.Condition(threading.RLock())
         self.dests: dict[str, list[int]] = {}
+        self.dropped: deque[str] = deque(maxlen=1024)  # leases cancelled here: a late push is refused at once
 
     def expect(self, request_id: str, dest_block_ids: list[int], *args, **kw):
         with self.cond:
@@ -145,6 +147,8 @@ class StageReceiver(KVReceiver):
                     self.cancel(rid)
             self.expired()
             lease = super().expect(request_id, dest_block_ids, *args, **kw)
+            if request_id in self.dropped:
+                self.dropped.remove(request_id)
             self.dests[request_id] = list(dest_block_ids)
             self.cond.notify_all()
             return lease
@@ -153,10 +157,13 @@ class StageReceiver(KVReceiver):
         with self.cond:
             super().cancel(request_id)
             self.dests.pop(request_id, None)
+            self.dropped.append(request_id)
+            self.cond.notify_all()
 
     def check_header(self, h: pb.KVHeader):
         with self.cond:
-            self.cond.wait_for(lambda: h.request_id in self._leases, timeout=LEASE_WAIT_S)
+            self.cond.wait_for(lambda: h.request_id in self._leases or h.request_id in self.dropped,
+                               timeout=LEASE_WAIT_S)
             return super().check_header(h)
 
     def accept(self, h: pb.KVHeader, payload) -> None:

@@ -21,6 +21,7 @@ from pdserve.engine.parallel.pp import PPKVCache
 from pdserve.common.errors import InvalidRequestError, KVTransferError
 from pdserve.kv_transfer import stages
 from pdserve.kv_transfer.base import KVSender
+from pdserve.kv_transfer.ucx_transport import SCHEME as UCX_SCHEME
 from pdserve.kv_transfer.peer import PeerPuller, PullCounters, serve_pulls
 from pdserve.protos import worker_pb2 as pb
 from pdserve.protos import worker_pb2_grpc as pb_grpc
@@ -96,8 +97,10 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
         def on_layers(start: int, end: int, kv) -> None:  # on the engine thread, mid-forward
             loop.call_soon_threadsafe(lambda: pushes.append(asyncio.ensure_future(push(kv, start))))
         shipped: KVTransferError | None = None
+        # by parts, each rank from its own process (over gRPC: to a UCX address rank 0 pushes the whole)
+        staged = w.staged and UCX_SCHEME not in request.kv_address
         try:
-            if w.layer_group and not w.staged:  # each group of layers leaves while the next ones compute
+            if w.layer_group and not staged:  # each group of layers leaves while the next ones compute
                 await w.engine.stream_kv_layers(rid, on_layers, w.layer_group, first_block)
             first = None
             try:  # held from the moment the request finishes, even if cancelled before the loop ends
@@ -110,7 +113,7 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
                 except InvalidRequestError as e:
                     await refuse_invalid(context, e)
                 t_computed = time.perf_counter()
-                if w.staged:  # while its blocks are held
+                if staged:  # while its blocks are held
                     shipped = await self._ship(request, rid, first.new_token_ids[0], first_block * bs, identity, span)
                 elif not w.layer_group:
                     _, kv = await w.engine.export_kv(rid)
@@ -119,11 +122,11 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
             try:
                 if shipped is not None:
                     raise shipped
-                if w.layer_group and not w.staged:
+                if w.layer_group and not staged:
                     for result in await asyncio.gather(*pushes, return_exceptions=True):
                         if isinstance(result, BaseException):
                             raise result
-                elif not w.staged:
+                elif not staged:
                     await push(kv[:, :, first_block:].contiguous() if first_block else kv, 0, first.new_token_ids[0])
             except KVTransferError as e:
                 w.transfer_failures += 1
@@ -131,7 +134,7 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
         finally:  # a failed or cancelled prefill leaves no push and no stream registration behind
             for t in pushes:
                 t.cancel()
-            if w.layer_group and not w.staged:
+            if w.layer_group and not staged:
                 await w.engine.stop_kv_stream(rid)
         w.stream_pushes += len(pushes)
         w.prefills += 1

@@ -154,6 +154,35 @@ def test_kv_hands_off_by_parts_between_pipelines_and_one_engine(pipelines):
     assert through_workers(two, three, ps) == want
 
 
+def test_a_rank_s_failed_push_fails_the_hand_off_and_the_decode_worker_computes_the_prompt(pipelines,
+                                                                                          monkeypatch):
+    """P(PP=2) -> D(PP=3): rank 0's own push refused (its stage 1's goes through): the prefill
+    answers UNAVAILABLE once every rank answered, the decode worker drops its ranks' leases and
+    computes the prompt itself (the recompute policy); tokens the single engine's, every block back."""
+    import asyncio
+
+    from pdserve.common.errors import KVTransferError
+    from pdserve.kv_transfer import stages
+    from tests.helpers.workers import Cluster
+
+    def refuse(*a, **k):
+        raise KVTransferError("refused for the test")
+    monkeypatch.setattr(stages, "ship_part", refuse)  # rank 0's: the other ranks import their own copy
+    p = prompts(1, seed=17, lo=40, hi=40)[0]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = single().generate([p], params)[0]
+    engines = iter((pipelines[2], pipelines[3]))
+
+    async def go():
+        async with Cluster(lambda **_: next(engines)) as c:
+            return (await c.generate("failed-push", p, params))[0], c.decode.counters(), c.prefill.transfer_failures
+    toks, counts, failures = asyncio.run(go())
+    assert toks == want and failures == 1
+    assert counts["transfer_failures"] == 1 and counts["local_prefills"] == 1 and counts["remote_prefills"] == 0
+    for e in pipelines.values():
+        clean(e)
+
+
 def test_a_stage_killed_mid_stream_raises_rank_failed_and_frees_the_blocks():
     e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS), CONFIG, 3, pipeline=True)
     try:

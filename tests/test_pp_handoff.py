@@ -70,6 +70,7 @@ def test_a_rank_s_receiver_collects_pieces_of_layers_and_heads_of_its_rectangle(
 
 
 def test_a_stage_s_push_waits_for_its_lease_and_a_new_lease_drops_an_old_one_on_its_blocks():
+    """And a push for a lease dropped there does not wait."""
     kv = kv_of()
     r = StageReceiver("fp", LAYOUT, part=(range(0, 3), range(0, 2)))
     t = threading.Thread(target=_push, args=(r, "a", kv[:3], 0))
@@ -79,6 +80,10 @@ def test_a_stage_s_push_waits_for_its_lease_and_a_new_lease_drops_an_old_one_on_
     t.join(10)
     assert r.pending() == [] and torch.equal(r.take_blocks([7, 8, 9], 1).kv, kv[:3])
     assert r.take_blocks([8, 20], 0.01) is None  # "old" was dropped: block 8 is "a"'s now
+    r.expect("b", [1, 2, 3], 10, 30)
+    r.cancel("b")  # its hand-off failed on rank 0 (drop_kv): a late push is refused at once
+    with pytest.raises(KVTransferError, match="unknown or expired request 'b'"):
+        _push(r, "b", kv[:3], 0)
 
 
 def through_workers(src, dst, ps: list[list[int]], n: int = 12) -> list[list[int]]:

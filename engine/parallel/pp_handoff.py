@@ -7,9 +7,9 @@ address that own parts of it, each from its own process, at once; rank 0 collect
 rank's result (bytes sent, or a failure) and raises KVTransferError if one failed.
 
 Decode: `serve_kv` starts a KV server on every other rank for its own rectangle (rank 0's is
-the worker's own), `expect_kv` hands them a request's lease, and an import of rank 0's part
-alone (`import_blocks` with rank 0's shape) has every rank take its own arrival by the
-request's blocks and write it, rank 0 raising if one is missing.
+the worker's own), `expect_kv` hands them a request's lease (`drop_kv` takes it back), and
+an import of rank 0's part alone (`import_blocks` with rank 0's shape) has every rank take
+its own arrival by the request's blocks and write it, rank 0 raising if one is missing.
 
 The engine may not import the worker layers (tests/test_layout.py), so the network side
 comes as a module of pdserve.kv_transfer: rank 0 gets it from its worker, and the other ranks
@@ -25,7 +25,7 @@ import torch
 from pdserve.common.errors import KVTransferError
 from pdserve.engine.kv.cache import KVCache
 
-COMMANDS = ("ship", "serve_kv", "expect_kv", "take_kv")  # what the other ranks run on rank 0's word
+COMMANDS = ("ship", "serve_kv", "expect_kv", "drop_kv", "take_kv")  # what the other ranks run on rank 0's word
 PACKAGE = "pdserve.kv_transfer."
 TAKE_WAIT_S = 10.0  # how long a rank waits for its part at import (it came before the prefill answered)
 
@@ -117,6 +117,13 @@ class StagedHandoff:
         elif self.endpoint is not None:
             self.endpoint.receiver.expect(request_id, dest_block_ids, num_tokens, timeout_s,
                                           first_token_index=first_token_index, lora_identity=lora_identity)
+
+    def drop_kv(self, request_id: str) -> None:
+        """Drop the request's lease on every other rank (its hand-off failed or was left)."""
+        if self.group.rank == 0:
+            self.group.broadcast(("drop_kv", request_id))
+        elif self.endpoint is not None:
+            self.endpoint.receiver.cancel(request_id)
 
     def take_kv(self, block_ids: list[int], data: torch.Tensor | None = None) -> None:
         """Write a hand-off's KV into the blocks, every rank its own part: rank 0 `data`, the
