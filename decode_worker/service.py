@@ -109,7 +109,7 @@ class DecodeServicer(AdapterServicer, WorkerServicer, pb_grpc.DecodeServiceServi
                 # whatever point it left at (a cancel while admit() had the engine thread add
                 # it or take its blocks included): the abort runs after those commands, in
                 # order, so nothing it took outlives the call; a no-op if nothing was taken
-                w.receiver.cancel(rid)
+                w.drop_lease(rid)
                 w.engine.abort_soon(rid)
 
 
@@ -158,7 +158,14 @@ class DecodeWorker:
 
     def forget(self, request_id: str) -> None:
         """Drop an aborted request's KV lease (its blocks go with the engine's abort)."""
+        self.drop_lease(request_id)
+
+    def drop_lease(self, request_id: str) -> None:
+        """Cancel the request's KV lease here and, in a pipeline, on its other ranks (queued on
+        the engine thread, not waited for: a late push to them is then refused at once)."""
         self.receiver.cancel(request_id)
+        if self.staged:
+            self.engine.call(lambda e: e.kv_cache.drop_kv(request_id))
 
     def counters(self) -> dict:
         """This worker's counters in its Stats."""
@@ -306,9 +313,7 @@ class DecodeWorker:
                            {"pdserve.cached_tokens": first.num_cached_tokens})
 
     async def _release(self, rid: str) -> None:
-        self.receiver.cancel(rid)
-        if self.staged:  # the other ranks' leases too (a late push to one is refused at once)
-            await self.engine.run_always(lambda e: e.kv_cache.drop_kv(rid))
+        self.drop_lease(rid)
         await self.engine.abort_always(rid)
 
     def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:
