@@ -141,10 +141,12 @@ def test_kv_moves_between_pipelines_and_single_engines(pipelines):
 def test_kv_hands_off_by_parts_between_pipelines_and_one_engine(pipelines):
     """Through a prefill and a decode worker (gRPC): P(PP=2) -> D(PP=1), P(PP=1) -> D(PP=2),
     and pipelines of other splits (P(PP=3) -> D(PP=2) and back: each prefill stage sends each
-    decode stage the layers both hold). Each prefill rank pushes its own layers, no rank
+    decode stage the layers both hold); a prompt whose prefix the decode side caches gets the
+    KV of the rest alone. Each prefill rank pushes its own layers, no rank
     gathers, a decode pipeline's rank 0 receives its own alone; greedy tokens the single
     engine's, every block back (tests/test_pp_handoff.py's checks)."""
     ps = prompts(2, seed=15, lo=20, hi=70)
+    ps.append(ps[0][:40] + ps[1][:9])  # its first 2 blocks cached on the decode side: the KV from the third on
     one = single()
     want = one.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     two, three = pipelines[2], pipelines[3]
