@@ -152,8 +152,9 @@ def test_kv_hands_off_by_parts_between_pipelines_and_one_engine(pipelines):
     two, three = pipelines[2], pipelines[3]
     assert through_workers(two, one, ps) == want
     assert through_workers(one, two, ps) == want
+    assert through_workers(one, two, ps, layer_group=2) == want  # each group of 2 layers cut by the stages
     assert through_workers(three, two, ps) == want
-    assert through_workers(two, three, ps) == want
+    assert through_workers(two, three, ps, layer_group=2) == want  # a pipeline ships by parts, streaming or not
 
 
 def test_a_rank_s_failed_push_fails_the_hand_off_and_the_decode_worker_computes_the_prompt(pipelines,

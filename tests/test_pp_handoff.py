@@ -86,10 +86,10 @@ def test_a_stage_s_push_waits_for_its_lease_and_a_new_lease_drops_an_old_one_on_
         _push(r, "b", kv[:3], 0)
 
 
-def through_workers(src, dst, ps: list[list[int]], n: int = 12) -> list[list[int]]:
+def through_workers(src, dst, ps: list[list[int]], n: int = 12, **cluster) -> list[list[int]]:
     """Each prompt of `ps` through a decode worker around `dst` that has a prefill worker
     around `src` prefill it (its KV over gRPC, by parts where either is a pipeline), `n`
-    greedy tokens each. Checks: every prompt prefilled remotely; a prefill pipeline never
+    greedy tokens each; `cluster`: the workers' settings (tests/helpers/workers.Cluster). Checks: every prompt prefilled remotely; a prefill pipeline never
     gathers (rank 0's whole-layout export is not called) and each of its ranks sent its own
     part alone; a decode pipeline's rank 0 receives and writes its own part alone; every
     block back in both engines."""
@@ -103,7 +103,7 @@ def through_workers(src, dst, ps: list[list[int]], n: int = 12) -> list[list[int
         dst.kv_cache.take_kv = lambda b, d=None, take=dst.kv_cache.take_kv: (imported.append(d.shape), take(b, d))[1]
 
     async def go():
-        async with Cluster(lambda **_: next(engines), policy="fail") as c:
+        async with Cluster(lambda **_: next(engines), policy="fail", **cluster) as c:
             outs = [(await c.generate(f"w{next(_ids)}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))[0]
                     for p in ps]
             return outs, c.prefill.kv_bytes, c.decode.counters()
