@@ -75,17 +75,18 @@ class StagedHandoff:
             if g.rank % self.width in self.owners:  # one rank of each replicated KV head sends it
                 sent = mine.ship_part(KVCache.export_blocks(self, block_ids), *self.own,
                                       (self.full.num_hidden_layers, self.full.num_key_value_heads), meta)
-        except KVTransferError as e:
+        except Exception as e:  # every rank answers, whatever failed: the results share tag 0 with activations
             sent, error = -1, e
             if g.rank:
-                print(f"pdserve pipeline rank {g.rank}: KV hand-off: {e}", file=sys.stderr, flush=True)
+                print(f"pdserve pipeline rank {g.rank}: KV hand-off: {e!r}", file=sys.stderr, flush=True)
         self.shipped += max(sent, 0)
         if g.rank:
             return self._answer(sent)
         results = self.last_ship = [sent] + self._results()
         failed = [r for r, n in enumerate(results) if n < 0]
         if failed:
-            raise KVTransferError(f"KV push of pipeline rank(s) {failed} failed" + (f": {error}" if error else ""))
+            raise KVTransferError(f"KV push of pipeline rank(s) {failed} failed" + (f": {error}" if error else "")) \
+                from error
         return sum(results)
 
     def serve_kv(self, meta: str, module) -> list[tuple[range, range, int]] | None:
@@ -130,10 +131,15 @@ class StagedHandoff:
         others their arrivals of these blocks. Rank 0 raises if a rank's part is missing."""
         g = self.group
         if g.rank != 0:
-            arrival = None if self.endpoint is None else self.endpoint.receiver.take_blocks(block_ids, TAKE_WAIT_S)
-            if arrival is not None:
-                KVCache.import_blocks(self, block_ids, arrival.kv)
-            return self._answer(int(arrival is not None))
+            ok = 0
+            try:
+                arrival = None if self.endpoint is None else self.endpoint.receiver.take_blocks(block_ids, TAKE_WAIT_S)
+                if arrival is not None:
+                    KVCache.import_blocks(self, block_ids, arrival.kv)
+                    ok = 1
+            except Exception as e:  # told to rank 0
+                print(f"pdserve pipeline rank {g.rank}: KV import: {e!r}", file=sys.stderr, flush=True)
+            return self._answer(ok)
         layers, heads = self.own
         expected = (len(layers), 2, len(block_ids), self.block_size, len(heads), self.kv.shape[-1])
         if tuple(data.shape) != expected or data.dtype != self.kv.dtype:
@@ -142,7 +148,10 @@ class StagedHandoff:
         if self.settle is not None:
             self.settle()
         g.broadcast(("take_kv", block_ids))
-        KVCache.import_blocks(self, block_ids, data)
-        missing = [r for r, ok in enumerate(self._results(), 1) if ok != 1]
+        try:
+            KVCache.import_blocks(self, block_ids, data)
+        finally:
+            results = self._results()
+        missing = [r for r, ok in enumerate(results, 1) if ok != 1]
         if missing:
             raise KVTransferError(f"the KV of pipeline rank(s) {missing} did not arrive")
