@@ -258,8 +258,8 @@ class DecodeWorker:
         self.receiver.expect(rid, dest, len(prompt), self.transfer.prefill_timeout_s, first_token_index=skip,
                              lora_identity=identity)
         if self.staged:  # the other ranks' leases of their parts
-            await self.engine.run(lambda e: e.kv_cache.expect_kv(rid, dest, len(prompt), self.transfer.prefill_timeout_s,
-                                                                 skip, identity))
+            timeout = self.transfer.prefill_timeout_s
+            await self.engine.run(lambda e: e.kv_cache.expect_kv(rid, dest, len(prompt), timeout, skip, identity))
         call = self.tracer.start("prefill.call", span, kind="client",
                                  attributes={"pdserve.prefill_worker": request.prefill_worker_id,
                                              "pdserve.cached_tokens": skip})
@@ -348,7 +348,7 @@ class DecodeWorker:
                                      self.transfer.kv_dtype_mismatch == "convert")
             ranks = await self.engine.run(lambda e: e.kv_cache.serve_kv(meta, stages))
             self.kv_address = stages.stage_address([(*self.receiver.part, self.kv_address)] +
-                                                   [(ls, hs, f"{host}:{port}") for ls, hs, port in ranks])
+                                                   [(ls, hs, f"{host}:{port}") for ls, hs, port in ranks], host)
         self._server = grpc.aio.server()
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self._server)
         serve_pulls(self._server, self, self.pulls)

@@ -136,7 +136,7 @@ class KVReceiver:
         if h.kv_scales != src.scale_layout:
             raise KVTransferError(f"KV push for {h.request_id!r}: {h.dtype} KV with scale layout {h.kv_scales!r}; "
                                   f"this worker reads {src.scale_layout or 'no scales'!r} for it")
-        L, two, _, heads, hd = self.layout
+        _, two, _, heads, hd = self.layout
         own_l, own_h = self.part
         hs, he = (h.head_start, h.head_end) if h.head_end else (0, heads)
         src_bs = h.layout[2] if len(h.layout) == 5 else 0  # the sender's block size may differ from ours

@@ -12,7 +12,8 @@ import torch
 from pdserve.protos.security import TLSConfig
 
 from .grpc_transport import GrpcKVSender
-from .stages import SCHEME as STAGES, pieces, targets
+from .stages import SCHEME as STAGES
+from .stages import pieces, targets
 from .ucx_transport import SCHEME as UCX_SCHEME
 
 

@@ -4,7 +4,10 @@ A rank of a pipeline group (engine/parallel/pp.py) holds a rectangle of the whol
 its stage's layers and, under PP x TP, its KV heads of them. A decode pipeline's KV address
 names every rank's rectangle and where that rank receives (`stage_address`):
 
-    stages:0-3/0-2@10.0.0.5:7001;3-5/0-2@10.0.0.5:7002
+    stages:10.0.0.5|0-3/0-2@7001;3-5/0-2@7002
+
+(a port alone is on the host before the `|`; a whole address, e.g. a UCX one, also goes;
+short enough for a registry record of 1,024 characters up to some 60 ranks)
 
 and a sender, whatever its shape, sends each rank the piece of its own rectangle that rank
 owns (`pieces`): a single engine or a TP group's rank 0 its whole KV cut by the address; a
@@ -41,20 +44,23 @@ SCHEME = "stages:"
 LEASE_WAIT_S = 30.0  # how long a stage's push waits for its lease (rank 0 tells it between steps)
 
 
-def stage_address(parts: list[tuple[range, range, str]]) -> str:
-    """The KV address of a group whose ranks receive (layers, KV heads, address) each."""
-    return SCHEME + ";".join(f"{ls.start}-{ls.stop}/{hs.start}-{hs.stop}@{a}" for ls, hs, a in parts)
+def stage_address(parts: list[tuple[range, range, str]], host: str) -> str:
+    """The KV address of a group on `host` whose ranks receive (layers, KV heads, address) each."""
+    def short(a: str) -> str:
+        return a[len(host) + 1:] if a.startswith(host + ":") and a[len(host) + 1:].isdigit() else a
+    return f"{SCHEME}{host}|" + ";".join(f"{ls.start}-{ls.stop}/{hs.start}-{hs.stop}@{short(a)}" for ls, hs, a in parts)
 
 
 def targets(address: str, layers: int, heads: int) -> list[tuple[range, range, str]]:
     """(layers, KV heads, address) of each receiver `address` names (a plain one: all of them)."""
     if not address.startswith(SCHEME):
         return [(range(layers), range(heads), address)]
+    host, _, parts = address[len(SCHEME):].partition("|")
     out = []
-    for part in address[len(SCHEME):].split(";"):
+    for part in parts.split(";"):
         rect, _, addr = part.partition("@")
         (l0, l1), (h0, h1) = (tuple(int(x) for x in side.split("-")) for side in rect.split("/"))
-        out.append((range(l0, l1), range(h0, h1), addr))
+        out.append((range(l0, l1), range(h0, h1), f"{host}:{addr}" if addr.isdigit() else addr))
     return out
 
 
@@ -218,7 +224,8 @@ class StageEndpoint:
 
     def __init__(self, meta: str, layout: tuple[int, ...], dtype: str, part: tuple[range, range]):
         m = json.loads(meta)
-        self.receiver = StageReceiver(m["fingerprint"], layout, dtype, m["cluster_token"], convert=m["convert"], part=part)
+        self.receiver = StageReceiver(m["fingerprint"], layout, dtype, m["cluster_token"], convert=m["convert"],
+                                      part=part)
         self.server = grpc.server(futures.ThreadPoolExecutor(4, thread_name_prefix="pdserve-stage-kv"),
                                   options=SERVER_OPTIONS)
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self.receiver), self.server)

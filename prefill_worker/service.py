@@ -172,7 +172,8 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
         t_end = time.perf_counter()
         w.kv_seconds += t_end - t
         w.kv_bytes += nbytes
-        w.tracer.record("kv.push", span, t, t_end, {"pdserve.kv_bytes": nbytes, "pdserve.kv_address": request.kv_address})
+        w.tracer.record("kv.push", span, t, t_end,
+                        {"pdserve.kv_bytes": nbytes, "pdserve.kv_address": request.kv_address})
         return None
 
 

@@ -19,8 +19,8 @@ from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.stages import StageReceiver, pieces, stage_address, targets
 from pdserve.kv_transfer.wire import make_header
 
-LAYOUT = (5, 2, 4, 2, 8)
-_ids = itertools.count()  # request ids, unique over the calls of `through_workers`  # layers, K/V, block size, KV heads, head dim
+LAYOUT = (5, 2, 4, 2, 8)  # layers, K/V, block size, KV heads, head dim
+_ids = itertools.count()  # request ids, unique over the calls of `through_workers`
 
 
 def kv_of(layers: int = 5, heads: int = 2, blocks: int = 3) -> torch.Tensor:
@@ -28,13 +28,13 @@ def kv_of(layers: int = 5, heads: int = 2, blocks: int = 3) -> torch.Tensor:
 
 
 def test_an_address_names_each_rank_s_layers_and_heads_and_a_sender_cuts_its_kv_by_it():
-    parts = [(range(0, 3), range(0, 1), "h:1"), (range(0, 3), range(1, 2), "h:2"), (range(3, 5), range(0, 2), "h:3")]
-    address = stage_address(parts)
-    assert address == "stages:0-3/0-1@h:1;0-3/1-2@h:2;3-5/0-2@h:3" and targets(address, 5, 2) == parts
+    parts = [(range(3), range(1), "ucx://h:1"), (range(3), range(1, 2), "h:2"), (range(3, 5), range(2), "h:3")]
+    address = stage_address(parts, "h")
+    assert address == "stages:h|0-3/0-1@ucx://h:1;0-3/1-2@2;3-5/0-2@3" and targets(address, 5, 2) == parts
     assert targets("h:9", 5, 2) == [(range(5), range(2), "h:9")]
     kv = kv_of()
     got = list(pieces(kv, range(5), range(2), address, (5, 2)))  # a single engine's whole KV
-    assert [(a, lo, h0, h1) for a, _, lo, h0, h1 in got] == [("h:1", 0, 0, 1), ("h:2", 0, 1, 2), ("h:3", 3, 0, 0)]
+    assert [(a, lo, h0, h1) for a, _, lo, h0, h1 in got] == [("ucx://h:1", 0, 0, 1), ("h:2", 0, 1, 2), ("h:3", 3, 0, 0)]
     assert torch.equal(got[1][1], kv[:3, :, :, :, 1:2]) and torch.equal(got[2][1], kv[3:])
     # a stage of layers [2, 4), head 1 of 2: only what it holds, to the ranks that own it
     mine = kv[2:4, :, :, :, 1:2]
@@ -51,7 +51,7 @@ def _push(receiver, rid: str, kv: torch.Tensor, layer_start: int, head_start: in
 
 def test_a_rank_s_receiver_collects_pieces_of_layers_and_heads_of_its_rectangle():
     kv = kv_of()
-    r = KVReceiver("fp", LAYOUT, part=(range(3, 5), range(0, 2)))  # a stage of layers [3, 5), both heads
+    r = KVReceiver("fp", LAYOUT, part=(range(3, 5), range(2)))  # a stage of layers [3, 5), both heads
     r.expect("a", [7, 8, 9], 10, 30)
     with pytest.raises(KVTransferError, match=r"layers \[2, 4\) heads \[0, 1\) does not fit.*layers \[3, 5\)"):
         _push(r, "a", kv[2:4, :, :, :, :1], 2, 0, 1)  # a layer it does not hold
@@ -72,7 +72,7 @@ def test_a_rank_s_receiver_collects_pieces_of_layers_and_heads_of_its_rectangle(
 def test_a_stage_s_push_waits_for_its_lease_and_a_new_lease_drops_an_old_one_on_its_blocks():
     """And a push for a lease dropped there does not wait."""
     kv = kv_of()
-    r = StageReceiver("fp", LAYOUT, part=(range(0, 3), range(0, 2)))
+    r = StageReceiver("fp", LAYOUT, part=(range(3), range(2)))
     t = threading.Thread(target=_push, args=(r, "a", kv[:3], 0))
     t.start()  # before its lease: it waits
     r.expect("old", [8, 20], 10, 30)
@@ -89,10 +89,11 @@ def test_a_stage_s_push_waits_for_its_lease_and_a_new_lease_drops_an_old_one_on_
 def through_workers(src, dst, ps: list[list[int]], n: int = 12, **cluster) -> list[list[int]]:
     """Each prompt of `ps` through a decode worker around `dst` that has a prefill worker
     around `src` prefill it (its KV over gRPC, by parts where either is a pipeline), `n`
-    greedy tokens each; `cluster`: the workers' settings (tests/helpers/workers.Cluster). Checks: every prompt prefilled remotely; a prefill pipeline never
-    gathers (rank 0's whole-layout export is not called) and each of its ranks sent its own
-    part alone; a decode pipeline's rank 0 receives and writes its own part alone; every
-    block back in both engines."""
+    greedy tokens each; `cluster`: the workers' settings (tests/helpers/workers.Cluster).
+    Checks: every prompt prefilled remotely; a prefill pipeline never gathers (rank 0's
+    whole-layout export is not called) and each of its ranks sent its own part alone; a
+    decode pipeline's rank 0 receives and writes its own part alone; the bytes pushed are the
+    bytes received; every block back in both engines."""
     from tests.helpers.engine_runs import clean
     from tests.helpers.workers import Cluster
 
@@ -104,8 +105,8 @@ def through_workers(src, dst, ps: list[list[int]], n: int = 12, **cluster) -> li
 
     async def go():
         async with Cluster(lambda **_: next(engines), policy="fail", **cluster) as c:
-            outs = [(await c.generate(f"w{next(_ids)}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))[0]
-                    for p in ps]
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            outs = [(await c.generate(f"w{next(_ids)}", p, params))[0] for p in ps]
             return outs, c.prefill.kv_bytes, c.decode.counters()
     try:
         outs, sent, counts = asyncio.run(go())

@@ -41,7 +41,7 @@ class StagedHandoff:
 
     endpoint = None  # a decode rank's own KV server (kv_transfer/stages.StageEndpoint), once served
     shipped = 0  # KV bytes this rank pushed itself
-    last_ship: list[int] = []  # rank 0: the bytes each rank pushed in the last `ship`
+    last_ship: list[int] | None = None  # rank 0: the bytes each rank pushed in the last `ship`
 
     def part_of(self, r: int) -> tuple[range, range]:
         """Rank r's rectangle: the whole model's layers and KV heads it holds."""
@@ -75,7 +75,7 @@ class StagedHandoff:
             if g.rank % self.width in self.owners:  # one rank of each replicated KV head sends it
                 sent = mine.ship_part(KVCache.export_blocks(self, block_ids), *self.own,
                                       (self.full.num_hidden_layers, self.full.num_key_value_heads), meta)
-        except Exception as e:  # every rank answers, whatever failed: the results share tag 0 with activations
+        except Exception as e:  # noqa: BLE001 -- every rank answers, whatever failed (tag 0 is the activations')
             sent, error = -1, e
             if g.rank:
                 print(f"pdserve pipeline rank {g.rank}: KV hand-off: {e!r}", file=sys.stderr, flush=True)
@@ -105,7 +105,7 @@ class StagedHandoff:
         try:
             self.endpoint = _module(module).StageEndpoint(meta, self.layout, self.format.name, self.own)
             port = self.endpoint.port
-        except Exception as e:  # told to rank 0, which refuses to start
+        except Exception as e:  # noqa: BLE001 -- told to rank 0, which refuses to start
             print(f"pdserve pipeline rank {g.rank}: KV server: {e!r}", file=sys.stderr, flush=True)
         self._answer(port)
 
@@ -137,7 +137,7 @@ class StagedHandoff:
                 if arrival is not None:
                     KVCache.import_blocks(self, block_ids, arrival.kv)
                     ok = 1
-            except Exception as e:  # told to rank 0
+            except Exception as e:  # noqa: BLE001 -- told to rank 0
                 print(f"pdserve pipeline rank {g.rank}: KV import: {e!r}", file=sys.stderr, flush=True)
             return self._answer(ok)
         layers, heads = self.own
