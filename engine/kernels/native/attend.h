@@ -71,6 +71,7 @@ typedef __m512 avec;
 #define av_mul _mm512_mul_ps
 #define av_fmadd _mm512_fmadd_ps
 #define av_zero _mm512_setzero_ps
+#define av_add _mm512_add_ps
 /* 16 consecutive float-format K/V elements (fp32, bf16) as fp32. */
 static inline avec kvv(const void *p, int fmt) {
     if (fmt == KV_BF16)
@@ -90,6 +91,7 @@ typedef __m256 avec;
 #define av_mul _mm256_mul_ps
 #define av_fmadd _mm256_fmadd_ps
 #define av_zero _mm256_setzero_ps
+#define av_add _mm256_add_ps
 static inline avec kvv(const void *p, int fmt) { return kv8(p, fmt); }
 static inline __m256 av_fold(avec a) { return a; }
 #endif
@@ -124,14 +126,27 @@ static inline __attribute__((always_inline)) void block_scores_d64(const avec *q
     }
 }
 
-/* acc += sum over the block's first n tokens of p[t] * v_t, in token order. */
+/* acc += sum over the block's first n tokens of p[t] * v_t: even and odd tokens in two sums
+ * (each in token order), added at the block's end, so that two chains of fused adds run at once
+ * (one chain of 4 vectors waits on the adds' latency at 512 bits). */
 static inline __attribute__((always_inline)) void block_values_d64(avec *acc, const float *p, const char *vb,
                                                                   size_t row, int n, const int fmt) {
     const size_t esz = fmt == KV_F32 ? 4 : 2;
-    for (int t = 0; t < n; t++) {
-        const avec pv = av_set1(p[t]);
-        for (int c = 0; c < AV_C; c++) acc[c] = av_fmadd(pv, kvv(vb + t * row + AV_LANES * c * esz, fmt), acc[c]);
+    avec odd[AV_C];
+    for (int c = 0; c < AV_C; c++) odd[c] = av_zero();
+    int t = 0;
+    for (; t + 2 <= n; t += 2) {
+        const avec p0 = av_set1(p[t]), p1 = av_set1(p[t + 1]);
+        for (int c = 0; c < AV_C; c++) {
+            acc[c] = av_fmadd(p0, kvv(vb + t * row + AV_LANES * c * esz, fmt), acc[c]);
+            odd[c] = av_fmadd(p1, kvv(vb + (t + 1) * row + AV_LANES * c * esz, fmt), odd[c]);
+        }
     }
+    if (t < n) {
+        const avec p0 = av_set1(p[t]);
+        for (int c = 0; c < AV_C; c++) acc[c] = av_fmadd(p0, kvv(vb + t * row + AV_LANES * c * esz, fmt), acc[c]);
+    }
+    for (int c = 0; c < AV_C; c++) acc[c] = av_add(acc[c], odd[c]);
 }
 
 /* acc (64 floats in AV_C vectors) from / to memory. */
