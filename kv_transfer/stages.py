@@ -79,11 +79,11 @@ def pieces(kv: torch.Tensor, layers: range, heads: range, address: str, shape: t
 
 
 # ---- a prefill pipeline's rank: its own part, pushed from its own process -----------------
-_channels: dict[str, grpc.Channel] = {}
+_channels: dict[tuple[str, TLSConfig], grpc.Channel] = {}
 
 
 def _channel(target: str, tls: TLSConfig) -> grpc.Channel:
-    ch = _channels.get(target)
+    ch = _channels.get((target, tls))
     if ch is None:
         options = list(CHANNEL_OPTIONS)
         if tls.enabled:
@@ -92,7 +92,7 @@ def _channel(target: str, tls: TLSConfig) -> grpc.Channel:
             ch = grpc.secure_channel(target, tls.channel_credentials(), options=options)
         else:
             ch = grpc.insecure_channel(target, options=options)
-        _channels[target] = ch
+        _channels[target, tls] = ch
     return ch
 
 

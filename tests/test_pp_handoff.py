@@ -86,6 +86,39 @@ def test_a_stage_s_push_waits_for_its_lease_and_a_new_lease_drops_an_old_one_on_
         _push(r, "b", kv[:3], 0)
 
 
+def test_a_rank_s_push_and_server_speak_mutual_tls(tmp_path):
+    """A prefill rank's push (ship_part) to a decode rank's own server (StageEndpoint) over
+    mutual TLS, converted to bf16 for the wire: its part lands, whole and converted back; a
+    plaintext push and a push with another cluster token are refused."""
+    trustme = pytest.importorskip("trustme")
+    from pdserve.kv_transfer.stages import StageEndpoint, serve_meta, ship_meta, ship_part
+    from tests.helpers.clusters import write_identity
+
+    tls = write_identity(trustme.CA(), tmp_path, "c")
+    part = (range(3, 5), range(0, 2))
+    end = StageEndpoint(serve_meta("127.0.0.1", "fp", "tok", tls, True), LAYOUT, "float32", part)
+    try:
+        address = stage_address([(range(0, 3), range(0, 2), "127.0.0.1:1"), (*part, f"127.0.0.1:{end.port}")],
+                                "127.0.0.1")
+        end.receiver.expect("a", [7, 8, 9], 10, 30)
+        kv = kv_of()[3:]  # a prefill stage of layers [3, 5): this rank's alone (none to the rank at port 1)
+
+        def meta(**kw):
+            return ship_meta(**{"target": address, "request_id": "a", "dest_block_ids": [7, 8, 9], "num_tokens": 10,
+                                "first_token": 1, "token_offset": 0, "model_fingerprint": "fp", "lora_identity": "",
+                                "timeout_s": 10.0, "sender_id": "p", "cluster_token": "tok", "wire": "bfloat16",
+                                "tls": tls} | kw)
+        with pytest.raises(KVTransferError, match=f"127.0.0.1:{end.port} failed: UNAVAILABLE"):
+            ship_part(kv, range(3, 5), range(2), (5, 2), meta(tls=None))
+        with pytest.raises(KVTransferError, match="wrong or missing cluster token"):
+            ship_part(kv, range(3, 5), range(2), (5, 2), meta(cluster_token="nope"))
+        assert ship_part(kv, range(3, 5), range(2), (5, 2), meta()) == kv.numel() * 2
+        got = end.receiver.take_blocks([7, 8, 9], 5)
+        assert got is not None and torch.equal(got.kv, kv.to(torch.bfloat16).float())
+    finally:
+        end.stop()
+
+
 def through_workers(src, dst, ps: list[list[int]], n: int = 12, **cluster) -> list[list[int]]:
     """Each prompt of `ps` through a decode worker around `dst` that has a prefill worker
     around `src` prefill it (its KV over gRPC, by parts where either is a pipeline), `n`
