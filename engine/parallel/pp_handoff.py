@@ -94,6 +94,8 @@ class StagedHandoff:
         Rank 0: (layers, heads, port) of every rank but itself (which serves with its worker)."""
         g = self.group
         if g.rank == 0:
+            if self.settle is not None:  # the ports come under tag 0
+                self.settle()
             g.broadcast(("serve_kv", meta, module.__name__))
             ports = self._results()
             if min(ports, default=0) <= 0:
