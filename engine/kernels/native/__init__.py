@@ -36,7 +36,7 @@ from .cpu import ISA_ENV, ISAS, UnknownISA, cpu_flags, isa, isas  # noqa: F401  
 # kvformat.h and attend.h are shared by them
 SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
                                      for n in ("woq.c", "attention.c", "attention_rows.c", "kv_store.c", "fused.c", "w4a8.c", "q8a16.c", "sampling.c",
-                                               "step.c", "w4a8n.c", "lora.c"))
+                                               "step.c", "w4a8n.c", "lora.c", "peak.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h"))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
