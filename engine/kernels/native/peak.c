@@ -11,6 +11,13 @@
 #endif
 
 #define CHAINS 12
+/* The chains as 12 named registers (an array of them lived on the stack) */
+#define ALL(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
+#define DECL(i) V a##i = INIT(i);
+#define STEP(i) a##i = OP(a##i); __asm__ volatile("" : "+v"(a##i));
+#define CHAIN_LOOP(iters) \
+    ALL(DECL)                                   \
+    for (int64_t i = 0; i < (iters); i++) { ALL(STEP) }
 
 int64_t peak_int8_macs(int64_t iters, int nt) {
 #ifdef __AVX2__
@@ -18,36 +25,29 @@ int64_t peak_int8_macs(int64_t iters, int nt) {
 #pragma omp parallel num_threads(nt) reduction(+ : per)
     {
 #ifdef PDSERVE_VNNI512
-        __m512i acc[CHAINS];
+        typedef __m512i V;
         const __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(-2);
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_epi32(c);
-        for (int64_t i = 0; i < iters; i++)
-            for (int c = 0; c < CHAINS; c++) {
-                acc[c] = _mm512_dpbusd_epi32(acc[c], w, x);
-                __asm__ volatile("" : "+v"(acc[c]));
-            }
+#define INIT(i) _mm512_set1_epi32(i)
+#define OP(a) _mm512_dpbusd_epi32((a), w, x)
+        CHAIN_LOOP(iters)
         per += (int64_t)CHAINS * 64 * iters;
 #elif defined(PDSERVE_VNNI)
-        __m256i acc[CHAINS];
+        typedef __m256i V;
         const __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(-2);
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_set1_epi32(c);
-        for (int64_t i = 0; i < iters; i++)
-            for (int c = 0; c < CHAINS; c++) {
-                acc[c] = W4A8_DPBUSD(acc[c], w, x);
-                __asm__ volatile("" : "+x"(acc[c]));
-            }
+#define INIT(i) _mm256_set1_epi32(i)
+#define OP(a) W4A8_DPBUSD((a), w, x)
+        CHAIN_LOOP(iters)
         per += (int64_t)CHAINS * 32 * iters;
 #else
-        __m256i acc[CHAINS];
-        const __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(-2);
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_set1_epi16((short)c);
-        for (int64_t i = 0; i < iters; i++)
-            for (int c = 0; c < CHAINS; c++) {
-                acc[c] = _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(w, x));
-                __asm__ volatile("" : "+x"(acc[c]));
-            }
+        typedef __m256i V;
+        const __m256i w = _mm256_set1_epi8(3);
+#define INIT(i) _mm256_set1_epi16(i)
+#define OP(a) _mm256_add_epi16((a), _mm256_maddubs_epi16(w, (a))) /* the product on the chain: not hoisted */
+        CHAIN_LOOP(iters)
         per += (int64_t)CHAINS * 32 * iters;
 #endif
+#undef INIT
+#undef OP
     }
     return per;
 #else
@@ -62,26 +62,22 @@ int64_t peak_fp32_fmas(int64_t iters, int nt) {
 #pragma omp parallel num_threads(nt) reduction(+ : per)
     {
 #ifdef __AVX512F__
-        __m512 acc[CHAINS];
-        const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
-        for (int64_t i = 0; i < iters; i++)
-            for (int c = 0; c < CHAINS; c++) {
-                acc[c] = _mm512_fmadd_ps(acc[c], a, b);
-                __asm__ volatile("" : "+v"(acc[c]));
-            }
+        typedef __m512 V;
+        const __m512 m = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+#define INIT(i) _mm512_set1_ps((float)(i))
+#define OP(a) _mm512_fmadd_ps((a), m, b)
+        CHAIN_LOOP(iters)
         per += (int64_t)CHAINS * 16 * iters;
 #else
-        __m256 acc[CHAINS];
-        const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_set1_ps((float)c);
-        for (int64_t i = 0; i < iters; i++)
-            for (int c = 0; c < CHAINS; c++) {
-                acc[c] = _mm256_fmadd_ps(acc[c], a, b);
-                __asm__ volatile("" : "+x"(acc[c]));
-            }
+        typedef __m256 V;
+        const __m256 m = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+#define INIT(i) _mm256_set1_ps((float)(i))
+#define OP(a) _mm256_fmadd_ps((a), m, b)
+        CHAIN_LOOP(iters)
         per += (int64_t)CHAINS * 8 * iters;
 #endif
+#undef INIT
+#undef OP
     }
     return per;
 #else
