@@ -45,6 +45,12 @@ class WorkerEndpoint:
         return WorkerIdentity(self.worker_id, service_role(self.role), self.address)
 
 
+PLACEMENTS = ("prefill_pool", "decode_load", "decode")
+"""Where a route's prompt is computed: the prefill pool; its decode worker by load (the prefill
+queue is deep, or the decode worker idle: policies.prefill_on_decode); or its decode worker
+because there is no prefill pool (aggregated, or all down)."""
+
+
 @dataclass
 class Route:
     decode: WorkerEndpoint
@@ -59,6 +65,7 @@ class Route:
     priority: int = 0  # its request's (lower is more urgent)
     peer: WorkerEndpoint | None = None  # holds more of the prompt's prefix than the worker computing it
     peer_blocks: int = 0  # the prompt's leading blocks the peer holds (it may pull them: kv_transfer/peer.py)
+    placement: str = "prefill_pool"  # where its prompt is computed and why (PLACEMENTS)
 
 
 class ClusterClient:
@@ -257,15 +264,17 @@ class ClusterClient:
             or self._urgent_lately(decode_id, priority)
         self.decode_streams[decode_id] = self.decode_streams.get(decode_id, 0) + 1
         self.decode_priorities.setdefault(decode_id, Counter())[priority] += 1
+        placement = "decode" if prefill is None else "prefill_pool"
         if prefill is not None and not urgent_there and self._prefill_here(prefill, prefill_pool, decode_pool,
                                                                            decode_id, len(prompt)):
             if prefill.expected_until:
                 self.index.withdraw(prefill.worker_id, hashes, prefill.expected_until)
-            prefill = None
+            prefill, placement = None, "decode_load"
         if prefill is None:
             self.pending_prefill[decode_id] = self.pending_prefill.get(decode_id, 0) + len(prompt)
             return Route(self.workers[decode_id], None, 0, len(prompt), holds_stream=True, block_hashes=hashes,
-                         decode_expected_until=decode_until, priority=priority, **self._peer(hashes, decode_id))
+                         decode_expected_until=decode_until, priority=priority, placement=placement,
+                         **self._peer(hashes, decode_id))
         todo = max(len(prompt) - prefill.cached_tokens, 0)
         self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
         return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,

@@ -138,6 +138,7 @@ class Generation:
                     self.metrics.kv_request_bytes.observe(self._first.kv_bytes)
                 if self._first.HasField("timing"):
                     self.metrics.handoff(self._first.timing)
+                self.metrics.placements.labels(self.route.placement).inc()  # its prompt is computed
                 break
             except StopAsyncIteration as e:
                 raise APIError(503, "the decode worker ended the request without output", "server_error") from e
