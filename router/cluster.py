@@ -26,7 +26,7 @@ from pdserve.protos.security import (ReplyCheck, TLSConfig, WorkerIdentity, chec
 
 from .adapters import resident_on, served_adapters
 from .policies import (NoWorkerError, PrefillChoice, WorkerLoad, make_policy, pick_peer, prefer_adapter,
-                       prefill_on_decode)
+                       prefill_on_decode, urgent_prefill_on_decode)
 from .prefix_index import PrefixIndex
 from .tenancy import SessionAffinity
 
@@ -45,10 +45,11 @@ class WorkerEndpoint:
         return WorkerIdentity(self.worker_id, service_role(self.role), self.address)
 
 
-PLACEMENTS = ("prefill_pool", "decode_load", "decode")
-"""Where a route's prompt is computed: the prefill pool; its decode worker by load (the prefill
-queue is deep, or the decode worker idle: policies.prefill_on_decode); or its decode worker
-because there is no prefill pool (aggregated, or all down)."""
+PLACEMENTS = ("prefill_pool", "decode_urgent", "decode_load", "decode")
+"""Where a route's prompt is computed: the prefill pool; its decode worker because the request is
+more urgent than every stream there and short (policies.urgent_prefill_on_decode), or by load
+(the prefill queue is deep, or the decode worker idle: policies.prefill_on_decode); or its
+decode worker because there is no prefill pool (aggregated, or all down)."""
 
 
 @dataclass
@@ -260,16 +261,18 @@ class ClusterClient:
             prefill = self.policy.pick_prefill(candidates, hashes, len(prompt), self.block_size)
         except NoWorkerError:
             pass  # no prefill pool (aggregated) or all down: the decode worker prefills itself
-        urgent_there = min(self.decode_priorities.get(decode_id) or [priority]) < priority \
-            or self._urgent_lately(decode_id, priority)
+        streams = self.decode_priorities.get(decode_id)
+        urgent_there = min(streams or [priority]) < priority or self._urgent_lately(decode_id, priority)
+        urgent_here = prefill is not None and urgent_prefill_on_decode(
+            priority, streams, max(len(prompt) - prefill.cached_tokens, 0))
         self.decode_streams[decode_id] = self.decode_streams.get(decode_id, 0) + 1
         self.decode_priorities.setdefault(decode_id, Counter())[priority] += 1
         placement = "decode" if prefill is None else "prefill_pool"
-        if prefill is not None and not urgent_there and self._prefill_here(prefill, prefill_pool, decode_pool,
-                                                                           decode_id, len(prompt)):
+        if prefill is not None and not urgent_there and (urgent_here or self._prefill_here(
+                prefill, prefill_pool, decode_pool, decode_id, len(prompt))):
             if prefill.expected_until:
                 self.index.withdraw(prefill.worker_id, hashes, prefill.expected_until)
-            prefill, placement = None, "decode_load"
+            prefill, placement = None, "decode_urgent" if urgent_here else "decode_load"
         if prefill is None:
             self.pending_prefill[decode_id] = self.pending_prefill.get(decode_id, 0) + len(prompt)
             return Route(self.workers[decode_id], None, 0, len(prompt), holds_stream=True, block_hashes=hashes,

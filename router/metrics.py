@@ -32,9 +32,10 @@ class RouterMetrics:
         self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker after a failure",
                                   registry=r)
         self.placements = Counter("pdserve_prompt_placements", "Prompts computed, by where: prefill_pool; "
-                                  "decode_load (the decode worker, for a deep prefill queue or an idle decode "
-                                  "worker); decode (no prefill pool)", ["where"], registry=r)
-        for where in ("prefill_pool", "decode_load", "decode"):
+                                  "decode_urgent (the decode worker, for a short prompt more urgent than every "
+                                  "stream there); decode_load (the decode worker, for a deep prefill queue or an "
+                                  "idle decode worker); decode (no prefill pool)", ["where"], registry=r)
+        for where in ("prefill_pool", "decode_urgent", "decode_load", "decode"):
             self.placements.labels(where)
         for status in ("stop", "length", "abort", "timeout", "error", "rejected"):  # 0, not "no data", until seen
             self.requests.labels(status)

@@ -98,6 +98,13 @@ async def _beside_a_flood(url: str, priority: int | None, tenants: bool) -> None
             await asyncio.gather(*flood, return_exceptions=True)
 
 
+def placed_urgent(url: str) -> float:
+    """The router's count of prompts computed on their decode worker for being more urgent than
+    every stream there (`pdserve_prompt_placements_total{where="decode_urgent"}`)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(re.search(r'^pdserve_prompt_placements_total\{where="decode_urgent"\} (\S+)$', text, re.M).group(1))
+
+
 def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     rng = random.Random(1)
     load = load_buckets()
@@ -107,7 +114,11 @@ def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     # B alone: plain steps, or window steps while an urgent window of the tests before is open
     alone_median, alone_steps = median_step(before, alone, "false", "window")
     assert alone_steps >= 3 * (CHAT_TOKENS - 1) and median_step(before, alone, "true")[1] == 0
+    placed = placed_urgent(url)
     asyncio.run(_beside_a_flood(url, -10, tenants=False))
+    # B's short prompts beside the flood are computed on the decode worker, where the flood's
+    # steps stop for them, not behind a prefill worker's chunk that streams KV out
+    assert placed_urgent(url) - placed >= 3
     flood = step_series(url)
     urgent_median, urgent_steps = median_step(alone, flood, "true")
     assert urgent_steps >= 3 * (CHAT_TOKENS - 1), urgent_steps  # B's steps beside the flood: contended

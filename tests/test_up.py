@@ -48,7 +48,7 @@ def test_up_serves(default_up, smollm):
     assert 'role="prefill"' in metrics and 'role="decode"' in metrics
     # where each prompt was computed: at least one found the decode worker idle (no hand-off)
     placed = dict(re.findall(r'^pdserve_prompt_placements_total\{where="(\w+)"\} (\S+)$', metrics, re.M))
-    assert set(placed) == {"prefill_pool", "decode_load", "decode"} and float(placed["decode_load"]) >= 1, placed
+    assert set(placed) == {"prefill_pool", "decode_urgent", "decode_load", "decode"} and float(placed["decode_load"]) >= 1, placed
     for role in ("prefill", "decode"):  # each worker reports its preemptions by cause
         assert re.search(rf'^pdserve_preemptions_total{{cause="priority",role="{role}"', metrics, re.M), metrics
         # the host KV tier is on by default (sized from free memory) on every worker
