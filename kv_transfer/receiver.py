@@ -245,6 +245,13 @@ class PushAssembler:
     def data(self, piece: bytes) -> None:
         self.slot(len(piece))[:] = piece
 
+    def chunk(self, c: pb.KVChunk) -> None:
+        """One message of a gRPC push stream: its header or a data piece."""
+        if c.WhichOneof("kind") == "header":
+            self.start(c.header)
+        else:
+            self.data(c.data)
+
     def finish(self) -> None:
         """Check the whole push (size, checksum) and file it with the receiver."""
         if self.header is None:

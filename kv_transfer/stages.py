@@ -201,10 +201,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
         push = PushAssembler(self.receiver)
         try:
             for chunk in request_iterator:
-                if chunk.WhichOneof("kind") == "header":
-                    push.start(chunk.header)
-                else:
-                    push.data(chunk.data)
+                push.chunk(chunk)
             push.finish()
         except KVTransferError as e:
             return pb.KVPushReply(ok=False, error=str(e), bytes_received=push.received)
