@@ -305,9 +305,21 @@ def compute_roof() -> dict:
     out = {"gemm_gflops_fp32": rate(torch.float32), "threads": torch.get_num_threads(),
            "flops_per_prompt_token": 2 * layer_params,  # the LM head runs for sampled rows only
            "flops_per_output_token": 2 * (layer_params + cfg.vocab_size * d)}
-    if {"avx512_bf16", "amx_bf16"} & cpu_flags():
+    if bf16_native(cpu_flags()):
         out["gemm_gflops_bf16"] = rate(torch.bfloat16)
     return out
+
+
+# oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) under which its bf16 matmuls are emulated
+_NO_BF16_CAPS = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def bf16_native(flags: set[str]) -> bool:
+    """Whether torch's bf16 matmuls run on bf16 instructions here: the CPU has them and oneDNN is
+    not capped below them (`ONEDNN_MAX_CPU_ISA` or `DNNL_MAX_CPU_ISA`, as when a run forces the
+    AVX2 paths on an AVX-512 CPU: an emulated bf16 GEMM then costs minutes and measures nothing)."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return bool({"avx512_bf16", "amx_bf16"} & flags) and cap not in _NO_BF16_CAPS
 
 
 def _timed(fn) -> float:

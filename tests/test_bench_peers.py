@@ -167,3 +167,19 @@ def test_llama_server_is_found_and_given_its_concurrency_flags(tmp_path, monkeyp
     table = peers.markdown(head, None)
     assert "| pdserve-exact | exact: fp32 math on the Q4_1 weights |" in table
     assert "| vllm | fp32 (dequantized Q4_1) |" in table or "| vllm | bf16 (dequantized Q4_1) |" in table
+
+
+def test_the_bf16_roof_is_measured_only_where_bf16_runs_natively(monkeypatch):
+    """Not where the CPU lacks bf16 instructions, nor where oneDNN is capped below them (a run
+    forcing the AVX2 paths on an AVX-512 CPU, whose emulated bf16 GEMM took 88 s)."""
+    from pdserve.bench.peers import bf16_native
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert bf16_native({"avx512_bf16", "avx2"}) and bf16_native({"amx_bf16"}) and not bf16_native({"avx2"})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not bf16_native({"avx512_bf16", "avx2"})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert bf16_native({"avx512_bf16"})
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    assert not bf16_native({"avx512_bf16"})
