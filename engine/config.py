@@ -260,12 +260,12 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decode tokens)."""
     long_prefill_token_threshold: int = 0
     """If > 0, cap any one request's prefill chunk at this many tokens per step."""
-    yield_chunk: int = 16
+    yield_chunk: int = 128
     """While a more urgent request (a lower `priority`) runs or waits here, no prompt chunk of a
     less urgent one shares its steps (they stay its own decode step plus `yield_decodes` rows);
     for `urgent_window_s` after one was last here (or while a peer on this host steps for one),
-    such chunks take at most this many tokens a step, all together, so the urgent client's next
-    request never waits for a long step; 0: no cap in the window."""
+    such chunks take at most this many tokens a step, all together (a step stopped for the urgent
+    client's next request throws them away); 0: no cap. A step's fixed cost is ~8 ms on a busy 2-core host."""
     yield_decodes: int = 4
     """While a more urgent request runs or waits here, at most this many less urgent requests
     decode in a step (in turns), so the urgent one's step is not a whole batch of others; 0: no
@@ -277,10 +277,10 @@ class SchedulerConfig:
     urgent_window_s: float = 5.0
     """How long a worker's steps stay window steps after its last more urgent request (or a
     peer's, on this host): a person's next chat, a few seconds later, finds short steps."""
-    window_step_s: float = 0.015
+    window_step_s: float = 0.06
     """The longest a window step may take by the cost model (engine/core/step_cost.py): less
-    urgent rows take turns within it (each step takes one at least), so the urgent client's
-    next request waits about this long at most for the step in flight; 0: `yield_chunk` only."""
+    urgent rows take turns within it (each step takes one at least). An urgent request stops the
+    step in flight at a layer's end (it counts for nothing): this bounds the work lost; 0: none."""
     peer_chunk: int = 128
     """Prompt chunks' most tokens while only a peer on this host had more urgent work within its
     window: the step pauses at a layer's end for the peer's next urgent step (async_engine.py),

@@ -203,3 +203,25 @@ def test_a_long_step_pauses_at_a_layers_end_while_a_peer_steps_for_more_urgent_w
     assert me.pause_for_peers(0) == 0.0  # the peer's urgent work is done
     for s in (me, peer):
         s.close()
+
+
+def test_a_peer_standing_aside_lends_its_threads_only_to_work_more_urgent_than_its_own(tmp_path):
+    """A worker that stands aside (or pauses) with work of its own steps again as soon as no
+    peer's work is more urgent: a step for work not more urgent than its own must not count on
+    its threads (they would be wanted twice: a 2-thread team beside another process's thread on
+    2 cores). One with nothing to do lends them to any step."""
+    prefill, _ = share(tmp_path, "prefill-0", max_threads=2)  # the flood's chunks, priority 0
+    decode, applied = share(tmp_path, "decode-0", max_threads=2)
+    prefill.step_threads(0)
+    decode.step_threads(-10)  # an urgent stream's step
+    assert prefill.yields_to_peer(0)
+    prefill.idle(pending=True)
+    assert decode.step_threads(-10) == 2  # more urgent than the prefill's work: both cores
+    assert decode.step_threads(0) == 1  # the urgent stream is done: the prefill steps again now
+    assert decode.step_threads(5) == 1  # less urgent still
+    prefill.step_threads(0)  # it does
+    prefill.idle()  # and then has nothing to do
+    assert decode.step_threads(5) == 2
+    assert applied == [2, 1, 2]
+    for s in (prefill, decode):
+        s.close()

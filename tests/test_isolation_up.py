@@ -127,12 +127,12 @@ def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     # one bucket; with the flood's decodes and chunks in B's steps, three)
     load = max(load, load_buckets())
     assert urgent_median <= alone_median + 2 + load, (urgent_median, alone_median, load)
-    # between B's chats the flood's steps are window steps, sized by the learnt cost to 15 ms
-    # (the flood's 24 decodes take turns): B's next prompt waits for one of those at most;
-    # measured: the 11-16 ms bucket; at most 23 ms (one bucket over) on a loaded machine
+    # between B's chats the flood's steps are window steps, sized by the learnt cost to 60 ms
+    # (the flood's decodes and chunks take turns), which B's next prompt stops at a layer's end;
+    # measured: the 23-32 ms bucket; at most 64 ms (`window_step_s`) plus the load
     assert all(flood["computed"][k] > alone["computed"][k] > before["computed"][k] for k in ("prompt", "decode"))
     window_median, window_steps = median_step(alone, flood, "window")
-    last_ok = max(i for i, b in enumerate(BUCKETS) if b <= 0.023)
+    last_ok = max(i for i, b in enumerate(BUCKETS) if b <= 0.065)
     assert window_steps >= 10 and window_median <= last_ok + load, (window_steps, BUCKETS[window_median], load)
     wait_kv_back(url, 2, within_s=60)  # the flood's cancelled requests freed everything
 

@@ -233,7 +233,7 @@ class AsyncEngine:
             # chunk (0.75 s on one core of a 2-core Zen 4), busy here or not when it comes
             self.engine.scheduler.note_urgency_elsewhere(*window)
         if stands_aside:
-            self.cores.idle()
+            self.cores.idle(pending=True)
             t0 = time.monotonic()
             self._drain(block=True, timeout=CHECK_INTERVAL_S)
             self.cores.yielded_s += time.monotonic() - t0
