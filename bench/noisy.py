@@ -1,7 +1,8 @@
 """The noisy-neighbour benchmark (`pdserve bench --workload noisy-neighbour`): what one
 client's flood does to another client's interactive chats, in one run.
 
-Tenant B is a person at a keyboard: short chats, one at a time. Tenant A floods at its maximum
+Tenant B is a person at a keyboard: short chats, one at a time, each reply read for `--think-s`
+(0.3 s: B's own steps then take about a quarter of the machine). Tenant A floods at its maximum
 rate: N streams at once, each sending its next request as soon as the last one ends; long
 prompts, every third one with a JSON-schema `response_format` and every third one with n=2.
 Each phase (a `Shape`) runs on prompts the server has not seen (no cache reuse) and ends by
@@ -109,6 +110,8 @@ def add_noisy_args(w) -> None:
     w.add_argument("--chat-input-len", type=int, default=48, help="noisy-neighbour: B's prompt tokens (default: %(default)s)")
     w.add_argument("--chat-output-len", type=int, default=32,
                    help="noisy-neighbour: B's output tokens (default: %(default)s)")
+    w.add_argument("--think-s", type=float, default=0.3,
+                   help="noisy-neighbour: seconds B reads each reply before its next chat (default: %(default)s)")
     w.add_argument("--warmup", type=float, default=8.0,
                    help="noisy-neighbour: seconds A floods before B's first chat (default: %(default)s)")
     w.add_argument("--grid", action="store_true",
@@ -175,7 +178,7 @@ async def _chats(http, url: str, model: str, vocab: Vocabulary, rng: random.Rand
         r, _ = await send_one(http, url, "/v1/chat/completions", body,
                               Turn(prompt, args.chat_input_len, args.chat_output_len), 0.0)
         out.append(r)
-        await asyncio.sleep(0.3)  # the person reads the reply
+        await asyncio.sleep(args.think_s)  # the person reads the reply
     return out
 
 
@@ -343,7 +346,7 @@ def httpx_client(args, headers: dict, connections: int = 8):
 async def run(args) -> dict:
     url = args.base_url.rstrip("/")
     auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    out: dict = {"url": url, "cpu": cpu_description(), "phases": {}}
+    out: dict = {"url": url, "cpu": cpu_description(), "b_think_s": args.think_s, "phases": {}}
     async with httpx_client(args, auth) as probe:
         model = args.model or await first_model(probe, url)
     tokenizer, _ = resolve_tokenizer(args.tokenizer, model)
