@@ -154,6 +154,29 @@ def test_kv_hands_off_by_parts_between_shapes(engines):
     assert through_workers(one, pptp, ps) == want
 
 
+def test_kv_hands_off_between_two_pp_x_tp_pipelines(engines):
+    """P(PP=2 x TP=2) -> D(PP=2 x TP=2), a second pipeline of 4 ranks, and back: in the whole
+    model's layout (rank 0 gathers and sends each rank its part) and by parts through the
+    workers, where each of the 4 prefill ranks pushes its own stage's layers' KV head (a
+    quarter of the bytes each), no rank gathers, and each decode rank takes its own part;
+    greedy tokens the single engine's, every block back in both."""
+    ps = prompts(2, seed=17, lo=20, hi=70)
+    want = single().generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    pptp = engines["pptp"]
+    other = LLMEngine.tensor_parallel(SOURCE, PPTP, 4, pipeline=True)
+    try:
+        assert handoff(pptp, other, ps) == want and handoff(other, pptp, ps) == want
+        assert through_workers(pptp, other, ps) == want
+        shipped = pptp.kv_cache.last_ship
+        assert len(shipped) == 4 and min(shipped) > 0 and len(set(shipped)) == 2, shipped  # 3 layers and 2: 3:3:2:2
+        assert shipped[0] * 2 == shipped[2] * 3
+        assert through_workers(other, pptp, ps) == want
+        for e in (pptp, other):
+            clean(e)
+    finally:
+        other.shutdown()
+    assert all(p.poll() is not None for p in other.tp.procs)
+
 def test_three_stages_of_two_ranks():
     """PP=3 x TP=2 (6 processes): the middle stage's ranks each receive from and send to their
     place in the stages around them; 3 micro-batches in flight, tokens the single engine's,
@@ -201,26 +224,3 @@ def test_a_killed_rank_of_a_stage_s_group_raises_rank_failed_and_frees_the_block
     e = engines["pptp"]
     kill_rank_mid_stream(e, prompts(1, seed=13, lo=30, hi=30)[0], 0)
 
-
-def test_kv_hands_off_between_two_pp_x_tp_pipelines(engines):
-    """P(PP=2 x TP=2) -> D(PP=2 x TP=2), a second pipeline of 4 ranks, and back: in the whole
-    model's layout (rank 0 gathers and sends each rank its part) and by parts through the
-    workers, where each of the 4 prefill ranks pushes its own stage's layers' KV head (a
-    quarter of the bytes each), no rank gathers, and each decode rank takes its own part;
-    greedy tokens the single engine's, every block back in both."""
-    ps = prompts(2, seed=17, lo=20, hi=70)
-    want = single().generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    pptp = engines["pptp"]
-    other = LLMEngine.tensor_parallel(SOURCE, PPTP, 4, pipeline=True)
-    try:
-        assert handoff(pptp, other, ps) == want and handoff(other, pptp, ps) == want
-        assert through_workers(pptp, other, ps) == want
-        shipped = pptp.kv_cache.last_ship
-        assert len(shipped) == 4 and min(shipped) > 0 and len(set(shipped)) == 2, shipped  # 3 layers and 2: 3:3:2:2
-        assert shipped[0] * 2 == shipped[2] * 3
-        assert through_workers(other, pptp, ps) == want
-        for e in (pptp, other):
-            clean(e)
-    finally:
-        other.shutdown()
-    assert all(p.poll() is not None for p in other.tp.procs)
