@@ -17,7 +17,9 @@ Rank 0 alone samples: the other ranks compute no logits.
 Each rank's cache holds every KV head of every block (its own attention writes them), so a
 KV export is rank 0's cache alone, and an import is broadcast to every rank (`EPKVCache`).
 Tensor parallelism within an expert-parallel group is not implemented (EngineConfig refuses
-both degrees above 1), nor are LoRA adapters on one (TensorParallel refuses them).
+both degrees above 1), nor are LoRA adapters on one (TensorParallel refuses them). A pipeline
+of expert-parallel stages (PP x EP) is engine/parallel/pp.py's: each stage splits its own
+layers' experts over its ranks this way, its combine over the stage's group.
 """
 from __future__ import annotations
 
@@ -75,9 +77,12 @@ def attach_experts(model, group) -> None:
 def expert_load(model, ep: int) -> list[tuple[int, int, int]]:
     """(expert, the rank that holds it, (token, expert) pairs routed to it so far) for each
     expert, summed over the MoE layers; [] for a dense model. Rank 0's counts are the group's:
-    every rank routes every token the same way."""
+    every rank routes every token the same way (a pipeline's: its stage's layers, their experts
+    over the stage's ranks, whatever `ep` says)."""
     if not hasattr(model, "expert_tokens"):
         return []
+    if getattr(model, "pp", None) is not None:  # PP x EP: the ranks of rank 0's stage, numbered from 0
+        ep = model.pp.width
     tokens = model.expert_tokens()
     ranks = [r for r in range(ep) for _ in experts_of(model.config, ep, r)]
     return [(e, r, n) for e, (r, n) in enumerate(zip(ranks, tokens))]

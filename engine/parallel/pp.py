@@ -34,9 +34,21 @@ all-gather shortcut), and the last stage's rank 0 alone sends the normed result 
 The vocabulary is not split (every rank keeps the whole embedding and LM head, as a pipeline
 stage does): stage 0's ranks each embed the tokens, and rank 0 alone computes the logits.
 
+PP x EP: with `EngineConfig.expert_parallel_size` = w > 1 (a mixture-of-experts model) each
+stage is an expert-parallel group of w ranks instead (engine/parallel/ep.py within the stage):
+every rank of a stage holds its layers' attention, norms and dense MLPs whole and its share of
+their experts (the shared expert on the stage's first rank), runs every token through them
+and sums its MoE layers' partial outputs over the stage's group; the residual stream moves
+as under PP x TP. Each rank caches every KV head of its layers, so the stage's first rank
+alone exports them (`owners`) and an import by parts reaches every rank of the stage. Such a
+pipeline takes one pass at a time (engine/core/micro_batches.py keeps a mixture of experts'
+batches whole).
+
 Not in this slice: the native one-call decode step and layer-wise KV streaming mid-pass (a
 step's streams export once the pass is through; a prefill worker ships by parts then), LoRA
-adapters, and PP together with expert parallelism. Every rank keeps the
+adapters, and PP x EP from the flags (EngineConfig and the pools refuse it: an in-process
+engine takes it, `LLMEngine.tensor_parallel(source, config, pp * ep, pipeline=True)` with
+`config.expert_parallel_size` = ep). Every rank keeps the
 embedding, the final norm and the LM head (stage 0's ranks use the embedding, the last
 stage's first rank the norm, rank 0 the LM head).
 """
@@ -53,6 +65,7 @@ import torch.distributed as dist
 from pdserve.common.errors import KVTransferError
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv.cache import KVCache, kv_format
+from pdserve.engine.parallel.ep import shard_experts
 from pdserve.engine.parallel.group import Group
 from pdserve.engine.parallel.pp_handoff import StagedHandoff
 from pdserve.engine.parallel.shard import kv_heads_of, shard, span
@@ -71,13 +84,22 @@ def check_stages(cfg: ModelConfig, pp: int) -> None:
 
 
 def stage_width(config: EngineConfig, world: int) -> int:
-    """Ranks in each stage of a pipeline group of `world` ranks: the config's tensor-parallel
-    degree (1: a stage is one process). Refuses a world it does not divide."""
-    w = config.tensor_parallel_size
+    """Ranks in each stage of a pipeline group of `world` ranks: the config's tensor- or
+    expert-parallel degree (EngineConfig allows one of them above 1; both 1: a stage is one
+    process). Refuses a world it does not divide."""
+    w = config.tensor_parallel_size * config.expert_parallel_size
     if world % w:
-        raise ValueError(f"a pipeline group of {world} ranks cannot be split into stages of {w} tensor-parallel "
+        kind = "expert-parallel" if config.expert_parallel_size > 1 else "tensor-parallel"
+        raise ValueError(f"a pipeline group of {world} ranks cannot be split into stages of {w} {kind} "
                          f"ranks: use a multiple of {w}")
     return w
+
+
+def stage_heads(full: ModelConfig, config: EngineConfig, t: int) -> slice:
+    """The KV heads rank t of a stage holds: its tensor-parallel share of them, or all of
+    them (a stage of expert-parallel ranks runs its attention whole on every rank)."""
+    tp = config.tensor_parallel_size
+    return kv_heads_of(full, tp, t) if tp > 1 else slice(0, full.num_key_value_heads)
 
 
 def layers_of(cfg: ModelConfig, pp: int, rank: int) -> range:
@@ -103,7 +125,9 @@ def load_stage(source, config: EngineConfig, world: int, rank: int):
     """The LoadedModel of global rank `rank` of a pipeline group of `world` ranks (its config:
     the whole model's; its model: its stage's layers, each keeping its index in the whole
     model for per-layer settings such as sliding windows; with stages of w > 1 ranks, its
-    tensor-parallel slice of them, the vocabulary whole), and the whole model's config."""
+    tensor-parallel slice of them, the vocabulary whole, or under expert parallelism their
+    attention whole and its share of their experts: ep.shard_experts), and the whole model's
+    config."""
     from pdserve.engine.model.weights import LoadedModel, build_model, quantized_fingerprint
 
     state, cfg, fp, path = source.read()
@@ -112,11 +136,13 @@ def load_stage(source, config: EngineConfig, world: int, rank: int):
     w = stage_width(config, world)
     check_stages(cfg, world // w)
     layers = layers_of(cfg, world // w, rank // w)
-    part, local = stage_state(state, layers), cfg
-    if w > 1:
+    part, local, share = stage_state(state, layers), cfg, None
+    if w > 1 and config.expert_parallel_size > 1:
+        part, share = shard_experts(part, cfg, w, rank % w)
+    elif w > 1:
         part, local = shard(part, cfg, w, rank % w, vocab=False)
     model = build_model(local, part, getattr(torch, config.dtype), config.device,
-                        config.packed_weights, config.quantization, layers=layers)
+                        config.packed_weights, config.quantization, experts=share, layers=layers)
     return LoadedModel(model, cfg, path, quantized_fingerprint(fp, config.quantization, model)), cfg
 
 
@@ -200,15 +226,21 @@ def stage_group(store, rank: int, width: int, timeout_s: float, secret: bytes, o
 def attach_stage(model, group, stage_tp: Group | None = None) -> None:
     """Make `model` (a stage's layers) one stage of `group`'s pipeline; rank 0's messages are
     posted (Group.posted) so that it can send a micro-batch's step while a stage computes another.
-    `stage_tp`: its stage's tensor-parallel group, which sums its layers' partial outputs."""
+    `stage_tp`: its stage's group, which sums its layers' partial outputs (tensor-parallel: the
+    attention's and MLPs'; expert-parallel, a mixture-of-experts model: the MoE layers' alone)."""
     model.pp = Stage(group, 1 if stage_tp is None else stage_tp.world)
     group.posted = True
+    if stage_tp is not None and model.config.num_experts:
+        for block in model.moe_blocks():  # the combine of ep.py, within the stage
+            block.tp = stage_tp
+        return
     for layer in model.model.layers if stage_tp is not None else ():
         layer.self_attn.tp = layer.mlp.tp = stage_tp
 
 
 class PPKVCache(StagedHandoff, KVCache):
-    """One rank's paged cache (its stage's layers; with PP x TP, its KV heads of them). A
+    """One rank's paged cache (its stage's layers; with PP x TP, its KV heads of them; with
+    PP x EP, all their KV heads, on each rank of the stage). A
     hand-off moves by parts (StagedHandoff: `ship`, `serve_kv`, `expect_kv`, `take_kv`);
     `export_blocks` and `import_blocks` of the whole model's layout gather every rank's part
     on rank 0 and send each its part (the other ranks take part, told by rank 0's broadcast)."""
@@ -216,14 +248,15 @@ class PPKVCache(StagedHandoff, KVCache):
     def __init__(self, full: ModelConfig, config: EngineConfig, group):
         w = self.width = stage_width(config, group.world)
         self.spans = [layers_of(full, group.world // w, r // w) for r in range(group.world)]  # per global rank
-        self.heads = [kv_heads_of(full, w, r % w) for r in range(group.world)]
+        self.heads = [stage_heads(full, config, r % w) for r in range(group.world)]
         local = replace(full, num_hidden_layers=len(self.spans[group.rank]),
                         num_key_value_heads=self.heads[group.rank].stop - self.heads[group.rank].start)
         super().__init__(local, config.cache, kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype),
                                                         config.device), config.device)
         self.full, self.group = full, group
-        kv = full.num_key_value_heads  # each stage's ranks whose heads make up the whole (one per replicated head)
-        self.owners = list(range(w)) if w <= kv else list(range(0, w, w // kv))
+        # each stage's ranks whose heads make up the whole (one per replicated head; expert-parallel: its first)
+        kv, tp = full.num_key_value_heads, config.tensor_parallel_size
+        self.owners = list(range(tp)) if tp <= kv else list(range(0, tp, tp // kv))
         self.settle = None  # rank 0: lands the micro-batches in flight first (its engine's MicroBatches)
 
     @property

@@ -24,7 +24,9 @@ rank holds the whole model but for its share of the experts, and its cache every
 `pipeline` mode it runs pipeline parallelism (engine/parallel/pp.py): each stage holds its
 contiguous range of the layers, and the residual stream moves stage to stage; a stage is one
 rank, or with `EngineConfig.tensor_parallel_size` > 1 a tensor-parallel group of that many
-(PP x TP: a stage group of its own beside the pipeline's, pp.stage_group).
+(PP x TP: a stage group of its own beside the pipeline's, pp.stage_group), or with
+`EngineConfig.expert_parallel_size` > 1 an expert-parallel group of that many (PP x EP: the
+stage's experts split over its ranks, its attention whole on each).
 
 The group is rank 0's process and the ranks it starts, and no one else: each group has a
 random secret that rank 0 hands its ranks on their stdin; the rendezvous, the ranks' proofs
@@ -107,10 +109,10 @@ def attach(model, group: Group, full: ModelConfig, expert: bool = False, pipelin
     the group; gather the logits of every rank's vocabulary rows. `expert`: sum only the MoE
     layers' outputs (ep.attach_experts); `pipeline`: make the model a stage (pp.attach_stage),
     its layers' sums over `stage_tp` (its stage's group; None: a stage of one rank)."""
-    if expert:
-        return attach_experts(model, group)
     if pipeline:
         return attach_stage(model, group, stage_tp)
+    if expert:
+        return attach_experts(model, group)
     for layer in model.model.layers:
         layer.self_attn.tp = layer.mlp.tp = group
     spans = [vocab_of(full, group.world, r) for r in range(group.world)]
@@ -166,7 +168,7 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
         print(f"pdserve tensor-parallel rank {rank}: {e}", file=sys.stderr)
         os._exit(1)
     attach(loaded.model, group, full, expert, pipeline, stage_tp)
-    kv = EPKVCache(full, config, group) if expert else PPKVCache(full, config, group) if pipeline \
+    kv = PPKVCache(full, config, group) if pipeline else EPKVCache(full, config, group) if expert \
         else TPKVCache(full, loaded.config, config, group)
     model = loaded.model
     model.backend = default_backend(config.device, getattr(torch, config.dtype), config.attention)
@@ -290,15 +292,14 @@ class TensorParallel:
     own slice, `kv_cache(config)` its cache. `stop()` ends the group. `expert`: an
     expert-parallel group of `tp` ranks (engine/parallel/ep.py); `pipeline`: a pipeline of `tp`
     ranks (engine/parallel/pp.py) in `stages` stages of `config.tensor_parallel_size` ranks each
-    (PP x TP; 1: a stage a rank), `stage_tp` rank 0's stage group."""
+    (PP x TP; 1: a stage a rank) or of `config.expert_parallel_size` (PP x EP, whether or not
+    `expert` says so too), `stage_tp` rank 0's stage group."""
 
     def __init__(self, source: ModelSource, config: EngineConfig, tp: int, timeout_s: float = 60.0,
                  threads_per_rank: int = 0, expert: bool = False, pipeline: bool = False):
         self.tp, self.config, self.expert, self.pipeline = tp, config, expert, pipeline
         self.stages = tp // stage_width(config, tp) if pipeline else 1
-        kind = "an expert-parallel group" if expert else "a pipeline-parallel group" if pipeline else ""
-        if expert and pipeline:
-            raise ValueError("a group is expert-parallel or pipeline-parallel, not both")
+        kind = "a pipeline-parallel group" if pipeline else "an expert-parallel group" if expert else ""
         if kind and config.lora.max_loras:
             raise ValueError(f"LoRA adapters on {kind} are not supported yet: use --max-loras 0 or degree 1")
         self.loaded, self.full = load_rank(source, config, tp, 0, expert, pipeline)
@@ -329,10 +330,10 @@ class TensorParallel:
         attach(self.loaded.model, self.group, self.full, expert, pipeline, self.stage_tp)
 
     def kv_cache(self) -> TPKVCache | EPKVCache | PPKVCache:
-        if self.expert:
-            return EPKVCache(self.full, self.config, self.group)
         if self.pipeline:
             return PPKVCache(self.full, self.config, self.group)
+        if self.expert:
+            return EPKVCache(self.full, self.config, self.group)
         return TPKVCache(self.full, self.loaded.config, self.config, self.group)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, passes: list[tuple[int, int]],
