@@ -16,7 +16,7 @@ import pytest
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.model.tiny import tiny_config
-from pdserve.engine.parallel.ep import experts_of
+from pdserve.engine.parallel.ep import expert_load, experts_of
 from pdserve.engine.parallel.pp import stage_width
 from pdserve.engine.parallel.tp import ModelSource
 from tests.helpers.engine_runs import clean, handoff, kill_rank_mid_stream
@@ -97,6 +97,8 @@ def test_greedy_tokens_equal_the_single_engine_batched_and_chunked(model_dir, pp
     assert e.generate(PROMPTS, GREEDY) == want
     ours = e.tp.stage_tp.allreduces - reduces
     assert ours > 0 and ours % 2 == 0 and model.pp.sends > sends  # combined in the stage; activations on
+    # the load (/metrics) of rank 0's stage: its experts over the stage's 2 ranks, whatever the group's size
+    assert [(x, r) for x, r, _ in expert_load(model, 4)] == [(x, x // (n // 2)) for x in range(n)]
     clean(e)
 
 
