@@ -1,6 +1,6 @@
 """Pipeline x expert parallelism (engine/parallel/pp.py, PP x EP): a pipeline of 2 stages, each
-an expert-parallel group of 2 ranks (4 processes), over small random transformers MoE models
-of 3 layers (stages of 2 layers and 1): each rank holds its stage's attention whole and its
+an expert-parallel group of 2 ranks (4 processes; and 3 stages of 2), over small random
+transformers MoE models of 3 layers (stages of 2 layers and 1): each rank holds its stage's attention whole and its
 share of their experts (Qwen2-MoE's shared expert on each stage's first rank). Greedy tokens
 equal the single engine's under `exact`, batched with chunked prefill and under preemption;
 every block is back after (rank 0's block manager is every rank's). KV crosses token-exactly
@@ -50,7 +50,9 @@ def ppep(model_dir):
 
     def get(arch: str) -> LLMEngine:
         if arch not in made:
-            made[arch] = LLMEngine.tensor_parallel(ModelSource(str(model_dir(arch))), EP, 4, pipeline=True)
+            # as a worker starts it (deploy/worker_host.py: expert and pipeline both said)
+            made[arch] = LLMEngine.tensor_parallel(ModelSource(str(model_dir(arch))), EP, 4, expert=True,
+                                                   pipeline=True)
         return made[arch]
     yield get
     for e in made.values():
@@ -142,6 +144,25 @@ def test_kv_crosses_between_pp_x_ep_one_engine_and_an_ep_group(model_dir, ppep):
             clean(x)
     finally:
         two.shutdown()
+
+
+def test_three_stages_of_two_ranks(model_dir):
+    """PP=3 x EP=2 (6 processes) over Mixtral's 6 experts, a layer a stage, 3 experts a rank:
+    the middle stage's ranks receive from and send to their places in the stages around them;
+    tokens the single engine's, KV to and from one engine token-exactly."""
+    path = model_dir("mixtral")
+    one = single(path)
+    want = one.generate(PROMPTS, GREEDY)
+    e = LLMEngine.tensor_parallel(ModelSource(str(path)), EP, 6, pipeline=True)
+    try:
+        assert e.tp.stages == 3 and len(e.runner.model.model.layers) == 1
+        assert [b.owned for b in e.runner.model.moe_blocks()] == [range(3)]
+        assert e.generate(PROMPTS, GREEDY) == want
+        assert handoff(e, one, PROMPTS[:2]) == want[:2] and handoff(one, e, PROMPTS[:2]) == want[:2]
+        for x in (e, one):
+            clean(x)
+    finally:
+        e.shutdown()
 
 
 def test_a_killed_rank_of_a_stage_s_group_raises_rank_failed_and_frees_the_blocks(ppep):
