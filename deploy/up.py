@@ -59,9 +59,7 @@ def _embedded_redis(config: ClusterConfig):
 def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
     """Refuse at once, before Ray starts, a pool's tensor-, expert- or pipeline-parallel degree
     its model cannot be split into (the model's config read from its directory or GGUF header,
-    only where a degree is above 1), or a pipeline whose stages would be split by experts (not
-    implemented; by tensor parallelism they are: PP x TP), naming the pool's flag and the
-    degrees that fit."""
+    only where a degree is above 1), naming the pool's flag and the degrees that fit."""
     from pdserve.engine.model.weights import read_model_config
     from pdserve.engine.parallel.ep import check_experts
     from pdserve.engine.parallel.pp import check_stages
@@ -73,11 +71,6 @@ def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
                           pool.pp or e.pipeline_parallel_size) for role, pool in c.pools().items()}
         if all(d == (1, 1, 1) for d in degrees.values()):
             continue  # one rank a worker: nothing to split (the model is read where it loads)
-        for role, (tp, ep, pp) in degrees.items():
-            if pp > 1 and ep > 1:
-                raise ValueError(f"--{role}-pp {pp} with an expert-parallel degree above 1 (ep {ep}): stages split "
-                                 f"by experts are not implemented; use --{role}-pp or --{role}-ep (or --{role}-tp "
-                                 "with --pp: PP x TP)")
         cfg = read_model_config(path)
         for role, (tp, ep, pp) in degrees.items():
             checks = [("ep", check_experts, ep)] if ep > 1 else []  # a dense model is refused any ep

@@ -339,10 +339,10 @@ class EngineConfig:
     """Ranks the heads are split over (engine/parallel/tp.py: processes of this host, gloo)."""
     expert_parallel_size: int = 1
     """Ranks a mixture-of-experts model's experts are split over, the rest replicated on each
-    (engine/parallel/ep.py); at most the experts per layer; not with tensor_parallel_size > 1."""
+    (engine/parallel/ep.py; PP x EP: each stage's); at most the experts per layer; not with tp > 1."""
     pipeline_parallel_size: int = 1
     """Stages the layers are split over (engine/parallel/pp.py), at most the layers; each a group of
-    tensor_parallel_size ranks (PP x TP: pp * tp processes); not with expert_parallel_size > 1."""
+    tensor_parallel_size ranks (PP x TP: pp * tp processes) or of expert_parallel_size (PP x EP)."""
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
@@ -378,8 +378,8 @@ class EngineConfig:
         tp, ep, pp = self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size
         if min(tp, ep) < 1 or (tp > 1 and ep > 1):  # tensor parallelism within an expert-parallel group: not yet
             raise ValueError(f"tensor_parallel_size and expert_parallel_size must be >= 1, not both > 1: {tp}, {ep}")
-        if pp < 1 or (pp > 1 and ep > 1):  # stages split by expert parallelism: not yet (PP x TP is)
-            raise ValueError(f"pipeline_parallel_size must be >= 1, and 1 with expert parallelism: {pp} (ep {ep})")
+        if pp < 1:  # each stage a group of tp or ep ranks (PP x TP, PP x EP)
+            raise ValueError(f"pipeline_parallel_size must be >= 1: {pp}")
         if self.speculative_max_batch < 0:
             raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
         if self.speculative_tokens < 0:

@@ -141,8 +141,8 @@ class PoolConfig:
     engine's. Not with tp above 1."""
     pp: int = 0
     """Pipeline-parallel degree of each worker of the pool (its layers split into stages, one
-    process each, or tp each with tp above 1, PP x TP: engine/parallel/pp.py); 0: the cluster
-    engine's. Not with ep above 1."""
+    process each, or tp each with tp above 1, PP x TP, or ep each with ep above 1, PP x EP:
+    engine/parallel/pp.py); 0: the cluster engine's."""
 
     def __post_init__(self):
         at_least("tp", self.tp, 0)
@@ -151,9 +151,6 @@ class PoolConfig:
         if self.tp > 1 and self.ep > 1:
             raise ValueError(f"a pool's tp ({self.tp}) and ep ({self.ep}) cannot both be above 1: tensor parallelism "
                              "within an expert-parallel group is not implemented; use one of them")
-        if self.pp > 1 and self.ep > 1:
-            raise ValueError(f"a pool's pp ({self.pp}) cannot be above 1 with ep ({self.ep}) above 1: stages split by "
-                             "experts are not implemented; use one of them (pp with tp is: PP x TP)")
         if self.kv_cache_dtype:
             one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         at_least("replicas", self.replicas, 0)

@@ -190,7 +190,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                             f"experts per layer, not with --{pool}-tp (default: --ep); pools may differ")
         p.add_argument(f"--{pool}-pp", type=int, default=0, help=f"pipeline-parallel degree of each {pool} worker: "
                        f"its layers split into N stages (processes); with --{pool}-tp T each stage is T ranks "
-                       f"(PP x TP: N*T processes); at most the layers, not with --{pool}-ep (default: --pp)")
+                       f"(PP x TP: N*T processes), with --{pool}-ep E each stage's experts split over E ranks "
+                       "(PP x EP: N*E processes); at most the layers (default: --pp)")
         p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
                        help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
                             "refused by every worker of a pool gets 429")

@@ -51,8 +51,7 @@ def test_a_degree_above_the_layers_is_refused_with_the_ones_that_fit():
     with pytest.raises(ValueError, match=r"degree 4: this model has 3 layers"):  # before any rank starts
         LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=(("num_hidden_layers", 3),)), CONFIG, 4,
                                   pipeline=True)
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, and 1 with expert parallelism"):
-        EngineConfig(pipeline_parallel_size=2, expert_parallel_size=2)
+    assert EngineConfig(pipeline_parallel_size=2, expert_parallel_size=2).expert_parallel_size == 2  # PP x EP
     with pytest.raises(ValueError, match=r"LoRA adapters on a pipeline-parallel group are not supported yet"):
         LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS),
                                   EngineConfig(lora=LoRAConfig(max_loras=1)), 2, pipeline=True)

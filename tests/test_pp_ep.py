@@ -7,8 +7,7 @@ every block is back after (rank 0's block manager is every rank's). KV crosses t
 between it, a single engine and an EP=2 group, in the whole model's layout and by parts
 through the workers (each stage's first rank pushes its layers' KV, every rank of a decode
 stage takes it). Degrees that do not fit are refused before a rank starts, naming what fits;
-a killed rank takes the pipeline down with every block back. From the flags PP x EP is still
-refused (EngineConfig, the pools): an in-process engine is built as here."""
+a killed rank takes the pipeline down with every block back."""
 from dataclasses import replace
 
 import pytest
@@ -75,8 +74,7 @@ def test_degrees_that_do_not_fit_are_refused_before_a_rank_starts(model_dir):
         LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), EP, 4, pipeline=True)
     with pytest.raises(ValueError, match=r"a mixture-of-experts model \(qwen2_moe\) is not split by tensor"):
         LLMEngine.tensor_parallel(path, replace(CONFIG, tensor_parallel_size=2), 4, pipeline=True)
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, and 1 with expert parallelism"):
-        EngineConfig(pipeline_parallel_size=2, expert_parallel_size=2)  # from the flags: not yet
+    assert EngineConfig(pipeline_parallel_size=2, expert_parallel_size=2).expert_parallel_size == 2
     assert tiny_config().num_experts == 0
 
 

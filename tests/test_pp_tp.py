@@ -54,14 +54,11 @@ def engines():
 
 
 def test_degrees_that_do_not_fit_are_refused_before_a_rank_starts():
-    """PP x TP is a config the engine and the pools take; PP with EP is not (yet); a stage
+    """PP x TP (and PP x EP) is a config the engine and the pools take; a stage
     width that does not divide the group, or the heads, names what fits."""
     assert EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2).tensor_parallel_size == 2
     assert PoolConfig(pp=2, tp=2).ranks(EngineConfig()) == 4
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, and 1 with expert parallelism"):
-        EngineConfig(pipeline_parallel_size=2, expert_parallel_size=2)
-    with pytest.raises(ValueError, match=r"a pool's pp \(2\) cannot be above 1 with ep \(2\).*pp with tp is"):
-        PoolConfig(pp=2, ep=2)
+    assert PoolConfig(pp=2, ep=2).ranks(EngineConfig()) == 4  # PP x EP: tests/test_pp_ep.py
     with pytest.raises(ValueError, match=r"pipeline group of 5 ranks cannot be split into stages of 2 tensor-parallel "
                                          r"ranks: use a multiple of 2"):
         stage_width(PPTP, 5)

@@ -28,8 +28,7 @@ from tests.helpers.ray_procs import wait_until
 def test_up_refuses_a_pipeline_that_does_not_fit_before_starting_ray():
     refusals = {("--decode-pp", "31"): ("--decode-pp: pipeline-parallel degree 31: this model has 30 layers: "
                                         "use 1 to 30"),
-                ("--pp", "2", "--decode-ep", "2"): ("--decode-pp 2 with an expert-parallel degree above 1 (ep 2): "
-                                                    "stages split by experts are not implemented"),
+                ("--pp", "2", "--decode-ep", "2"): "--decode-ep: expert-parallel degree 2: this llama model is dense",
                 ("--decode-pp", "2", "--decode-tp", "2"): ("--decode-tp: tensor-parallel degree 2 does not divide "
                                                            "this model's 9 attention heads (3 KV heads): use one of 1, 3, 9")}
     runs = {flags: subprocess.Popen([sys.executable, "-m", "pdserve", "up", *flags], stdout=subprocess.PIPE,
@@ -38,8 +37,7 @@ def test_up_refuses_a_pipeline_that_does_not_fit_before_starting_ray():
         _, stderr = runs[flags].communicate(timeout=120)
         assert runs[flags].returncode != 0 and why in stderr, (flags, stderr)
         assert "Ray" not in stderr  # refused before a local Ray started
-    with pytest.raises(ValueError, match=r"a pool's pp \(2\) cannot be above 1 with ep \(3\)"):
-        PoolConfig(pp=2, ep=3)
+    assert PoolConfig(pp=2, ep=3).ranks(EngineConfig()) == 6  # PP x EP (tests/test_pp_ep.py)
 
 
 def test_a_pipelines_stages_are_placed_as_ranks():

@@ -46,9 +46,7 @@ batches whole).
 
 Not in this slice: the native one-call decode step and layer-wise KV streaming mid-pass (a
 step's streams export once the pass is through; a prefill worker ships by parts then), LoRA
-adapters, and PP x EP from the flags (EngineConfig and the pools refuse it: an in-process
-engine takes it, `LLMEngine.tensor_parallel(source, config, pp * ep, pipeline=True)` with
-`config.expert_parallel_size` = ep). Every rank keeps the
+and LoRA adapters. Every rank keeps the
 embedding, the final norm and the LM head (stage 0's ranks use the embedding, the last
 stage's first rank the norm, rank 0 the LM head).
 """
