@@ -4,7 +4,8 @@ prefill and one decode worker at --quantization exact. Two greedy completions at
 transformers' greedy tokens (the long prompt prefilled by the prefill worker and decoded over
 the KV hand-off, the short one prefilled by the decode worker); every KV block is back in its
 pool after. The same with the decode pool's experts split over 2 ranks (--decode-ep 2), whose
-expert load is on the decode worker's /metrics."""
+expert load is on the decode worker's /metrics, and over a pipeline of two such stages
+(--decode-pp 2 --decode-ep 2)."""
 import re
 import time
 
@@ -122,3 +123,36 @@ def test_up_with_an_expert_parallel_decode_pool(moe_dir, tokenizer):
     assert ranks == {r: sum(v for (_, rr), v in experts.items() if rr == r) for r in (0, 1)} and min(ranks.values()) > 0
     rows = sum(ranks.values()) / 4  # top-2 at each of 2 layers
     assert rows == int(rows) and rows >= len(PROMPTS[0]) + 2 * (N - 1)  # the short prompt, both decodes
+
+
+def test_up_with_a_pipeline_of_expert_parallel_stages(moe_dir, tokenizer):
+    """`--decode-pp 2 --decode-ep 2` (PP x EP): the decode worker's 2 layers in 2 stages, each
+    stage's 8 experts over its 2 ranks (4 processes); the long prompt's KV, prefilled by the
+    one-rank prefill worker, imported stage by stage. The tokens are transformers'; the expert
+    load on /metrics (stage 0's layer) puts 4 experts on each of the stage's ranks, both used."""
+    path, want = moe_dir
+    port = free_port()
+    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--model", str(path), "--decode-pp", "2",
+              "--decode-ep", "2", "--prefill-cpus", "0.4", "--decode-cpus", "0.4", "--ray-cpus", "2",
+              "--quantization", "exact", "--kv-cache-memory", "16MiB", "--cluster-token", "test-token",
+              "--shutdown-grace", "3")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        line = up.p.stdout.readline()
+        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": PROMPTS, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        got = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in got] == [tokenizer.decode(w, skip_special_tokens=True) for w in want]
+        assert prefill_tokens(url) >= 100  # the long prompt's KV came from the prefill worker
+        text = worker_metrics(url, "decode")
+        wait_kv_back(url, 2)
+    finally:
+        rc = stop(up)
+    assert rc == 0, up.text()
+    experts = {(int(e), int(r)): float(v) for e, r, v in re.findall(
+        r'^pdserve:moe_expert_tokens_total\{[^}]*expert="(\d+)"[^}]*rank="(\d+)"[^}]*\} (\S+)$', text, re.MULTILINE)}
+    assert sorted(experts) == [(e, e // 4) for e in range(8)], text
+    assert min(sum(v for (_, r), v in experts.items() if r == rank) for rank in (0, 1)) > 0, text
