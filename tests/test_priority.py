@@ -358,3 +358,25 @@ def test_only_a_long_prompt_step_offers_a_pause_at_each_layers_end(make_engine):
     assert eng.generate([short], params) == [want[1]] and calls == []  # 20 prompt tokens, then decodes
     assert eng.generate([long], params) == [want[0]]
     assert calls == [0] * eng.model_config.num_hidden_layers  # once a layer, within the prompt's step
+
+
+def test_a_short_last_chunk_that_streams_its_kv_out_pauses_at_each_layers_end_too(make_engine):
+    """The step that completes a prompt whose KV streams out layer by layer (a prefill worker's
+    last chunk) runs the layer loop anyway: however few its prompt tokens, it offers the pause
+    (without stopping), so a peer's urgent steps never run beside it on a lent core."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    short = list(range(400, 420))  # 20 prompt tokens: no pause without the stream
+    want = make_engine().generate([short], params)
+    eng = make_engine()
+    calls, streamed = [], []
+    eng.between_layers = lambda may_stop: calls.append(may_stop)
+    eng.add_request("p", short, params, hold_kv=True)
+    eng.stream_kv_layers("p", lambda a, b, kv: streamed.append((a, b)), group=1)
+    out = []
+    while eng.has_unfinished_requests():
+        out += [t for o in eng.step() for t in o.new_token_ids]
+    assert out == want[0]
+    layers = eng.model_config.num_hidden_layers
+    assert calls == [False] * layers and streamed == [(i, i + 1) for i in range(layers)]
+    assert eng.export_kv("p")[0] == short  # the prompt's KV, its first token sampled as without a pause
+    assert eng.release_kv("p")
