@@ -62,26 +62,7 @@ def prefill_tokens(url: str, within_s: float = 10.0) -> float:
 
 
 def test_up_serves_a_moe_model_as_transformers_computes_it(moe_dir, tokenizer):
-    path, want = moe_dir
-    port = free_port()
-    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--model", str(path),
-              "--quantization", "exact", "--kv-cache-memory", "16MiB", "--cluster-token", "test-token",
-              "--shutdown-grace", "3")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        r = httpx.post(url + "/v1/completions", timeout=120, json={
-            "model": model, "prompt": PROMPTS, "max_tokens": N, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        got = sorted(r.json()["choices"], key=lambda c: c["index"])
-        assert [c["text"] for c in got] == [tokenizer.decode(w, skip_special_tokens=True) for w in want]
-        assert prefill_tokens(url) >= 100  # the long prompt ran on the prefill worker
-        wait_kv_back(url, 2)
-    finally:
-        rc = stop(up)
-    assert rc == 0, up.text()
+    served_as_transformers(moe_dir, tokenizer)
 
 
 def worker_metrics(url: str, role: str) -> str:
@@ -89,16 +70,15 @@ def worker_metrics(url: str, role: str) -> str:
     return httpx.get(f"http://{worker['address'].rpartition(':')[0]}:{worker['metrics_port']}/metrics", timeout=10).text
 
 
-def test_up_with_an_expert_parallel_decode_pool(moe_dir, tokenizer):
-    """`--decode-ep 2`: the decode worker's 8 experts over 2 ranks (4 each), attention on both;
-    the long prompt's KV, prefilled by the one-rank prefill worker, imported into the group. The
-    tokens are transformers'; the decode worker's /metrics counts the pairs routed to each
-    expert and rank (each row: 2 experts at each of the 2 layers), both ranks' experts used."""
+def served_as_transformers(moe_dir, tokenizer, *flags: str) -> str:
+    """`pdserve up` on the MoE model with a one-rank prefill worker and a decode worker shaped by
+    `flags`: both prompts' greedy tokens are transformers' (the long one's KV from the prefill
+    worker), every block back after; the decode worker's /metrics, read before the stop."""
     path, want = moe_dir
     port = free_port()
-    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--model", str(path), "--decode-ep", "2",
-              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--ray-cpus", "2", "--quantization", "exact",
-              "--kv-cache-memory", "16MiB", "--cluster-token", "test-token", "--shutdown-grace", "3")
+    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--model", str(path), *flags,
+              "--ray-cpus", "2", "--quantization", "exact", "--kv-cache-memory", "16MiB", "--cluster-token",
+              "test-token", "--shutdown-grace", "3")
     url = f"http://127.0.0.1:{port}"
     try:
         line = up.p.stdout.readline()
@@ -115,10 +95,24 @@ def test_up_with_an_expert_parallel_decode_pool(moe_dir, tokenizer):
     finally:
         rc = stop(up)
     assert rc == 0, up.text()
-    series = [(name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(v)) for name, labels, v in re.findall(
-        r'^(pdserve:moe_\w+_tokens_total)\{([^}]*)\} (\S+)$', text, re.MULTILINE)]
-    experts = {(int(kv["expert"]), int(kv["rank"])): v for name, kv, v in series if "expert" in name}
-    ranks = {int(kv["rank"]): v for name, kv, v in series if "rank_tokens" in name}
+    return text
+
+
+def expert_load(text: str) -> dict[tuple[int, int], float]:
+    """(expert, rank) -> the (token, expert) pairs routed to it, from a worker's /metrics."""
+    return {(int(e), int(r)): float(v) for e, r, v in re.findall(
+        r'^pdserve:moe_expert_tokens_total\{[^}]*expert="(\d+)"[^}]*rank="(\d+)"[^}]*\} (\S+)$', text, re.MULTILINE)}
+
+
+def test_up_with_an_expert_parallel_decode_pool(moe_dir, tokenizer):
+    """`--decode-ep 2`: the decode worker's 8 experts over 2 ranks (4 each), attention on both;
+    the long prompt's KV, prefilled by the one-rank prefill worker, imported into the group. The
+    tokens are transformers'; the decode worker's /metrics counts the pairs routed to each
+    expert and rank (each row: 2 experts at each of the 2 layers), both ranks' experts used."""
+    text = served_as_transformers(moe_dir, tokenizer, "--decode-ep", "2", "--prefill-cpus", "0.5", "--decode-cpus", "0.5")
+    experts = expert_load(text)
+    ranks = {int(r): float(v) for r, v in re.findall(
+        r'^pdserve:moe_rank_tokens_total\{[^}]*rank="(\d+)"[^}]*\} (\S+)$', text, re.MULTILINE)}
     assert sorted(experts) == [(e, e // 4) for e in range(8)], text
     assert ranks == {r: sum(v for (_, rr), v in experts.items() if rr == r) for r in (0, 1)} and min(ranks.values()) > 0
     rows = sum(ranks.values()) / 4  # top-2 at each of 2 layers
@@ -130,29 +124,7 @@ def test_up_with_a_pipeline_of_expert_parallel_stages(moe_dir, tokenizer):
     stage's 8 experts over its 2 ranks (4 processes); the long prompt's KV, prefilled by the
     one-rank prefill worker, imported stage by stage. The tokens are transformers'; the expert
     load on /metrics (stage 0's layer) puts 4 experts on each of the stage's ranks, both used."""
-    path, want = moe_dir
-    port = free_port()
-    up = Proc("up", "--port", str(port), "--prefill", "1", "--decode", "1", "--model", str(path), "--decode-pp", "2",
-              "--decode-ep", "2", "--prefill-cpus", "0.4", "--decode-cpus", "0.4", "--ray-cpus", "2",
-              "--quantization", "exact", "--kv-cache-memory", "16MiB", "--cluster-token", "test-token",
-              "--shutdown-grace", "3")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        r = httpx.post(url + "/v1/completions", timeout=120, json={
-            "model": model, "prompt": PROMPTS, "max_tokens": N, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        got = sorted(r.json()["choices"], key=lambda c: c["index"])
-        assert [c["text"] for c in got] == [tokenizer.decode(w, skip_special_tokens=True) for w in want]
-        assert prefill_tokens(url) >= 100  # the long prompt's KV came from the prefill worker
-        text = worker_metrics(url, "decode")
-        wait_kv_back(url, 2)
-    finally:
-        rc = stop(up)
-    assert rc == 0, up.text()
-    experts = {(int(e), int(r)): float(v) for e, r, v in re.findall(
-        r'^pdserve:moe_expert_tokens_total\{[^}]*expert="(\d+)"[^}]*rank="(\d+)"[^}]*\} (\S+)$', text, re.MULTILINE)}
-    assert sorted(experts) == [(e, e // 4) for e in range(8)], text
-    assert min(sum(v for (_, r), v in experts.items() if r == rank) for rank in (0, 1)) > 0, text
+    experts = expert_load(served_as_transformers(moe_dir, tokenizer, "--decode-pp", "2", "--decode-ep", "2",
+                                                 "--prefill-cpus", "0.4", "--decode-cpus", "0.4"))
+    assert sorted(experts) == [(e, e // 4) for e in range(8)], experts
+    assert min(sum(v for (_, r), v in experts.items() if r == rank) for rank in (0, 1)) > 0, experts
