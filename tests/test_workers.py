@@ -161,6 +161,16 @@ def test_under_kv_pressure_requests_wait_for_blocks_not_prefill_locally(make_eng
     assert stats.remote_prefills == 2 and stats.local_prefills == 0
 
 
+def test_a_hand_off_waiting_for_blocks_asks_less_often_while_more_urgent_work_steps():
+    """Each ask for blocks is a command on the engine thread between two steps: while the engine
+    steps for more urgent work than the hand-off's, it asks 4x less often; otherwise (as urgent,
+    or the hand-off more urgent) as before."""
+    from pdserve.decode_worker.service import BLOCKS_RETRY_S, BLOCKS_RETRY_URGENT_S, blocks_retry_s
+
+    assert blocks_retry_s(-10, 0) == BLOCKS_RETRY_URGENT_S == 4 * BLOCKS_RETRY_S
+    assert blocks_retry_s(0, 0) == blocks_retry_s(0, -10) == blocks_retry_s(5, 0) == BLOCKS_RETRY_S
+
+
 def test_a_prefix_the_decode_worker_caches_is_not_sent_again(make_engine):
     """Same prompt twice (n > 1 choices, a shared system prompt): the second hand-off sends
     only the blocks after the prefix the decode worker already caches, which it shares by
