@@ -272,7 +272,8 @@ async def _worker_counts(url: str, auth: dict) -> dict | None:
 def _role_counts(text: str) -> dict[str, float]:
     """One worker's counters from its /metrics text: `<kind>_tokens` (prompt, decode) and
     `<kind>_s` (step seconds: plain, contended, window), `yielded` (seconds it stood aside for a
-    peer's more urgent steps) and `stopped` (steps it stopped for a more urgent request)."""
+    peer's more urgent steps), `stopped` (steps it stopped for a more urgent request), `held`
+    and `held_wait` (less urgent commands held back for its more urgent work, and their wait)."""
     import re
 
     out: dict[str, float] = {}
@@ -281,7 +282,8 @@ def _role_counts(text: str) -> dict[str, float]:
     for labels, v in re.findall(r"^pdserve:step_seconds_sum\{([^}]*)\} (\S+)$", text, re.M):
         kind = "contended" if 'contended="true"' in labels else "window" if 'window="true"' in labels else "plain"
         out[f"{kind}_s"] = out.get(f"{kind}_s", 0.0) + float(v)
-    for key, name in (("yielded", "yielded_seconds_total"), ("stopped", "stopped_steps_total")):
+    for key, name in (("yielded", "yielded_seconds_total"), ("stopped", "stopped_steps_total"),
+                      ("held", "held_commands_total"), ("held_wait", "held_command_seconds_total")):
         out[key] = sum(float(v) for v in re.findall(rf"^pdserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
     return out
 

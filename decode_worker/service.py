@@ -175,7 +175,7 @@ class DecodeWorker:
         the engine thread, not waited for: a late push to them is then refused at once)."""
         self.receiver.cancel(request_id)
         if self.staged:
-            self.engine.call(lambda e: e.kv_cache.drop_kv(request_id))
+            self.engine.call(lambda e: e.kv_cache.drop_kv(request_id), request_id=request_id)
 
     def counters(self) -> dict:
         """This worker's counters in its Stats."""
@@ -226,7 +226,7 @@ class DecodeWorker:
         self.engine.note_arrival(params.priority)  # a long step of less urgent work stops for it
         while True:
             dest = await self.engine.run(partial(self._take_blocks, rid=rid, prompt=prompt, params=params,
-                                                 local_tail=local_tail, lora=lora))
+                                                 local_tail=local_tail, lora=lora), params.priority, rid)
             if dest is not None or time.monotonic() >= deadline:
                 return dest
             await asyncio.sleep(blocks_retry_s(self.engine.stop_word.threshold, params.priority))
@@ -269,7 +269,8 @@ class DecodeWorker:
                              lora_identity=identity)
         if self.staged:  # the other ranks' leases of their parts
             timeout = self.transfer.prefill_timeout_s
-            await self.engine.run(lambda e: e.kv_cache.expect_kv(rid, dest, len(prompt), timeout, skip, identity))
+            await self.engine.run(lambda e: e.kv_cache.expect_kv(rid, dest, len(prompt), timeout, skip, identity),
+                                  request_id=rid)
         call = self.tracer.start("prefill.call", span, kind="client",
                                  attributes={"pdserve.prefill_worker": request.prefill_worker_id,
                                              "pdserve.cached_tokens": skip})
@@ -290,7 +291,7 @@ class DecodeWorker:
             prompt_lps = [logprob_from_proto(p) for p in reply.prompt_logprobs] \
                 if params.prompt_logprobs is not None else None
             t_land = time.perf_counter()
-            await self.engine.import_kv(rid, arrival.kv, reply.first_token, lp, prompt_lps)
+            await self.engine.import_kv(rid, arrival.kv, reply.first_token, lp, prompt_lps, params.priority)
             self.tracer.record("kv.import", span, t_land, time.perf_counter(),
                                {"pdserve.kv_bytes": arrival.kv.numel() * arrival.kv.element_size(),
                                 "pdserve.blocks": len(dest)})

@@ -84,6 +84,8 @@ class ModelServerCollector:
     def collect(self):
         s = self.engine.call(_snapshot).result(timeout=SCRAPE_TIMEOUT_S)
         s["yielded_s"] = _yielded(self.engine)
+        held = getattr(self.engine, "held", None)
+        s["held"] = (0, 0.0) if held is None else (held.held, held.held_s)
         m = [self.model_name]
         for name, doc, value in (
                 ("vllm:num_requests_running", "Requests in the running batch.", s["running"]),
@@ -110,6 +112,15 @@ class ModelServerCollector:
                                 "urgent steps on its host (idle between steps, or paused at a layer's end).",
                                 labels=["model_name"])
         c.add_metric(m, s["yielded_s"])
+        yield c
+        c = CounterMetricFamily("pdserve:held_commands", "Commands (adds, KV imports, asks for blocks) of less "
+                                "urgent requests held back while the engine stepped for more urgent work.",
+                                labels=["model_name"])
+        c.add_metric(m, s["held"][0])
+        yield c
+        c = CounterMetricFamily("pdserve:held_command_seconds", "Seconds the held commands waited, in all.",
+                                labels=["model_name"])
+        c.add_metric(m, s["held"][1])
         yield c
         c = CounterMetricFamily("pdserve:stopped_steps", "Steps of less urgent work stopped at a layer's end "
                                 "for a more urgent request (they run again).", labels=["model_name"])

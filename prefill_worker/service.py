@@ -166,7 +166,7 @@ class PrefillServicer(AdapterServicer, WorkerServicer, pb_grpc.PrefillServiceSer
         first_block, t = token_offset // w.engine.engine.blocks.block_size, time.perf_counter()
         try:
             nbytes = await w.engine.run(lambda e: e.kv_cache.ship(e.blocks.block_table(rid)[first_block:], meta,
-                                                                  stages))
+                                                                  stages), request_id=rid)
         except KVTransferError as e:
             return e
         t_end = time.perf_counter()

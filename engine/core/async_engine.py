@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.core.held_commands import Command, HeldCommands
 from pdserve.engine.core.kv_hooks import StepStopped, StopWord
 from pdserve.engine.parallel.cores import CHECK_INTERVAL_S, CoreShare
 
@@ -43,6 +44,7 @@ class AsyncEngine:
         self.engine = engine
         self.cores = cores
         self._commands: queue.Queue = queue.Queue()
+        self.held = HeldCommands()  # less urgent commands waiting out a more urgent request's steps
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -68,24 +70,28 @@ class AsyncEngine:
         self._thread = None
 
     # ---- API (any thread / event loop) ----------------------------------------------------
-    def call(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
-        """Run `fn(engine)` on the engine thread between steps."""
+    def call(self, fn: Callable[[LLMEngine], T], priority: int | None = None,
+             request_id: str | None = None) -> "Future[T]":
+        """Run `fn(engine)` on the engine thread between steps. `priority`: the request's it
+        works for, if it may wait while the engine steps for more urgent work (HeldCommands);
+        `request_id`: the request it concerns (it keeps its place among that one's commands)."""
         fut: Future = Future()
         if self._thread is None or self.error is not None:
             fut.set_exception(EngineDeadError(f"engine is not running: {self.error!r}"))
             return fut
-        self._commands.put((fn, fut))
+        self._commands.put(Command(fn, fut, priority, request_id, time.monotonic()))
         return fut
 
-    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
-        """`fn(engine)` on the engine thread; a cancel while it waits its turn drops it."""
-        return await asyncio.wrap_future(self.call(fn))
+    async def run(self, fn: Callable[[LLMEngine], T], priority: int | None = None,
+                  request_id: str | None = None) -> T:
+        """`fn(engine)` on the engine thread (`call`); a cancel while it waits its turn drops it."""
+        return await asyncio.wrap_future(self.call(fn, priority, request_id))
 
-    async def run_always(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def run_always(self, fn: Callable[[LLMEngine], T], request_id: str | None = None) -> T:
         """Like `run`, but `fn` still runs if the caller is cancelled while it waits its turn
         (the engine thread may be seconds into a prefill chunk): for cleanup, such as freeing
         a request's blocks, that must not be lost to a client that went away at that moment."""
-        return await asyncio.shield(asyncio.wrap_future(self.call(fn)))
+        return await asyncio.shield(asyncio.wrap_future(self.call(fn, request_id=request_id)))
 
     # ---- named engine calls (each runs on the engine thread between two steps) -------------
     def note_arrival(self, priority: int) -> None:
@@ -96,20 +102,20 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams, **kw) -> None:
         self.note_arrival(params.priority)
-        await self.run(methodcaller("add_request", request_id=request_id, prompt=prompt,
-                                         params=params, **kw))
+        await self.run(methodcaller("add_request", request_id=request_id, prompt=prompt, params=params, **kw),
+                       params.priority, request_id)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; True if it was here."""
-        return await self.run(methodcaller("abort", request_id=request_id))
+        return await self.run(methodcaller("abort", request_id=request_id), request_id=request_id)
 
     async def abort_always(self, request_id: str) -> bool:
         """`abort`, run even if the caller is cancelled meanwhile (cleanup that must not be lost)."""
-        return await self.run_always(methodcaller("abort", request_id=request_id))
+        return await self.run_always(methodcaller("abort", request_id=request_id), request_id)
 
     def abort_soon(self, request_id: str) -> None:
         """Queue an abort without waiting for it (from a `finally` that cannot await)."""
-        self.call(methodcaller("abort", request_id=request_id))
+        self.call(methodcaller("abort", request_id=request_id), request_id=request_id)
 
     async def stats(self) -> EngineStats:
         return await self.run(methodcaller("stats"))
@@ -131,25 +137,26 @@ class AsyncEngine:
 
     async def stream_kv_layers(self, request_id: str, on_layers, group: int, first_block: int) -> None:
         await self.run(methodcaller("stream_kv_layers", request_id=request_id, on_layers=on_layers,
-                                         group=group, first_block=first_block))
+                                    group=group, first_block=first_block), request_id=request_id)
 
     async def stop_kv_stream(self, request_id: str) -> None:
-        await self.run_always(methodcaller("stop_kv_stream", request_id=request_id))
+        await self.run_always(methodcaller("stop_kv_stream", request_id=request_id), request_id)
 
     async def export_kv(self, request_id: str):
-        return await self.run(methodcaller("export_kv", request_id=request_id))
+        return await self.run(methodcaller("export_kv", request_id=request_id), request_id=request_id)
 
     async def release_kv(self, request_id: str) -> None:
-        await self.run_always(methodcaller("release_kv", request_id=request_id))
+        await self.run_always(methodcaller("release_kv", request_id=request_id), request_id)
 
     async def import_kv(self, request_id: str, kv, first_token: int, logprob: TokenLogprobs | None,
-                        prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
+                        prompt_logprobs: list[TokenLogprobs] | None = None, priority: int | None = None) -> None:
         """Land a prompt's KV with its first token (and the prompt's logprobs, computed where
         the KV was), and publish that token from the engine thread before it can step again:
-        it always reaches the stream ahead of the ones the batch produces next."""
+        it always reaches the stream ahead of the ones the batch produces next. `priority`:
+        the request's (the copy waits while the engine steps for more urgent work)."""
         def land(e: LLMEngine) -> None:
             self.publish([e.import_kv(request_id, kv, first_token, logprob, prompt_logprobs)])
-        await self.run(land)
+        await self.run(land, priority, request_id)
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """Register for `request_id`'s outputs (call before the request is added)."""
@@ -202,9 +209,11 @@ class AsyncEngine:
                 # cleared before the drain: a request added after it is either drained (then the
                 # step's urgency counts it) or not (then the step may stop for it)
                 self.stop_word.clear()
-                self._drain(block=idle)
+                self._drain(block=idle and not self.held)  # held commands run before it sleeps
                 if self._stopping:
                     break
+                for cmd in self.held.due(self.engine.most_urgent_priority(), time.monotonic(), idle):
+                    self._execute(cmd)
                 idle = True
                 if self.engine.has_unfinished_requests():
                     urgency = self.engine.most_urgent_priority()
@@ -255,20 +264,27 @@ class AsyncEngine:
             raise StepStopped(f"a request of priority {word.word.value} came during a step for {word.threshold}")
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
+        """Run the queued commands (waiting up to `timeout` for the first if `block`), but hold
+        those less urgent than the work the engine steps for (HeldCommands)."""
+        urgency = self.engine.most_urgent_priority()
         while True:
             try:
-                item = self._commands.get(block=block, timeout=timeout)
+                cmd = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return
             block = False
-            if item is None:
+            if cmd is None:
                 return
-            fn, fut = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(self.engine))
-                except BaseException as e:  # noqa: BLE001 - the caller gets it
-                    fut.set_exception(e)
+            if not self.held.hold(cmd, urgency):
+                self._execute(cmd)
+                urgency = self.engine.most_urgent_priority()
+
+    def _execute(self, cmd: Command) -> None:
+        if cmd.fut.set_running_or_notify_cancel():
+            try:
+                cmd.fut.set_result(cmd.fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 - the caller gets it
+                cmd.fut.set_exception(e)
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Deliver outputs produced outside step() (e.g. by a KV import) to their streams."""
@@ -291,10 +307,12 @@ class AsyncEngine:
         err = EngineDeadError(f"engine stopped: {self.error!r}" if self.error else "engine stopped")
         for loop, q in list(self._streams.values()):
             loop.call_soon_threadsafe(q.put_nowait, err)
+        pending = self.held.drain_all()
         while True:
             try:
-                item = self._commands.get_nowait()
+                pending.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-            if item is not None and item[1].set_running_or_notify_cancel():  # its caller may have gone
-                item[1].set_exception(err)
+        for cmd in pending:
+            if cmd is not None and cmd.fut.set_running_or_notify_cancel():  # its caller may have gone
+                cmd.fut.set_exception(err)

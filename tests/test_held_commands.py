@@ -1,0 +1,159 @@
+"""Less urgent commands wait out a more urgent request's steps (engine/core/held_commands.py):
+the rule alone, then on a real engine thread (AsyncEngine) with the tiny model."""
+import asyncio
+import time
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.async_engine import AsyncEngine
+from pdserve.engine.core.held_commands import Command, HeldCommands
+
+
+def cmd(name: str, priority=None, request_id=None, at: float = 0.0) -> Command:
+    return Command(fn=name, fut=None, priority=priority, request_id=request_id, queued_at=at)
+
+
+def names(cmds) -> list:
+    return [c.fn for c in cmds]
+
+
+def step_log(ae: AsyncEngine) -> list[tuple[set, set]]:
+    """For each step of `ae`'s engine, in order: the requests added to it by then, and those
+    the step produced outputs for (read on the engine thread: the engine's order, not the
+    asyncio consumers')."""
+    log: list[tuple[set, set]] = []
+    step = ae.engine.step
+
+    def logged():
+        present = set(ae.engine.scheduler.requests)
+        outs = step()
+        log.append((present, {o.request_id for o in outs}))
+        return outs
+    ae.engine.step = logged
+    return log
+
+
+def test_a_command_less_urgent_than_the_engines_work_is_held_and_runs_once_nothing_outranks_it():
+    h = HeldCommands(max_wait_s=1.0)
+    assert not h.hold(cmd("urgent add", -10, "b"), urgency=-10)
+    assert not h.hold(cmd("stats"), urgency=-10)  # names no priority: never held for its own sake
+    assert not h.hold(cmd("import", 0, "a"), urgency=None)  # nothing steps: runs at once
+    assert h.hold(cmd("import", 0, "a", at=0.0), urgency=-10)
+    assert names(h.due(urgency=-10, now=0.5, idle=False)) == []
+    assert names(h.due(urgency=0, now=0.6, idle=False)) == ["import"]  # the urgent request finished
+    assert len(h) == 0 and h.held == 1 and abs(h.held_s - 0.6) < 1e-9
+
+
+def test_a_requests_commands_keep_their_order_behind_its_held_one():
+    h = HeldCommands(max_wait_s=1.0)
+    assert h.hold(cmd("add a", 0, "a"), urgency=-10)
+    assert h.hold(cmd("abort a", None, "a"), urgency=-10)  # its abort must not overtake its add
+    assert not h.hold(cmd("abort c", None, "c"), urgency=-10)  # another request's: runs now
+    assert names(h.due(urgency=None, now=0.1, idle=False)) == ["add a", "abort a"]
+    assert not h.hold(cmd("abort a", None, "a"), urgency=-10)  # nothing of a's held any more
+
+
+def test_overdue_commands_run_one_a_gap_while_the_urgent_work_goes_on():
+    h = HeldCommands(max_wait_s=0.25)
+    for i in range(3):
+        assert h.hold(cmd(f"import {i}", 0, f"a{i}", at=0.0), urgency=-10)
+    assert names(h.due(urgency=-10, now=0.2, idle=False)) == []
+    assert names(h.due(urgency=-10, now=0.3, idle=False)) == ["import 0"]
+    assert names(h.due(urgency=-10, now=0.31, idle=False)) == ["import 1"]
+    # the engine has nothing it can step (all waiting on memory or on KV): every one runs
+    assert names(h.due(urgency=-10, now=0.32, idle=True)) == ["import 2"]
+
+
+def test_a_less_urgent_add_waits_for_the_urgent_stream_to_end(make_engine):
+    """Beside an urgent stream a less urgent request's add is held (its first token comes after
+    the urgent stream's last), while a command that names no priority still runs at once."""
+    ae = AsyncEngine(make_engine())
+    ae.held.max_wait_s = 60.0  # the rule, not the bound: nothing runs early for being overdue
+    ae.start()
+    urgent = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, priority=-10)
+    later = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, priority=0)
+    steps = step_log(ae)
+
+    async def stream(rid, prompt, params):
+        async for out in ae.generate(rid, prompt, params):
+            pass
+        return out
+
+    async def main():
+        task = asyncio.ensure_future(stream("urgent", [5, 6, 7, 8] * 4, urgent))
+        while not steps:
+            await asyncio.sleep(0.001)
+        flood = asyncio.ensure_future(stream("flood", [9, 10, 11] * 5, later))
+        await asyncio.sleep(0.01)
+        stats_at = time.monotonic()
+        await ae.run(lambda e: e.has_unfinished_requests())  # untagged: not held behind the add
+        stats_s = time.monotonic() - stats_at
+        return await asyncio.gather(task, flood), stats_s
+
+    try:
+        (u, f), stats_s = asyncio.run(main())
+        assert u.finished and f.finished
+        assert not [i for i, (present, out) in enumerate(steps) if "flood" in present and "urgent" in out], \
+            "the less urgent add ran between the urgent stream's steps"
+        assert ae.held.held >= 1 and stats_s < 1.0
+    finally:
+        ae.stop()
+
+
+def test_an_overdue_add_joins_a_long_urgent_stream(make_engine):
+    """`max_wait_s` bounds the wait: a long urgent stream does not starve a less urgent add."""
+    ae = AsyncEngine(make_engine())
+    ae.held.max_wait_s = 0.0
+    ae.start()
+    urgent = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True, priority=-10)
+    later = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, priority=0)
+    steps = step_log(ae)
+
+    async def stream(rid, prompt, params):
+        async for _ in ae.generate(rid, prompt, params):
+            pass
+
+    async def main():
+        task = asyncio.ensure_future(stream("urgent", [5, 6, 7, 8] * 4, urgent))
+        while not steps:
+            await asyncio.sleep(0.001)
+        await stream("flood", [9, 10, 11] * 5, later)
+        await task
+
+    try:
+        asyncio.run(main())
+        # added between the urgent stream's steps, before its end
+        assert any("flood" in present and "urgent" in out for present, out in steps)
+        assert ae.held.held >= 1
+    finally:
+        ae.stop()
+
+
+def test_a_client_gone_while_its_add_is_held_leaves_nothing_behind(make_engine):
+    """Cancelled while its add waits: the add is dropped and its abort (held behind it, in the
+    request's order) finds nothing; every block is back once the urgent stream ends."""
+    eng = make_engine()
+    ae = AsyncEngine(eng)
+    ae.held.max_wait_s = 60.0
+    ae.start()
+    urgent = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, priority=-10)
+
+    async def main():
+        agen = ae.generate("urgent", [5, 6, 7, 8] * 4, urgent)
+        await agen.__anext__()
+        gone = asyncio.ensure_future(ae.generate("gone", [9, 10] * 8, SamplingParams(max_tokens=50)).__anext__())
+        await asyncio.sleep(0.005)
+        held = len(ae.held)
+        gone.cancel()
+        async for _ in agen:
+            pass
+        for _ in range(200):
+            if await ae.run(lambda e: not e.has_unfinished_requests() and e.blocks.num_used_blocks == 0):
+                return held, True
+            await asyncio.sleep(0.01)
+        return held, False
+
+    try:
+        held, clean = asyncio.run(main())
+        assert held == 1 and clean
+    finally:
+        ae.stop()
