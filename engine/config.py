@@ -270,7 +270,7 @@ class SchedulerConfig:
     """While a more urgent request runs or waits here, at most this many less urgent requests
     decode in a step (in turns), so the urgent one's step is not a whole batch of others; 0: no
     such cap."""
-    urgent_step_budget: float = 0.3
+    urgent_step_budget: float = 0.15
     """While a more urgent request runs here, less urgent decodes share its steps only as far
     as they add at most this fraction to the step's time (its cost learned from the steps run,
     engine/core/step_cost.py), and at most `yield_decodes` of them."""
