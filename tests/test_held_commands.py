@@ -1,7 +1,7 @@
 """Less urgent commands wait out a more urgent request's steps (engine/core/held_commands.py):
 the rule alone, then on a real engine thread (AsyncEngine) with the tiny model."""
 import asyncio
-import time
+import threading
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.async_engine import AsyncEngine
@@ -30,6 +30,37 @@ def step_log(ae: AsyncEngine) -> list[tuple[set, set]]:
         return outs
     ae.engine.step = logged
     return log
+
+
+async def queued_while_urgent(ae: AsyncEngine, urgent: SamplingParams, start, probe=None) -> tuple:
+    """Start an urgent stream, then, with the engine thread held between two of its steps,
+    `start()` (a coroutine to run as a task: its first command is queued meanwhile) and, behind
+    it, `probe` (a command that names no request, if given); the urgent stream's task, that
+    one's and the probe's future, once they are queued and the engine thread goes on.
+    The gate makes the order certain however loaded the machine is: the command is drained
+    while the urgent stream has most of its tokens to go."""
+    async def stream():
+        async for out in ae.generate("urgent", [5, 6, 7, 8] * 4, urgent):
+            pass
+        return out
+
+    first = asyncio.ensure_future(stream())
+    while not ae.engine.has_unfinished_requests():
+        await asyncio.sleep(0.001)
+    gate = threading.Event()
+    ae.call(lambda e: gate.wait(30))  # names no request: runs at once, between two urgent steps
+    task = asyncio.ensure_future(start())
+    while ae._commands.qsize() == 0:  # the task's first command is queued behind the gate
+        await asyncio.sleep(0.001)
+    probed = ae.call(probe) if probe is not None else None
+    gate.set()
+    return first, task, probed
+
+
+async def drain(ae: AsyncEngine, rid: str, params: SamplingParams):
+    async for out in ae.generate(rid, [9, 10, 11] * 5, params):
+        pass
+    return out
 
 
 def test_a_command_less_urgent_than_the_engines_work_is_held_and_runs_once_nothing_outranks_it():
@@ -64,8 +95,8 @@ def test_overdue_commands_run_one_a_gap_while_the_urgent_work_goes_on():
 
 
 def test_a_less_urgent_add_waits_for_the_urgent_stream_to_end(make_engine):
-    """Beside an urgent stream a less urgent request's add is held (its first token comes after
-    the urgent stream's last), while a command that names no priority still runs at once."""
+    """Beside an urgent stream a less urgent request's add is held (it is added only after the
+    urgent stream's last step), while a command that names no priority still runs at once."""
     ae = AsyncEngine(make_engine())
     ae.held.max_wait_s = 60.0  # the rule, not the bound: nothing runs early for being overdue
     ae.start()
@@ -73,28 +104,19 @@ def test_a_less_urgent_add_waits_for_the_urgent_stream_to_end(make_engine):
     later = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, priority=0)
     steps = step_log(ae)
 
-    async def stream(rid, prompt, params):
-        async for out in ae.generate(rid, prompt, params):
-            pass
-        return out
-
     async def main():
-        task = asyncio.ensure_future(stream("urgent", [5, 6, 7, 8] * 4, urgent))
-        while not steps:
-            await asyncio.sleep(0.001)
-        flood = asyncio.ensure_future(stream("flood", [9, 10, 11] * 5, later))
-        await asyncio.sleep(0.01)
-        stats_at = time.monotonic()
-        await ae.run(lambda e: e.has_unfinished_requests())  # untagged: not held behind the add
-        stats_s = time.monotonic() - stats_at
-        return await asyncio.gather(task, flood), stats_s
+        u, f, probed = await queued_while_urgent(ae, urgent, lambda: drain(ae, "flood", later),
+                                                 probe=lambda e: "urgent" in e.scheduler.requests)
+        return await asyncio.gather(u, f), await asyncio.wrap_future(probed)
 
     try:
-        (u, f), stats_s = asyncio.run(main())
+        (u, f), probe_saw_urgent = asyncio.run(main())
         assert u.finished and f.finished
         assert not [i for i, (present, out) in enumerate(steps) if "flood" in present and "urgent" in out], \
             "the less urgent add ran between the urgent stream's steps"
-        assert ae.held.held >= 1 and stats_s < 1.0
+        assert ae.held.held == 1
+        assert probe_saw_urgent  # a command that names no priority ran at once, not behind the held add
+        assert ae.held.held_s > 0
     finally:
         ae.stop()
 
@@ -108,22 +130,15 @@ def test_an_overdue_add_joins_a_long_urgent_stream(make_engine):
     later = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, priority=0)
     steps = step_log(ae)
 
-    async def stream(rid, prompt, params):
-        async for _ in ae.generate(rid, prompt, params):
-            pass
-
     async def main():
-        task = asyncio.ensure_future(stream("urgent", [5, 6, 7, 8] * 4, urgent))
-        while not steps:
-            await asyncio.sleep(0.001)
-        await stream("flood", [9, 10, 11] * 5, later)
-        await task
+        u, f, _ = await queued_while_urgent(ae, urgent, lambda: drain(ae, "flood", later))
+        await asyncio.gather(u, f)
 
     try:
         asyncio.run(main())
+        assert ae.held.held == 1
         # added between the urgent stream's steps, before its end
         assert any("flood" in present and "urgent" in out for present, out in steps)
-        assert ae.held.held >= 1
     finally:
         ae.stop()
 
@@ -138,15 +153,13 @@ def test_a_client_gone_while_its_add_is_held_leaves_nothing_behind(make_engine):
     urgent = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, priority=-10)
 
     async def main():
-        agen = ae.generate("urgent", [5, 6, 7, 8] * 4, urgent)
-        await agen.__anext__()
-        gone = asyncio.ensure_future(ae.generate("gone", [9, 10] * 8, SamplingParams(max_tokens=50)).__anext__())
-        await asyncio.sleep(0.005)
+        u, gone, _ = await queued_while_urgent(ae, urgent, lambda: drain(ae, "gone", SamplingParams(max_tokens=50)))
+        while not len(ae.held) and not u.done():
+            await asyncio.sleep(0.001)
         held = len(ae.held)
         gone.cancel()
-        async for _ in agen:
-            pass
-        for _ in range(200):
+        await u
+        for _ in range(500):
             if await ae.run(lambda e: not e.has_unfinished_requests() and e.blocks.num_used_blocks == 0):
                 return held, True
             await asyncio.sleep(0.01)
@@ -155,5 +168,6 @@ def test_a_client_gone_while_its_add_is_held_leaves_nothing_behind(make_engine):
     try:
         held, clean = asyncio.run(main())
         assert held == 1 and clean
+        assert ae.held.held == 2  # the add and, behind it, the abort
     finally:
         ae.stop()
