@@ -6,8 +6,7 @@ kustomization's `resources` (files, and directories with their own kustomization
 applies its `patches`, which in this project are all JSON 6902 operation lists (add, replace,
 remove, test) with a `target`. It refuses any kustomization field or patch form it does not
 implement, so an overlay cannot use a kustomize feature this test would silently skip. Where
-`kubectl` (which embeds kustomize) is on PATH, one test renders each overlay with it too and
-requires the same objects.
+`kubectl` (which embeds kustomize) is on PATH, one test renders each overlay with it too.
 
 Each rendered overlay is then checked: the core objects against the Kubernetes 1.30 schemas
 bundled in kubernetes-validate (strict: unknown fields fail), the RayCluster against
@@ -37,7 +36,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-dev", "gpu", "two-models", "cpu-dev-keys", "cpu-dev-pp", "cpu-pp-tp")  # -keys: test_k8s_keys too
+OVERLAYS = ("cpu-dev", "gpu", "two-models", "cpu-dev-keys", "cpu-dev-pp", "cpu-pp-tp", "cpu-moe-pp-ep")  # test_k8s_*
 K8S_VERSION = "1.30"
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches"}
 KUBE_REF = re.compile(r"(?<!\$)\$\((\w+)\)")       # Kubernetes' expansion in command, args, env values
@@ -327,9 +326,10 @@ def test_pools_match_worker_groups(overlay):
     router_flags = {k: KUBE_REF.sub(lambda m: config[m.group(1)], v) for k, v in flag_values(router["args"]).items()}
     for flag in ("--cluster-name", "--model", "--block-size"):  # routers and pools must agree
         assert router_flags[flag] == flags[flag], flag
-    expected = {"cpu-dev": ("1", "1", "cpu", "1x1"), "gpu": ("2", "2", "cuda", "1x1"), "cpu-pp-tp": ("1", "1", "cpu", "2x3"),
-                "cpu-dev-pp": ("1", "1", "cpu", "2x1")}[name.removesuffix("-keys")]  # the decode pool's PP x TP
-    assert (flags["--prefill"], flags["--decode"], device, f'{flags["--decode-pp"]}x{flags["--decode-tp"]}') == expected
+    expected = {"cpu-dev": ("1", "1", "cpu", "1x1x1"), "gpu": ("2", "2", "cuda", "1x1x1"), "cpu-pp-tp": ("1", "1", "cpu", "2x3x1"),
+                "cpu-dev-pp": ("1", "1", "cpu", "2x1x1"), "cpu-moe-pp-ep": ("1", "1", "cpu", "2x1x2")}[name.removesuffix("-keys")]
+    shape = f'{flags["--decode-pp"]}x{flags["--decode-tp"]}x{flags["--decode-ep"]}'  # the decode pool's PP x TP x EP
+    assert (flags["--prefill"], flags["--decode"], device, shape) == expected
 
 
 def mounted_file(objs: list[dict], container: dict, template: dict, path: str) -> dict:
