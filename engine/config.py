@@ -338,11 +338,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks the heads are split over (engine/parallel/tp.py: processes of this host, gloo)."""
     expert_parallel_size: int = 1
-    """Ranks a mixture-of-experts model's experts are split over, the rest replicated on each
-    (engine/parallel/ep.py; PP x EP: each stage's); at most the experts per layer; not with tp > 1."""
+    """Ranks a MoE model's experts are split over (engine/parallel/ep.py), at most a layer's; not with tp > 1."""
     pipeline_parallel_size: int = 1
-    """Stages the layers are split over (engine/parallel/pp.py), at most the layers; each a group of
-    tensor_parallel_size ranks (PP x TP: pp * tp processes) or of expert_parallel_size (PP x EP)."""
+    """Stages the layers are split over (engine/parallel/pp.py), each of tp ranks (PP x TP) or ep (PP x EP)."""
+    pipeline_layers: tuple[int, ...] = ()
+    """Layers of each stage, stage 0 first (pp.check_stages); (): stage 0 fewer by its extra work (pp.split_layers)."""
     packed_weights: bool = True
     """On CPU (fp32), run linear layers on oneDNN-packed copies of the weights: 1.5-2x faster
     matmuls for the same fp32 math, at the cost of a second copy of the weights."""
@@ -376,10 +376,10 @@ class EngineConfig:
         if self.speculative_model and self.speculative_tokens <= 0:
             raise ValueError("speculative_model needs speculative_tokens > 0 (how many tokens the draft proposes)")
         tp, ep, pp = self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size
-        if min(tp, ep) < 1 or (tp > 1 and ep > 1):  # tensor parallelism within an expert-parallel group: not yet
-            raise ValueError(f"tensor_parallel_size and expert_parallel_size must be >= 1, not both > 1: {tp}, {ep}")
-        if pp < 1:  # each stage a group of tp or ep ranks (PP x TP, PP x EP)
-            raise ValueError(f"pipeline_parallel_size must be >= 1: {pp}")
+        object.__setattr__(self, "pipeline_layers", split := tuple(self.pipeline_layers))  # a list from JSON
+        if min(tp, ep, pp, *split) < 1 or (tp > 1 and ep > 1):  # tensor parallelism within expert-parallel: not yet
+            raise ValueError(f"tensor_, expert_, pipeline_parallel_size ({tp}, {ep}, {pp}) and each of pipeline_layers "
+                             f"({list(split)}) must be >= 1, not tensor_ and expert_ both > 1")
         if self.speculative_max_batch < 0:
             raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
         if self.speculative_tokens < 0:

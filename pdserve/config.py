@@ -117,6 +117,11 @@ class RouterConfig:
         at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 
 
+def layer_counts(text: str) -> tuple[int, ...]:
+    """Counts separated by commas ("12,18", a `--decode-pp-layers` flag's), as a tuple."""
+    return tuple(int(x) for x in text.split(","))
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     replicas: int = 1
@@ -143,11 +148,21 @@ class PoolConfig:
     """Pipeline-parallel degree of each worker of the pool (its layers split into stages, one
     process each, or tp each with tp above 1, PP x TP, or ep each with ep above 1, PP x EP:
     engine/parallel/pp.py); 0: the cluster engine's."""
+    pp_layers: tuple[int, ...] = ()
+    """Layers of each stage of the pool's pipelines, stage 0 first (EngineConfig.pipeline_layers:
+    as many as stages, each >= 1, summing to the model's layers); (): stage 0 fewer by its LM
+    head's work (engine/parallel/pp.split_layers)."""
 
     def __post_init__(self):
         at_least("tp", self.tp, 0)
         at_least("ep", self.ep, 0)
         at_least("pp", self.pp, 0)
+        object.__setattr__(self, "pp_layers", tuple(self.pp_layers))  # a list from a config file
+        for n in self.pp_layers:
+            at_least("each of pp_layers", n, 1)
+        if self.pp_layers and self.pp and len(self.pp_layers) != self.pp:
+            raise ValueError(f"a pool's pp_layers {','.join(map(str, self.pp_layers))} gives {len(self.pp_layers)} "
+                             f"stages but its pp is {self.pp}: give one layer count a stage")
         if self.tp > 1 and self.ep > 1:
             raise ValueError(f"a pool's tp ({self.tp}) and ep ({self.ep}) cannot both be above 1: tensor parallelism "
                              "within an expert-parallel group is not implemented; use one of them")
@@ -303,10 +318,11 @@ class ClusterConfig:
         engine = self.engine
         if pool.kv_cache_dtype:
             engine = replace(engine, cache=replace(engine.cache, kv_cache_dtype=pool.kv_cache_dtype))
-        if pool.tp or pool.ep or pool.pp:
+        if pool.tp or pool.ep or pool.pp or pool.pp_layers:
             engine = replace(engine, tensor_parallel_size=pool.tp or engine.tensor_parallel_size,
                              expert_parallel_size=pool.ep or engine.expert_parallel_size,
-                             pipeline_parallel_size=pool.pp or engine.pipeline_parallel_size)
+                             pipeline_parallel_size=pool.pp or engine.pipeline_parallel_size,
+                             pipeline_layers=pool.pp_layers or engine.pipeline_layers)
         if role == "prefill":  # a prefill worker samples one token per prompt: nothing to speculate
             engine = replace(engine, speculative_tokens=0, speculative_model="", speculative_quantization="")
         fields = dict(host=self.worker_host or ("auto" if self.ray_address else "127.0.0.1"),

@@ -26,6 +26,7 @@ from pdserve.config import (
     TracingConfig,
     TransferConfig,
     WorkerConfig,
+    layer_counts,
 )
 from pdserve.engine.core.arg_utils import engine_config
 from pdserve.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig, parse_size
@@ -192,6 +193,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                        f"its layers split into N stages (processes); with --{pool}-tp T each stage is T ranks "
                        f"(PP x TP: N*T processes), with --{pool}-ep E each stage's experts split over E ranks "
                        "(PP x EP: N*E processes); at most the layers (default: --pp)")
+        p.add_argument(f"--{pool}-pp-layers", type=layer_counts, default=(), help=f"layers of each stage of a {pool} "
+                       f"pipeline, stage 0 first, e.g. 12,18 (as many as --{pool}-pp, summing to the layers; "
+                       "default: stage 0 fewer by the share of its LM head, sampling and scheduling)")
         p.add_argument(f"--{pool}-max-queue", type=int, default=_P.max_queue,
                        help=f"requests queued per {pool} worker before it refuses more (0: unbounded); a request "
                             "refused by every worker of a pool gets 429")
@@ -345,7 +349,7 @@ def _pool(args: argparse.Namespace, role: str, replicas: int) -> PoolConfig:
                       resource=getattr(args, f"{role}_resource"),
                       kv_cache_dtype=getattr(args, f"{role}_kv_cache_dtype", None) or "",
                       tp=getattr(args, f"{role}_tp", 0) or 0, ep=getattr(args, f"{role}_ep", 0) or 0,
-                      pp=getattr(args, f"{role}_pp", 0) or 0)
+                      pp=getattr(args, f"{role}_pp", 0) or 0, pp_layers=getattr(args, f"{role}_pp_layers", ()))
 
 
 def up_config(args: argparse.Namespace) -> ClusterConfig:

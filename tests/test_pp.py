@@ -1,20 +1,26 @@
-"""Pipeline parallelism (engine/parallel/pp.py): a degree above the layers is refused with the
-ones that fit; each stage holds its layers; engines over 2 and 3 stages (5 layers: uneven
-splits) give the single engine's greedy tokens and logprobs exactly, batched and chunked,
-with every block back (a mixture-of-experts model too); KV moves between pipelines and single engines token-exactly, and a
-step's layer streams are the exported KV; through the workers each stage hands off its own layers; a stage killed mid-stream makes the next step raise
-RankFailed, the other stages go down and the blocks come back."""
+"""Pipeline parallelism (engine/parallel/pp.py): a degree above the layers is refused with the ones
+that fit, and so is a split of the layers that does not fit; the default split gives stage 0
+fewer layers by its LM head's work; each stage holds its layers; engines over 2 stages (5
+layers, the default split: 2 and 3) and 3 (2, 2 and 1, given) give the single engine's greedy
+tokens and logprobs exactly, batched and chunked, with every block back (a mixture-of-experts
+model too); KV moves between pipelines and single engines token-exactly, and a step's layer
+streams are the exported KV; through the workers each stage hands off its own layers; a stage
+killed mid-stream makes the next step raise RankFailed, the other stages go down and the blocks
+come back."""
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.config import PoolConfig
 from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.kv.cache import bytes_per_block
 from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
 from pdserve.engine.model.weights import LoadedModel, build_model
-from pdserve.engine.parallel.pp import check_stages, layers_of, stage_state
+from pdserve.engine.parallel.pp import PPKVCache, check_stages, head_weight, layers_of, split_layers, stage_state
 from pdserve.engine.parallel.tp import ModelSource
 from tests.helpers.engine_runs import GREEDY, clean, handoff, kill_rank_mid_stream, run
 from tests.helpers.prompts import prompts
@@ -34,7 +40,8 @@ def single() -> LLMEngine:
 @pytest.fixture(scope="module")
 def pipelines():
     """PP=2 and PP=3 engines of the 5-layer tiny model, shared by the tests that leave them clean."""
-    made = {pp: LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS), CONFIG, pp,
+    configs = {2: CONFIG, 3: replace(CONFIG, pipeline_layers=(2, 2, 1))}  # stage 0 the fewest layers, the most
+    made = {pp: LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS), configs[pp], pp,
                                           pipeline=True) for pp in (2, 3)}
     yield made
     for e in made.values():
@@ -57,9 +64,64 @@ def test_a_degree_above_the_layers_is_refused_with_the_ones_that_fit():
                                   EngineConfig(lora=LoRAConfig(max_loras=1)), 2, pipeline=True)
 
 
+def test_the_default_split_weighs_stage_0_s_extra_work_and_a_split_that_does_not_fit_is_refused():
+    """SmolLM2's shapes (30 layers, a 49,152-token LM head): 13 and 17 layers over 2 stages (its
+    head, sampling and scheduling ~4.4 layers' work); a split given is taken as it is; a split
+    whose counts are not one a stage, each >= 1, summing to the layers is refused naming one
+    that fits, before any rank starts, and so are counts below 1 in the config and the flags."""
+    smol = tiny_config(num_hidden_layers=30, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    assert 4 < head_weight(smol) < 5
+    assert [split_layers(smol, pp) for pp in (1, 2, 3)] == [(30,), (13, 17), (7, 12, 11)]
+    cfg = tiny_config(**dict(LAYERS))
+    assert split_layers(cfg, 2) == (2, 3) and split_layers(cfg, 3) == (1, 2, 2) and split_layers(cfg, 5) == (1,) * 5
+    assert split_layers(cfg, 2, (4, 1)) == (4, 1) and layers_of(cfg, 2, 1, (4, 1)) == range(4, 5)
+    check_stages(cfg, 2, (4, 1))
+    for bad in ((3, 3), (5, 0), (1, 2, 2)):
+        with pytest.raises(ValueError, match=r"this model's 5 layers over 2 stages need 2 counts of at least 1 "
+                                             r"\(stage 0 first\) that sum to 5, e.g. 2,3"):
+            check_stages(cfg, 2, bad)
+    with pytest.raises(ValueError, match=r"pipeline layers 3,3: this model's 5 layers"):  # before any rank starts
+        LLMEngine.tensor_parallel(ModelSource(tiny_seed=0, tiny_overrides=LAYERS),
+                                  replace(CONFIG, pipeline_layers=(3, 3)), 2, pipeline=True)
+    with pytest.raises(ValueError, match=r"each of pipeline_layers \(\[0, 5\]\) must be >= 1"):
+        replace(CONFIG, pipeline_layers=(0, 5))
+    assert EngineConfig(pipeline_layers=[2, 3]).pipeline_layers == (2, 3)  # as a rank reads it back from JSON
+    assert PoolConfig(pp=2, pp_layers=[2, 3]).pp_layers == (2, 3)
+    with pytest.raises(ValueError, match=r"pp_layers 2,3 gives 2 stages but its pp is 3: give one layer count a stage"):
+        PoolConfig(pp=3, pp_layers=(2, 3))
+    with pytest.raises(ValueError, match=r"each of pp_layers must be >= 1, got 0"):
+        PoolConfig(pp_layers=(0, 5))
+
+
+def test_every_stage_s_cache_holds_as_many_blocks_as_the_deepest_stage_s_memory_holds():
+    """A block id names the same block on every stage: rank 0 with fewer layers than stage 1
+    takes as many blocks as stage 1 does, not the more its memory would hold."""
+    from types import SimpleNamespace
+    cfg = tiny_config(**dict(LAYERS))
+    caches = [PPKVCache(cfg, CONFIG, SimpleNamespace(rank=r, world=2)) for r in (0, 1)]
+    assert [c.kv.shape[0] for c in caches] == [2, 3]
+    per = bytes_per_block(replace(cfg, num_hidden_layers=3), 16, caches[0].format)
+    assert caches[0].num_blocks == caches[1].num_blocks == CONFIG.cache.kv_cache_memory // per
+    with pytest.raises(ValueError, match=r"kv_cache_memory=4096 bytes holds no block: one block of 16 tokens "
+                                         r"needs \d+ bytes on this model's largest stage"):
+        PPKVCache(cfg, replace(CONFIG, cache=CacheConfig(kv_cache_memory=4096)), SimpleNamespace(rank=0, world=2))
+
+
+def test_the_flags_give_each_pool_its_split():
+    from pdserve.cli import parser
+    from pdserve.flags import up_config
+    c = up_config(parser().parse_args(["up", "--decode-pp", "2", "--decode-pp-layers", "12,18"]))
+    engine = c.worker("decode", "d").engine
+    assert engine.pipeline_layers == (12, 18) and engine.pipeline_parallel_size == 2
+    assert c.worker("prefill", "p").engine.pipeline_layers == ()
+    with pytest.raises(SystemExit):  # argparse: invalid layer_counts value: '12,x'
+        parser().parse_args(["up", "--decode-pp-layers", "12,x"])
+
+
 def test_each_stage_holds_its_layers_renumbered():
     cfg = tiny_config(**dict(LAYERS))
-    assert [layers_of(cfg, 3, r) for r in range(3)] == [range(0, 2), range(2, 4), range(4, 5)]
+    assert [layers_of(cfg, 3, r, (2, 2, 1)) for r in range(3)] == [range(0, 2), range(2, 4), range(4, 5)]
     state = tiny_state_dict(cfg, 0)
     part = stage_state(state, range(2, 4))
     assert torch.equal(part["model.layers.0.mlp.up_proj.weight"], state["model.layers.2.mlp.up_proj.weight"])
@@ -76,8 +138,11 @@ def test_greedy_tokens_and_logprobs_equal_one_engine_batched_and_chunked(pipelin
     sends = e.runner.model.pp.sends
     got, got_lp = run(e, ps)
     assert got == want and got_lp == want_lp  # the same sums in the same order: exactly
-    assert len(e.runner.model.model.layers) == len(layers_of(e.model_config, pp, 0)) == (3 if pp == 2 else 2)
+    assert len(e.runner.model.model.layers) == 2  # PP=2: 2 of 5 (fewer than stage 1), PP=3: 2, 2, 1
     assert e.kv_cache.kv.shape[0] == len(e.runner.model.model.layers) and e.kv_cache.layout[0] == 5
+    # as many blocks on every stage: what kv_cache_memory holds on a stage of 3 layers (PP=2) or 2 (PP=3)
+    most = replace(e.model_config, num_hidden_layers=3 if pp == 2 else 2)
+    assert e.kv_cache.num_blocks == CONFIG.cache.kv_cache_memory // bytes_per_block(most, 16, e.kv_cache.format)
     assert e.runner.model.pp.sends > sends  # rank 0 sent its activations on
     clean(e)
 

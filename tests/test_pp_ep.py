@@ -1,13 +1,13 @@
-"""Pipeline x expert parallelism (engine/parallel/pp.py, PP x EP): a pipeline of 2 stages, each
-an expert-parallel group of 2 ranks (4 processes; and 3 stages of 2), over small random
-transformers MoE models of 3 layers (stages of 2 layers and 1): each rank holds its stage's attention whole and its
-share of their experts (Qwen2-MoE's shared expert on each stage's first rank). Greedy tokens
-equal the single engine's under `exact`, batched with chunked prefill and under preemption;
-every block is back after (rank 0's block manager is every rank's). KV crosses token-exactly
-between it, a single engine and an EP=2 group, in the whole model's layout and by parts
-through the workers (each stage's first rank pushes its layers' KV, every rank of a decode
-stage takes it). Degrees that do not fit are refused before a rank starts, naming what fits;
-a killed rank takes the pipeline down with every block back."""
+"""Pipeline x expert parallelism (engine/parallel/pp.py, PP x EP): a pipeline of 2 stages, each an
+expert-parallel group of 2 ranks (4 processes; and 3 stages of 2), over small random
+transformers MoE models of 3 layers (stages of 1 layer and 2: the default split): each rank
+holds its stage's attention whole and its share of their experts (Qwen2-MoE's shared expert on
+each stage's first rank). Greedy tokens equal the single engine's under `exact`, batched with
+chunked prefill and under preemption; every block is back after (rank 0's block manager is every
+rank's). KV crosses token-exactly between it, a single engine and an EP=2 group, in the whole
+model's layout and by parts through the workers (each stage's first rank pushes its layers' KV,
+every rank of a decode stage takes it). Degrees that do not fit are refused before a rank
+starts, naming what fits; a killed rank takes the pipeline down with every block back."""
 from dataclasses import replace
 
 import pytest
@@ -81,14 +81,14 @@ def test_degrees_that_do_not_fit_are_refused_before_a_rank_starts(model_dir):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_greedy_tokens_equal_the_single_engine_batched_and_chunked(model_dir, ppep, arch):
     """qwen3_moe: 8 experts, 4 a rank; qwen2_moe: 4, 2 a rank, and the shared expert on each
-    stage's first rank. Rank 0 holds stage 0's 2 layers, their first 4 (2) experts, every KV
-    head; each step all-reduces its 2 MoE layers over the stage's group."""
+    stage's first rank. Rank 0 holds stage 0's layer (the default split: 1 and 2), its first 4
+    (2) experts, every KV head; each step all-reduces its MoE layer over the stage's group."""
     ref = single(model_dir(arch))
     want = ref.generate(PROMPTS, GREEDY)
     e = ppep(arch)
     model, n = e.runner.model, e.model_config.num_experts
     assert e.tp.stages == 2 and e.micro_batches is None  # a mixture of experts: one pass at a time
-    assert len(model.model.layers) == 2 and e.kv_cache.kv.shape[0] == 2
+    assert len(model.model.layers) == 1 and e.kv_cache.kv.shape[0] == 1
     assert e.kv_cache.layout == ref.kv_cache.layout and e.kv_cache.owners == [0]
     for block in model.moe_blocks():
         assert block.owned == experts_of(e.model_config, 2, 0) == range(n // 2)
@@ -108,7 +108,7 @@ def test_batched_under_preemption_equals_alone(model_dir):
     ref = single(path)
     want = ref.generate(ps, GREEDY)
     tight = replace(EP, cache=CacheConfig(kv_cache_memory=8 * ref.kv_cache.bytes_per_block * 2 // 3,
-                                          kv_host_memory=0))  # rank 0: 2 of the 3 layers
+                                          kv_host_memory=0))  # stage 1: 2 of the 3 layers
     e = LLMEngine.tensor_parallel(ModelSource(str(path)), tight, 4, pipeline=True)
     try:
         assert e.blocks.num_blocks == 8  # 6 sequences of 30-45 tokens in 8 blocks of 16
@@ -137,7 +137,7 @@ def test_kv_crosses_between_pp_x_ep_one_engine_and_an_ep_group(model_dir, ppep):
         assert through_workers(one, e, ps) == want
         assert through_workers(e, one, ps) == want
         shipped = e.kv_cache.last_ship
-        assert shipped[1] == shipped[3] == 0 and shipped[0] == 2 * shipped[2] > 0, shipped  # layers 2:1
+        assert shipped[1] == shipped[3] == 0 and 2 * shipped[0] == shipped[2] > 0, shipped  # layers 1:2
         for x in (e, one, two):
             clean(x)
     finally:

@@ -1,8 +1,9 @@
 """Pipeline parallelism through `pdserve up` (engine/parallel/pp.py, deploy/up.py): a degree
-above the layers, a pipeline with expert parallelism, or PP x TP whose TP degree does not
-divide the heads, is refused before Ray starts, naming the flag and what fits; a pipeline's
-stages count as ranks when the pools are placed; one Ray cluster (`--models-file`) of two
-models, SmolLM2 on 2-stage prefill and decode workers and a tiny random Llama on a decode
+above the layers, a pipeline with expert parallelism, PP x TP whose TP degree does not
+divide the heads, or a split of other than one layer count a stage, is refused before Ray
+starts, naming the flag and what fits; a pipeline's stages count as ranks when the pools are
+placed; one Ray cluster (`--models-file`) of two models, SmolLM2 on 2-stage prefill and
+decode workers (the default split: 13 layers and 17) and a tiny random Llama on a decode
 worker of 2 stages x 2 tensor-parallel ranks, answers greedily as each single engine, prompts
 prefilled remotely and locally, and every process exits on Ctrl-C; a decode stage killed
 mid-stream moves the stream to another worker, token-exact."""
@@ -30,7 +31,9 @@ def test_up_refuses_a_pipeline_that_does_not_fit_before_starting_ray():
                                         "use 1 to 30"),
                 ("--pp", "2", "--decode-ep", "2"): "--decode-ep: expert-parallel degree 2: this llama model is dense",
                 ("--decode-pp", "2", "--decode-tp", "2"): ("--decode-tp: tensor-parallel degree 2 does not divide "
-                                                           "this model's 9 attention heads (3 KV heads): use one of 1, 3, 9")}
+                                                           "this model's 9 attention heads (3 KV heads): use one of 1, 3, 9"),
+                ("--decode-pp", "3", "--decode-pp-layers", "12,18"): ("pp_layers 12,18 gives 2 stages but its pp is "
+                                                                      "3: give one layer count a stage")}
     runs = {flags: subprocess.Popen([sys.executable, "-m", "pdserve", "up", *flags], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=ENV) for flags in refusals}  # at once
     for flags, why in refusals.items():

@@ -2,11 +2,14 @@
 authenticated gloo group and the per-step message of engine/parallel/tp.py, in its
 `pipeline` mode), each rank one stage (or, PP x TP below, each stage a group of ranks).
 
-Stage r holds the contiguous layers `layers_of(cfg, pp, r)` (as even as possible, the first
-stages one more when the degree does not divide the layers), renumbered from 0 in its model,
-and a paged cache of those layers alone. Rank 0 is the engine (scheduler, block manager,
-sampler) and stage 0: it sends each step to every stage (point to point, not waited for:
-`Group.posted`, so it goes on while a stage computes), embeds the tokens and runs its
+Stage r holds the contiguous layers `layers_of(cfg, pp, r, EngineConfig.pipeline_layers)`,
+renumbered from 0 in its model, and a paged cache of those layers alone. The split
+(`split_layers`) is the config's counts, or by default weighs stage 0's extra work (the LM
+head, sampling, scheduling: `head_weight` layers' worth) so that its layers plus that work
+match each other stage's layers, the rest as even as possible over the other stages. Rank 0
+is the engine (scheduler, block manager, sampler) and stage 0: it sends each step to every
+stage (point to point, not waited for: `Group.posted`, so it goes on while a stage
+computes), embeds the tokens and runs its
 layers, then sends the residual stream (T, hidden) to rank 1; each stage receives it, runs
 its layers and sends it on; the last applies the final norm and sends the normed hidden
 states back to rank 0, whose logits and sampling are those of one engine. The stages
@@ -21,9 +24,9 @@ a decode pipeline receives by parts, each rank at an address of its own, writing
 engine-level export or import (tests, a peer's prefix pull) is in the whole model's layout
 (`PPKVCache`): an export gathers every stage's layers on rank 0 (concatenated along the layer
 dimension), an import sends each stage its layer range. Rank 0's block manager is the group's:
-a block id names the same block in every stage's cache (rank 0, holding the most layers,
-holds the fewest blocks). A stage that dies makes the next send or receive fail: rank 0
-raises `RankFailed`, as for a tensor-parallel rank.
+a block id names the same block in every stage's cache, each rank holding as many blocks as
+`kv_cache_memory` holds on the rank of the most layers (and KV heads). A stage that dies
+makes the next send or receive fail: rank 0 raises `RankFailed`, as for a tensor-parallel rank.
 
 PP x TP: with `EngineConfig.tensor_parallel_size` = w > 1 each stage is a tensor-parallel
 group of w ranks (global rank = stage * w + its rank in the stage; `stage_group`): its layers
@@ -52,6 +55,7 @@ stage's first rank the norm, rank 0 the LM head).
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import deque
@@ -62,23 +66,71 @@ import torch.distributed as dist
 
 from pdserve.common.errors import KVTransferError
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.kv.cache import KVCache, kv_format
+from pdserve.engine.kv.cache import KVCache, bytes_per_block, kv_format
 from pdserve.engine.parallel.ep import shard_experts
 from pdserve.engine.parallel.group import Group
 from pdserve.engine.parallel.pp_handoff import StagedHandoff
 from pdserve.engine.parallel.shard import kv_heads_of, shard, span
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# stage 0's extra work (LM head, sampling, scheduling) in layers' time over its LM head's multiply-adds in
+# layers': SmolLM2, one engine of one thread at 16 streams (a micro-batch of 32 streams), its steps beyond
+# the forward pass 4.4-4.5 layers' time against 8.0 by multiply-adds (bench/experiments/pp.py `stage0_extra`)
+HEAD_SCALE = 0.55
 
 
-def check_stages(cfg: ModelConfig, pp: int) -> None:
-    """Refuse a degree the model's layers cannot be split into, naming the degrees that fit."""
+def check_stages(cfg: ModelConfig, pp: int, layers: tuple[int, ...] = ()) -> None:
+    """Refuse a degree the model's layers cannot be split into, naming the degrees that fit, and
+    a split `layers` (EngineConfig.pipeline_layers) that is not one count >= 1 a stage summing
+    to the layers, naming the weighted split as one that fits."""
     if cfg.model_type == "gemma3" and pp > 1:
         raise ValueError(f"pipeline-parallel degree {pp}: a {cfg.model_type} model is not split into stages yet "
                          "(its own forward pass): use 1")
-    if not 1 <= pp <= cfg.num_hidden_layers:
-        raise ValueError(f"pipeline-parallel degree {pp}: this model has {cfg.num_hidden_layers} layers: use 1 to "
-                         f"{cfg.num_hidden_layers}")
+    n = cfg.num_hidden_layers
+    if not 1 <= pp <= n:
+        raise ValueError(f"pipeline-parallel degree {pp}: this model has {n} layers: use 1 to {n}")
+    if layers and (len(layers) != pp or min(layers) < 1 or sum(layers) != n):
+        fits = ",".join(map(str, split_layers(cfg, pp)))
+        raise ValueError(f"pipeline layers {','.join(map(str, layers))}: this model's {n} layers over {pp} stages "
+                         f"need {pp} counts of at least 1 (stage 0 first) that sum to {n}, e.g. {fits}")
+
+
+def head_weight(cfg: ModelConfig) -> float:
+    """Stage 0's work beyond its layers in layer-equivalents, from the model's shapes: the LM
+    head's multiply-adds for a decoded row (hidden x vocab) over one layer's for a token (its
+    attention projections and MLP, a mixture of experts' routed and shared experts), times
+    HEAD_SCALE (what the head, sampling and scheduling cost beside the layers, measured)."""
+    hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    attn = cfg.hidden_size * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    if cfg.num_experts:
+        mlp = 3 * cfg.hidden_size * ((cfg.moe_intermediate_size or cfg.intermediate_size) * cfg.num_experts_per_tok
+                                     + cfg.shared_expert_intermediate_size)
+    else:
+        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return HEAD_SCALE * cfg.hidden_size * cfg.vocab_size / (attn + mlp)
+
+
+def split_layers(cfg: ModelConfig, pp: int, layers: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Layers of each stage, stage 0 first: `layers` when given, else the weighted split: stage 0
+    takes (L + w) / pp - w of the L layers, rounded half up (w: head_weight; at least 1, at most
+    L - (pp - 1)), so that its layers plus w match each other stage's share; the rest as even as possible
+    over the other stages, the first of them one more."""
+    if layers:
+        return tuple(layers)
+    n = cfg.num_hidden_layers
+    if pp == 1:
+        return (n,)
+    w = head_weight(cfg)
+    first = min(max(1, math.floor((n + w) / pp - w + 0.5)), n - pp + 1)
+    rest = [span(n - first, pp - 1, r) for r in range(pp - 1)]
+    return (first, *(s.stop - s.start for s in rest))
+
+
+def layers_of(cfg: ModelConfig, pp: int, rank: int, layers: tuple[int, ...] = ()) -> range:
+    """The layers stage `rank` holds, of the split `split_layers(cfg, pp, layers)`."""
+    counts = split_layers(cfg, pp, layers)
+    start = sum(counts[:rank])
+    return range(start, start + counts[rank])
 
 
 def stage_width(config: EngineConfig, world: int) -> int:
@@ -98,12 +150,6 @@ def stage_heads(full: ModelConfig, config: EngineConfig, t: int) -> slice:
     them (a stage of expert-parallel ranks runs its attention whole on every rank)."""
     tp = config.tensor_parallel_size
     return kv_heads_of(full, tp, t) if tp > 1 else slice(0, full.num_key_value_heads)
-
-
-def layers_of(cfg: ModelConfig, pp: int, rank: int) -> range:
-    """The layers stage `rank` holds."""
-    s = span(cfg.num_hidden_layers, pp, rank)
-    return range(s.start, s.stop)
 
 
 def stage_state(state: dict[str, torch.Tensor], layers: range) -> dict[str, torch.Tensor]:
@@ -132,8 +178,8 @@ def load_stage(source, config: EngineConfig, world: int, rank: int):
     if config.max_model_len:
         cfg = replace(cfg, max_position_embeddings=config.max_model_len)
     w = stage_width(config, world)
-    check_stages(cfg, world // w)
-    layers = layers_of(cfg, world // w, rank // w)
+    check_stages(cfg, world // w, config.pipeline_layers)
+    layers = layers_of(cfg, world // w, rank // w, config.pipeline_layers)
     part, local, share = stage_state(state, layers), cfg, None
     if w > 1 and config.expert_parallel_size > 1:
         part, share = shard_experts(part, cfg, w, rank % w)
@@ -245,12 +291,21 @@ class PPKVCache(StagedHandoff, KVCache):
 
     def __init__(self, full: ModelConfig, config: EngineConfig, group):
         w = self.width = stage_width(config, group.world)
-        self.spans = [layers_of(full, group.world // w, r // w) for r in range(group.world)]  # per global rank
+        self.spans = [layers_of(full, group.world // w, r // w, config.pipeline_layers)  # per global rank
+                      for r in range(group.world)]
         self.heads = [stage_heads(full, config, r % w) for r in range(group.world)]
-        local = replace(full, num_hidden_layers=len(self.spans[group.rank]),
-                        num_key_value_heads=self.heads[group.rank].stop - self.heads[group.rank].start)
-        super().__init__(local, config.cache, kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype),
-                                                        config.device), config.device)
+        shapes = [replace(full, num_hidden_layers=len(s), num_key_value_heads=h.stop - h.start)
+                  for s, h in zip(self.spans, self.heads)]
+        fmt = kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype), config.device)
+        # every rank as many blocks as kv_cache_memory holds on the rank of the most layers and heads (a
+        # block id names the same block everywhere); the others take that many blocks' bytes
+        per = max(bytes_per_block(m, config.cache.block_size, fmt) for m in shapes)
+        if config.cache.kv_cache_memory < per:
+            raise ValueError(f"kv_cache_memory={config.cache.kv_cache_memory} bytes holds no block: one block of "
+                             f"{config.cache.block_size} tokens needs {per} bytes on this model's largest stage")
+        mine = bytes_per_block(shapes[group.rank], config.cache.block_size, fmt)
+        cache = replace(config.cache, kv_cache_memory=config.cache.kv_cache_memory // per * mine)
+        super().__init__(shapes[group.rank], cache, fmt, config.device)
         self.full, self.group = full, group
         # each stage's ranks whose heads make up the whole (one per replicated head; expert-parallel: its first)
         kv, tp = full.num_key_value_heads, config.tensor_parallel_size
