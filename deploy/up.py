@@ -73,8 +73,12 @@ def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
             continue  # one rank a worker: nothing to split (the model is read where it loads)
         cfg = read_model_config(path)
         for role, (tp, ep, pp) in degrees.items():
+            split = c.pools()[role].pp_layers or e.pipeline_layers
             checks = [("ep", check_experts, ep)] if ep > 1 else []  # a dense model is refused any ep
-            for flag, check, degree in checks + [("pp", check_stages, pp), ("tp", check_degree, tp)]:
+            checks += [("pp", check_stages, pp), ("tp", check_degree, tp)]
+            if split:  # the stages' layer counts, once the degree fits
+                checks.append(("pp-layers", lambda cfg, d, split=split: check_stages(cfg, d, split), pp))
+            for flag, check, degree in checks:
                 try:
                     check(cfg, degree)
                 except ValueError as err:

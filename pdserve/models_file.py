@@ -23,9 +23,9 @@ from pdserve.config import PoolConfig, ServedModel
 from pdserve.engine.config import EngineConfig, LoRAConfig
 
 MODEL_KEYS = ("name", "path", "lora_modules", "max_loras", "max_lora_rank", "max_model_len", "prefill", "decode")
-POOL_KEYS = {"replicas": int, "tp": int, "ep": int, "pp": int, "kv_cache_dtype": str, "num_cpus": (int, float), "num_gpus": (int, float),
-             "max_queue": int, "resource": str}
-_TYPE_NAMES = {int: "an integer", str: "a string", (int, float): "a number"}
+POOL_KEYS = {"replicas": int, "tp": int, "ep": int, "pp": int, "pp_layers": list, "kv_cache_dtype": str,
+             "num_cpus": (int, float), "num_gpus": (int, float), "max_queue": int, "resource": str}
+_TYPE_NAMES = {int: "an integer", str: "a string", (int, float): "a number", list: "a list of integers"}
 
 
 class ModelsFileError(ValueError):
@@ -34,7 +34,9 @@ class ModelsFileError(ValueError):
 
 
 def _check_type(value, want, where: str):
-    if isinstance(value, bool) or not isinstance(value, want):
+    items = value if want is list and isinstance(value, list) else []  # a list's items: integers
+    if isinstance(value, bool) or not isinstance(value, want) or any(
+            isinstance(v, bool) or not isinstance(v, int) for v in items):
         raise ModelsFileError(f"{where} must be {_TYPE_NAMES[want]}, got {value!r}")
     return value
 

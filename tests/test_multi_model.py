@@ -31,6 +31,8 @@ lora_modules = { sql = "adapters/sql", chat = "/abs/chat" }
 replicas = 2
 kv_cache_dtype = "int8"
 num_cpus = 0.5
+pp = 2
+pp_layers = [13, 17]
 
 [[model]]
 name = "gemma"
@@ -61,6 +63,7 @@ def test_the_models_file_gives_each_model_its_engine_pools_and_adapters(models_f
     assert smol.engine.lora.modules == (("sql", str(models_file.parent / "adapters/sql")), ("chat", "/abs/chat"))
     assert smol.engine.lora.max_loras == 2 and gemma.engine.lora.max_loras == 0
     assert (smol.decode.replicas, smol.decode.kv_cache_dtype, smol.decode.num_cpus) == (2, "int8", 0.5)
+    assert (smol.decode.pp, smol.decode.pp_layers) == (2, (13, 17))
     assert (smol.prefill.replicas, smol.prefill.num_cpus) == (1, 1.5)  # the command line's pool
     assert (gemma.prefill.replicas, gemma.prefill.tp, gemma.decode.tp) == (0, 2, 0)
 
@@ -78,6 +81,8 @@ def test_a_json_models_file_reads_the_same(models_file, tmp_path):
     (('kv_cache_dtype = "int8"', 'kv_cache_dtype = "int3"'), ["model 'smollm2'.decode", "kv_cache_dtype"]),
     (('replicas = 2', 'replicas = "2"'), ["model 'smollm2'.decode.replicas must be an integer"]),
     (('replicas = 2', 'replicas = -1'), ["model 'smollm2'.decode", "replicas"]),
+    (('pp_layers = [13, 17]', 'pp_layers = [13, "17"]'), ["model 'smollm2'.decode.pp_layers must be a list of integers"]),
+    (('pp_layers = [13, 17]', 'pp_layers = [30]'), ["model 'smollm2'.decode", "pp_layers"]),
     (('name = "gemma"', 'name = "smollm2"'), ["'smollm2' is given more than once"]),
     (('name = "gemma"', 'name = "sql"'), ["'sql' is given more than once"]),
     (('name = "gemma"', 'name = "a/b"'), ["model 'a/b'", "'/'"]),
@@ -114,9 +119,10 @@ def test_up_flags_build_one_cluster_per_model_each_in_its_own_namespace(models_f
     assert (smol.registry.cluster_name, gemma.registry.cluster_name) == ("c1/smollm2", "c1/gemma")
     assert (smol.router.model_name, gemma.router.model_name) == ("smollm2", "gemma")
     assert gemma.engine.cache.kv_cache_memory == 64 << 20 and gemma.decode.num_cpus == 0.5  # the flags' defaults
-    assert smol.worker("decode", "smollm2-decode-0").engine.cache.kv_cache_dtype == "int8"
+    decode = smol.worker("decode", "smollm2-decode-0").engine
+    assert (decode.cache.kv_cache_dtype, decode.pipeline_parallel_size, decode.pipeline_layers) == ("int8", 2, (13, 17))
     assert [(d.role, d.workers, d.ranks) for d in cluster_demands(config)] == [
-        ("prefill", 1, 1), ("decode", 2, 1), ("prefill", 0, 2), ("decode", 1, 1)]
+        ("prefill", 1, 1), ("decode", 2, 2), ("prefill", 0, 2), ("decode", 1, 1)]
     with pytest.raises(ValueError, match="go in the file"):
         flags.up_config(parser().parse_args(["up", "--models-file", str(models_file), "--served-model-name", "x"]))
 

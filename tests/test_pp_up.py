@@ -33,7 +33,9 @@ def test_up_refuses_a_pipeline_that_does_not_fit_before_starting_ray():
                 ("--decode-pp", "2", "--decode-tp", "2"): ("--decode-tp: tensor-parallel degree 2 does not divide "
                                                            "this model's 9 attention heads (3 KV heads): use one of 1, 3, 9"),
                 ("--decode-pp", "3", "--decode-pp-layers", "12,18"): ("pp_layers 12,18 gives 2 stages but its pp is "
-                                                                      "3: give one layer count a stage")}
+                                                                      "3: give one layer count a stage"),
+                ("--decode-pp", "2", "--decode-pp-layers", "12,17"): ("--decode-pp-layers: pipeline layers 12,17: this "
+                                                                      "model's 30 layers over 2 stages need 2 counts")}
     runs = {flags: subprocess.Popen([sys.executable, "-m", "pdserve", "up", *flags], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=ENV) for flags in refusals}  # at once
     for flags, why in refusals.items():
