@@ -379,7 +379,7 @@ class EngineConfig:
         object.__setattr__(self, "pipeline_layers", split := tuple(self.pipeline_layers))  # a list from JSON
         if min(tp, ep, pp, *split) < 1 or (tp > 1 and ep > 1):  # tensor parallelism within expert-parallel: not yet
             raise ValueError(f"tensor_, expert_, pipeline_parallel_size ({tp}, {ep}, {pp}) and each of pipeline_layers "
-                             f"({list(split)}) must be >= 1, not tensor_ and expert_ both > 1")
+                             f"({list(split)}) must be >= 1; tensor_ and expert_parallel_size not both > 1: {tp}, {ep}")
         if self.speculative_max_batch < 0:
             raise ValueError(f"speculative_max_batch must be >= 0, got {self.speculative_max_batch}")
         if self.speculative_tokens < 0:
