@@ -23,7 +23,7 @@ step, engine/core/kv_hooks.py).
 
 A mixture-of-experts model adds its expert load: `pdserve:moe_expert_tokens_total` (counter,
 labels `model_name`, `expert`, `rank`: the (token, expert) pairs routed to the expert since
-the worker started, summed over the MoE layers; `rank` the expert-parallel rank that holds
+the worker started, summed over the MoE layers, a pipeline's every stage's; `rank` the expert-parallel rank that holds
 it, 0 without expert parallelism) and `pdserve:moe_rank_tokens_total` (counter, labels
 `model_name`, `rank`: the same summed over each rank's experts). A token counts once for
 each of its top-k experts.
@@ -61,7 +61,7 @@ def _snapshot(engine) -> dict:
             "running_loras": names(sched.running), "waiting_loras": names(waiting),
             "threads": torch.get_num_threads(),  # this thread's: what its steps run on
             "computed": dict(sched.computed), "steps": sched.times.snapshot(), "stopped": sched.stopped_steps,
-            "experts": expert_load(engine.runner.model, _ep(engine))}
+            "experts": expert_load(engine.runner.model, _ep(engine), engine.kv_cache)}
 
 
 def _yielded(async_engine) -> float:

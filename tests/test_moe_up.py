@@ -123,7 +123,8 @@ def test_up_with_a_pipeline_of_expert_parallel_stages(moe_dir, tokenizer):
     """`--decode-pp 2 --decode-ep 2` (PP x EP): the decode worker's 2 layers in 2 stages, each
     stage's 8 experts over its 2 ranks (4 processes); the long prompt's KV, prefilled by the
     one-rank prefill worker, imported stage by stage. The tokens are transformers'; the expert
-    load on /metrics (stage 0's layer) puts 4 experts on each of the stage's ranks, both used."""
+    load on /metrics (both stages' layers, the later stage's asked for at each scrape) puts 4
+    experts on each of a stage's ranks, both used."""
     experts = expert_load(served_as_transformers(moe_dir, tokenizer, "--decode-pp", "2", "--decode-ep", "2",
                                                  "--prefill-cpus", "0.4", "--decode-cpus", "0.4"))
     assert sorted(experts) == [(e, e // 4) for e in range(8)], experts

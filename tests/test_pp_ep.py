@@ -84,7 +84,9 @@ def test_greedy_tokens_equal_the_single_engine_batched_and_chunked(model_dir, pp
     stage's first rank. Rank 0 holds stage 0's layer (the default split: 1 and 2), its first 4
     (2) experts, every KV head; each step all-reduces its MoE layer over the stage's group."""
     ref = single(model_dir(arch))
+    ref_before = ref.runner.model.expert_tokens()
     want = ref.generate(PROMPTS, GREEDY)
+    ref_routed = [b - a for a, b in zip(ref_before, ref.runner.model.expert_tokens())]
     e = ppep(arch)
     model, n = e.runner.model, e.model_config.num_experts
     assert e.tp.stages == 2 and e.micro_batches is None  # a mixture of experts: one pass at a time
@@ -94,7 +96,12 @@ def test_greedy_tokens_equal_the_single_engine_batched_and_chunked(model_dir, pp
         assert block.owned == experts_of(e.model_config, 2, 0) == range(n // 2)
         assert (block.shared_expert is not None) == (arch == "qwen2_moe")
     reduces, sends = e.tp.stage_tp.allreduces, model.pp.sends
+    own_before, all_before = model.expert_tokens(), [n for _, _, n in expert_load(model, 4, e.kv_cache)]
     assert e.generate(PROMPTS, GREEDY) == want
+    # /metrics' expert load asks the later stage for its layer's counts: the single engine's routing
+    routed = [b - a for a, b in zip(all_before, [n for _, _, n in expert_load(model, 4, e.kv_cache)])]
+    own = [b - a for a, b in zip(own_before, model.expert_tokens())]
+    assert routed == ref_routed and sum(own) < sum(routed), (routed, ref_routed, own)
     ours = e.tp.stage_tp.allreduces - reduces
     assert ours > 0 and ours % 2 == 0 and model.pp.sends > sends  # combined in the stage; activations on
     # the load (/metrics) of rank 0's stage: its experts over the stage's 2 ranks, whatever the group's size

@@ -74,16 +74,19 @@ def attach_experts(model, group) -> None:
         block.tp = group
 
 
-def expert_load(model, ep: int) -> list[tuple[int, int, int]]:
+def expert_load(model, ep: int, stages=None) -> list[tuple[int, int, int]]:
     """(expert, the rank that holds it, (token, expert) pairs routed to it so far) for each
     expert, summed over the MoE layers; [] for a dense model. Rank 0's counts are the group's:
-    every rank routes every token the same way (a pipeline's: its stage's layers, their experts
-    over the stage's ranks, whatever `ep` says)."""
+    every rank routes every token the same way. A pipeline's: its stage's layers, their experts
+    over the stage's ranks (numbered from 0, whatever `ep` says), plus, given `stages` (its
+    PPKVCache), every later stage's layers (asked of them: call between steps, on rank 0)."""
     if not hasattr(model, "expert_tokens"):
         return []
     if getattr(model, "pp", None) is not None:  # PP x EP: the ranks of rank 0's stage, numbered from 0
         ep = model.pp.width
     tokens = model.expert_tokens()
+    if stages is not None and hasattr(stages, "expert_tokens"):
+        tokens = stages.expert_tokens(tokens)
     ranks = [r for r in range(ep) for _ in experts_of(model.config, ep, r)]
     return [(e, r, n) for e, (r, n) in enumerate(zip(ranks, tokens))]
 

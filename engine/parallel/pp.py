@@ -372,6 +372,26 @@ class PPKVCache(StagedHandoff, KVCache):
             g.send(self._of(data, r).cpu(), r)
         super().import_blocks(block_ids, self._of(data, 0))
 
+    def expert_tokens(self, own: list[int]) -> list[int]:
+        """Rank 0: the (token, expert) pairs routed to each expert, summed over every stage's
+        MoE layers (`own`: stage 0's); each later stage's first rank sends its own
+        (`send_expert_tokens`: a stage's ranks route its tokens alike)."""
+        g, w = self.group, self.width
+        if g.world == w:
+            return own
+        if self.settle is not None:  # the counts come under tag 0, as the results do
+            self.settle()
+        g.broadcast(("experts",))
+        total = torch.tensor(own, dtype=torch.long)
+        for r in range(w, g.world, w):
+            total += g.recv((len(own),), torch.long, r)
+        return total.tolist()
+
+    def send_expert_tokens(self, model) -> None:
+        """A stage's first rank past stage 0: its MoE layers' counts to rank 0."""
+        if self.group.rank % self.width == 0:
+            self.group.send(torch.tensor(model.expert_tokens(), dtype=torch.long), 0)
+
     def _of(self, data: torch.Tensor, r: int) -> torch.Tensor:
         """Rank r's part of the whole model's KV `data`: its layers, its KV heads."""
         return data[self.spans[r].start:self.spans[r].stop, :, :, :, self.heads[r]].contiguous()

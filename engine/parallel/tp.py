@@ -187,6 +187,8 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
                     kv.export_blocks(*cmd[1:])
                 elif cmd[0] == "import":
                     kv.import_blocks(cmd[1], None)
+                elif cmd[0] == "experts":  # a pipeline's expert load, for rank 0's /metrics
+                    kv.send_expert_tokens(model)
                 elif pipeline and cmd[0] in HANDOFF_COMMANDS:  # each rank's own part of a hand-off
                     getattr(kv, cmd[0])(*cmd[1:])
                 elif cmd[0] == "stop":
