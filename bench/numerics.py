@@ -3,7 +3,9 @@
 `python -m pdserve.bench.numerics` loads the default model three ways: `none` (the fp32 model:
 the checkpoint's Q4_1 weights dequantized, fp32 math, as transformers and vLLM run it), `exact`
 (the same math, the C kernels reading the packed weights at small batches) and `auto` (the
-default: Q4_1 weights x int8 activations, as llama.cpp computes). For each it measures
+default: Q4_1 weights x int8 activations, as llama.cpp computes), and `auto` with each other
+KV-cache format (`--kv-cache-dtype` bf16, fp8, int8: what the cache keeps of each key and
+value; the default keeps the model's fp32). For each it measures
 - perplexity on the fixed text (bench/data/perplexity.txt, 512-token windows) through prefill
   batches, and on its first 1,024 tokens through the decode path too: a scheduler that takes
   one token per step runs every position as a decode row (the kernels a generated token sees);
@@ -13,6 +15,7 @@ Writes bench/numerics-results.json with the CPU it ran on.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import time
@@ -30,15 +33,18 @@ from .metrics import cpu_description
 from .quality import PROMPTS, agreement, perplexity
 
 HERE = Path(__file__).resolve().parent
-MODES = ("none", "exact", "auto")
+# (row, --quantization, --kv-cache-dtype)
+MODES = (("none", "none", "auto"), ("exact", "exact", "auto"), ("auto", "auto", "auto"),
+         ("auto, KV bf16", "auto", "bf16"), ("auto, KV fp8", "auto", "fp8"), ("auto, KV int8", "auto", "int8"))
 DECODE_PATH_TOKENS = 1024
 GREEDY_TOKENS = 48
 
 
-def engines(mode: str, tok) -> tuple[LLMEngine, LLMEngine]:
-    """The engine of `mode` as served, and one whose steps take one prompt token each."""
+def engines(mode: str, kv_dtype: str, tok) -> tuple[LLMEngine, LLMEngine]:
+    """The engine of numerics `mode` and KV-cache format `kv_dtype` as served, and one whose
+    steps take one prompt token each."""
     loaded = load_model(quantization=mode)
-    cache = CacheConfig(kv_cache_memory=128 << 20)
+    cache = CacheConfig(kv_cache_memory=128 << 20, kv_cache_dtype=kv_dtype)
     served = LLMEngine(loaded, EngineConfig(quantization=mode, cache=cache), tok)
     one_row = LLMEngine(loaded, EngineConfig(quantization=mode, cache=cache,
                                              scheduler=SchedulerConfig(long_prefill_token_threshold=1)), tok)
@@ -77,6 +83,8 @@ def llama_cpp_greedy(prompts: list[list[int]]) -> list[list[int]] | None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="Rows: " + "; ".join(m[0] for m in MODES)).parse_args()
     tok = Tokenizer.from_model_path(default_model_path())
     text = tok.encode((HERE / "data" / "perplexity.txt").read_text())
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
@@ -85,8 +93,8 @@ def main() -> None:
                  "modes": {}}
     outs = {}
     peer = llama_cpp_greedy(prompts)
-    for mode in MODES:
-        served, one_row = engines(mode, tok)
+    for mode, quantization, kv_dtype in MODES:
+        served, one_row = engines(quantization, kv_dtype, tok)
         head = text[:DECODE_PATH_TOKENS]
         r = {"perplexity_prefill": perplexity(served, text),
              "perplexity_prefill_head": perplexity(served, head),
@@ -98,7 +106,7 @@ def main() -> None:
         for e in (served, one_row):
             assert e.blocks.num_used_blocks == 0, "KV blocks leaked"
         res["modes"][mode] = r
-        print(f"{mode:5s} perplexity {r['perplexity_prefill']:.3f} (prefill, {len(text)} tokens) | first "
+        print(f"{mode:13s} perplexity {r['perplexity_prefill']:.3f} (prefill, {len(text)} tokens) | first "
               f"{DECODE_PATH_TOKENS}: prefill {r['perplexity_prefill_head']:.3f}, decode path "
               f"{r['perplexity_decode_head']:.3f} | greedy = fp32 {r['greedy_vs_fp32']['identical']:.0%}"
               + (f", = llama.cpp {r['greedy_vs_llama_cpp']['identical']:.0%}" if peer is not None else ""), flush=True)
