@@ -5,7 +5,8 @@ beside a 24-stream flood at the default priority, an urgent client's (priority -
 within the step budget of its steps alone, and the flood's steps between its chats are window
 steps of at most about `window_step_s`; with two tenants and no priority anywhere, the tenant
 with less in flight is served as the more urgent one (its steps are the contended, bounded
-ones), not behind the other's backlog; every KV block is back in its pool after."""
+ones), not behind the other's backlog; less urgent requests that come during an urgent stream
+have their commands held on its decode worker; every KV block is back in its pool after."""
 import asyncio
 import json
 import math
@@ -196,4 +197,36 @@ def test_an_urgent_request_stops_a_long_step_of_less_urgent_work(url):
     asyncio.run(main())
     after = _worker_counters(url)
     assert sum(after[r]["stopped"] - before[r]["stopped"] for r in after) >= 1, (before, after)
+    wait_kv_back(url, 2, within_s=60)
+
+
+def held_commands(url: str) -> float:
+    """The decode worker's `pdserve:held_commands_total`."""
+    worker = next(w for w in httpx.get(url + "/admin/workers", timeout=10).json()["workers"] if w["role"] == "decode")
+    text = httpx.get(f"http://{worker['address'].rpartition(':')[0]}:{worker['metrics_port']}/metrics", timeout=10).text
+    return sum(map(float, re.findall(r"^pdserve:held_commands_total\{[^}]*\} (\S+)$", text, re.M)))
+
+
+def test_less_urgent_requests_wait_out_an_urgent_stream_on_its_decode_worker(url):
+    """Requests at the default priority that come while a priority -10 stream decodes have their
+    first command on its decode worker (an add, or an ask for their KV's blocks) held until the
+    stream ends, not run between its steps; they complete, every block back."""
+    before = held_commands(url)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def later(i: int):
+                r = await client.post(url + "/v1/completions", json={
+                    "model": "SmolLM2-135M-Instruct", "prompt": f"{i} rivers of Europe:", "max_tokens": 4})
+                assert r.status_code == 200, r.text
+            async with client.stream("POST", url + "/v1/completions", json={
+                    "model": "SmolLM2-135M-Instruct", "prompt": "Name many rivers.", "max_tokens": 400,
+                    "ignore_eos": True, "stream": True, "priority": -10}) as r:
+                lines, others = r.aiter_lines(), None
+                async for line in lines:
+                    if line.startswith("data: {") and others is None:  # streaming: 399 tokens to go
+                        others = asyncio.ensure_future(asyncio.gather(*(later(i) for i in range(3))))
+            await others
+    asyncio.run(main())
+    assert held_commands(url) - before >= 3
     wait_kv_back(url, 2, within_s=60)
