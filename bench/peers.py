@@ -54,6 +54,7 @@ WORKLOADS: dict[str, tuple[list[str], dict[int, int | None]]] = {
 NUMERICS = {
     "pdserve": "auto: Q4_1 weights x int8 activations", "pdserve-aggregated": "auto: Q4_1 weights x int8 activations",
     "pdserve-exact": "exact: fp32 math on the Q4_1 weights",
+    "pdserve-kv-int8": "auto, int8 KV cache", "pdserve-kv-bf16": "auto, bf16 KV cache",
     "pdserve-avx2": "auto: Q4_1 weights x int8 activations (AVX2 kernels)", "pdserve-aggregated-int8": "int8 weights x fp32",
     "llama.cpp": "Q4_1 weights x Q8_1 activations", "transformers": "fp32 (dequantized Q4_1)",
     "vllm-bf16": "bf16 (dequantized Q4_1)",
@@ -101,6 +102,9 @@ def systems(args, port: int) -> dict[str, tuple[list[str], dict] | None]:
         # the main command with the kernels forced to their AVX2 build: on a CPU with more (AVX-512
         # VNNI), the before/after of the per-CPU kernels in one run
         "pdserve-avx2": (py + ["up", "--port", str(port), *common], {ISA_ENV: "avx2"}),
+        # the main command with a smaller KV cache per token: where KV reads bound a batch step
+        "pdserve-kv-bf16": (py + ["up", "--port", str(port), *common, "--kv-cache-dtype", "bf16"], {}),
+        "pdserve-kv-int8": (py + ["up", "--port", str(port), *common, "--kv-cache-dtype", "int8"], {}),
         "transformers": (py + ["baseline-server", "--port", str(port), "--max-batch", "32"], {}),
         "llama.cpp": None, "vllm": None, "vllm-bf16": None, "vllm-fp32": None,
     }
