@@ -21,6 +21,17 @@ from pdserve.engine.model.tiny import tiny_llama  # noqa: E402
 
 # each file's time against its budget, the fixtures slow tests waited on; the shared `pdserve up`
 pytest_plugins = ["tests.timing", "tests.helpers.shared_up"]
+THREADS = torch.get_num_threads()  # the process's default, before any engine set its own
+
+
+@pytest.fixture(autouse=True, scope="module")
+def default_torch_threads():
+    """Each test module starts on the process's default torch threads: an engine built with
+    `EngineConfig.num_threads` (or a group's rank 0) sets them for the whole process, and every
+    later module ran on one thread (the native step's tests 4x slower in the suite than alone)."""
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
+    yield
 
 
 def pytest_generate_tests(metafunc):

@@ -312,9 +312,15 @@ class LlamaForCausalLM(nn.Module):
         Returns the final normed hidden states, (T, hidden)."""
         if lora is not None:
             lora.use_kernels_of(self)
-        if self.native_ops and self.pp is None and native_step.usable(self, kv_caches, meta, after_layer, lora):
-            return native_step.forward(self, input_ids, positions, kv_caches, meta, lora,
-                                       getattr(after_layer, "native_stop", None))
+        if self.native_ops and native_step.usable(self, kv_caches, meta, after_layer, lora):
+            if self.pp is None:
+                return native_step.forward(self, input_ids, positions, kv_caches, meta, lora,
+                                           getattr(after_layer, "native_stop", None))
+            # a pipeline stage: one C call over its layers (a group's steps never stop midway); h
+            # comes out as the residual stream the next stage takes, the result as the final norm
+            h = self.pp.enter(self, input_ids).contiguous()
+            out = native_step.forward(self, input_ids, positions, kv_caches, meta, lora, h=h)
+            return self.pp.leave(h, None, lambda: out)
         h = self.embed(input_ids) if self.pp is None else self.pp.enter(self, input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:

@@ -99,10 +99,13 @@ def _fp32_cpu(adapter) -> bool:
 
 
 def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-            meta: AttentionMetadata, lora=None, stop: tuple[int, int] | None = None) -> torch.Tensor:
+            meta: AttentionMetadata, lora=None, stop: tuple[int, int] | None = None,
+            h: torch.Tensor | None = None) -> torch.Tensor:
     """The final normed hidden states of a decode-only step (rows as `meta` orders them);
     `lora`: the rows' adapters (lora_batch.LoRABatch) or None; `stop`: step.run's (the stop
-    word's address, the threshold), or None."""
+    word's address, the threshold), or None; `h`: the residual stream into the model's layers
+    (default: the embeddings of `input_ids`; a pipeline stage's input), contiguous fp32, which
+    the step leaves holding the stream after its last layer."""
     from pdserve.engine.kernels.native import step
     from pdserve.engine.kernels.native.lora import StepLoRA
     st = meta.backend_state
@@ -114,7 +117,7 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: 
         else:
             tables, lens = native.paged_attention_tables(meta.decode_block_tables, meta.decode_seq_lens,
                                                          meta.block_size)
-    h = model.embed(input_ids).contiguous()
+    h = model.embed(input_ids).contiguous() if h is None else h
     rotary = model.rotary
     return step.run(model.native_decode, h, kv_caches, positions.to(torch.int64).contiguous(), rotary.cos,
                     rotary.sin, meta.slot_mapping.to(torch.int64).contiguous(), tables, lens,
