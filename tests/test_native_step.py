@@ -1,9 +1,10 @@
 """The decode step in one C call (engine/kernels/native/step.c, engine/model/native_step.py):
-on the real default model at "auto" (W4A8 weights) over an fp32 or a bf16 KV cache a
+on the real default model at "auto" (W4A8 weights) over an fp32, bf16, int8 or fp8 KV cache a
 decode-only step gives bitwise the Python path's hidden states and K/V (tolerance 0: the C
-loop calls the same kernels on the same inputs and rounds the new K/V to bf16 as torch
-does), so greedy tokens agree over many steps, through the engine too; a model or a step it
-does not cover (an 8-bit cache) runs the Python path."""
+loop calls the same kernels on the same inputs, rounds the new K/V to bf16 as torch does and
+encodes 8-bit rows as native.kv_store_8bit does), so greedy tokens agree over many steps,
+through the engine too; a model or a step it does not cover (the tiny fp32 model, prompt rows
+over an 8-bit cache) runs the Python path."""
 from __future__ import annotations
 
 import pytest
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(not native.available() or not w4a8.available(),
                                 reason="the native step needs the native build with AVX2")
 
 BS = 16
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 @pytest.fixture
@@ -87,20 +89,23 @@ def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
 @pytest.mark.parametrize("prompt_lens,one_region,kv", [
     ([13], True, "fp32"), ([5, 16, 31], True, "fp32"), ([5, 16, 31], False, "fp32"),
     ([13], True, "bf16"), ([5, 16, 31], True, "bf16"), ([5, 16, 31], False, "bf16"),
-    ([5, 16, 31, 2, 20, 9], True, "bf16")])  # 6 rows: over team_rows, so a region per op
+    ([5, 16, 31, 2, 20, 9], True, "bf16"), ([5, 16, 31], True, "int8"), ([5, 16, 31], False, "int8"),
+    ([13], True, "fp8"), ([5, 16, 31, 2, 20, 9], True, "fp8")])  # 6 rows: over team_rows, so a region per op
 def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens, one_region, kv):
     """Both paths decode from the same prefilled cache, each in its own copy; every step's
     hidden states and every layer's K/V are bitwise equal, so every greedy token is. The
     lengths cross block boundaries (16-token blocks) during the 32 steps. Both of step.c's
-    schedules (one OpenMP team for the step, or a region per op), over fp32 and bf16 caches
-    (the C step's bf16 rounding of the new K/V is torch's: the caches stay equal)."""
-    cfg, steps, kv_dtype = model.config, 32, {"fp32": torch.float32, "bf16": torch.bfloat16}[kv]
+    schedules (one OpenMP team for the step, or a region per op), over fp32, bf16, int8 and fp8
+    caches (the C step's bf16 rounding and 8-bit rows of the new K/V are the Python path's:
+    the caches stay equal)."""
+    cfg, steps, kv_dtype = model.config, 32, KV_DTYPES[kv]
+    width = cfg.head_dim + (4 if kv in ("int8", "fp8") else 0)  # an 8-bit row: its codes, then its scale
     model.native_decode.one_region = one_region
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 10000, (n,), generator=g).tolist() for n in prompt_lens]
     per = (max(prompt_lens) + steps + BS - 1) // BS
     tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
-    kv = torch.zeros(cfg.num_hidden_layers, 2, 1 + per * len(prompts), BS, cfg.num_key_value_heads, cfg.head_dim,
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 1 + per * len(prompts), BS, cfg.num_key_value_heads, width,
                      dtype=kv_dtype)
     _prefill(model, prompts, kv, tables)
     caches = {on: kv.clone() for on in (False, True)}
@@ -118,8 +123,8 @@ def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step
                 tokens[on] = model.compute_logits(hidden[on]).argmax(-1).tolist()
         assert torch.equal(hidden[True], hidden[False]), (hidden[True] - hidden[False]).abs().max()
         assert tokens[True] == tokens[False]
-    assert torch.equal(caches[True], caches[False])
-    assert caches[True].dtype is kv_dtype and caches[True].abs().sum() > 0
+    assert torch.equal(caches[True].view(torch.uint8), caches[False].view(torch.uint8))
+    assert caches[True].dtype is kv_dtype and caches[True].view(torch.uint8).any()
     assert step_calls == [len(prompts)] * steps  # the native step did run
     model.native_decode.one_region = True
 
@@ -128,11 +133,11 @@ def _greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int = 24) -> l
     return eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "int8"])
 def test_the_engine_gives_the_same_tokens_with_the_native_step_on_and_off(smollm, step_calls, kv_cache_dtype):
     """End to end through LLMEngine: prompts of different lengths, decoded together (the
     decode-only steps run natively, the steps with a prefill in Python), then every KV block
-    is back; with the default (fp32) and a bf16 KV cache."""
+    is back; with the default (fp32), a bf16 and an int8 KV cache."""
     loaded, tok = smollm
     backend, ops = loaded.model.backend, loaded.model.native_ops
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
@@ -143,7 +148,7 @@ def test_the_engine_gives_the_same_tokens_with_the_native_step_on_and_off(smollm
             eng = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=16 << 20,
                                                                    kv_cache_dtype=kv_cache_dtype)), tok)
             assert loaded.model.native_decode is not None
-            assert eng.kv_cache.kv.dtype is {"auto": torch.float32, "bf16": torch.bfloat16}[kv_cache_dtype]
+            assert eng.kv_cache.kv.dtype is KV_DTYPES.get(kv_cache_dtype, torch.float32)
             if not on:
                 loaded.model.native_decode = None
             outs[on] = _greedy(eng, prompts)
@@ -155,26 +160,15 @@ def test_the_engine_gives_the_same_tokens_with_the_native_step_on_and_off(smollm
     assert step_calls and max(step_calls) == len(prompts)
 
 
-def test_an_ineligible_model_or_step_falls_back_to_the_python_path(smollm, make_engine, step_calls):
+def test_an_ineligible_model_falls_back_to_the_python_path(make_engine, step_calls):
     """The tiny fp32 test model has no W4A8 matrices: no native step, the engine still runs.
-    An 8-bit KV cache on the default model: every step in Python (tokens as without the C step
-    there, as the reference path computes them)."""
+    (An 8-bit KV cache's decode steps run natively: the engine test above, and
+    tests/test_native_step's step test.)"""
     tiny = tiny_llama(0)
     eng = make_engine(tiny=True, loaded=tiny)
     assert tiny.model.native_ops and tiny.model.native_decode is None
     assert native_step.why_not(tiny.model) == "not every matrix on W4A8 weights"
     assert len(_greedy(eng, [[1, 2, 3, 4, 5]], 8)[0]) == 8
-    loaded, tok = smollm
-    backend, ops = loaded.model.backend, loaded.model.native_ops
-    try:
-        eng8 = make_engine(tiny=False, loaded=loaded, tokenizer=tok, kv_cache_memory=16 << 20,
-                           kv_cache_dtype="int8")
-        got = _greedy(eng8, [[1, 2, 3, 4, 5, 6, 7]], 8)
-        loaded.model.native_decode = None
-        assert _greedy(eng8, [[1, 2, 3, 4, 5, 6, 7]], 8) == got
-    finally:
-        loaded.model.backend = backend
-        loaded.model.use_native_ops(ops)
     assert step_calls == []
 
 
@@ -188,8 +182,13 @@ def test_a_step_with_a_large_prefill_a_hook_or_tensor_parallelism_is_not_native(
                                 [PrefillSpan(1, 1 + n, 0, [1] * (n // BS + 1))], BS)
     assert not native_step.usable(model, layers, prefill, None)
     assert native_step.usable(model, [(k.bfloat16(), v.bfloat16()) for k, v in layers], meta, None)
-    for dtype in (torch.int8, torch.float8_e4m3fn, torch.float16):
-        assert not native_step.usable(model, [(k.to(dtype), v.to(dtype)) for k, v in layers], meta, None)
+    small = AttentionMetadata(meta.slot_mapping, 1, meta.decode_block_tables, meta.decode_seq_lens,
+                              [PrefillSpan(1, 5, 0, [1])], BS)
+    assert native_step.usable(model, layers, small, None)
+    for dtype in (torch.int8, torch.float8_e4m3fn):  # 8-bit: decode rows only (prompt rows attend over a copy)
+        codes = [(k.to(dtype), v.to(dtype)) for k, v in layers]
+        assert native_step.usable(model, codes, meta, None) and not native_step.usable(model, codes, small, None)
+    assert not native_step.usable(model, [(k.half(), v.half()) for k, v in layers], meta, None)
     model.tp = object()
     try:
         assert not native_step.usable(model, layers, meta, None)
@@ -198,8 +197,8 @@ def test_a_step_with_a_large_prefill_a_hook_or_tensor_parallelism_is_not_native(
 
 
 def test_bad_rows_are_refused_before_the_c_call(model):
-    """A slot outside the cache, a position outside the RoPE tables or an 8-bit cache raises,
-    naming them."""
+    """A slot outside the cache, a position outside the RoPE tables or an 8-bit cache without
+    its rows' scales raises, naming them."""
     cfg = model.config
     kv = torch.zeros(cfg.num_hidden_layers, 2, 2, BS, cfg.num_key_value_heads, cfg.head_dim)
     layers = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_hidden_layers)]
@@ -212,7 +211,7 @@ def test_bad_rows_are_refused_before_the_c_call(model):
     with pytest.raises(ValueError, match="RoPE tables"):
         step.run(model.native_decode, h, layers, torch.tensor([rot.cos.shape[0]]), rot.cos, rot.sin,
                  torch.tensor([BS + 2]), tables, lens)
-    with pytest.raises(ValueError, match="fp32 or bf16 caches"):
+    with pytest.raises(ValueError, match="int8 or fp8 caches"):
         step.run(model.native_decode, h, [(k.to(torch.int8), v.to(torch.int8)) for k, v in layers], torch.tensor([2]),
                  rot.cos, rot.sin, torch.tensor([BS + 2]), tables, lens)
 

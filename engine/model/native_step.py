@@ -76,20 +76,21 @@ def prepare(model):
 # gate_up: 46 against 36 GMAC/s at 32 rows, 56 against 64 at 256); larger steps take the
 # Python path on w4a8.c's byte weights (the same bits either way).
 MAX_ROWS_WITH_PROMPTS = 64
+_FLOAT_KV, _CODE_KV = (torch.float32, torch.bfloat16), (torch.int8, torch.float8_e4m3fn)
 
 
 def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer, lora=None) -> bool:
     """Whether this step runs natively: a prepared model, no tensor parallelism, no per-layer
     hook but one that only stops the step (its `native_stop`, which the C step reads instead
     of calling it), decode rows (and prompt rows, up to MAX_ROWS_WITH_PROMPTS rows in all),
-    the C attention backend and an fp32 or bf16 cache (not 8-bit: the C step has no
-    quantizing store); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU weights."""
+    the C attention backend and an fp32 or bf16 cache, or an 8-bit one (int8, fp8) for decode
+    rows only (a prompt's rows attend over a decoded copy in the Python path); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU weights."""
     rows = meta.num_decode_tokens + sum(sp.end - sp.start for sp in meta.prefills)
     return (model.native_decode is not None and model.tp is None and rows > 0
             and (after_layer is None or hasattr(after_layer, "native_stop"))
             and (not meta.prefills or rows <= MAX_ROWS_WITH_PROMPTS)
             and isinstance(model.backend, NativeAttentionBackend)
-            and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
+            and (kv_caches[0][0].dtype in _FLOAT_KV or kv_caches[0][0].dtype in _CODE_KV and not meta.prefills)
             and (lora is None or all(_fp32_cpu(a) for a in lora.adapters)))
 
 

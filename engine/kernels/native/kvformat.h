@@ -2,6 +2,7 @@
  * 8-bit codes (int8, fp8 e4m3fn) whose (token, head) rows are D codes then an fp32 scale. */
 #ifndef PDSERVE_KVFORMAT_H
 #define PDSERVE_KVFORMAT_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX2__
@@ -34,6 +35,38 @@ static inline float fp8_to_f32(uint8_t c) {
         memcpy(&f, &u, 4);
     }
     return c & 0x80 ? -f : f;
+}
+
+/* fp32 -> fp8 e4m3fn, rounded to nearest even (as torch converts), |v| saturated at 448. */
+static inline uint8_t f32_to_fp8(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    const float a = fabsf(v);
+    if (!(a < 448.f)) return sign | 0x7e;
+    if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.f); /* subnormal: m * 2^-9 (8: the least normal) */
+    memcpy(&u, &a, 4);
+    u = (u + 0x7ffff + ((u >> 20) & 1)) >> 20; /* exponent and 3 mantissa bits, the rest rounded off */
+    const uint32_t code = u - (120u << 3);      /* exponent bias 127 -> 7 */
+    return sign | (uint8_t)(code > 0x7e ? 0x7e : code);
+}
+
+/* One (token, head) row of D floats as an 8-bit row (KV_INT8 / KV_FP8): the codes of x / scale,
+ * scale = absmax / qmax (1 for an all-zero row), then the scale -- bit for bit what
+ * kv_format.encode_reference writes with torch ops. */
+static inline void kv_encode_row(const float *src, uint8_t *dst, int D, int fmt) {
+    const float qmax = fmt == KV_INT8 ? 127.f : 448.f;
+    float amax = 0.f;
+    for (int i = 0; i < D; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+    const float scale = amax > 0.f ? amax / qmax : 1.f;
+    if (fmt == KV_INT8)
+        for (int i = 0; i < D; i++) {
+            float c = nearbyintf(src[i] / scale);
+            ((int8_t *)dst)[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+        }
+    else
+        for (int i = 0; i < D; i++) dst[i] = f32_to_fp8(src[i] / scale);
+    memcpy(dst + D, &scale, 4);
 }
 
 /* Element i of a K/V row, unscaled. */

@@ -123,18 +123,26 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_blocks;
     float eps, scale;
     int64_t max_positions, num_slots; /* the cos/sin tables' rows, the cache's slots: the inputs' bounds */
-    int64_t kv_fmt;                   /* the cache's format: KV_F32 or KV_BF16 (kvformat.h) */
+    int64_t kv_fmt;                   /* the cache's format (kvformat.h): KV_F32, KV_BF16, KV_INT8, KV_FP8 */
 } step_dims;
 
-/* n floats into the cache from element `at` on: copied (fp32), or rounded to bf16 as torch's
- * .to(torch.bfloat16) rounds (to nearest, ties to even; NaN as 0x7fc0), bit for bit. */
-static void put_kv(void *cache, int64_t at, const float *x, int64_t n, int64_t fmt) {
+/* Heads [kh, kh + nh) of a token's new K (or V) row x (nh * hd floats) into its cache slot:
+ * copied (fp32), rounded to bf16 as torch's .to(torch.bfloat16) rounds (to nearest, ties to
+ * even; NaN as 0x7fc0), bit for bit, or as 8-bit rows with their scales (kv_encode_row). */
+static void put_kv(void *cache, int64_t slot, int64_t kh, int64_t nh, const float *x, const step_dims *d) {
+    const int64_t hd = d->head_dim, fmt = d->kv_fmt, first = slot * d->kv_heads + kh;
     if (fmt == KV_F32) {
-        memcpy((float *)cache + at, x, sizeof(float) * (size_t)n);
+        memcpy((float *)cache + first * hd, x, sizeof(float) * (size_t)(nh * hd));
         return;
     }
-    uint16_t *o = (uint16_t *)cache + at;
-    for (int64_t i = 0; i < n; i++) {
+    if (fmt >= KV_INT8) {
+        for (int64_t j = 0; j < nh; j++)
+            kv_encode_row(x + j * hd, (uint8_t *)cache + (first + j) * (int64_t)head_row_bytes((int)fmt, (int)hd),
+                          (int)hd, (int)fmt);
+        return;
+    }
+    uint16_t *o = (uint16_t *)cache + first * hd;
+    for (int64_t i = 0; i < nh * hd; i++) {
         uint32_t u;
         memcpy(&u, x + i, 4);
         o[i] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
@@ -175,8 +183,8 @@ static void store_kv(const step_dims *d, const float *qkv, float *q, void *kc, v
     for (int64_t t = 0; t < M; t++) {
         const float *row = qkv + t * wqkv;
         memcpy(q + t * nq, row, sizeof(float) * (size_t)nq);
-        put_kv(kc, slots[t] * nk, row + nq, nk, d->kv_fmt);
-        put_kv(vc, slots[t] * nk, row + nq + nk, nk, d->kv_fmt);
+        put_kv(kc, slots[t], 0, d->kv_heads, row + nq, d);
+        put_kv(vc, slots[t], 0, d->kv_heads, row + nq + nk, d);
     }
 }
 
@@ -264,8 +272,8 @@ static int team_item(const step_dims *d, int w, float *qkv, float *q, float *att
     float *row = qkv + b * (nq + 2 * nk), *qh = row + kh * G * hd, *kr = row + nq + kh * hd;
     rope_f32(qh, 1, 0, (int)G, (int)hd, cos_t, sin_t, positions + b, 1);
     rope_f32(kr, 1, 0, 1, (int)hd, cos_t, sin_t, positions + b, 1);
-    put_kv(kc, (slots[b] * KVH + kh) * hd, kr, hd, d->kv_fmt);
-    put_kv(vc, (slots[b] * KVH + kh) * hd, kr + nk, hd, d->kv_fmt);
+    put_kv(kc, slots[b], kh, 1, kr, d);
+    put_kv(vc, slots[b], kh, 1, kr + nk, d);
     memcpy(q + b * nq + kh * G * hd, qh, sizeof(float) * (size_t)(G * hd));
     return paged_attention_item(q, kc, vc, tables, lens, NULL, att, w, (int)d->heads, (int)KVH, (int)hd,
                                 (int)d->block_size, (int)d->max_blocks, d->scale, (int)d->kv_fmt);
@@ -358,7 +366,7 @@ int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv,
                       const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
                       int one_region, const step_lora *lora, const int32_t *stop, int32_t threshold) {
     if (M <= 0) return 0;
-    if (d->kv_fmt != KV_F32 && d->kv_fmt != KV_BF16) return -3;
+    if (d->kv_fmt < KV_F32 || d->kv_fmt > KV_FP8) return -3;
     for (int64_t i = 0; i < M; i++) /* checked here: in torch ops this cost 0.5 ms a step */
         if (positions[i] < 0 || positions[i] >= d->max_positions || slots[i] < 0 || slots[i] >= d->num_slots)
             return -2;

@@ -1,5 +1,5 @@
 """A whole decode step's decoder layers in one C call (step.c): the Llama family's common
-case with W4A8 weights and an fp32 or bf16 paged KV cache.
+case with W4A8 weights and a paged KV cache in fp32, bf16 or 8-bit codes (int8, fp8).
 
 The matmuls read nibble-packed weights (`nibbles`: half of w4a8.c's bytes, the same result).
 `StepWeights(hidden, heads, ..., layers, final_norm)` holds the model's shape and the
@@ -22,7 +22,8 @@ from . import _bad, load
 _fn = _nib = None
 _F32, _I64 = torch.float32, torch.int64
 PTRS = 14  # pointers per layer (step.c STEP_PTRS)
-KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # the caches step.c stores into (kvformat.h's codes)
+# the caches step.c stores into (kvformat.h's codes); an 8-bit cache's rows are head_dim codes and a scale
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 STOPPED = -4  # step.c STEP_STOPPED
 
 
@@ -138,7 +139,8 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     """The final normed hidden states (M, hidden) of a decode step; h (M, hidden) fp32, the
     embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) contiguous
     (num_blocks, block_size, kv_heads, head_dim), all fp32 or all bf16 (the new rows stored
-    rounded as .to(torch.bfloat16) rounds); positions and slots (M,) int64 inside the cos/sin
+    rounded as .to(torch.bfloat16) rounds), or all int8 or all fp8 (rows head_dim + 4 wide: the
+    new rows stored as native.kv_store_8bit stores them); positions and slots (M,) int64 inside the cos/sin
     tables and the cache; tables (M, max_blocks) and lens (M,) as
     native.paged_attention_tables returns them for this cache; lora: a lora.StepLoRA for these
     rows, or None. one_team False: some rows are consecutive positions of one sequence (a prompt
@@ -154,8 +156,9 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     nb, bs = k0.shape[0], k0.shape[1]
     if h.dtype is not _F32 or h.shape != (M, w.hidden) or not h.is_contiguous() or len(kv_caches) != len(w.layers):
         raise _bad(f"expected contiguous fp32 h (M, {w.hidden}) and one (K, V) per layer", h)
-    if k0.dtype not in KV_FORMATS or k0.shape[2:] != (w.kv_heads, w.head_dim):
-        raise _bad("expected fp32 or bf16 caches (num_blocks, block_size, kv_heads, head_dim)", k0)
+    if k0.dtype not in KV_FORMATS or k0.shape[2:] != (w.kv_heads, w.head_dim + (4 if KV_FORMATS[k0.dtype] > 1 else 0)):
+        raise _bad("expected fp32, bf16, int8 or fp8 caches (num_blocks, block_size, kv_heads, head_dim; an 8-bit "
+                   "cache's rows 4 bytes wider: their scale)", k0)
     _check_rows(M, positions, slots, tables, lens)
     dims = _Dims(len(w.layers), w.hidden, w.heads, w.kv_heads, w.head_dim, w.inter, bs, tables.shape[1], w.eps,
                  w.head_dim ** -0.5, cos.shape[0], nb * bs, KV_FORMATS[k0.dtype])
@@ -169,7 +172,7 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     if rc == -2:
         raise _bad("every position must lie in the RoPE tables and every slot in the cache", positions, slots)
     if rc == -3:
-        raise _bad("step.c stores into fp32 or bf16 caches only", k0)
+        raise _bad("step.c stores into fp32, bf16, int8 or fp8 caches only", k0)
     if rc:
         raise MemoryError("decode step: no memory for its scratch buffers")
     return out
