@@ -18,14 +18,15 @@
  * Python path adds them (before RoPE, before SwiGLU), with the routine that path calls.
  *
  * The common case only: no q/k/v bias, no qk-norm, no sliding window, no query scale,
- * SwiGLU, fp32 or bf16 paged KV cache, W4A8 weights (w4a8.c's layout) for all four matrices;
+ * SwiGLU, a paged KV cache in fp32, bf16 or 8-bit codes (int8, fp8), W4A8 weights (w4a8.c's layout) for all four matrices;
  * engine/model/native_step.py checks a model once and falls back otherwise.
  *
  * Per-layer pointers (engine/kernels/native/step.py builds them once per model), STEP_PTRS
  * of them per layer, in this order:
  *   input norm weight, post-attention norm weight,
  *   qkv q/d/m, o q/d/m, gate_up q/d/m, down q/d/m (w4a8.pack's d, m and its q as nibbles, below),
- *   K cache, V cache (num_blocks, bs, KVH, hd) fp32 or bf16, in a second array (per KV cache)
+ *   K cache, V cache (num_blocks, bs, KVH, hd) fp32 or bf16, or (num_blocks, bs, KVH, hd + 4)
+ *   8-bit rows and their scales, in a second array (per KV cache)
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -346,7 +347,8 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
 #endif
 
 /* All layers of a decode-only step, then the final norm:
- *   h (M, hidden)       the embeddings in; the residual stream (before the last MLP's add) out
+ *   h (M, hidden)       the residual stream into the first layer (the embeddings, or a pipeline
+ *                       stage's input) in; the stream after the last layer (its MLP's output added) out
  *   out (M, hidden)     the final normed hidden states
  *   weights             layers * STEP_PTRS pointers (above); kv: layers * 2 (K, V)
  *   positions (M,)      int64, inside the cos/sin tables (max_positions, head_dim)
@@ -358,8 +360,8 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
  *   stop, threshold     the stop word (NULL: the step never stops), read at each layer's end
  *                       but the last: the step stops there when it is below `threshold`
  * Returns 0, -1 when scratch memory could not be allocated, -2 (nothing run) when a position
- * or slot lies outside the tables or the cache, -3 (nothing run) for a cache format other
- * than fp32 or bf16, or STEP_STOPPED (-4) when it stopped: `out` is not written, `h` and the
+ * or slot lies outside the tables or the cache, -3 (nothing run) for a cache format not in
+ * kvformat.h, or STEP_STOPPED (-4) when it stopped: `out` is not written, `h` and the
  * cache's new slots hold partial results (the layers it ran), which count for nothing. */
 int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
                       float *out, const int64_t *positions, const float *cos_t, const float *sin_t,
