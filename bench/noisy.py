@@ -13,9 +13,11 @@ served); `flood+priority` (B `priority: -1`, A 5, each with its tenant header). 
 (issue "Isolation, round two"): B alone, then B at `priority: -10` beside floods of 8, 24 and 48
 streams, A at the default priority and at a worse one (5), with and without tenant headers;
 "fair by default" (24 streams, no priority anywhere, each with its tenant header); and after each
-flood size, A's flood of as many streams without B (A's throughput unharmed: its price).
+flood size, A's flood of as many streams without B (A's throughput unharmed: its price), then B
+alone again (a 2-core cloud VM's one-row step moves +-20% from minute to minute: each point is
+judged against the mean of the B-alone phases just before and after it).
 
-Reports B's TTFT and ITL p50/p99 per phase and their ratios to `alone`; A's output tokens/s as
+Reports B's TTFT and ITL p50/p99 per phase and their ratios to B alone; A's output tokens/s as
 its client got them and the tokens the workers computed for it (prompts and decodes, from their
 /metrics, less B's) while B was served, each as a share of A alone with as many streams; A's
 refusals; in the grid, whether each phase meets its goal. A's ceiling: the share of A alone left
@@ -35,6 +37,7 @@ from pathlib import Path
 from .metrics import RequestResult, cpu_description, percentile
 from .client import first_model, resolve_tokenizer, send_one
 from .workloads import Turn, Vocabulary
+from .worker_counts import minus, worker_counts
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                            "score": {"type": "integer", "minimum": 0, "maximum": 10}},
@@ -84,6 +87,7 @@ def grid(floods=(8, 24, 48), urgent: int = -10) -> tuple[Shape, ...]:
         if n == 24:
             shapes.append(Shape("24 streams, fair by default", 24, tenants=True))
         shapes.append(Shape(f"{n} streams, A only", n, tenants=True, chats=False))
+        shapes.append(Shape(f"alone after {n} streams"))
     return tuple(shapes)
 
 
@@ -214,7 +218,7 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         flood.start()
         assert await asyncio.get_running_loop().run_in_executor(None, results.get) == "flooding"
         await asyncio.sleep(args.warmup)
-    counts = await _worker_counts(url, auth)
+    counts = await worker_counts(url, auth)
     t_b = time.perf_counter()
     if shape.chats:
         async with httpx_client(args, headers_b) as http_b:
@@ -223,7 +227,7 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
         await asyncio.sleep(A_ONLY_WINDOW_S)
         b = []
     t_end = time.perf_counter()
-    counts = _minus(await _worker_counts(url, auth), counts)
+    counts = minus(await worker_counts(url, auth), counts)
     stats: dict = {"tokens": []}
     if flood is not None:
         stop.set()  # A goes away: what it asked for must stop on the server
@@ -241,63 +245,6 @@ async def _phase(url: str, model: str, vocab: Vocabulary, shape: Shape, n: int, 
     if flood is not None:
         await asyncio.sleep(min(2.0, args.warmup))  # the server drops A's cancelled requests before the next phase
     return out
-
-
-async def _worker_counts(url: str, auth: dict) -> dict | None:
-    """What every worker's steps have done so far, from their /metrics: `tokens` computed
-    (`pdserve:computed_tokens_total`, prompts and decodes) and `step_s`, seconds stepping
-    (`pdserve:step_seconds_sum`), in all and by role (`roles`: each role's prompt and decode
-    tokens and its step seconds by kind, plain / contended / window: where A's price goes);
-    None where the server has no such workers to ask (another server, or a router that does
-    not list them)."""
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=10, headers=auth) as http:
-            workers = (await http.get(url + "/admin/workers")).json()["workers"]
-            out: dict = {"tokens": 0, "step_s": 0.0, "roles": {}}
-            for w in workers:
-                host = w["address"].rpartition(":")[0]
-                text = (await http.get(f"http://{host}:{w['metrics_port']}/metrics")).text
-                role, counts = out["roles"].setdefault(w["role"], {}), _role_counts(text)
-                for key, value in counts.items():
-                    role[key] = role.get(key, 0.0) + value
-                out["tokens"] += _role_sum(counts, "tokens")
-                out["step_s"] += _role_sum(counts, "s")
-            return out
-    except (httpx.HTTPError, KeyError, TypeError, ValueError):
-        return None
-
-
-def _role_counts(text: str) -> dict[str, float]:
-    """One worker's counters from its /metrics text: `<kind>_tokens` (prompt, decode) and
-    `<kind>_s` (step seconds: plain, contended, window), `yielded` (seconds it stood aside for a
-    peer's more urgent steps), `stopped` (steps it stopped for a more urgent request), `held`
-    and `held_wait` (less urgent commands held back for its more urgent work, and their wait)."""
-    import re
-
-    out: dict[str, float] = {}
-    for kind, v in re.findall(r'^pdserve:computed_tokens_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M):
-        out[f"{kind}_tokens"] = out.get(f"{kind}_tokens", 0.0) + float(v)
-    for labels, v in re.findall(r"^pdserve:step_seconds_sum\{([^}]*)\} (\S+)$", text, re.M):
-        kind = "contended" if 'contended="true"' in labels else "window" if 'window="true"' in labels else "plain"
-        out[f"{kind}_s"] = out.get(f"{kind}_s", 0.0) + float(v)
-    for key, name in (("yielded", "yielded_seconds_total"), ("stopped", "stopped_steps_total"),
-                      ("held", "held_commands_total"), ("held_wait", "held_command_seconds_total")):
-        out[key] = sum(float(v) for v in re.findall(rf"^pdserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
-    return out
-
-
-def _role_sum(counts: dict[str, float], suffix: str) -> float:
-    return sum(v for k, v in counts.items() if k.endswith("_" + suffix))
-
-
-def _minus(after: dict | None, before: dict | None) -> dict | None:
-    if after is None or before is None:
-        return None
-    roles = {r: {k: round(v - before["roles"].get(r, {}).get(k, 0.0), 2) for k, v in c.items()}
-             for r, c in after["roles"].items()}
-    return {"tokens": after["tokens"] - before["tokens"], "step_s": after["step_s"] - before["step_s"], "roles": roles}
 
 
 def _a_rates(stats: dict, t_b: float, t_end: float) -> dict:
@@ -363,18 +310,32 @@ async def run(args) -> dict:
     return out
 
 
+B_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def _alone_around(phases: dict, shapes, i: int) -> tuple[dict, float | None]:
+    """B alone as the phase `shapes[i]` is judged against: the mean of the B-alone phases just
+    before and just after it (the grid runs one after each flood size, so a machine whose speed
+    drifts over the run moves both sides of a ratio alike); (B's figures, B's busy seconds)."""
+    alone = [j for j, s in enumerate(shapes) if not s.flood and s.chats]
+    around = [phases[shapes[j].name] for j in ([j for j in alone if j < i][-1:] + [j for j in alone if j > i][:1])]
+    b = {k: (round(sum(a["B"][k] for a in around) / len(around), 2) if all(a["B"][k] for a in around) else None)
+         for k in B_KEYS}
+    busy = [a["B_busy_s"] for a in around if a.get("B_busy_s") is not None]
+    return b, (sum(busy) / len(busy) if busy else None)
+
+
 def _judge(phases: dict, shapes) -> None:
-    """Each phase's ratios to `alone` and, where the shape has a goal, whether it is met; A's
-    throughput beside B against A alone (the price), where the run has A alone."""
-    alone, busy = phases["alone"]["B"], phases["alone"].get("B_busy_s")
+    """Each phase's ratios to B alone (`_alone_around`) and, where the shape has a goal, whether
+    it is met; A's throughput beside B against A alone (the price), where the run has A alone."""
     a_only = {s.flood: phases[s.name]["A"] for s in shapes if s.flood and not s.chats}
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         p = phases[shape.name]
         if not shape.flood or not shape.chats:
             continue
-        b = p["B"]
-        p["ratio_to_alone"] = {k: round(b[k] / alone[k], 2) if b[k] and alone[k] else None
-                               for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+        b, (alone, busy) = p["B"], _alone_around(phases, shapes, i)
+        p["alone_ms"] = alone
+        p["ratio_to_alone"] = {k: round(b[k] / alone[k], 2) if b[k] and alone[k] else None for k in B_KEYS}
         if busy is not None:  # B's own steps need the machine that long whatever the scheduler does
             p["A"]["ceiling_of_alone"] = round(max(1.0 - busy / max(p["B_seconds"], 1e-9), 0.0), 2)
         if shape.flood in a_only:  # A alone with as many streams

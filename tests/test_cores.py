@@ -205,6 +205,30 @@ def test_a_long_step_pauses_at_a_layers_end_while_a_peer_steps_for_more_urgent_w
         s.close()
 
 
+def test_a_long_pause_looks_at_the_peers_ever_less_often(tmp_path, monkeypatch):
+    """A worker paused for a peer's urgent stream wakes up to look at the peers at most every
+    PAUSE_POLL_S[1] once the pause is long: each look takes a core the urgent peer's thread team
+    steps on (a look every millisecond made a one-row step 20-50% slower on a 2-core Xeon); it
+    still ends within that of the peer's urgent work ending."""
+    import threading
+
+    monkeypatch.setattr(cores, "PAUSE_CHECK_S", 0.0)
+    me, _ = share(tmp_path, "prefill-0", max_threads=2)
+    peer, _ = share(tmp_path, "decode-0", max_threads=2)
+    me.step_threads(0)
+    peer.step_threads(-10)
+    looks, scan = [], me._scan
+    monkeypatch.setattr(me, "_scan", lambda: (looks.append(time.monotonic()), scan())[1])
+    ended = []
+    threading.Timer(0.4, lambda: (ended.append(time.monotonic()), peer.step_threads(0))).start()
+    me.pause_for_peers(0)
+    assert me.pauses == 1 and ended
+    assert time.monotonic() - ended[0] < cores.PAUSE_POLL_S[1] + 0.05  # it resumed soon after
+    assert len(looks) <= 40  # ~25 looks in 0.4 s (every 16 ms once long), not ~400 (every 1 ms)
+    for s in (me, peer):
+        s.close()
+
+
 def test_a_peer_standing_aside_lends_its_threads_only_to_work_more_urgent_than_its_own(tmp_path):
     """A worker that stands aside (or pauses) with work of its own steps again as soon as no
     peer's work is more urgent: a step for work not more urgent than its own must not count on
