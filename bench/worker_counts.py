@@ -35,7 +35,8 @@ def role_counts(text: str) -> dict[str, float]:
     `<kind>_s` and `<kind>_steps` (step seconds and steps: plain, contended, window), `yielded`
     (seconds it stood aside for a peer's more urgent steps), `stopped` (steps it stopped for a
     more urgent request), `held` and `held_wait` (less urgent commands held back for its more
-    urgent work, and their wait)."""
+    urgent work, and their wait), `peer_wait` and `peer_waits_out` (seconds its urgent steps
+    waited for less urgent peers' cores, and the waits that ran out)."""
     import re
 
     out: dict[str, float] = {}
@@ -46,7 +47,8 @@ def role_counts(text: str) -> dict[str, float]:
             kind = "contended" if 'contended="true"' in labels else "window" if 'window="true"' in labels else "plain"
             out[f"{kind}_{suffix}"] = out.get(f"{kind}_{suffix}", 0.0) + float(v)
     for key, name in (("yielded", "yielded_seconds_total"), ("stopped", "stopped_steps_total"),
-                      ("held", "held_commands_total"), ("held_wait", "held_command_seconds_total")):
+                      ("held", "held_commands_total"), ("held_wait", "held_command_seconds_total"),
+                      ("peer_wait", "peer_wait_seconds_total"), ("peer_waits_out", "peer_waits_out_total")):
         out[key] = sum(float(v) for v in re.findall(rf"^pdserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
     return out
 

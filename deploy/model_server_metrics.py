@@ -17,7 +17,9 @@ bounds; engine/core/step_cost.py), and `pdserve:computed_tokens_total` (counter,
 prompt or decode tokens its steps computed, as they run), and `pdserve:yielded_seconds_total`
 (counter: seconds the worker stood aside for a peer's more urgent steps on its host, idle
 between its steps or paused at a layer's end; engine/parallel/cores.py) and
-`pdserve:stopped_steps_total` (counter: steps of less urgent work stopped at a layer's end for
+`pdserve:peer_wait_seconds_total` and `pdserve:peer_waits_out_total` (counters: seconds the
+worker's urgent steps waited for less urgent peers to lend their cores, and the waits that ran
+out) and `pdserve:stopped_steps_total` (counter: steps of less urgent work stopped at a layer's end for
 a more urgent request, long ones in the Python layer loop and short ones in the one-call native
 step, engine/core/kv_hooks.py).
 
@@ -64,9 +66,10 @@ def _snapshot(engine) -> dict:
             "experts": expert_load(engine.runner.model, _ep(engine), engine.kv_cache)}
 
 
-def _yielded(async_engine) -> float:
+def _cores(async_engine) -> tuple[float, float, int]:
+    """(seconds stood aside for peers, seconds urgent steps waited for peers, waits that ran out)."""
     cores = getattr(async_engine, "cores", None)
-    return 0.0 if cores is None else cores.yielded_s
+    return (0.0, 0.0, 0) if cores is None else (cores.yielded_s, cores.peer_wait_s, cores.peer_waits_out)
 
 
 def _ep(engine) -> int:
@@ -83,7 +86,7 @@ class ModelServerCollector:
 
     def collect(self):
         s = self.engine.call(_snapshot).result(timeout=SCRAPE_TIMEOUT_S)
-        s["yielded_s"] = _yielded(self.engine)
+        s["yielded_s"], s["peer_wait_s"], s["peer_waits_out"] = _cores(self.engine)
         held = getattr(self.engine, "held", None)
         s["held"] = (0, 0.0) if held is None else (held.held, held.held_s)
         m = [self.model_name]
@@ -112,6 +115,14 @@ class ModelServerCollector:
                                 "urgent steps on its host (idle between steps, or paused at a layer's end).",
                                 labels=["model_name"])
         c.add_metric(m, s["yielded_s"])
+        yield c
+        c = CounterMetricFamily("pdserve:peer_wait_seconds", "Seconds this worker's urgent steps waited for less "
+                                "urgent peers on its host to lend their cores.", labels=["model_name"])
+        c.add_metric(m, s["peer_wait_s"])
+        yield c
+        c = CounterMetricFamily("pdserve:peer_waits_out", "Times such a wait ran out: the urgent step ran on the "
+                                "worker's own threads.", labels=["model_name"])
+        c.add_metric(m, s["peer_waits_out"])
         yield c
         c = CounterMetricFamily("pdserve:held_commands", "Commands (adds, KV imports, asks for blocks) of less "
                                 "urgent requests held back while the engine stepped for more urgent work.",

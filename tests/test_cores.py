@@ -135,6 +135,7 @@ def test_an_urgent_step_waits_briefly_for_a_less_urgent_peer_to_lend_its_cores(t
     threading.Timer(0.05, peer.idle).start()  # the peer's step ends and it stands aside
     waited = me.wait_for_peers(5.0)
     assert 0.03 < waited < 2.0 and me.threads == 2 and applied[-1] == 2
+    assert me.peer_wait_s == waited and me.peer_waits_out == 0  # counted (pdserve:peer_wait_seconds_total)
     peer.step_threads(0)  # as urgent: stepping beside it at once
     assert me.wait_for_peers(5.0) < 0.5
     for s in (peer, me):
@@ -150,6 +151,7 @@ def test_after_a_wait_that_ran_out_the_next_steps_do_not_wait_until_the_peer_sto
     peer.step_threads(5)
     me.step_threads(0)
     assert me.wait_for_peers(0.05) >= 0.05 and me.threads == 1  # ran out: the peer still steps
+    assert me.peer_waits_out == 1 and me.peer_wait_s >= 0.05  # counted (pdserve:peer_waits_out_total)
     t0 = time.monotonic()
     for _ in range(5):
         assert me.wait_for_peers(0.05) == 0.0

@@ -158,13 +158,15 @@ def test_a_tenant_with_no_priority_is_served_ahead_of_another_tenants_backlog(ur
 
 
 def _worker_counters(url: str) -> dict[str, dict[str, float]]:
-    """Each worker's {prompt tokens computed, steps stopped for a more urgent request}, by role."""
+    """Each worker's {prompt tokens computed, steps stopped for a more urgent request, seconds
+    its urgent steps waited for a less urgent peer's cores}, by role."""
     out = {}
     for w in httpx.get(url + "/admin/workers", timeout=10).json()["workers"]:
         text = httpx.get(f"http://{w['address'].rpartition(':')[0]}:{w['metrics_port']}/metrics", timeout=10).text
         out[w["role"]] = {"prompt": sum(map(float, re.findall(
-            r'^pdserve:computed_tokens_total\{[^}]*kind="prompt"[^}]*\} (\S+)$', text, re.M))), "stopped": sum(map(
-                float, re.findall(r"^pdserve:stopped_steps_total\{[^}]*\} (\S+)$", text, re.M)))}
+            r'^pdserve:computed_tokens_total\{[^}]*kind="prompt"[^}]*\} (\S+)$', text, re.M)))} | {
+            key: sum(map(float, re.findall(rf"^pdserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M)))
+            for key, name in (("stopped", "stopped_steps_total"), ("peer_wait", "peer_wait_seconds_total"))}
     return out
 
 
@@ -197,6 +199,8 @@ def test_an_urgent_request_stops_a_long_step_of_less_urgent_work(url):
     asyncio.run(main())
     after = _worker_counters(url)
     assert sum(after[r]["stopped"] - before[r]["stopped"] for r in after) >= 1, (before, after)
+    # its step on the decode worker waited for the prefill worker, busy with less urgent work, to lend its core
+    assert after["decode"]["peer_wait"] > before["decode"]["peer_wait"], (before, after)
     wait_kv_back(url, 2, within_s=60)
 
 

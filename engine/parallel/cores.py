@@ -68,6 +68,10 @@ class CoreShare:
         """Seconds this worker has stood aside for a more urgent peer (between steps and within)."""
         self.pauses = 0
         """Times a step of this worker paused at a layer's end for a more urgent peer."""
+        self.peer_wait_s = 0.0
+        """Seconds this worker's urgent steps waited for less urgent peers to lend their cores."""
+        self.peer_waits_out = 0
+        """Times such a wait ran out (the urgent step then ran on this worker's own threads)."""
 
     def _write(self) -> None:
         # fixed width: a peer reading while it is rewritten never sees a short record
@@ -114,11 +118,14 @@ class CoreShare:
                 break
             if time.monotonic() - start >= timeout_s:
                 self._wait_ran_out = True
+                self.peer_waits_out += 1
                 break
             time.sleep(0.002)
         self._checked = float("-inf")  # look again now
         self.step_threads(self.urgency)
-        return time.monotonic() - start
+        waited = time.monotonic() - start
+        self.peer_wait_s += waited
+        return waited
 
     def pause_for_peers(self, urgency: int) -> float:
         """Within a step (at a layer's end): while a busy peer steps for work more urgent than
