@@ -171,3 +171,44 @@ def test_a_client_gone_while_its_add_is_held_leaves_nothing_behind(make_engine):
         assert ae.held.held == 2  # the add and, behind it, the abort
     finally:
         ae.stop()
+
+
+def test_a_less_urgent_command_queued_just_ahead_of_an_urgent_add_waits_for_its_steps(make_engine):
+    """Commands queued together are held against the most urgent of them too: a flood's add
+    (or KV import) that reaches the engine thread in the same gap as an urgent request's add,
+    ahead of it, does not run before the urgent request's first step (it would add its own
+    time to that request's first token); it joins once the urgent stream has ended."""
+    ae = AsyncEngine(make_engine())
+    ae.held.max_wait_s = 60.0  # the rule, not the bound
+    ae.start()
+    background = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, priority=0)
+    urgent = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, priority=-10)
+    later = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, priority=0)
+    steps = step_log(ae)
+
+    async def main():
+        bg = asyncio.ensure_future(drain(ae, "background", background))  # the engine steps for priority 0
+        while not ae.engine.has_unfinished_requests():
+            await asyncio.sleep(0.001)
+        gate, gated = threading.Event(), threading.Event()
+        ae.call(lambda e: (gated.set(), gate.wait(30)))
+        await asyncio.to_thread(gated.wait, 30)  # the engine thread waits at the gate, between two steps
+        flood = asyncio.ensure_future(drain(ae, "flood", later))
+        while ae._commands.qsize() < 1:
+            await asyncio.sleep(0.001)
+        u = asyncio.ensure_future(drain(ae, "urgent", urgent))
+        while ae._commands.qsize() < 2:  # the flood's add, then the urgent add, behind the gate
+            await asyncio.sleep(0.001)
+        gate.set()
+        await asyncio.gather(u, flood)
+        bg.cancel()
+        await asyncio.gather(bg, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+        first_urgent = next(i for i, (present, _) in enumerate(steps) if "urgent" in present)
+        assert "flood" not in steps[first_urgent][0], "the less urgent add ran ahead of the urgent one's first step"
+        assert not [i for i, (present, out) in enumerate(steps) if "flood" in present and "urgent" in out]
+        assert ae.held.held >= 1
+    finally:
+        ae.stop()
