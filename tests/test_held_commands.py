@@ -212,3 +212,36 @@ def test_a_less_urgent_command_queued_just_ahead_of_an_urgent_add_waits_for_its_
         assert ae.held.held >= 1
     finally:
         ae.stop()
+
+
+def test_an_idle_engine_given_urgent_work_does_not_run_the_held_commands_first(make_engine):
+    """An idle engine (nothing to step) runs every held command at once; but when the gap's
+    commands just gave it urgent work (an urgent add, then a less urgent one held behind it), it
+    is idle no longer: the held add waits for the urgent request's steps."""
+    ae = AsyncEngine(make_engine())
+    ae.held.max_wait_s = 60.0
+    ae.start()
+    urgent = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, priority=-10)
+    later = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, priority=0)
+    steps = step_log(ae)
+
+    async def main():
+        gate, gated = threading.Event(), threading.Event()
+        ae.call(lambda e: (gated.set(), gate.wait(30)))  # the idle engine thread waits at the gate
+        await asyncio.to_thread(gated.wait, 30)
+        u = asyncio.ensure_future(drain(ae, "urgent", urgent))
+        while ae._commands.qsize() < 1:
+            await asyncio.sleep(0.001)
+        flood = asyncio.ensure_future(drain(ae, "flood", later))
+        while ae._commands.qsize() < 2:  # the urgent add, then the less urgent one
+            await asyncio.sleep(0.001)
+        gate.set()
+        await asyncio.gather(u, flood)
+
+    try:
+        asyncio.run(main())
+        assert steps and "flood" not in steps[0][0], "the held add ran before the urgent request's first step"
+        assert not [i for i, (present, out) in enumerate(steps) if "flood" in present and "urgent" in out]
+        assert ae.held.held == 1
+    finally:
+        ae.stop()

@@ -217,10 +217,12 @@ class AsyncEngine:
                 # cleared before the drain: a request added after it is either drained (then the
                 # step's urgency counts it) or not (then the step may stop for it)
                 self.stop_word.clear()
-                self._drain(block=idle and not self.held)  # held commands run before it sleeps
+                ran = self._drain(block=idle and not self.held)  # held commands run before it sleeps
                 if self._stopping:
                     break
-                for cmd in self.held.due(self.engine.most_urgent_priority(), time.monotonic(), idle):
+                # "nothing it can step" is as of the last step: a command that ran since (an
+                # urgent add) may have given it work, and the held ones must not all run before it
+                for cmd in self.held.due(self.engine.most_urgent_priority(), time.monotonic(), idle and not ran):
                     self._execute(cmd)
                 idle = True
                 if self.engine.has_unfinished_requests():
@@ -271,11 +273,13 @@ class AsyncEngine:
         if may_stop and word.stops():
             raise StepStopped(f"a request of priority {word.word.value} came during a step for {word.threshold}")
 
-    def _drain(self, block: bool, timeout: float | None = None) -> None:
+    def _drain(self, block: bool, timeout: float | None = None) -> int:
         """Run the queued commands (waiting up to `timeout` for the first if `block`), but hold
         those less urgent than the work the engine steps for, or than a command queued with
         them (HeldCommands): a flood's KV imports queued just ahead of an urgent request's add
-        wait for its steps instead of running before its first (5-14 ms each, on its TTFT)."""
+        wait for its steps instead of running before its first (5-14 ms each, on its TTFT).
+        Returns how many ran."""
+        ran = 0
         while True:  # until the queue is empty (commands that come meanwhile too) or a stop
             queued: list[Command] = []
             try:
@@ -289,8 +293,9 @@ class AsyncEngine:
             for i, queued_cmd in enumerate(queued):
                 if not self.held.hold(queued_cmd, _most_urgent(self.engine.most_urgent_priority(), queued[i:])):
                     self._execute(queued_cmd)
+                    ran += 1
             if cmd is None or not queued:
-                return
+                return ran
 
     def _execute(self, cmd: Command) -> None:
         if cmd.fut.set_running_or_notify_cancel():
