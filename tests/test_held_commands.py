@@ -63,6 +63,34 @@ async def drain(ae: AsyncEngine, rid: str, params: SamplingParams):
     return out
 
 
+def started(make_engine, max_wait_s: float) -> AsyncEngine:
+    """A running AsyncEngine over the tiny model whose held commands become overdue after `max_wait_s`."""
+    ae = AsyncEngine(make_engine())
+    ae.held.max_wait_s = max_wait_s
+    ae.start()
+    return ae
+
+
+def greedy(tokens: int, priority: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, priority=priority)
+
+
+async def behind_a_gate(ae: AsyncEngine, *starts) -> list:
+    """With the engine thread held at a gate between two steps, start each coroutine of `starts`
+    as a task, in order, each once the one before has queued its first command; then open the
+    gate: their commands reach the engine thread in one gap, in that order. The tasks."""
+    gate, gated = threading.Event(), threading.Event()
+    ae.call(lambda e: (gated.set(), gate.wait(30)))
+    await asyncio.to_thread(gated.wait, 30)
+    tasks = []
+    for k, start in enumerate(starts, 1):
+        tasks.append(asyncio.ensure_future(start()))
+        while ae._commands.qsize() < k:
+            await asyncio.sleep(0.001)
+    gate.set()
+    return tasks
+
+
 def test_a_command_less_urgent_than_the_engines_work_is_held_and_runs_once_nothing_outranks_it():
     h = HeldCommands(max_wait_s=1.0)
     assert not h.hold(cmd("urgent add", -10, "b"), urgency=-10)
@@ -97,11 +125,9 @@ def test_overdue_commands_run_one_a_gap_while_the_urgent_work_goes_on():
 def test_a_less_urgent_add_waits_for_the_urgent_stream_to_end(make_engine):
     """Beside an urgent stream a less urgent request's add is held (it is added only after the
     urgent stream's last step), while a command that names no priority still runs at once."""
-    ae = AsyncEngine(make_engine())
-    ae.held.max_wait_s = 60.0  # the rule, not the bound: nothing runs early for being overdue
-    ae.start()
-    urgent = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, priority=-10)
-    later = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, priority=0)
+    ae = started(make_engine, max_wait_s=60.0)  # the rule, not the bound: nothing runs early for being overdue
+    urgent = greedy(200, -10)
+    later = greedy(4, 0)
     steps = step_log(ae)
 
     async def main():
@@ -123,11 +149,9 @@ def test_a_less_urgent_add_waits_for_the_urgent_stream_to_end(make_engine):
 
 def test_an_overdue_add_joins_a_long_urgent_stream(make_engine):
     """`max_wait_s` bounds the wait: a long urgent stream does not starve a less urgent add."""
-    ae = AsyncEngine(make_engine())
-    ae.held.max_wait_s = 0.0
-    ae.start()
-    urgent = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True, priority=-10)
-    later = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, priority=0)
+    ae = started(make_engine, max_wait_s=0.0)
+    urgent = greedy(300, -10)
+    later = greedy(2, 0)
     steps = step_log(ae)
 
     async def main():
@@ -150,7 +174,7 @@ def test_a_client_gone_while_its_add_is_held_leaves_nothing_behind(make_engine):
     ae = AsyncEngine(eng)
     ae.held.max_wait_s = 60.0
     ae.start()
-    urgent = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, priority=-10)
+    urgent = greedy(400, -10)
 
     async def main():
         u, gone, _ = await queued_while_urgent(ae, urgent, lambda: drain(ae, "gone", SamplingParams(max_tokens=50)))
@@ -178,29 +202,19 @@ def test_a_less_urgent_command_queued_just_ahead_of_an_urgent_add_waits_for_its_
     (or KV import) that reaches the engine thread in the same gap as an urgent request's add,
     ahead of it, does not run before the urgent request's first step (it would add its own
     time to that request's first token); it joins once the urgent stream has ended."""
-    ae = AsyncEngine(make_engine())
-    ae.held.max_wait_s = 60.0  # the rule, not the bound
-    ae.start()
-    background = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, priority=0)
-    urgent = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, priority=-10)
-    later = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, priority=0)
+    ae = started(make_engine, max_wait_s=60.0)  # the rule, not the bound
+    background = greedy(400, 0)
+    urgent = greedy(8, -10)
+    later = greedy(2, 0)
     steps = step_log(ae)
 
     async def main():
         bg = asyncio.ensure_future(drain(ae, "background", background))  # the engine steps for priority 0
         while not ae.engine.has_unfinished_requests():
             await asyncio.sleep(0.001)
-        gate, gated = threading.Event(), threading.Event()
-        ae.call(lambda e: (gated.set(), gate.wait(30)))
-        await asyncio.to_thread(gated.wait, 30)  # the engine thread waits at the gate, between two steps
-        flood = asyncio.ensure_future(drain(ae, "flood", later))
-        while ae._commands.qsize() < 1:
-            await asyncio.sleep(0.001)
-        u = asyncio.ensure_future(drain(ae, "urgent", urgent))
-        while ae._commands.qsize() < 2:  # the flood's add, then the urgent add, behind the gate
-            await asyncio.sleep(0.001)
-        gate.set()
-        await asyncio.gather(u, flood)
+        # the flood's add, then the urgent add, in one gap between two steps of the background
+        await asyncio.gather(*await behind_a_gate(ae, lambda: drain(ae, "flood", later),
+                                                  lambda: drain(ae, "urgent", urgent)))
         bg.cancel()
         await asyncio.gather(bg, return_exceptions=True)
 
@@ -218,25 +232,14 @@ def test_an_idle_engine_given_urgent_work_does_not_run_the_held_commands_first(m
     """An idle engine (nothing to step) runs every held command at once; but when the gap's
     commands just gave it urgent work (an urgent add, then a less urgent one held behind it), it
     is idle no longer: the held add waits for the urgent request's steps."""
-    ae = AsyncEngine(make_engine())
-    ae.held.max_wait_s = 60.0
-    ae.start()
-    urgent = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, priority=-10)
-    later = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, priority=0)
+    ae = started(make_engine, max_wait_s=60.0)
+    urgent = greedy(8, -10)
+    later = greedy(2, 0)
     steps = step_log(ae)
 
-    async def main():
-        gate, gated = threading.Event(), threading.Event()
-        ae.call(lambda e: (gated.set(), gate.wait(30)))  # the idle engine thread waits at the gate
-        await asyncio.to_thread(gated.wait, 30)
-        u = asyncio.ensure_future(drain(ae, "urgent", urgent))
-        while ae._commands.qsize() < 1:
-            await asyncio.sleep(0.001)
-        flood = asyncio.ensure_future(drain(ae, "flood", later))
-        while ae._commands.qsize() < 2:  # the urgent add, then the less urgent one
-            await asyncio.sleep(0.001)
-        gate.set()
-        await asyncio.gather(u, flood)
+    async def main():  # the idle engine's next gap: the urgent add, then the less urgent one
+        await asyncio.gather(*await behind_a_gate(ae, lambda: drain(ae, "urgent", urgent),
+                                                  lambda: drain(ae, "flood", later)))
 
     try:
         asyncio.run(main())
