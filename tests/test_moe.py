@@ -369,3 +369,22 @@ def test_incomplete_gguf_expert_metadata_is_refused():
     fields = gguf_moe_fields({"llama.expert_count": 8, "llama.expert_used_count": 2, "llama.feed_forward_length": 96,
                               "llama.expert_weights_norm": False}, "llama")
     assert (fields["model_type"], fields["moe_intermediate_size"], fields["norm_topk_prob"]) == ("mixtral", 96, False)
+
+
+def test_a_long_prompt_step_pauses_within_its_layers_after_each_experts_rows(pair):
+    """A step of more than PAUSE_MIN_TOKENS prompt tokens offers the pause for a peer's urgent
+    step inside each layer, not only at its end: an MoE layer after its attention and after
+    each expert's rows (its MLP is many small matmuls); the tokens are those without it."""
+    from pdserve.engine.core.urgency import PAUSE_MIN_TOKENS
+    _, path, eng = pair
+    prompt = [(11 * j) % 300 + 3 for j in range(PAUSE_MIN_TOKENS + 20)]
+    want = eng.generate([prompt], GREEDY)
+    paused = LLMEngine(load_model(path, quantization="none"),
+                       EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=8 << 20)))
+    calls = []
+    paused.between_layers = calls.append
+    assert paused.generate([prompt], GREEDY) == want
+    layers, experts = eng.model_config.num_hidden_layers, eng.model_config.num_experts_per_tok
+    # per layer: after the attention, after each of at least top-k experts' rows, at the end
+    assert len(calls) >= layers * (2 + experts)
+    assert paused.blocks.num_used_blocks == 0

@@ -343,10 +343,11 @@ def test_a_window_step_is_bounded_by_yield_chunk_until_the_cost_is_learnt_and_a_
         SchedulerConfig(peer_chunk=-1)
 
 
-def test_only_a_long_prompt_step_offers_a_pause_at_each_layers_end(make_engine):
-    """`between_layers` (a worker's pause for a peer's urgent step) runs at each layer's end of
-    a step of more than PAUSE_MIN_TOKENS prompt tokens, not in short or decode-only steps (they
-    keep the one-call C step); the tokens are those of a step without it."""
+def test_only_a_long_prompt_step_offers_pauses_within_each_layer_and_at_its_end(make_engine):
+    """`between_layers` (a worker's pause for a peer's urgent step) runs three times a layer in
+    a step of more than PAUSE_MIN_TOKENS prompt tokens (after the attention, after the MLP's
+    first matmul, at the layer's end: the peer waits for a part of a layer), not in short or
+    decode-only steps (they keep the one-call C step); the tokens are those of a step without it."""
     from pdserve.engine.core.kv_hooks import PAUSE_MIN_TOKENS
 
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -357,12 +358,12 @@ def test_only_a_long_prompt_step_offers_a_pause_at_each_layers_end(make_engine):
     eng.between_layers = lambda may_stop: calls.append(eng.scheduler.running[0].num_computed_tokens)
     assert eng.generate([short], params) == [want[1]] and calls == []  # 20 prompt tokens, then decodes
     assert eng.generate([long], params) == [want[0]]
-    assert calls == [0] * eng.model_config.num_hidden_layers  # once a layer, within the prompt's step
+    assert calls == [0] * 3 * eng.model_config.num_hidden_layers  # three times a layer, within the prompt's step
 
 
-def test_a_short_last_chunk_that_streams_its_kv_out_pauses_at_each_layers_end_too(make_engine):
+def test_a_short_last_chunk_that_streams_its_kv_out_pauses_within_each_layer_too(make_engine):
     """The step that completes a prompt whose KV streams out layer by layer (a prefill worker's
-    last chunk) runs the layer loop anyway: however few its prompt tokens, it offers the pause
+    last chunk) runs the layer loop anyway: however few its prompt tokens, it offers the pauses
     (without stopping), so a peer's urgent steps never run beside it on a lent core."""
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     short = list(range(400, 420))  # 20 prompt tokens: no pause without the stream
@@ -377,6 +378,6 @@ def test_a_short_last_chunk_that_streams_its_kv_out_pauses_at_each_layers_end_to
         out += [t for o in eng.step() for t in o.new_token_ids]
     assert out == want[0]
     layers = eng.model_config.num_hidden_layers
-    assert calls == [False] * layers and streamed == [(i, i + 1) for i in range(layers)]
+    assert calls == [False] * 3 * layers and streamed == [(i, i + 1) for i in range(layers)]
     assert eng.export_kv("p")[0] == short  # the prompt's KV, its first token sampled as without a pause
     assert eng.release_kv("p")

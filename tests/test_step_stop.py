@@ -49,7 +49,7 @@ def test_a_stopped_step_counts_for_nothing_and_leaves_no_block_cached(make_engin
 
     def stop_once(may_stop: bool) -> None:
         calls.append(may_stop)
-        if len(calls) == 2:  # after the second layer has written its KV
+        if len(calls) == 2:  # at the second pause point, within the first layer
             raise StepStopped("test")
     eng.between_layers = stop_once
     eng.add_request("long", LONG, GREEDY)

@@ -37,10 +37,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, h, rope, kv, meta, backend, lora: LoRALayer | None = None):
+    def forward(self, h, rope, kv, meta, backend, lora: LoRALayer | None = None, within=None):
         a = self.self_attn(self.input_layernorm(h), rope, kv, meta, backend, lora)
         h = h + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), lora))
+        if within is not None:
+            within()
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), lora, within))
 
 
 class Gemma3Model(nn.Module):
@@ -74,9 +76,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)  # rounded to the dtype, as HF does
         rope_global = self.rotary(positions, self.native_ops)
         rope_local = self.rotary_local(positions, self.native_ops)
+        within = getattr(after_layer, "within", None)  # pause points inside a layer (kv_hooks)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             h = layer(h, rope_local if layer.self_attn.window else rope_global, kv, meta, self.backend,
-                      None if lora is None else lora.layer(i))
+                      None if lora is None else lora.layer(i), within)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(h)

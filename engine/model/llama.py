@@ -183,21 +183,27 @@ class LlamaMLP(nn.Module):
         self.gate_up_linear = make_linear(w, quantization, packed)
         self.down_linear = make_linear(self.down_proj.weight.data, quantization, packed)
 
-    def forward(self, x: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
-        out = self._partial(x, lora)
+    def forward(self, x: torch.Tensor, lora: LoRALayer | None = None, within=None) -> torch.Tensor:
+        """`within()`, if given, is called between the gate/up matmul and the down one (a
+        point where the step may pause for a peer's urgent step)."""
+        out = self._partial(x, lora, within)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _partial(self, x: torch.Tensor, lora: LoRALayer | None) -> torch.Tensor:
+    def _partial(self, x: torch.Tensor, lora: LoRALayer | None, within=None) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate_up = self.gate_up_linear(x)
             if lora is not None:
                 lora.add("gate_up", x, gate_up)
+            if within is not None:
+                within()
             if self.native:
                 act = native.silu_mul(gate_up)
                 return self._down(act, lora)
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+            if within is not None:
+                within()
         act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         return self.down_proj(act) if self.down_linear is None else self._down(act, lora)
 
@@ -214,9 +220,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, rope, kv, meta, backend, lora: LoRALayer | None = None):
+    def forward(self, h, rope, kv, meta, backend, lora: LoRALayer | None = None, within=None):
+        """`within()`, if given, is called at the points inside the layer where a step may
+        pause (after the attention, after the MLP's first matmul)."""
         h = h + self.self_attn(self.input_layernorm(h), rope, kv, meta, backend, lora)
-        return h + self.mlp(self.post_attention_layernorm(h), lora)
+        if within is not None:
+            within()
+        return h + self.mlp(self.post_attention_layernorm(h), lora, within)
 
 
 class LlamaModel(nn.Module):
@@ -325,8 +335,9 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:
             return self._forward_fused_norms(h, rope, kv_caches, meta, after_layer, lora)
+        within = getattr(after_layer, "within", None)  # pause points inside a layer (kv_hooks)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            h = layer(h, rope, kv, meta, self.backend, None if lora is None else lora.layer(i))
+            h = layer(h, rope, kv, meta, self.backend, None if lora is None else lora.layer(i), within)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(h) if self.pp is None else self.pp.leave(h, None, lambda: self.model.norm(h))
@@ -335,13 +346,15 @@ class LlamaForCausalLM(nn.Module):
         """The layers with each residual add fused into the RMSNorm that follows it (one C
         pass, native.add_rms_norm): the MLP's output is added by the next layer's input norm,
         the last one by the final norm. h, the residual stream, is updated in place."""
-        delta = None
+        delta, within = None, getattr(after_layer, "within", None)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
             at = None if lora is None else lora.layer(i)
             a = layer.self_attn(native.add_rms_norm(h, delta, norm_in.weight, norm_in.eps), rope, kv, meta,
                                 self.backend, at)
-            delta = layer.mlp(native.add_rms_norm(h, a, norm_post.weight, norm_post.eps), at)
+            if within is not None:
+                within()
+            delta = layer.mlp(native.add_rms_norm(h, a, norm_post.weight, norm_post.eps), at, within)
             if after_layer is not None:
                 after_layer(i)
         norm = self.model.norm

@@ -160,9 +160,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert.fuse(packed, quantization)
             self.shared_gate_linear = make_linear(self.shared_expert_gate.weight.data, "none", packed)
 
-    def forward(self, x: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRALayer | None = None, within=None) -> torch.Tensor:
         """x: (T, hidden). Returns the experts' weighted sum per row, (T, hidden). `lora` is
-        not applied to experts (adapters update attention only on these models)."""
+        not applied to experts (adapters update attention only on these models). `within()`,
+        if given, is called after each expert's rows (points where the step may pause)."""
         logits = self.gate(x) if self.gate_linear is None else self.gate_linear(x)  # (T, E)
         weights, experts = route(logits, self.top_k, self.renormalize)  # (T, k) each
         if self.routed is not None:
@@ -175,6 +176,8 @@ class SparseMoeBlock(nn.Module):
             for g in group_by_expert(experts, weights, self.num_experts, self.owned):
                 y = self.experts[g.expert](x[g.rows])  # (n, hidden): this expert's weights only
                 out.index_add_(0, g.rows, y * g.weights.unsqueeze(-1))
+                if within is not None:
+                    within()
         if self.shared_expert is not None:
             gate = self.shared_expert_gate(x) if self.shared_gate_linear is None else self.shared_gate_linear(x)
             out += torch.sigmoid(gate) * self.shared_expert(x)  # (T, 1) * (T, hidden)
