@@ -232,6 +232,32 @@ def test_the_step_budget_keeps_less_urgent_decodes_out_of_an_urgent_step_they_wo
     assert times.snapshot()["plain"][0][-2] == 1 and times.snapshot()["window"][0][7] == 1  # 8 ms < 10 ms <= 11.3
 
 
+def test_a_decode_rows_cost_is_learned_from_decode_steps_not_from_prompt_chunks():
+    """A short prompt chunk's tokens share its matmuls, a decode row pays for its own, and a
+    whole batch's rows amortize the step's fixed work: fitted over all, a row looks cheaper
+    than it is beside one urgent decode (the Xeon: a second row made a 12 ms step 15 ms, and
+    the joint fit let it into a step of 15% budget). The rows' cost and the budget beside
+    urgent decodes come from small decode-only steps; a chunk's from all."""
+    from pdserve.engine.core.step_cost import StepCost
+
+    cost = StepCost()
+    for n in (8, 16, 32, 48, 64):  # prompt chunks: 0.3 ms a token
+        cost.observe(0.009 + 0.0003 * n, n, n * n // 2)
+    for n in (1, 2, 4, 8):  # decode rows of 60 keys each: 2.2 ms a row
+        cost.observe(0.0068 + 0.0022 * n, n, 60 * n, rows=True)
+    cost.observe(0.0068 + 0.0012 * 24, 24, 60 * 24, rows=True)  # a whole batch's rows amortize more
+    assert abs(cost.row_seconds(60) - 0.0022) < 1e-4  # the small decode steps' slope
+    assert cost.allowance(1, 60, 0.15) < cost.row_seconds(60)  # so no less urgent row joins one urgent decode
+    joint = StepCost()
+    for n in (8, 16, 32, 48, 64):
+        joint.observe(0.009 + 0.0003 * n, n, n * n // 2)
+    for n in (1, 2, 4, 8):
+        joint.observe(0.0068 + 0.0022 * n, n, 60 * n)
+    joint.observe(0.0068 + 0.0012 * 24, 24, 60 * 24)
+    assert joint.row_seconds(60) < joint.allowance(1, 60, 0.15)  # the joint fit let it in
+    assert cost.chunk_seconds(32, 0) == joint.chunk_seconds(32, 0)  # chunks are priced as before
+
+
 def test_a_kv_hand_off_refused_for_blocks_compiles_no_grammar_and_a_bad_one_gives_its_blocks_back(smollm,
                                                                                                    monkeypatch):
     """Under KV pressure a decode worker retries a refused hand-off every 50 ms per request: on a

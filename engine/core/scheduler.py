@@ -240,7 +240,7 @@ class Scheduler:
         """A step has run: its time teaches the cost model (steps of decodes and short chunks,
         the size of the steps the budget sizes) and goes into the histogram."""
         if out.num_tokens <= SMALL_STEP:
-            self.cost.observe(seconds, out.num_tokens, out.context_tokens)
+            self.cost.observe(seconds, out.num_tokens, out.context_tokens, len(out.chunks) == out.num_tokens)
         for c in out.chunks:
             self.computed["prompt" if c.num_new_tokens > 1 else "decode"] += c.num_new_tokens
         self.times.add(seconds, out.contended, out.window)

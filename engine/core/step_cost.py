@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # 1 ms to 4 s, each bucket sqrt(2) wide: a step's time against another's within that
+ROW_FIT_ROWS = 8  # decode-only steps of at most this many rows teach what a row adds to a small step
 BUCKETS = tuple(round(0.001 * 2 ** (k / 2), 6) for k in range(25)) + (float("inf"),)
 
 
@@ -21,8 +22,20 @@ class StepCost:
     matmul row cost next to nothing."""
     decay: float = 0.98  # each step's weight in the fit shrinks by this at every later step
     _s: dict = field(default_factory=lambda: dict.fromkeys(("w", "n", "c", "t", "nn", "nc", "cc", "nt", "ct"), 0.0))
+    # the same fit over decode-only steps of at most ROW_FIT_ROWS rows: what one more row adds to
+    # a small step, as an urgent decode's is. A fit over short prompt chunks too, or over whole
+    # batches, says less (a chunk's tokens share its matmuls better, and a batch's rows amortize
+    # the step's fixed work): on the Xeon a second row made a 12 ms one-row step 15 ms in a
+    # cluster, and those fits (1.5-2 ms a row) let it into a step of 15% budget
+    _rows: "StepCost | None" = None
 
-    def observe(self, seconds: float, tokens: int, context: int = 0) -> None:
+    def observe(self, seconds: float, tokens: int, context: int = 0, rows: bool = False) -> None:
+        """A step of `tokens` new tokens that read `context` keys took `seconds`; `rows`: all
+        its chunks were single tokens (decode rows; up to ROW_FIT_ROWS of them, the row fit's too)."""
+        if rows and tokens <= ROW_FIT_ROWS:
+            if self._rows is None:
+                self._rows = StepCost(self.decay)
+            self._rows.observe(seconds, tokens, context)
         d, s = self.decay, self._s
         for k, v in (("w", 1.0), ("n", tokens), ("c", context), ("t", seconds), ("nn", tokens * tokens),
                      ("nc", tokens * context), ("cc", context * context), ("nt", tokens * seconds),
@@ -53,11 +66,16 @@ class StepCost:
             return None
         return max(0.0, mt - b * mn - c * mc), max(b, 0.0), max(c, 0.0)
 
+    def _row_fit(self) -> tuple[float, float, float] | None:
+        """The decode-only steps' fit once it is known, else the fit over all."""
+        fit = None if self._rows is None else self._rows.fit()
+        return fit if fit is not None else self.fit()
+
     def allowance(self, own_tokens: int, own_context: int, budget: float) -> float | None:
-        """Seconds of less urgent work that fit beside the urgent requests' `own_tokens` and
-        `own_context` while the step stays within (1 + `budget`) times what theirs alone take;
-        None until the fit is known."""
-        fit = self.fit()
+        """Seconds of less urgent decode rows that fit beside the urgent requests' decodes
+        (`own_tokens` rows reading `own_context` keys) while the step stays within (1 +
+        `budget`) times what theirs alone take; None until a fit is known."""
+        fit = self._row_fit()
         if fit is None:
             return None
         a, b, c = fit
@@ -80,7 +98,7 @@ class StepCost:
     def row_seconds(self, context: int) -> float:
         """What one more decode row whose attention reads `context` keys adds to a step (0 until
         the fit is known)."""
-        fit = self.fit()
+        fit = self._row_fit()
         return 0.0 if fit is None else fit[1] + fit[2] * context
 
 
