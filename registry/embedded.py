@@ -3,11 +3,10 @@ private port, no persistence, optional password, stopped by its PID. That binary
 without TLS (no `--tls-port`), so `rediss://` is for an external Redis only."""
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from urllib.parse import quote
@@ -35,14 +34,27 @@ def _config_quote(value: str) -> str:
 
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the process that started it dies, even by
-    SIGKILL, where its own stop() never runs (a `pdserve up` killed after a stop timeout
-    left its redis-server behind). Linux only; elsewhere a no-op."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+# Run by a fresh interpreter, which then becomes redis-server (exec keeps its PID): SIGTERM
+# when the process that started it dies, even by SIGKILL, where its own stop() never runs (a
+# `pdserve up` killed after a stop timeout left its redis-server behind). Not a `preexec_fn`:
+# CPython runs the at-fork handlers in a preexec child, in a copy of a threaded process, and
+# OpenTelemetry's (registered once tracing is set up) hung there at 100% CPU for minutes. Linux
+# only; elsewhere the prctl is skipped.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('the process that started redis-server is gone')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    """`argv` run so that it dies with this process (see _DIE_WITH_PARENT)."""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
 
 class EmbeddedRedis:
     """`password`: the server requires it (`requirepass`) and `url` carries it, percent-encoded."""
@@ -80,11 +92,11 @@ class EmbeddedRedis:
             with os.fdopen(fd, "w") as f:
                 f.write(f"requirepass {_config_quote(self.password)}\n")
             conf = [path]
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(_dying_with_parent(
             [redis_server_binary(), *conf, "--bind", self.host, "--port", str(self.port), "--save", "",
              "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning",
-             "--logfile", os.path.join(self._dir.name, "redis.log")],  # why it failed, e.g. the port is taken
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+             "--logfile", os.path.join(self._dir.name, "redis.log")]),  # why it failed, e.g. the port is taken
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

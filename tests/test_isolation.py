@@ -232,6 +232,18 @@ def test_the_step_budget_keeps_less_urgent_decodes_out_of_an_urgent_step_they_wo
     assert times.snapshot()["plain"][0][-2] == 1 and times.snapshot()["window"][0][7] == 1  # 8 ms < 10 ms <= 11.3
 
 
+def _joint():
+    """The same steps as below, fitted together only."""
+    from pdserve.engine.core.step_cost import StepCost
+    joint = StepCost()
+    for n in (8, 16, 32, 48, 64):
+        joint.observe(0.009 + 0.0003 * n, n, n * n // 2)
+    for n in (1, 2, 4, 8):
+        joint.observe(0.0068 + 0.0022 * n, n, 60 * n)
+    joint.observe(0.0068 + 0.0012 * 24, 24, 60 * 24)
+    return joint
+
+
 def test_a_decode_rows_cost_is_learned_from_decode_steps_not_from_prompt_chunks():
     """A short prompt chunk's tokens share its matmuls, a decode row pays for its own, and a
     whole batch's rows amortize the step's fixed work: fitted over all, a row looks cheaper
@@ -246,15 +258,15 @@ def test_a_decode_rows_cost_is_learned_from_decode_steps_not_from_prompt_chunks(
     for n in (1, 2, 4, 8):  # decode rows of 60 keys each: 2.2 ms a row
         cost.observe(0.0068 + 0.0022 * n, n, 60 * n, rows=True)
     cost.observe(0.0068 + 0.0012 * 24, 24, 60 * 24, rows=True)  # a whole batch's rows amortize more
-    assert abs(cost.row_seconds(60) - 0.0022) < 1e-4  # the small decode steps' slope
-    assert cost.allowance(1, 60, 0.15) < cost.row_seconds(60)  # so no less urgent row joins one urgent decode
-    joint = StepCost()
-    for n in (8, 16, 32, 48, 64):
-        joint.observe(0.009 + 0.0003 * n, n, n * n // 2)
-    for n in (1, 2, 4, 8):
-        joint.observe(0.0068 + 0.0022 * n, n, 60 * n)
-    joint.observe(0.0068 + 0.0012 * 24, 24, 60 * 24)
+    assert abs(cost.row_seconds(60, small=True) - 0.0022) < 1e-4  # the small decode steps' slope
+    assert cost.allowance(1, 60, 0.15) < cost.row_seconds(60, small=True)  # no less urgent row joins one urgent decode
+    joint = _joint()
+    assert cost.row_seconds(60) == joint.row_seconds(60)  # window steps are sized as before
     assert joint.row_seconds(60) < joint.allowance(1, 60, 0.15)  # the joint fit let it in
+    low = _joint()  # a few noisy small steps that fit a low slope never price a row below the joint fit
+    for t, n in ((0.0130, 1), (0.0120, 1), (0.0126, 2)):
+        low.observe(t, n, 60 * n, rows=True)
+    assert low.row_seconds(60, small=True) == low.row_seconds(60) > low._rows.row_seconds(60)
     assert cost.chunk_seconds(32, 0) == joint.chunk_seconds(32, 0)  # chunks are priced as before
 
 

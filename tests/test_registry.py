@@ -63,6 +63,21 @@ def test_embedded_redis_goes_when_its_starter_is_killed():
     pytest.fail(f"redis-server {pid} outlived the process that started it")
 
 
+def test_embedded_redis_runs_no_python_in_a_forked_copy_of_its_starter():
+    """Starting redis-server runs none of the starter's at-fork handlers in the child (a
+    `preexec_fn` would: OpenTelemetry's, registered once tracing is set up, hung there at 100%
+    CPU in the suite). A handler that ends any forked copy at once must not stop it."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.register_at_fork(after_in_child=lambda: os._exit(3)); "
+            "from pdserve.registry.embedded import EmbeddedRedis; import redis; r = EmbeddedRedis().start(); "
+            "print(redis.Redis.from_url(r.url).ping(), flush=True); r.stop()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 def test_heartbeat_registers_and_a_silent_worker_expires(redis_server):
     async def main():
         import redis.asyncio as aioredis

@@ -371,7 +371,7 @@ class Scheduler:
         allow = self._allow
         if allow.above is None or req.priority <= allow.above or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return False
-        return not allow.fits(self.cost.row_seconds(req.num_tokens))
+        return not allow.fits(self.cost.row_seconds(req.num_tokens, small=not allow.window))
 
     def _make_room_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Before the batch is scheduled: the next waiting request preempts running requests of

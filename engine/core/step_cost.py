@@ -95,11 +95,13 @@ class StepCost:
             return 1 << 30
         return max(int((seconds - fit[2] * start) // (fit[1] + fit[2])), 0)
 
-    def row_seconds(self, context: int) -> float:
+    def row_seconds(self, context: int, small: bool = False) -> float:
         """What one more decode row whose attention reads `context` keys adds to a step (0 until
-        the fit is known)."""
-        fit = self._row_fit()
-        return 0.0 if fit is None else fit[1] + fit[2] * context
+        the fit is known). `small`: to a small step beside urgent decodes, the larger of the
+        small decode-only steps' estimate and the fit over all (either may run low: a few noisy
+        small steps, or chunks and batches); else the fit over all, which sizes window steps."""
+        fits = [self.fit()] + ([self._row_fit()] if small else [])
+        return max((f[1] + f[2] * context for f in fits if f is not None), default=0.0)
 
 
 STEP_KINDS = ("plain", "contended", "window")
