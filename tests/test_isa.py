@@ -18,9 +18,11 @@ ZEN3 = {"avx2", "fma", "f16c"}
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx_vnni"}
 ICE_LAKE = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}  # no VEX-encoded VNNI
 ALDER_LAKE = ZEN3 | {"avx_vnni"}  # VNNI without AVX-512
+SAPPHIRE_RAPIDS = ICE_LAKE | {"avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8"}
 
 
-@pytest.mark.parametrize("flags,best", [(ZEN4, "avx512-vnni"), (ICE_LAKE, "avx512-vnni"), (ALDER_LAKE, "avx-vnni"),
+@pytest.mark.parametrize("flags,best", [(SAPPHIRE_RAPIDS, "avx512-amx"), (ZEN4, "avx512-vnni"),
+                                        (ICE_LAKE, "avx512-vnni"), (ALDER_LAKE, "avx-vnni"),
                                         (ZEN3, "avx2"), (set(), "portable"), ({"avx2"}, "portable")])
 def test_the_best_instruction_set_the_cpu_has_is_chosen(flags, best, monkeypatch):
     monkeypatch.delenv(isa_mod.ISA_ENV, raising=False)
@@ -36,12 +38,17 @@ def test_a_lower_instruction_set_is_taken_on_request_and_builds_without_the_high
     flags = native._flags()
     assert "-mavx2" in flags and not any("512" in f or "vnni" in f for f in flags)
     monkeypatch.setenv(isa_mod.ISA_ENV, "avx512-vnni")
-    assert "-mavx512vnni" in native._flags()
+    assert "-mavx512vnni" in native._flags() and not any("amx" in f for f in native._flags())
+    monkeypatch.setattr(native, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setattr(isa_mod, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.delenv(isa_mod.ISA_ENV)
+    assert {"-mamx-tile", "-mamx-bf16", "-mavx512bf16"} <= set(native._flags())
 
 
 @pytest.mark.parametrize("want,flags,match", [("avx512-vnni", ZEN3, "lacks avx512_vnni, avx512bw"),
                                               ("avx-vnni", ICE_LAKE, "lacks avx_vnni"),
-                                              ("sse9", ZEN4, "not one of avx512-vnni, avx-vnni, avx2, portable")])
+                                              ("avx512-amx", ZEN4, "lacks amx_bf16, amx_tile"),
+                                              ("sse9", ZEN4, "not one of avx512-amx, avx512-vnni, avx-vnni, avx2, portable")])
 def test_an_instruction_set_the_cpu_lacks_or_that_does_not_exist_is_a_named_error(want, flags, match, monkeypatch):
     monkeypatch.setenv(isa_mod.ISA_ENV, want)
     with pytest.raises(native.UnknownISA, match=match):

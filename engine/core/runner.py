@@ -37,6 +37,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         spans: list[PrefillSpan] = []
         sample_rows: list[int] = []
+        split = self.model.prompt_rows is not None  # prompt rows run apart: a 1-token prompt chunk is a span
         for c in chunks:
             req = c.request
             start, n = req.num_computed_tokens, c.num_new_tokens
@@ -45,11 +46,12 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start:start + n])
             pos.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
+            prompt = min(n, max(req.num_prompt_tokens - start, 0))
+            if n == 1 and not (split and prompt):
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                spans.append(PrefillSpan(row, row + n, start, table))
+                spans.append(PrefillSpan(row, row + n, start, table, prompt))
             if req.request_id in self._all_rows:  # speculative chunk: every position is checked
                 sample_rows.extend(range(row, row + n))
             elif c.completes:
@@ -66,6 +68,14 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(pos, dtype=torch.long, device=self.device), meta, sample_rows)
 
+    def _order(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Decode rows first (the attention backend expects that layout), then the spans; a
+        1-token prompt chunk is a span where the model runs prompt rows apart (`_build`)."""
+        split = self.model.prompt_rows is not None
+        one = [c.num_new_tokens == 1 and not (split and c.request.num_computed_tokens < c.request.num_prompt_tokens)
+               for c in chunks]
+        return [c for c, o in zip(chunks, one) if o] + [c for c, o in zip(chunks, one) if not o]
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], after_layer=None,
                 all_rows: frozenset[str] = frozenset()) -> tuple[list[ScheduledChunk], torch.Tensor]:
@@ -73,8 +83,7 @@ class ModelRunner:
         one row each, or every row of the chunks of the requests in `all_rows`.
         after_layer(i): called as soon as layer i has written this step's K/V (in a pipeline,
         for every layer once the pass is through)."""
-        # decode rows first: the attention backend expects that layout
-        ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
+        ordered = self._order(chunks)
         self._prompt_spans, self._all_rows = [], all_rows
         input_ids, positions, meta, sample_rows = self._build(ordered)
         passes = self._prompt_passes()
@@ -103,7 +112,7 @@ class ModelRunner:
         """A pipeline's rank 0: start one micro-batch (no prompt logprobs, layer streams nor
         adapters; engine/core/micro_batches.py): the step goes to the other stages and this
         stage's layers run; its result lands later (`land`, micro-batches in launch order)."""
-        ordered = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
+        ordered = self._order(chunks)
         self._prompt_spans, self._all_rows = [], frozenset()
         input_ids, positions, meta, sample_rows = self._build(ordered)
         sampled = None if len(sample_rows) == input_ids.shape[0] else sample_rows

@@ -38,12 +38,15 @@ def window_tables(tables: torch.Tensor, lens: torch.Tensor, window: int,
 @dataclass
 class PrefillSpan:
     """One request's prefill chunk: rows [start, end) of the step, after `num_cached` tokens
-    whose K/V are already in the cache (a prefix-cache hit or an earlier chunk)."""
+    whose K/V are already in the cache (a prefix-cache hit or an earlier chunk). Its first
+    `prompt_rows` rows are prompt tokens (the rest: generated tokens recomputed, or speculative
+    drafts), which a model with AMX prompt rows computes in bf16 (engine/model/quant.py)."""
 
     start: int
     end: int
     num_cached: int
     block_table: list[int]
+    prompt_rows: int = 0
 
 
 @dataclass
@@ -55,6 +58,10 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     block_size: int
     backend_state: dict = field(default_factory=dict)  # per-step tensors a backend derives once
+
+    def prompt_ranges(self) -> list[tuple[int, int]]:
+        """The (start, end) rows of the step that are prompt tokens."""
+        return [(sp.start, sp.start + sp.prompt_rows) for sp in self.prefills if sp.prompt_rows]
 
 
 class AttentionBackend(Protocol):

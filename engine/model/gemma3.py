@@ -58,6 +58,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     forward over a flat batch, compute_logits)."""
 
     decoder = Gemma3Model
+    amx_prompts = False  # its forward is its own; every row runs on W4A8
 
     def build_rotary(self) -> None:
         """The RoPE tables: the global layers' base and the sliding layers' (computed, not loaded)."""

@@ -20,7 +20,8 @@ from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import native_step
 from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
-from pdserve.engine.model.quant import Q8A16Linear, W4A8Linear, WeightOnlyLinear, make_linear
+from pdserve.engine.model.quant import (PromptRows, Q8A16Linear, W4A8Linear, WeightOnlyLinear, amx_prompt_rows,
+                                        make_linear)
 
 
 class RMSNorm(nn.Module):
@@ -111,8 +112,9 @@ class LlamaAttention(nn.Module):
         self.qkv_linear = self.o_linear = None
         self.tp = None  # a tensor-parallel group (engine/parallel/tp.py): o_proj's partial sums are all-reduced
 
-    def fuse(self, packed: bool, quantization: str = "none") -> None:
-        """Store q/k/v as one matrix (one matmul per step); the named weights become views of it."""
+    def fuse(self, packed: bool, quantization: str = "none", prompt_rows: PromptRows | None = None) -> None:
+        """Store q/k/v as one matrix (one matmul per step); the named weights become views of it.
+        `prompt_rows`: the model's, where its prompt rows run on AMX (quant.make_linear)."""
         w = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data])
         sizes = (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
         for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), w.split(sizes)):
@@ -123,8 +125,8 @@ class LlamaAttention(nn.Module):
             for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), b.split(sizes)):
                 proj.bias.data = view
             self.qkv_bias = b
-        self.qkv_linear = make_linear(w, quantization, packed)
-        self.o_linear = make_linear(self.o_proj.weight.data, quantization, packed)
+        self.qkv_linear = make_linear(w, quantization, packed, prompt_rows)
+        self.o_linear = make_linear(self.o_proj.weight.data, quantization, packed, prompt_rows)
 
     def forward(self, x, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend, lora: LoRALayer | None = None) -> torch.Tensor:
@@ -176,12 +178,12 @@ class LlamaMLP(nn.Module):
         self.gelu = cfg.hidden_activation == "gelu_pytorch_tanh"  # Gemma's GeGLU, else SwiGLU
         self.tp = None  # a tensor-parallel group: down_proj's partial sums are all-reduced
 
-    def fuse(self, packed: bool, quantization: str = "none") -> None:
+    def fuse(self, packed: bool, quantization: str = "none", prompt_rows: PromptRows | None = None) -> None:
         w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
         self.gate_proj.weight.data, self.up_proj.weight.data = w.chunk(2)
         self.gate_up_weight = w
-        self.gate_up_linear = make_linear(w, quantization, packed)
-        self.down_linear = make_linear(self.down_proj.weight.data, quantization, packed)
+        self.gate_up_linear = make_linear(w, quantization, packed, prompt_rows)
+        self.down_linear = make_linear(self.down_proj.weight.data, quantization, packed, prompt_rows)
 
     def forward(self, x: torch.Tensor, lora: LoRALayer | None = None, within=None) -> torch.Tensor:
         """`within()`, if given, is called between the gate/up matmul and the down one (a
@@ -250,6 +252,7 @@ class LlamaForCausalLM(nn.Module):
     pp = None  # a pipeline stage (engine/parallel/pp.Stage): the residual stream comes from and goes to others
 
     decoder = LlamaModel  # the embedding and layers (a relative's own, in its subclass)
+    amx_prompts = True  # whether fuse may put prompt rows on AMX (a relative whose forward sets no PromptRows: False)
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
         super().__init__()
@@ -262,6 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend or TorchAttentionBackend()
         self.lm_head_linear = None
         self.native_ops = False  # RoPE and SwiGLU by the fused C kernels (engine/kernels/native/fused.c)
+        self.prompt_rows: PromptRows | None = None  # set by fuse where prompt rows run on AMX
 
     def build_rotary(self) -> None:
         """The RoPE tables (computed, not loaded: fp32 for accuracy)."""
@@ -272,10 +276,14 @@ class LlamaForCausalLM(nn.Module):
         """Fuse q/k/v and gate/up into single matrices for inference (weights unchanged) and
         pick each matrix's kernel (engine/model/quant.py). With `packed`, fp32 CPU matrices get a
         oneDNN-packed copy; with `quantization`, an int8 or fp16 copy. The named weights stay
-        as loaded (state_dict, KV export and the GPU path read them)."""
+        as loaded (state_dict, KV export and the GPU path read them). Under "auto" on a CPU with
+        AMX, the Q4_1 matrices run the prompt rows of each step in bf16 (`prompt_rows`)."""
+        on_cpu = self.lm_head.weight.device.type == "cpu" and self.lm_head.weight.dtype == torch.float32
+        self.prompt_rows = amx_prompt_rows(quantization) if self.amx_prompts and on_cpu else None
+        rows = {} if self.prompt_rows is None else {"prompt_rows": self.prompt_rows}
         for layer in self.model.layers:
-            layer.self_attn.fuse(packed, quantization)
-            layer.mlp.fuse(packed, quantization)
+            layer.self_attn.fuse(packed, quantization, **rows)
+            layer.mlp.fuse(packed, quantization, **rows)
         # q4_1 keeps the LM head in int8, as GGUF Q4_1 checkpoints ship it (Q8_0): in 4 bits it
         # alone raised SmolLM2's perplexity 4%; "auto" keeps it as shipped
         head = "int8" if quantization == "q4_1" else quantization
@@ -331,6 +339,16 @@ class LlamaForCausalLM(nn.Module):
             h = self.pp.enter(self, input_ids).contiguous()
             out = native_step.forward(self, input_ids, positions, kv_caches, meta, lora, h=h)
             return self.pp.leave(h, None, lambda: out)
+        if self.prompt_rows is None:
+            return self._layers(input_ids, positions, kv_caches, meta, after_layer, lora)
+        self.prompt_rows.set(meta.prompt_ranges(), input_ids.shape[0])
+        try:
+            return self._layers(input_ids, positions, kv_caches, meta, after_layer, lora)
+        finally:
+            self.prompt_rows.clear()
+
+    def _layers(self, input_ids, positions, kv_caches, meta, after_layer, lora) -> torch.Tensor:
+        """The layer loop in Python (`forward`'s arguments)."""
         h = self.embed(input_ids) if self.pp is None else self.pp.enter(self, input_ids)  # (T, hidden)
         rope = self.rotary(positions, self.native_ops)
         if self.native_ops:

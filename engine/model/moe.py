@@ -241,6 +241,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     """An MoE decoder and LM head with `LlamaForCausalLM`'s interface (fuse, kernels, forward
     over a flat batch, compute_logits)."""
 
+    amx_prompts = False  # the experts take subsets of a step's rows: every row runs on W4A8
+
     decoder = MoeModel
 
     def _linears(self) -> list:

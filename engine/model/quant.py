@@ -24,6 +24,11 @@ weight-only quantization pays (SmolLM2-135M: 540 MB of fp32 weights per step, 13
 - "auto" (the default): "exact", except that Q4_1 and Q8_0 grids run as `W4A8Linear` and
   `Q8A16Linear` at every batch size where the CPU has AVX2 (one kernel for every M keeps a row's
   result independent of its batch). Quality against fp32 is measured in bench/NOTES.md.
+  Where the CPU has AMX (cpu.py's "avx512-amx" build), a model's Q4_1 matrices are
+  `PromptBf16Linear`: the rows of prompt tokens run in bf16 on AMX tiles (engine/kernels/native/amx.c,
+  2-3x the W4A8 rate there, and closer to fp32), every other row (decodes, speculative drafts,
+  a preempted request's generated tokens) on W4A8; which rows are which, the model's
+  `PromptRows` says for each step.
 
 Every kernel is batch invariant: a row's result does not depend on the other rows in the
 batch, so a request's greedy output is the same alone or batched.
@@ -166,6 +171,70 @@ class Q8A16Linear:
         return self.kernel(x.contiguous(), *self.packed)
 
 
+class PromptRows:
+    """Which rows of the model's current step are prompt tokens, as (start, end) ranges: set by
+    the model's forward for one step (`of`), read by its `PromptBf16Linear`s. Outside a step, or
+    for a call with another row count (a subset of the step's rows), there are none."""
+
+    def __init__(self):
+        self.ranges: list[tuple[int, int]] = []
+        self.rows = 0
+
+    def set(self, ranges: list[tuple[int, int]], rows: int) -> None:
+        merged: list[list[int]] = []
+        for lo, hi in ranges:
+            if hi <= lo:
+                continue
+            if merged and merged[-1][1] == lo:
+                merged[-1][1] = hi
+            else:
+                merged.append([lo, hi])
+        self.ranges, self.rows = [(lo, hi) for lo, hi in merged], rows
+
+    def clear(self) -> None:
+        self.ranges, self.rows = [], 0
+
+
+def amx_prompt_rows(quantization: str) -> PromptRows | None:
+    """A `PromptRows` for a model whose prompt rows run on AMX (quantization "auto", a CPU with
+    AMX and the tiles granted), else None."""
+    if quantization != "auto":
+        return None
+    from pdserve.engine.kernels.native import NativeKernelUnavailable, amx
+    try:
+        return PromptRows() if amx.available() else None
+    except NativeKernelUnavailable:
+        return None
+
+
+class PromptBf16Linear(W4A8Linear):
+    """A `W4A8Linear` whose prompt rows (its model's `PromptRows`) run in bf16 on AMX tiles:
+    the grid's values rounded to bf16, each activation rounded to bf16, fp32 sums. Holds the
+    bf16 copy besides the W4A8 bytes (3 bytes a weight in all)."""
+
+    def __init__(self, packed: tuple, w: torch.Tensor, rows: PromptRows):
+        super().__init__(packed)
+        from pdserve.engine.kernels.native import amx
+        self.tiles, self.rows, self.amx = amx.pack(w), rows, amx.matmul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ranges, t = self.rows.ranges, x.shape[0]
+        if not ranges or self.rows.rows != t:
+            return self.kernel(x.contiguous(), *self.packed, checked=True)
+        x = x.contiguous()
+        if ranges[0] == (0, t):
+            return self.amx(x, self.tiles)
+        y, at = torch.empty(t, self.tiles.shape[0] * 16), 0
+        for lo, hi in ranges:
+            if at < lo:
+                y[at:lo] = self.kernel(x[at:lo], *self.packed, checked=True)
+            y[lo:hi] = self.amx(x[lo:hi], self.tiles)
+            at = hi
+        if at < t:
+            y[at:] = self.kernel(x[at:], *self.packed, checked=True)
+        return y
+
+
 def w4a8_fits(w: torch.Tensor) -> bool:
     """Whether `W4A8Linear` runs this (out, in) matrix here: AVX2 and whole blocks of 8 outputs."""
     from pdserve.engine.kernels.native import w4a8
@@ -229,17 +298,24 @@ def exact_grid(w: torch.Tensor) -> tuple[str, tuple] | None:
     return None
 
 
-def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True):
+def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True,
+                prompt_rows: PromptRows | None = None):
     """The kernel for one (out, in) weight. `quantization` is one of QUANTIZATIONS; with
     "none" (and "auto"/"exact" for a matrix that is not a grid), `packed` picks oneDNN's layout
-    for fp32 CPU weights."""
+    for fp32 CPU weights. `prompt_rows` (`amx_prompt_rows`): a Q4_1 grid under "auto" runs its
+    model's prompt rows on AMX (`PromptBf16Linear`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     on_cpu = w.device.type == "cpu"
     if quantization in ("auto", "exact"):
         grid = exact_grid(w)
         if grid is not None and quantization == "auto" and w4a8_fits(w):
-            return W4A8Linear(grid[1]) if grid[0] == "q4_1" else Q8A16Linear(grid[1])
+            if grid[0] != "q4_1":
+                return Q8A16Linear(grid[1])
+            from pdserve.engine.kernels.native import amx
+            if prompt_rows is not None and amx.fits(w):
+                return PromptBf16Linear(grid[1], w, prompt_rows)
+            return W4A8Linear(grid[1])
         if grid is not None:
             return WeightOnlyLinear(w, grid[0], exact=grid[1])
         quantization = "none"

@@ -78,7 +78,7 @@ def encode(obj) -> bytes:
             return {"tensor": len(tensors) - 1}
         if isinstance(x, AttentionMetadata):  # its backend_state is derived on each rank, not sent
             return {"meta": enc([x.slot_mapping, x.num_decode_tokens, x.decode_block_tables, x.decode_seq_lens,
-                                 [[p.start, p.end, p.num_cached, p.block_table] for p in x.prefills], x.block_size])}
+                                 [[p.start, p.end, p.num_cached, p.block_table, p.prompt_rows] for p in x.prefills], x.block_size])}
         raise TypeError(f"a tensor-parallel message cannot carry {type(x).__name__}")
 
     body = enc(obj)
@@ -134,5 +134,5 @@ def _body(body, tensors: list[torch.Tensor]):
 def _meta(fields: list) -> AttentionMetadata:
     slots, n_decode, tables, lens, spans, block_size = fields
     return AttentionMetadata(slot_mapping=slots, num_decode_tokens=int(n_decode), decode_block_tables=tables,
-                             decode_seq_lens=lens, prefills=[PrefillSpan(int(a), int(b), int(c), [int(i) for i in t])
-                                                             for a, b, c, t in spans], block_size=int(block_size))
+                             decode_seq_lens=lens, prefills=[PrefillSpan(int(a), int(b), int(c), [int(i) for i in t], int(p))
+                                                             for a, b, c, t, p in spans], block_size=int(block_size))

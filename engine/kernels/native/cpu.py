@@ -20,11 +20,15 @@ def cpu_flags() -> set[str]:
 
 # The instruction sets the kernels can be built for, best first: the CPU flags each needs
 # (Linux's names) and its compiler flags. avx512-vnni and avx-vnni change the integer tiles
-# (vnni.h: vpdpbusd, bitwise the AVX2 result); "portable" is the scalar C every CPU runs.
+# (vnni.h: vpdpbusd, bitwise the AVX2 result); avx512-amx adds the bf16 tile matmul (amx.c) on
+# which "auto" runs prompt rows (engine/model/quant.py); "portable" is the scalar C every CPU runs.
 _AVX2 = ("avx2", "fma")
+_AVX512 = (frozenset({*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+           ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"))
 ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
-    "avx512-vnni": (frozenset({*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
-                    ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")),
+    "avx512-amx": (_AVX512[0] | {"avx512_bf16", "amx_tile", "amx_bf16"},
+                   (*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
+    "avx512-vnni": _AVX512,
     "avx-vnni": (frozenset({*_AVX2, "avx_vnni"}), ("-mavx2", "-mfma", "-mavxvnni")),
     "avx2": (frozenset(_AVX2), ("-mavx2", "-mfma")),
     "portable": (frozenset(), ()),

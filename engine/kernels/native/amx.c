@@ -1,0 +1,131 @@
+/* amx.c - bf16 matmul on AMX tiles: y = bf16(x) @ W.T with fp32 sums, for prompt rows
+ *
+ * A prompt chunk is bound by arithmetic. On a CPU with AMX one tile multiply (tdpbf16ps) does
+ * 16 x 16 x 32 bf16 multiply-adds into fp32: measured 2-3x the rate of the 512-bit VNNI
+ * W4A8 kernel (w4a8.c) at 128-512 rows. The weights are the checkpoint's values rounded to
+ * bf16 (a Q4_1 grid value has 4 bits of level and the group's fp16 scale, so rounding moves
+ * it by at most 2^-9 of itself), the activations are rounded to bf16 (round to nearest
+ * even), the products and sums are fp32 in the tiles.
+ *
+ * Weight layout (engine/kernels/native/amx.py `pack`), for N % 32 == 0 and K % 32 == 0:
+ *   w bf16 (N/16, K/32, 16, 16, 2): column block c, k block b, row r holds k = 32b + 2r and
+ *   32b + 2r + 1 for the block's 16 columns: one 1 KB tile, the B operand as tdpbf16ps takes it.
+ * Each thread takes blocks of 32 output columns and runs every 32 rows of x against them:
+ * 2 x 2 tiles of sums, over k in the same order whatever M and the thread count, so a row's
+ * result depends only on that row (batch invariant).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for an extended state component */
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands out AMX's 8 KB of tile state only to a process that asks once. */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 yes, -1 no */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+int amx_bf16_available(void) { return amx_permitted(); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Per thread: tiles 0-3 sums (16 x 16 fp32), 4-5 rows of x, 6-7 weight blocks; all 16 x 64 B. */
+static void configure_tiles(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* x fp32 rows [0, m) -> bf16 rows of width k; rows [m, mp) zero (the last tile's padding). */
+static void to_bf16(const float *x, uint16_t *xb, int64_t m, int64_t mp, int64_t k) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < mp; i++) {
+        if (i >= m) {
+            memset(xb + i * k, 0, k * 2);
+            continue;
+        }
+        for (int64_t j = 0; j < k; j += 16)
+            _mm256_storeu_si256((__m256i *)(xb + i * k + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * k + j)));
+    }
+}
+
+/* Rows [r, r + 32) of y, columns [32 nb, 32 nb + 32): a 2 x 2 block of tiles over all of k.
+ * A block past row m is stored to `tmp` and its valid rows copied. */
+static void block(const uint16_t *xb, const uint16_t *w, float *y, int64_t r, int64_t nb, int64_t m, int64_t n,
+                  int64_t k, float *tmp) {
+    const int64_t kb = k / 32;
+    const uint16_t *b0 = w + 2 * nb * kb * 512, *b1 = b0 + kb * 512, *a = xb + r * k;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < kb; b++) {
+        _tile_loadd(4, a + b * 32, k * 2);
+        _tile_loadd(5, a + 16 * k + b * 32, k * 2);
+        _tile_loadd(6, b0 + b * 512, 64);
+        _tile_loadd(7, b1 + b * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    int whole = r + 32 <= m;
+    float *o = whole ? y + r * n + nb * 32 : tmp;
+    int64_t ld = whole ? n : 32;
+    _tile_stored(0, o, ld * 4);
+    _tile_stored(1, o + 16, ld * 4);
+    _tile_stored(2, o + 16 * ld, ld * 4);
+    _tile_stored(3, o + 16 * ld + 16, ld * 4);
+    if (!whole)
+        for (int64_t i = r; i < m; i++) memcpy(y + i * n + nb * 32, tmp + (i - r) * 32, 32 * 4);
+}
+
+/* y (m, n) fp32 = bf16(x (m, k) fp32) @ W.T, W in `pack`'s layout. 0 done, 1 no memory,
+ * 2 shapes not multiples of 32, 3 no AMX permission. */
+int amx_bf16_matmul(const float *x, const uint16_t *w, float *y, int64_t m, int64_t n, int64_t k, int threads) {
+    if (n % 32 || k % 32) return 2;
+    if (!amx_permitted()) return 3;
+    if (m <= 0) return 0;
+    int64_t mp = (m + 31) & ~(int64_t)31;
+    uint16_t *xb = aligned_alloc(64, (size_t)(mp * k * 2));
+    if (!xb) return 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float tmp[32 * 32];
+        to_bf16(x, xb, m, mp, k);
+        configure_tiles(); /* tile state is per thread; it stays configured for the next call */
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < n / 32; nb++)
+            for (int64_t r = 0; r < mp; r += 32) block(xb, w, y, r, nb, m, n, k, tmp);
+    }
+    free(xb);
+    return 0;
+}
+
+#else
+int amx_bf16_available(void) { return 0; }
+int amx_bf16_matmul(const float *x, const uint16_t *w, float *y, int64_t m, int64_t n, int64_t k, int threads) {
+    (void)x, (void)w, (void)y, (void)m, (void)n, (void)k, (void)threads;
+    return 3;
+}
+#endif
