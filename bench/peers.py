@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from pdserve.engine.config import QUANTIZATIONS
-from pdserve.engine.kernels.native.cpu import ISA_ENV
+from pdserve.engine.kernels.native.cpu import ISA_ENV, isa
 
 from . import llama_peer, vllm_peer
 from .metrics import cpu_description, format_table
@@ -56,6 +56,7 @@ NUMERICS = {
     "pdserve-exact": "exact: fp32 math on the Q4_1 weights",
     "pdserve-kv-int8": "auto, int8 KV cache", "pdserve-kv-bf16": "auto, bf16 KV cache",
     "pdserve-avx2": "auto: Q4_1 weights x int8 activations (AVX2 kernels)", "pdserve-aggregated-int8": "int8 weights x fp32",
+    "pdserve-vnni": "auto: Q4_1 weights x int8 activations (AVX-512 VNNI kernels, no AMX)",
     "llama.cpp": "Q4_1 weights x Q8_1 activations", "transformers": "fp32 (dequantized Q4_1)",
     "vllm-bf16": "bf16 (dequantized Q4_1)",
     "vllm-fp32": "fp32 (dequantized Q4_1)",
@@ -66,6 +67,8 @@ def numerics(name: str) -> str:
     """What `name` computes with on this CPU (vLLM's default dtype is chosen per CPU)."""
     if name == "vllm":
         return f"{vllm_peer.best_dtype()} (dequantized Q4_1)".replace("float32", "fp32").replace("bfloat16", "bf16")
+    if name in ("pdserve", "pdserve-aggregated", "pdserve-kv-int8", "pdserve-kv-bf16") and isa() == "avx512-amx":
+        return NUMERICS[name] + "; prompt rows bf16 x bf16 on AMX"
     return NUMERICS.get(name, "-")
 
 
@@ -102,6 +105,8 @@ def systems(args, port: int) -> dict[str, tuple[list[str], dict] | None]:
         # the main command with the kernels forced to their AVX2 build: on a CPU with more (AVX-512
         # VNNI), the before/after of the per-CPU kernels in one run
         "pdserve-avx2": (py + ["up", "--port", str(port), *common], {ISA_ENV: "avx2"}),
+        # on a CPU with AMX: the main command without the AMX build (prompt rows on W4A8 too)
+        "pdserve-vnni": (py + ["up", "--port", str(port), *common], {ISA_ENV: "avx512-vnni"}),
         # the main command with a smaller KV cache per token: where KV reads bound a batch step
         "pdserve-kv-bf16": (py + ["up", "--port", str(port), *common, "--kv-cache-dtype", "bf16"], {}),
         "pdserve-kv-int8": (py + ["up", "--port", str(port), *common, "--kv-cache-dtype", "int8"], {}),
