@@ -1,8 +1,9 @@
-"""Prompt rows in bf16 on AMX tiles (engine/kernels/native/amx.c, quant.PromptBf16Linear): the
-kernel's sums against fp64 ones of the same bf16 operands, a row's result independent of its
-batch and thread count, the split of a step's rows (prompt rows on AMX, every other row bitwise
-W4A8), and through the engine: the same greedy tokens alone, batched, preempted and from the
-prefix cache. The dispatch: a CPU without AMX, or PDSERVE_ISA naming a lower build, keeps W4A8."""
+"""Prompt rows in bf16 on AMX tiles (engine/kernels/native/amx.c, quant.PromptBf16Linear, and their
+attention: amx_attention.c): the kernels against fp64 sums of the same bf16 operands, a row's
+result independent of its batch, chunking and thread count, the split of a step's rows (prompt
+rows on AMX, every other row bitwise W4A8 and the fp32 attention), and through the engine: the
+same greedy tokens alone, batched, preempted and from the prefix cache. The dispatch: a CPU
+without AMX, or PDSERVE_ISA naming a lower build, keeps W4A8."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.kernels import native
+from pdserve.engine.kernels.attention import AMX_PROMPT_ROWS, AttentionMetadata, NativeAttentionBackend, PrefillSpan
 from pdserve.engine.kernels.native import amx, w4a8
 from pdserve.engine.model import quant
 from pdserve.engine.model.quant import PromptBf16Linear, PromptRows
@@ -110,6 +112,78 @@ def test_prompt_rows_run_on_amx_and_every_other_row_bitwise_on_w4a8():
     assert torch.equal(lin(x[:5].contiguous()), as_w4a8[:5])  # a subset of the step's rows: none are its prompt rows
     rows.set([(0, 12)], 12)
     assert torch.equal(lin(x), as_amx)
+
+
+def _paged(seed: int, dtype=torch.float32, blocks: int = 40, kvh: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(blocks, 16, kvh, 64, generator=g) * 2).to(dtype) for _ in range(2)]
+
+
+def _attention_reference(q, kc, vc, table, lens) -> torch.Tensor:
+    """fp64 attention of bf16-rounded scaled queries, keys and values (what the tiles multiply)."""
+    keys, vals = (torch.cat([c[b] for b in table]).bfloat16().double() for c in (kc, vc))
+    g = q.shape[1] // kc.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, n in enumerate(lens.tolist()):
+        qs = (q[i] * 64 ** -0.5).bfloat16().double()
+        for h in range(q.shape[1]):
+            p = torch.softmax(keys[:n, h // g] @ qs[h], 0)
+            out[i, h] = p @ vals[:n, h // g]
+    return out
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_attention_on_amx_sums_the_bf16_operands_and_a_rows_result_is_its_own(dtype):
+    """A 150-token prompt after 37 cached tokens: every row against fp64 (the weights rounded to
+    bf16 are the only difference), and rows alone, in other chunks or on one thread bitwise equal."""
+    kc, vc = _paged(1, dtype)
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(2))[:12]
+    lens = torch.arange(38, 188)
+    tables, lens = native.paged_attention_tables(table.expand(150, -1).contiguous(), lens, 16)
+    q = torch.randn(150, 9, 64, generator=torch.Generator().manual_seed(3))
+    out = amx.attention(q, kc, vc, tables, lens)
+    ref = _attention_reference(q, kc.float(), vc.float(), table.tolist(), lens)
+    assert (out.double() - ref).abs().max() < 2e-2  # the weights' bf16 rounding: ~2^-9 of |v| <= 8
+    for lo, hi in ((0, 1), (149, 150), (10, 43), (16, 48), (0, 150)):
+        part = amx.attention(q[lo:hi], kc, vc, tables[lo:hi].contiguous(), lens[lo:hi].contiguous())
+        assert torch.equal(part, out[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(amx.attention(q, kc, vc, tables, lens), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_a_step_runs_its_prompt_rows_attention_on_amx_and_its_decode_rows_on_fp32():
+    kc, vc = _paged(4)
+    q, k, v = (torch.randn(23, n, 64, generator=torch.Generator().manual_seed(5 + n)) for n in (9, 3, 3))
+    slots = torch.cat([torch.tensor([40, 81]), torch.arange(160, 181)])  # two decode rows, one 21-token span
+    decode_tables = torch.tensor([[0, 1, 2, 0], [3, 4, 5, 6]])
+    meta = AttentionMetadata(slots, 2, decode_tables, torch.tensor([41, 50]),
+                             [PrefillSpan(2, 23, 0, [10, 11], prompt_rows=15)], 16)
+    backend = NativeAttentionBackend()
+    backend.prepare(meta)
+    meta.backend_state[AMX_PROMPT_ROWS] = meta.prompt_ranges()
+    assert meta.prompt_ranges() == [(2, 17)]
+    out = backend.forward(q, k, v, kc, vc, meta)
+    st = meta.backend_state
+    fp32 = native.paged_decode_attention(q, kc, vc, st["tables"], st["lens"], checked=True)
+    on_amx = amx.attention(q[2:17], kc, vc, st["tables"][2:17].contiguous(), st["lens"][2:17].contiguous())
+    assert torch.equal(out[:2], fp32[:2]) and torch.equal(out[17:], fp32[17:])
+    assert torch.equal(out[2:17], on_amx) and not torch.equal(on_amx, fp32[2:17])
+
+
+@needs_amx
+def test_attention_the_amx_kernel_cannot_take_is_refused_by_name():
+    kc, vc = _paged(6)
+    tables, lens = native.paged_attention_tables(torch.tensor([[0, 1]]), torch.tensor([20]), 16)
+    for q, k in ((torch.zeros(1, 9, 32), kc), (torch.zeros(1, 9, 64), kc.to(torch.int8)),
+                 (torch.zeros(1, 9, 64, dtype=torch.float64), kc)):
+        with pytest.raises(ValueError, match="expected q fp32"):
+            amx.attention(q, k, vc if k is kc else k, tables, lens)
 
 
 @needs_amx

@@ -49,6 +49,11 @@ class PrefillSpan:
     prompt_rows: int = 0
 
 
+# meta.backend_state's key for the step's prompt rows ((start, end) ranges) where the model runs
+# them in bf16 on AMX (engine/model/quant.PromptRows): their attention then does too
+AMX_PROMPT_ROWS = "amx_prompt_rows"
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor          # (T,) flat cache slot of each new token's K/V
@@ -271,7 +276,27 @@ class NativeAttentionBackend(TorchAttentionBackend):
         tables, lens, skips = self._rows_for(meta, window)
         if meta.prefills and kv_format.format_of(k_cache.dtype).quantized:
             return self._forward_8bit_prefill(q, k_cache, v_cache, meta, window)
+        prompt = meta.backend_state.get(AMX_PROMPT_ROWS)
+        if prompt and not window:
+            from pdserve.engine.kernels.native import amx
+            if amx.attention_fits(q, k_cache):
+                return self._forward_amx_prompts(q, k_cache, v_cache, tables, lens, prompt)
         return native.paged_decode_attention(q, k_cache, v_cache, tables, lens, checked=True, skips=skips)
+
+    @staticmethod
+    def _forward_amx_prompts(q, k_cache, v_cache, tables, lens, prompt: list[tuple[int, int]]) -> torch.Tensor:
+        """The prompt rows (`prompt`: (start, end) ranges) by the AMX kernel, in bf16
+        (engine/kernels/native/amx_attention.c), every other row by the fp32 one."""
+        from pdserve.engine.kernels.native import amx
+        out, at, t = torch.empty_like(q), 0, q.shape[0]
+        for lo, hi in [*prompt, (t, t)]:
+            if at < lo:
+                out[at:lo] = native.paged_decode_attention(q[at:lo], k_cache, v_cache, tables[at:lo], lens[at:lo],
+                                                           checked=True)
+            if lo < hi:
+                out[lo:hi] = amx.attention(q[lo:hi], k_cache, v_cache, tables[lo:hi], lens[lo:hi])
+            at = hi
+        return out
 
     def _rows_for(self, meta: AttentionMetadata, window: int):
         """Every row's (tables, lens, skips): as prepared, or (once a step per window) cut to

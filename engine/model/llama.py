@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.kernels import native
-from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from pdserve.engine.kernels.attention import (AMX_PROMPT_ROWS, AttentionBackend, AttentionMetadata,
+                                              TorchAttentionBackend)
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import native_step
 from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
@@ -342,6 +343,7 @@ class LlamaForCausalLM(nn.Module):
         if self.prompt_rows is None:
             return self._layers(input_ids, positions, kv_caches, meta, after_layer, lora)
         self.prompt_rows.set(meta.prompt_ranges(), input_ids.shape[0])
+        meta.backend_state[AMX_PROMPT_ROWS] = self.prompt_rows.ranges  # their attention on AMX too
         try:
             return self._layers(input_ids, positions, kv_caches, meta, after_layer, lora)
         finally:

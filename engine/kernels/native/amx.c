@@ -44,16 +44,17 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Per thread: tiles 0-3 sums (16 x 16 fp32), 4-5 rows of x, 6-7 weight blocks; all 16 x 64 B. */
-static void configure_tiles(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
+/* Per thread: every tile 16 rows x 64 bytes (here: 0-3 sums (16 x 16 fp32), 4-5 rows of x, 6-7
+ * weight blocks; amx_attention.c uses the same shapes). Each use ends with _tile_release, which
+ * returns the thread's tiles to their initial state: Linux then saves and restores none of their
+ * 8 KB when it switches the thread out (torch's OpenMP threads run everything else too). */
+void amx_configure_tiles(void) {
+    /* a constant, not a struct filled in here: GCC dropped the stores to a local one as dead
+     * (it does not see ldtilecfg read them), and the tiles were left unconfigured */
+    static const tile_config config = {.palette = 1,
+                                       .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                       .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+    _tile_loadconfig(&config);
 }
 
 /* x fp32 rows [0, m) -> bf16 rows of width k; rows [m, mp) zero (the last tile's padding). */
@@ -113,10 +114,11 @@ int amx_bf16_matmul(const float *x, const uint16_t *w, float *y, int64_t m, int6
     {
         float tmp[32 * 32];
         to_bf16(x, xb, m, mp, k);
-        configure_tiles(); /* tile state is per thread; it stays configured for the next call */
+        amx_configure_tiles(); /* tile state is per thread */
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < n / 32; nb++)
             for (int64_t r = 0; r < mp; r += 32) block(xb, w, y, r, nb, m, n, k, tmp);
+        _tile_release(); /* see amx_configure_tiles */
     }
     free(xb);
     return 0;

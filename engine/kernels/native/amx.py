@@ -1,8 +1,9 @@
 """bf16 matmuls on AMX tiles (amx.c): what "auto" runs prompt rows on where the CPU has AMX.
 
 `pack(w)` rounds an fp32 (N, K) matrix to bf16 (round to nearest even) in the tiles' layout;
-`matmul(x, packed)` rounds each activation to bf16 and sums the products in fp32 tiles. A
-row's result depends only on that row. `available()` is False unless the library was built
+`matmul(x, packed)` rounds each activation to bf16 and sums the products in fp32 tiles;
+`attention(q, k_cache, v_cache, tables, lens)` is prompt rows' paged attention in bf16 tiles
+(amx_attention.c). A row's result depends only on that row. `available()` is False unless the library was built
 for AMX (cpu.py's "avx512-amx") and Linux grants the process the tile state.
 """
 from __future__ import annotations
@@ -13,17 +14,20 @@ import torch
 
 from . import NativeKernelUnavailable, _bad, load
 
-_fn = None
+_fn = _attn = None
 _F32, _BF16 = torch.float32, torch.bfloat16
+_KV = {torch.float32: 0, torch.bfloat16: 1}  # the caches the attention reads (kvformat.h's KV_F32, KV_BF16)
 
 
 def _bound():
-    global _fn
+    global _fn, _attn
     if _fn is None:
         lib = load()
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.amx_bf16_matmul.argtypes = [p, p, p, i64, i64, i64, ctypes.c_int]
-        lib.amx_bf16_matmul.restype = lib.amx_bf16_available.restype = ctypes.c_int
+        p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.amx_bf16_matmul.argtypes = [p, p, p, i64, i64, i64, c_int]
+        lib.amx_prompt_attention.argtypes = [p] * 6 + [c_int] * 6 + [ctypes.c_float, c_int, c_int]
+        lib.amx_bf16_matmul.restype = lib.amx_bf16_available.restype = lib.amx_prompt_attention.restype = c_int
+        _attn = lib.amx_prompt_attention
         _fn = lib.amx_bf16_matmul if lib.amx_bf16_available() else False
     return _fn
 
@@ -65,3 +69,35 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise MemoryError("amx matmul: no memory for the bf16 activations") if rc == 1 else \
             RuntimeError(f"amx matmul failed ({rc})")
     return y
+
+
+def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `attention` takes these rows: head dim 64, an fp32 or bf16 cache, at most 16 query
+    heads per KV head."""
+    return (q.dim() == 3 and q.shape[2] == 64 and k_cache.dtype in _KV and k_cache.dim() == 4
+            and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= 16)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+              lens: torch.Tensor) -> torch.Tensor:
+    """Prompt rows' attention over the paged cache, as native.paged_decode_attention takes its
+    arguments (tables and lens checked by native.paged_attention_tables; no window): q (B, H, 64)
+    fp32, caches (blocks, block_size, KVH, 64) fp32 or bf16. Returns (B, H, 64) fp32."""
+    if not _bound():
+        raise RuntimeError("AMX attention needs a CPU with AMX (and the avx512-amx build)")
+    q = q.contiguous()
+    if q.dtype is not _F32 or not attention_fits(q, k_cache) or v_cache.shape != k_cache.shape \
+            or v_cache.dtype is not k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
+            or tables.dtype is not torch.int64 or lens.shape != (q.shape[0],) or tables.shape[0] != q.shape[0]:
+        raise _bad("expected q fp32 (B, H, 64), fp32 or bf16 caches (blocks, bs, KVH, 64), int64 tables (B, n)"
+                   " and lens (B,)", q, k_cache, tables, lens)
+    out = torch.empty_like(q)
+    B, H, D = q.shape
+    if B:
+        rc = _attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                   out.data_ptr(), B, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], D ** -0.5,
+                   torch.get_num_threads(), _KV[k_cache.dtype])
+        if rc:
+            raise MemoryError("amx attention: no memory for its tiles") if rc == -1 else \
+                RuntimeError(f"amx attention failed ({rc})")
+    return out
