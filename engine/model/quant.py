@@ -200,11 +200,8 @@ def amx_prompt_rows(quantization: str) -> PromptRows | None:
     AMX and the tiles granted), else None."""
     if quantization != "auto":
         return None
-    from pdserve.engine.kernels.native import NativeKernelUnavailable, amx
-    try:
-        return PromptRows() if amx.available() else None
-    except NativeKernelUnavailable:
-        return None
+    from pdserve.engine.kernels.native import amx
+    return PromptRows() if amx.available() else None
 
 
 class PromptBf16Linear(W4A8Linear):

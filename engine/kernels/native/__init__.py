@@ -163,6 +163,14 @@ def available() -> bool:
         return False
 
 
+def bound_runs(bound) -> bool:
+    """Whether a kernel module's `_bound()` (its C function, or False) gives a kernel here."""
+    try:
+        return bool(bound())
+    except NativeKernelUnavailable:
+        return False
+
+
 # the formats' Python side: what the matmul kernels read (w ~ dequant(q))
 from .weight_formats import (  # noqa: E402,F401
     dequantize_int8, dequantize_q4_1, dequantize_q8_0, quantize_int8, quantize_q4_1, quantize_q8_0)

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from . import NativeKernelUnavailable, _bad, load
+from . import _bad, bound_runs, load
 
 _fn = _attn = None
 _F32, _BF16 = torch.float32, torch.bfloat16
@@ -34,10 +34,7 @@ def _bound():
 
 def available() -> bool:
     """True where the kernel runs: an AMX build of the native kernels, and the tiles granted."""
-    try:
-        return bool(_bound())
-    except NativeKernelUnavailable:
-        return False
+    return bound_runs(_bound)
 
 
 def fits(w: torch.Tensor) -> bool:

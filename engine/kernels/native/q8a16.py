@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from . import NativeKernelUnavailable, _bad, load
+from . import _bad, bound_runs, load
 
 _fn = None
 _F32, _I8 = torch.float32, torch.int8
@@ -30,10 +30,7 @@ def _bound():
 
 def available() -> bool:
     """True where the kernel runs (the native build loads, with AVX2)."""
-    try:
-        return bool(_bound())
-    except NativeKernelUnavailable:
-        return False
+    return bound_runs(_bound)
 
 
 def pack(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from . import NativeKernelUnavailable, _bad, load
+from . import _bad, bound_runs, load
 
 _fn = None
 _F32, _U8 = torch.float32, torch.uint8
@@ -33,10 +33,7 @@ def _bound():
 
 def available() -> bool:
     """True where the kernel runs (the native build loads, with AVX2)."""
-    try:
-        return bool(_bound())
-    except NativeKernelUnavailable:
-        return False
+    return bound_runs(_bound)
 
 
 def pack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
