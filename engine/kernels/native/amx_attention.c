@@ -4,15 +4,18 @@
  * tokens does ~L^2 / 2 query-key products per head and layer, which the fp32 kernel
  * (attention_rows.c) computes at ~50 G multiply-adds/s on this kind of CPU.
  * Rows form runs as there (consecutive positions of one sequence, the same blocks), up to
- * AROWS rows a work item per KV head. An item packs its keys and values to bf16 tiles once,
- * its queries (times the 1/sqrt(D) scale, then rounded to bf16) as the tiles' rows, computes
- * the scores (query x key, D = 64 summed in the tiles), each row's softmax in fp32
- * (attend.h's, over its own keys), the numerators rounded to bf16, and their products with the
- * values summed over keys in ascending blocks of 32: each query's result depends only on its
- * own row, whatever the run, the chunking of the prompt or the thread count. Keys past a
- * row's length weigh exactly zero; key slots past the run's last key are zeros, not read.
- * Caches: fp32 or bf16 (bf16 keys and values are exact here), head dim 64, no window.
- */
+ * AROWS rows a work item per KV head. A segment's keys and values are packed to bf16 tiles once
+ * per KV head; an item's queries (times the 1/sqrt(D) scale, then rounded to bf16) are the
+ * tiles' rows, 16 to a tile, up to NT tiles at a time. Flash style, over blocks of KB keys from
+ * key 0 up: the block's scores (D = 64 summed in the tiles), each row's running max and fp32
+ * sums updated by the block's own keys (exp of the scores less the max; what the row summed
+ * before shrinks when its max grows), the numerators rounded to bf16 and their products with
+ * the values added to the row's sums in the tiles. Scores and sums stay in L1, not a row of L
+ * scores each. Each query's result depends only on its own row, whatever the run, the
+ * chunking of the prompt or the thread count: the blocks start at key 0 whatever the row, and a
+ * row without keys in a block keeps its state bit for bit. Keys past a row's length weigh
+ * exactly zero; key slots past the segment's last key are zeros.
+ * Caches: fp32 or bf16 (bf16 keys and values are exact here), head dim 64, no window. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +25,7 @@
 #include <immintrin.h>
 
 #define AROWS 16 /* rows of one run per work item */
+#define KB 64    /* keys per block: four 16 x 16 score tiles */
 enum { HD = 64 };
 
 void amx_configure_tiles(void); /* amx.c: every tile 16 rows x 64 bytes */
@@ -75,75 +79,185 @@ static void pack_chunk(const char *kc, const char *vc, const int64_t *table, int
     }
 }
 
+/* exp(s - m), 16 lanes, for s <= m: 2^t with t = (s - m) log2(e) split into n = round(t) and
+ * f = t - n in [-1/2, 1/2], 2^f by its degree-5 Taylor polynomial (relative error < 3e-6, below
+ * the bf16 rounding every numerator gets), 2^n by vscalefps (0 once t is below -150). */
+static inline __m512 exp_minus(__m512 s, __m512 m_log2e) {
+    const __m512 t = _mm512_fmsub_ps(s, _mm512_set1_ps(1.44269504f), m_log2e);
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f); /* ln2^k / k! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Per query row of a tile: the running max, whether it has seen a key, its running sums (16
+ * lanes, reduced at the end), its numerator-weighted values (the tiles add each block's to
+ * them), and the block's scores and numerators. */
+typedef struct {
+    float m[16], sums[16][16], acc[16][HD], s[16][KB];
+    uint16_t p[16][KB];
+    __mmask16 seen; /* rows that have had keys */
+} flash_state;
+
+/* The tile's scores against keys [k0, k0 + KB) into f->s: Q in tiles 4-5, keys in 6-7. */
+static inline void block_scores(const uint16_t *qs, const uint16_t *kt, int64_t k0, flash_state *f) {
+    const uint16_t *k = kt + (size_t)(k0 / 16) * 2 * 512;
+    _tile_loadd(4, qs, HD * 2);
+    _tile_loadd(5, qs + 32, HD * 2);
+#define SCORES(T)                                                                                                      \
+    _tile_zero(T);                                                                                                     \
+    _tile_loadd(6, k + (T) * 1024, 64);                                                                                \
+    _tile_dpbf16ps(T, 4, 6);                                                                                           \
+    _tile_loadd(7, k + (T) * 1024 + 512, 64);                                                                          \
+    _tile_dpbf16ps(T, 5, 7);
+    SCORES(0) SCORES(1) SCORES(2) SCORES(3)
+#undef SCORES
+    _tile_stored(0, f->s[0], KB * 4);
+    _tile_stored(1, f->s[0] + 16, KB * 4);
+    _tile_stored(2, f->s[0] + 32, KB * 4);
+    _tile_stored(3, f->s[0] + 48, KB * 4);
+}
+
+/* Row r's numerators over its keys in the block (n of them, 1..KB): p = exp(s - m) with the
+ * row's new max m, as bf16; its earlier sums and values rescaled by exp(m_old - m) first. A
+ * row without keys in the block gets p = 0 and keeps its state bit for bit. */
+static inline void block_softmax(flash_state *f, int r, int64_t n) {
+    if (n <= 0) {
+        memset(f->p[r], 0, sizeof f->p[r]); /* weighs nothing, changes nothing */
+        return;
+    }
+    __mmask16 k[4];
+    __m512 s[4], mx = _mm512_set1_ps(-FLT_MAX);
+    for (int c = 0; c < 4; c++) {
+        const int64_t valid = n - 16 * c;
+        k[c] = valid >= 16 ? 0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+        s[c] = _mm512_loadu_ps(f->s[r] + 16 * c);
+        mx = _mm512_mask_max_ps(mx, k[c], mx, s[c]);
+    }
+    float m = _mm512_reduce_max_ps(mx);
+    const int seen = f->seen >> r & 1;
+    __m512 sum = seen ? _mm512_loadu_ps(f->sums[r]) : _mm512_setzero_ps();
+    if (seen && f->m[r] >= m)
+        m = f->m[r];
+    else if (seen) { /* a larger max: what the row summed so far shrinks by exp(old - new) */
+        const __m512 a = exp_minus(_mm512_set1_ps(f->m[r]), _mm512_set1_ps(m * 1.44269504f));
+        sum = _mm512_mul_ps(sum, a);
+        for (int d = 0; d < HD; d += 16) _mm512_storeu_ps(f->acc[r] + d, _mm512_mul_ps(_mm512_loadu_ps(f->acc[r] + d), a));
+    }
+    const __m512 mv = _mm512_set1_ps(m * 1.44269504f);
+    for (int c = 0; c < 4; c += 2) {
+        const __m512 e0 = _mm512_maskz_mov_ps(k[c], exp_minus(s[c], mv));
+        const __m512 e1 = _mm512_maskz_mov_ps(k[c + 1], exp_minus(s[c + 1], mv));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        _mm512_storeu_si512((void *)(f->p[r] + 16 * c), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    _mm512_storeu_ps(f->sums[r], sum);
+    f->m[r] = m;
+    f->seen |= (__mmask16)(1u << r);
+}
+
+/* f->acc plus the block's numerators (f->p) times values [k0, k0 + KB): P in tile 4, values in 5-7. */
+static inline void block_values(const uint16_t *vt, int64_t k0, flash_state *f) {
+    _tile_loadd(0, f->acc[0], HD * 4);
+    _tile_loadd(1, f->acc[0] + 16, HD * 4);
+    _tile_loadd(2, f->acc[0] + 32, HD * 4);
+    _tile_loadd(3, f->acc[0] + 48, HD * 4);
+    for (int h = 0; h < 2; h++) {
+        const uint16_t *v = vt + (size_t)(k0 / 32 + h) * 4 * 512;
+        _tile_loadd(4, f->p[0] + 32 * h, KB * 2);
+        _tile_loadd(5, v, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, v + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, v + 1024, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, v + 1536, 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, f->acc[0], HD * 4); /* the tile number is an immediate */
+    _tile_stored(1, f->acc[0] + 16, HD * 4);
+    _tile_stored(2, f->acc[0] + 32, HD * 4);
+    _tile_stored(3, f->acc[0] + 48, HD * 4);
+}
+
+/* A group of up to NT tiles of 16 query rows: their bf16 queries (already scaled), each row's
+ * length (0: a padding row) and where its result goes (NULL: padding). */
+#define NT 4
+typedef struct {
+    const uint16_t *qs[NT];
+    int64_t len[NT][16];
+    float *dst[NT][16];
+    int n;
+} tile_group;
+
+/* The group's rows against their keys, flash style: blocks of KB keys from key 0 up, each row's
+ * max, sums and values updated by its own keys only, so its result is the same whatever else
+ * shares its tile or group. Each stage runs over the whole group before the next (all scores,
+ * then all softmaxes, ...): a tile's stores have reached memory before vector code or a tile
+ * load reads them (a load right behind them stalled the kernel). */
+static void group_rows(const tile_group *g, const uint16_t *kt, const uint16_t *vt, flash_state *f) {
+    int64_t longest[NT] = {0}, most = 0;
+    for (int t = 0; t < g->n; t++) {
+        memset(f[t].acc, 0, sizeof f[t].acc);
+        f[t].seen = 0; /* what a row has summed starts at its first key (tile_softmax) */
+        for (int r = 0; r < 16; r++) {
+            longest[t] = g->len[t][r] > longest[t] ? g->len[t][r] : longest[t];
+            most = longest[t] > most ? longest[t] : most;
+        }
+    }
+    for (int64_t k0 = 0; k0 < most; k0 += KB) {
+        for (int t = 0; t < g->n; t++)
+            if (k0 < longest[t]) block_scores(g->qs[t], kt, k0, &f[t]);
+        for (int t = 0; t < g->n; t++)
+            for (int r = 0; r < 16 && k0 < longest[t]; r++) block_softmax(&f[t], r, g->len[t][r] - k0);
+        for (int t = 0; t < g->n; t++)
+            if (k0 < longest[t]) block_values(vt, k0, &f[t]);
+    }
+    for (int t = 0; t < g->n; t++)
+        for (int r = 0; r < 16; r++) {
+            float *dst = g->dst[t][r];
+            if (!dst) continue;
+                const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(f[t].sums[r])));
+            for (int d = 0; d < HD; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(f[t].acc[r] + d), inv));
+        }
+}
+
 /* Rows [0, R) of a run x KV head kh, over its segment's packed keys and values (kt, vt as
- * uint16). Returns -1 without memory. */
+ * uint16): the run's R x G query rows (G heads share the KV head) in groups of NT tiles. */
 static int amx_run(const float *q, const uint16_t *kt, const uint16_t *vt, const int64_t *lens, float *out, int R,
                    int H, int KVH, int kh, float scale) {
     const int G = H / KVH, M = R * G, Mp = (M + 15) & ~15;
-    const int64_t Lp = (lens[R - 1] + 31) & ~(int64_t)31;
-    char *mem = aligned_alloc(64, (size_t)Mp * HD * 2 + (size_t)Mp * Lp * 6 + 16 * HD * 4);
-    if (!mem) return -1;
-    uint16_t *qs = (uint16_t *)mem, *p = qs + (size_t)Mp * HD;
-    float *scores = (float *)(p + (size_t)Mp * Lp), *acc = scores + (size_t)Mp * Lp, sums[AROWS * 16];
+    uint16_t *qs = aligned_alloc(64, (size_t)Mp * HD * 2 + NT * sizeof(flash_state));
+    if (!qs) return -1;
+    flash_state *f = (flash_state *)(qs + (size_t)Mp * HD);
     memset(qs, 0, (size_t)Mp * HD * 2);
+    const __m512 sc = _mm512_set1_ps(scale);
     for (int i = 0; i < M; i++) {
         const float *src = q + ((size_t)(i / G) * H + (size_t)kh * G + i % G) * HD;
-        const __m512 sc = _mm512_set1_ps(scale);
         for (int d = 0; d < HD; d += 16)
             _mm256_storeu_si256((__m256i *)(qs + (size_t)i * HD + d),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + d), sc)));
     }
     amx_configure_tiles();
-    for (int t = 0; t < Mp / 16; t++) {
-        const int last = (t * 16 + 15 < M ? t * 16 + 15 : M - 1) / G; /* the tile's longest row */
-        _tile_loadd(4, qs + (size_t)t * 16 * HD, HD * 2);
-        _tile_loadd(5, qs + (size_t)t * 16 * HD + 32, HD * 2);
-        for (int64_t c = 0; c * 16 < lens[last]; c++) {
-            _tile_zero(0);
-            _tile_loadd(6, kt + (size_t)c * 2 * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, kt + ((size_t)c * 2 + 1) * 512, 64);
-            _tile_dpbf16ps(0, 5, 7);
-            _tile_stored(0, scores + (size_t)t * 16 * Lp + c * 16, Lp * 4);
+    for (int t0 = 0; t0 < Mp / 16; t0 += NT) {
+        tile_group g = {.n = Mp / 16 - t0 < NT ? Mp / 16 - t0 : NT};
+        for (int t = 0; t < g.n; t++) {
+            g.qs[t] = qs + (size_t)(t0 + t) * 16 * HD;
+            for (int r = 0; r < 16; r++) {
+                const int i = (t0 + t) * 16 + r;
+                g.len[t][r] = i < M ? lens[i / G] : 0;
+                g.dst[t][r] = i < M ? out + ((size_t)(i / G) * H + (size_t)kh * G + i % G) * HD : NULL;
+            }
         }
-    }
-    for (int i = 0; i < Mp; i++) { /* numerators in place, zeros past the row's keys, then bf16 */
-        const int64_t len = i < M ? lens[i / G] : 0;
-        float *s = scores + (size_t)i * Lp;
-        if (len) sums[i] = softmax_numerators(s, len);
-        memset(s + len, 0, (size_t)(Lp - len) * 4);
-        for (int64_t j = 0; j < Lp; j += 16) _mm256_storeu_si256((__m256i *)(p + (size_t)i * Lp + j), bf16x16(s + j));
-    }
-    for (int t = 0; t < Mp / 16; t++) {
-        const int last = (t * 16 + 15 < M ? t * 16 + 15 : M - 1) / G;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t c = 0; c * 32 < lens[last]; c++) { /* keys in ascending pairs of blocks of 16 */
-            _tile_loadd(4, p + (size_t)t * 16 * Lp + c * 32, Lp * 2);
-            _tile_loadd(5, vt + ((size_t)c * 4 + 0) * 512, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, vt + ((size_t)c * 4 + 1) * 512, 64);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(7, vt + ((size_t)c * 4 + 2) * 512, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, vt + ((size_t)c * 4 + 3) * 512, 64);
-            _tile_dpbf16ps(3, 4, 5);
-        }
-        _tile_stored(0, acc, HD * 4); /* the tile number is an immediate */
-        _tile_stored(1, acc + 16, HD * 4);
-        _tile_stored(2, acc + 32, HD * 4);
-        _tile_stored(3, acc + 48, HD * 4);
-        for (int r = 0; r < 16 && t * 16 + r < M; r++) {
-            const int i = t * 16 + r;
-            float *o = out + ((size_t)(i / G) * H + (size_t)kh * G + i % G) * HD;
-            const __m512 inv = _mm512_set1_ps(1.f / sums[i]);
-            for (int d = 0; d < HD; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + d), inv));
-        }
+        group_rows(&g, kt, vt, f);
     }
     _tile_release(); /* amx.c: amx_configure_tiles */
-    free(mem);
+    free(qs);
     return 0;
 }
 
@@ -157,7 +271,8 @@ static int continues(const int64_t *tables, const int64_t *lens, int i, int bs, 
 
 /* q (B, H, 64) fp32 prompt rows; caches and tables as paged_decode_attention_f32 takes them
  * (fmt KV_F32 or KV_BF16); out (B, H, 64). Segments (maximal runs) pack their keys and values
- * once per KV head, in parallel over chunks of 32 keys; then runs of up to AROWS rows attend.
+ * once per KV head, in parallel over chunks of 32 keys (whole blocks of KB); then runs of up to
+ * AROWS rows attend.
  * 0 done, -1 no memory, -2 not this kernel's case. */
 int amx_prompt_attention(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
                          float *out, int B, int H, int KVH, int D, int bs, int max_blocks, float scale, int nthreads,
@@ -174,7 +289,7 @@ int amx_prompt_attention(const float *q, const void *kc, const void *vc, const i
     int64_t chunks = 0; /* 32-key chunks over all segments */
     for (int s = 0; s < ns; s++) {
         chunk0[s] = (int)chunks;
-        chunks += (lens[seg[s + 1] - 1] + 31) / 32;
+        chunks += 2 * ((lens[seg[s + 1] - 1] + KB - 1) / KB); /* whole blocks of KB keys */
     }
     /* per KV head: every chunk's keys (1,024 32-bit pairs a chunk), then every chunk's values */
     uint32_t *packs = aligned_alloc(64, (size_t)chunks * KVH * 2048 * 4 + 64);
