@@ -30,6 +30,11 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # loop on newlines until max_tokens and leave the document unfinished; this way a bounded
 # schema always ends within a bounded number of tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# a JSON number's digits, bounded as llama.cpp's schema grammars bound them: an IEEE double holds
+# no more, and a small model left free can write digits until max_tokens and leave the
+# document unfinished (seen: a latitude's fraction running on for 190 digits)
+SAFE_INTEGER = 2 ** 53 - 1
+NUMBER_STEP = 1e-10  # <= 10 digits after the point, no exponent (`multipleOf`; llguidance takes no finer)
 MAX_SPEC_BYTES = 64 << 10
 STEP_MAX_ITEMS = 20_000
 
@@ -46,7 +51,9 @@ def strict_schema(schema):
     xgrammar's strict mode, and OpenAI's strict function calling, do). JSON Schema allows
     unlisted properties by default, and with that freedom a model keeps adding them until
     max_tokens and never closes the object; a schema that wants them says so
-    (`additionalProperties`, `patternProperties` or `unevaluatedProperties`)."""
+    (`additionalProperties`, `patternProperties` or `unevaluatedProperties`). A number or
+    integer without bounds of its own gets +-SAFE_INTEGER, a number without `multipleOf` gets
+    NUMBER_STEP: its digits are finite, as an IEEE double's are."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -62,6 +69,15 @@ def strict_schema(schema):
     if isinstance(out.get("properties"), dict) and not {
             "additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
         out["additionalProperties"] = False
+    kinds = out.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if kinds & {"number", "integer"}:
+        if not {"minimum", "exclusiveMinimum"} & out.keys():
+            out["minimum"] = -SAFE_INTEGER
+        if not {"maximum", "exclusiveMaximum"} & out.keys():
+            out["maximum"] = SAFE_INTEGER
+        if "number" in kinds and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
     return out
 
 
