@@ -4,8 +4,8 @@
 the checkpoint's Q4_1 weights dequantized, fp32 math, as transformers and vLLM run it), `exact`
 (the same math, the C kernels reading the packed weights at small batches) and `auto` (the
 default: Q4_1 weights x int8 activations, as llama.cpp computes), and `auto` with each other
-KV-cache format (`--kv-cache-dtype` bf16, fp8, int8: what the cache keeps of each key and
-value; the default keeps the model's fp32). For each it measures
+KV-cache format (`--kv-cache-dtype` fp32, fp8, int8: what the cache keeps of each key and
+value; `auto`'s default keeps bf16). For each it measures
 - perplexity on the fixed text (bench/data/perplexity.txt, 512-token windows) through prefill
   batches, and on its first 1,024 tokens through the decode path too: a scheduler that takes
   one token per step runs every position as a decode row (the kernels a generated token sees);
@@ -35,7 +35,7 @@ from .quality import PROMPTS, agreement, perplexity
 HERE = Path(__file__).resolve().parent
 # (row, --quantization, --kv-cache-dtype)
 MODES = (("none", "none", "auto"), ("exact", "exact", "auto"), ("auto", "auto", "auto"),
-         ("auto, KV bf16", "auto", "bf16"), ("auto, KV fp8", "auto", "fp8"), ("auto, KV int8", "auto", "int8"))
+         ("auto, KV fp32", "auto", "fp32"), ("auto, KV fp8", "auto", "fp8"), ("auto, KV int8", "auto", "int8"))
 DECODE_PATH_TOKENS = 1024
 GREEDY_TOKENS = 48
 

@@ -197,3 +197,24 @@ def test_the_c_store_writes_what_encode_writes_ties_and_subnormals_included(fmt)
     assert not flat[untouched].any()
     with pytest.raises(ValueError, match="slot"):
         kv_store_8bit(x[:1], cache, torch.tensor([cache.shape[0] * 8]))
+
+
+def test_auto_keeps_bf16_kv_where_the_matrices_quantize_their_activations(smollm):
+    """The default cache format follows the numerics: bf16 for the default model under "auto"
+    (int8 activations, llama.cpp's numerics, whose cache is 16-bit too), fp32 under "exact" and
+    for an fp32 model; a GPU keeps the model's dtype."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.kv.cache import engine_kv_format, kv_format
+    from pdserve.engine.model.tiny import tiny_llama
+    from pdserve.engine.model.weights import load_model
+
+    assert kv_format("auto", torch.float32, "cpu", int8_activations=True).dtype is torch.bfloat16
+    assert kv_format("auto", torch.float32, "cpu").dtype is torch.float32
+    assert kv_format("auto", torch.float16, "cuda", int8_activations=True).dtype is torch.float16
+    assert kv_format("fp32", torch.float32, "cpu", int8_activations=True).dtype is torch.float32  # asked for
+    assert engine_kv_format(EngineConfig(), tiny_llama(0).model).name == "float32"
+    model = smollm[0].model
+    assert engine_kv_format(EngineConfig(), model).name == ("bfloat16" if model.int8_activation_matrices() else "float32")
+    exact = load_model(quantization="exact")
+    assert exact.model.int8_activation_matrices() == 0
+    assert engine_kv_format(EngineConfig(quantization="exact"), exact.model).name == "float32"

@@ -8,6 +8,7 @@ import torch
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.kv.cache import bytes_per_block, engine_kv_format
 from pdserve.engine.kv.tiers import TieredStore, host_tier_bytes
 from pdserve.engine.model.tiny import tiny_llama
 from tests.conftest import assert_engine_clean
@@ -110,13 +111,18 @@ def test_tiers_under_batches_and_preemption_stay_exact():
     assert tiered.blocks.reset_prefix_cache() and tiered.blocks.tiers.host.entries == 0
 
 
+def _block_bytes(loaded) -> int:
+    """One 16-token block of the real model's KV in the format the default engine gives it."""
+    return bytes_per_block(loaded.config, 16, engine_kv_format(EngineConfig(), loaded.model))
+
+
 @pytest.mark.slow
 def test_real_model_prefix_back_from_the_host_tier(smollm):
     loaded, tok = smollm
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Tell me about {x}. " * 8}]))
              for x in ("the sea", "mountains", "rivers", "deserts")]
     params = SamplingParams(max_tokens=12, temperature=0)
-    small = CacheConfig(kv_cache_memory=12 * 16 * 30 * 2 * 3 * 64 * 4, kv_host_memory=0)
+    small = CacheConfig(kv_cache_memory=12 * _block_bytes(loaded), kv_host_memory=0)  # 12 blocks
     plain = LLMEngine(loaded, EngineConfig(cache=small), tok)
     tiered = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=small.kv_cache_memory,
                                                               kv_host_memory=64 << 20)), tok)
@@ -141,7 +147,7 @@ def test_cluster_workers_report_their_tiers(smollm):
     from tests.helpers.clusters import MODEL, local_config
 
     loaded, tok = smollm
-    cache = CacheConfig(kv_cache_memory=12 * 737_280, kv_host_memory=32 << 20)  # 12 blocks of SmolLM2 fp32 KV
+    cache = CacheConfig(kv_cache_memory=12 * _block_bytes(loaded), kv_host_memory=32 << 20)  # 12 blocks
     c = LocalCluster(loaded, tok, local_config(engine=EngineConfig(cache=cache))).start()
     body = lambda x: {"model": MODEL, "prompt": f"Tell me about {x}. " * 16, "max_tokens": 6, "temperature": 0}  # noqa: E731
     try:

@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.kv.cache import engine_kv_format
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.registry.embedded import redis_server_binary
 from tests.helpers.netns import Hosts, stderr_of, stop_all
@@ -71,8 +72,8 @@ def test_kv_crosses_a_network_link(namespaces, smollm, tmp_path):
     assert answer["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True)
     assert {w["worker_id"]: w["address"].split(":")[0] for w in workers["workers"]} == {"prefill-p": IP_P,
                                                                                       "decode-d": IP_D}
-    c = loaded.config  # the prompt's KV, fp32: layers x (K, V) x KV heads x head dim x tokens
-    kv_bytes = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4 * len(ids)
+    c, fmt = loaded.config, engine_kv_format(EngineConfig(), loaded.model)  # the prompt's KV as the pools keep it
+    kv_bytes = c.num_hidden_layers * 2 * c.num_key_value_heads * fmt.bytes_per_row(c.head_dim) * len(ids)
     print(f"\n{received} bytes crossed the link; the prompt's KV is {kv_bytes}")
     assert received >= kv_bytes, f"only {received} bytes crossed the link, the KV alone is {kv_bytes}"
     # router, decode, prefill exit cleanly (redis-server: by signal)

@@ -11,6 +11,7 @@ import pytest
 from pdserve.deploy.local import LocalCluster
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.kv.cache import engine_kv_format
 from pdserve.common.sampling_params import SamplingParams
 from tests.helpers.clusters import MODEL, local_config
 from tests.helpers.e2e_cluster import client, cluster  # noqa: F401  (module-scoped: this module's own cluster)
@@ -245,7 +246,7 @@ def test_a_model_is_retrieved_by_its_id(cluster, client):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-def test_disaggregation_really_happened(cluster):
+def test_disaggregation_really_happened(cluster, smollm):
     cluster.run(cluster.router.cluster.refresh())
     s = cluster.router.cluster.stats
     assert s["decode-0"].remote_prefills > 0 and s["prefill-0"].remote_prefills == s["decode-0"].remote_prefills
@@ -267,7 +268,8 @@ def test_disaggregation_really_happened(cluster):
     compute = float(re.search(r"^pdserve_prefill_compute_seconds_sum (\S+)$", text, re.M).group(1))
     ttft = float(re.search(r"^pdserve_time_to_first_token_seconds_sum (\S+)$", text, re.M).group(1))
     assert 0 < compute < ttft
-    assert 'pdserve_kv_cache_info{kv_cache_dtype="float32",role="decode",worker="decode-0"} 1.0' in text
+    fmt = engine_kv_format(EngineConfig(), smollm[0].model).name  # bfloat16 under the default numerics
+    assert f'pdserve_kv_cache_info{{kv_cache_dtype="{fmt}",role="decode",worker="decode-0"}} 1.0' in text
 
 
 def test_aggregated_mode_equals_engine(smollm, reference):

@@ -26,7 +26,7 @@ from pdserve.common.block_hash import root_hash
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_events import EventListener
 from pdserve.common.outputs import EngineStats, RequestOutput, TokenLogprobs
-from pdserve.engine.kv.cache import KVCache, kv_format
+from pdserve.engine.kv.cache import KVCache, engine_kv_format
 from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.core.micro_batches import MicroBatches
 from pdserve.engine.core.runner import ModelRunner
@@ -60,8 +60,7 @@ class LLMEngine(KVTransferHooks):
         self.tokenizer = tokenizer
         self.tp = tp
         self.kv_cache = tp.kv_cache() if tp is not None else KVCache(
-            loaded.config, config.cache, kv_format(config.cache.kv_cache_dtype, _DTYPES[config.dtype], config.device),
-            config.device)
+            loaded.config, config.cache, engine_kv_format(config, loaded.model), config.device)
         self.blocks = BlockManager(self.kv_cache.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching, config.cache.cache_namespace,
                                    event_listener)

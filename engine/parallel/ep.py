@@ -96,9 +96,9 @@ class EPKVCache(KVCache):
     group's; rank 0's import is broadcast to the other ranks (told by rank 0's message, they
     take part in the same call)."""
 
-    def __init__(self, cfg: ModelConfig, config: EngineConfig, group):
+    def __init__(self, cfg: ModelConfig, config: EngineConfig, group, int8_activations: bool = False):
         super().__init__(cfg, config.cache, kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype),
-                                                      config.device), config.device)
+                                                      config.device, int8_activations), config.device)
         self.group = group
 
     def export_blocks(self, block_ids: list[int], layers: tuple[int, int] | None = None,

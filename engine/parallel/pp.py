@@ -289,14 +289,14 @@ class PPKVCache(StagedHandoff, KVCache):
     `export_blocks` and `import_blocks` of the whole model's layout gather every rank's part
     on rank 0 and send each its part (the other ranks take part, told by rank 0's broadcast)."""
 
-    def __init__(self, full: ModelConfig, config: EngineConfig, group):
+    def __init__(self, full: ModelConfig, config: EngineConfig, group, int8_activations: bool = False):
         w = self.width = stage_width(config, group.world)
         self.spans = [layers_of(full, group.world // w, r // w, config.pipeline_layers)  # per global rank
                       for r in range(group.world)]
         self.heads = [stage_heads(full, config, r % w) for r in range(group.world)]
         shapes = [replace(full, num_hidden_layers=len(s), num_key_value_heads=h.stop - h.start)
                   for s, h in zip(self.spans, self.heads)]
-        fmt = kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype), config.device)
+        fmt = kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype), config.device, int8_activations)
         # every rank as many blocks as kv_cache_memory holds on the rank of the most layers and heads (a
         # block id names the same block everywhere); the others take that many blocks' bytes
         per = max(bytes_per_block(m, config.cache.block_size, fmt) for m in shapes)

@@ -168,8 +168,9 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
         print(f"pdserve tensor-parallel rank {rank}: {e}", file=sys.stderr)
         os._exit(1)
     attach(loaded.model, group, full, expert, pipeline, stage_tp)
-    kv = PPKVCache(full, config, group) if pipeline else EPKVCache(full, config, group) if expert \
-        else TPKVCache(full, loaded.config, config, group)
+    w8 = loaded.model.int8_activation_matrices() > 0  # the K/V format "auto" picks (kv_format), as rank 0's
+    kv = PPKVCache(full, config, group, w8) if pipeline else EPKVCache(full, config, group, w8) if expert \
+        else TPKVCache(full, loaded.config, config, group, w8)
     model = loaded.model
     model.backend = default_backend(config.device, getattr(torch, config.dtype), config.attention)
     model.use_native_ops(_native_ok(model))
@@ -247,10 +248,11 @@ class TPKVCache(KVCache):
     layout: rank 0 gathers the other ranks' heads on export and scatters them on import
     (the other ranks take part in the same calls, told by rank 0's broadcast)."""
 
-    def __init__(self, full: ModelConfig, local: ModelConfig, config: EngineConfig, group: Group):
+    def __init__(self, full: ModelConfig, local: ModelConfig, config: EngineConfig, group: Group,
+                 int8_activations: bool = False):
         from pdserve.engine.kv.cache import kv_format
         super().__init__(local, config.cache, kv_format(config.cache.kv_cache_dtype, getattr(torch, config.dtype),
-                                                        config.device), config.device)
+                                                        config.device, int8_activations), config.device)
         self.full, self.group = full, group
         tp, kv = group.world, full.num_key_value_heads
         # the ranks whose heads make up the whole model's (one per KV head group when replicated)
@@ -332,11 +334,12 @@ class TensorParallel:
         attach(self.loaded.model, self.group, self.full, expert, pipeline, self.stage_tp)
 
     def kv_cache(self) -> TPKVCache | EPKVCache | PPKVCache:
+        w8 = self.loaded.model.int8_activation_matrices() > 0  # the K/V format "auto" picks (kv_format)
         if self.pipeline:
-            return PPKVCache(self.full, self.config, self.group)
+            return PPKVCache(self.full, self.config, self.group, w8)
         if self.expert:
-            return EPKVCache(self.full, self.config, self.group)
-        return TPKVCache(self.full, self.loaded.config, self.config, self.group)
+            return EPKVCache(self.full, self.config, self.group, w8)
+        return TPKVCache(self.full, self.loaded.config, self.config, self.group, w8)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, passes: list[tuple[int, int]],
              sampled: list[int] | None, streams: list | None = None, lora=None) -> None:
