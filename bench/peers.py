@@ -52,9 +52,11 @@ WORKLOADS: dict[str, tuple[list[str], dict[int, int | None]]] = {
 
 # what each system computes with: the peer table sets int8-activation rows beside fp32 ones
 NUMERICS = {
-    "pdserve": "auto: Q4_1 weights x int8 activations", "pdserve-aggregated": "auto: Q4_1 weights x int8 activations",
+    "pdserve": "auto: Q4_1 weights x int8 activations, bf16 KV cache",
+    "pdserve-aggregated": "auto: Q4_1 weights x int8 activations, bf16 KV cache",
     "pdserve-exact": "exact: fp32 math on the Q4_1 weights",
     "pdserve-kv-int8": "auto, int8 KV cache", "pdserve-kv-bf16": "auto, bf16 KV cache",
+    "pdserve-kv-fp32": "auto, fp32 KV cache",
     "pdserve-avx2": "auto: Q4_1 weights x int8 activations (AVX2 kernels)", "pdserve-aggregated-int8": "int8 weights x fp32",
     "pdserve-vnni": "auto: Q4_1 weights x int8 activations (AVX-512 VNNI kernels, no AMX)",
     "llama.cpp": "Q4_1 weights x Q8_1 activations", "transformers": "fp32 (dequantized Q4_1)",
@@ -67,7 +69,8 @@ def numerics(name: str) -> str:
     """What `name` computes with on this CPU (vLLM's default dtype is chosen per CPU)."""
     if name == "vllm":
         return f"{vllm_peer.best_dtype()} (dequantized Q4_1)".replace("float32", "fp32").replace("bfloat16", "bf16")
-    if name in ("pdserve", "pdserve-aggregated", "pdserve-kv-int8", "pdserve-kv-bf16") and isa() == "avx512-amx":
+    if name in ("pdserve", "pdserve-aggregated", "pdserve-kv-int8", "pdserve-kv-bf16", "pdserve-kv-fp32") \
+            and isa() == "avx512-amx":
         return NUMERICS[name] + "; prompt rows bf16 x bf16 on AMX"
     return NUMERICS.get(name, "-")
 
@@ -109,6 +112,7 @@ def systems(args, port: int) -> dict[str, tuple[list[str], dict] | None]:
         "pdserve-vnni": (py + ["up", "--port", str(port), *common], {ISA_ENV: "avx512-vnni"}),
         # the main command with a smaller KV cache per token: where KV reads bound a batch step
         "pdserve-kv-bf16": (py + ["up", "--port", str(port), *common, "--kv-cache-dtype", "bf16"], {}),
+        "pdserve-kv-fp32": (py + ["up", "--port", str(port), *common, "--kv-cache-dtype", "fp32"], {}),
         "pdserve-kv-int8": (py + ["up", "--port", str(port), *common, "--kv-cache-dtype", "int8"], {}),
         "transformers": (py + ["baseline-server", "--port", str(port), "--max-batch", "32"], {}),
         "llama.cpp": None, "vllm": None, "vllm-bf16": None, "vllm-fp32": None,
