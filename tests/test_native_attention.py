@@ -186,6 +186,36 @@ def test_a_bf16_cache_is_read_as_the_fp32_it_rounds_to():
         torch.testing.assert_close(got, ref_backend.decode(q, kb, vb, ref_meta), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_step_of_many_rows_gives_each_row_the_bits_it_gets_alone(kv, threads):
+    """A step of single rows, two a thread or more, attends a row (all its KV heads, block by
+    block) an item; alone, a row's KV heads are items of their own. Every row's output is the
+    same bits either way, with a sliding window's skipped keys too, and matches the reference."""
+    from pdserve.engine.kernels.native import paged_decode_attention
+    lens = [1, 5, 16, 17, 40, 300, 129, 64]
+    q, kc, vc, meta = _decode_case(lens, 9, 3, 64, 16, num_blocks=96)
+    kc, vc = kc.to(kv), vc.to(kv)
+    tables, seq = meta.decode_block_tables, meta.decode_seq_lens
+    skips = torch.tensor([0, 2, 0, 15, 3, 7, 0, 9])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for sk in (None, skips):
+            together = paged_decode_attention(q, kc, vc, tables, seq, skips=sk)
+            for i in range(len(lens)):
+                alone = paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], seq[i:i + 1],
+                                               skips=None if sk is None else sk[i:i + 1])
+                assert torch.equal(together[i], alone[0]), (i, (together[i] - alone[0]).abs().max())
+    finally:
+        torch.set_num_threads(before)
+    ref_meta = AttentionMetadata(**{**meta.__dict__, "backend_state": {}})
+    ref_backend = TorchAttentionBackend()
+    ref_backend.prepare(ref_meta)
+    ref = ref_backend.decode(q, kc, vc, ref_meta)
+    torch.testing.assert_close(paged_decode_attention(q, kc, vc, tables, seq), ref, atol=2e-5, rtol=1e-4)
+
+
 def test_kv_cache_dtype_sizes_the_cache_and_is_what_attention_reads(make_engine):
     """bf16 K/V: twice the blocks of fp32 for the same memory, the tiny model's greedy tokens
     as with an fp32 cache; "auto" keeps the model's dtype."""

@@ -90,6 +90,7 @@ def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
     ([13], True, "fp32"), ([5, 16, 31], True, "fp32"), ([5, 16, 31], False, "fp32"),
     ([13], True, "bf16"), ([5, 16, 31], True, "bf16"), ([5, 16, 31], False, "bf16"),
     ([5, 16, 31, 2, 20, 9], True, "bf16"), ([5, 16, 31], True, "int8"), ([5, 16, 31], False, "int8"),
+    ([5, 16, 31, 2], True, "bf16"), ([5, 16, 31, 2], True, "fp32"),  # one team, a row an attention item
     ([13], True, "fp8"), ([5, 16, 31, 2, 20, 9], True, "fp8")])  # 6 rows: over team_rows, so a region per op
 def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens, one_region, kv):
     """Both paths decode from the same prefilled cache, each in its own copy; every step's

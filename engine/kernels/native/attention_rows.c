@@ -13,7 +13,9 @@
  * Rows form a run when each next row is the previous row's position + 1 (lens + 1) with the
  * same skip and the same block table over the blocks it sees. Single rows (decode steps),
  * 8-bit caches (their prefill rows attend over a decoded fp32 copy, which does run here) and
- * head dims other than 64 take the one-row kernel (attention.c's paged_attention_item). */
+ * head dims other than 64 take the one-row kernel (attention.c's paged_attention_item); a step
+ * of single rows only, two a thread at least, runs a row (all its KV heads) an item
+ * (paged_attention_row). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +26,9 @@
 int paged_attention_item(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
                          const int64_t *skips, float *out, int w, int H, int KVH, int D, int bs, int max_blocks,
                          float scale, int kv_fmt);
+int paged_attention_row(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                        const int64_t *skips, float *out, int b, int H, int KVH, int D, int bs, int max_blocks,
+                        float scale, int kv_fmt);
 
 #ifdef __AVX2__
 /* One block's rows of a KV head as fp32 rows: in place for fp32 (stride `row` bytes), else widened
@@ -145,6 +150,14 @@ int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, c
     for (int r = 0; r < B; r++)
         if (r == 0 || r - start[n - 1] >= ROWS || !continues(tables, lens, skips, r - 1, bs, max_blocks)) start[n++] = r;
     start[n] = B;
+    if (n == B && (nthreads == 1 || B >= 2 * nthreads)) { /* single rows, two a thread at least: a row an item */
+        free(start);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
+        for (int r = 0; r < B; r++)
+            failed |= paged_attention_row(q, kc, vc, tables, lens, skips, out, r, H, KVH, D, bs, max_blocks, scale,
+                                          kv_fmt) != 0;
+        return failed ? -1 : 0;
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
     for (int w = 0; w < n * KVH; w++)
         failed |= run_item(q, kc, vc, tables, lens, skips, out, start[w / KVH], start[w / KVH + 1] - start[w / KVH],

@@ -56,6 +56,9 @@ int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, c
 int paged_attention_item(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
                          const int64_t *skips, float *out, int w, int H, int KVH, int D, int bs, int max_blocks,
                          float scale, int kv_fmt);
+int paged_attention_row(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                        const int64_t *skips, float *out, int b, int H, int KVH, int D, int bs, int max_blocks,
+                        float scale, int kv_fmt);
 
 int decode_step_ptrs(void) { return STEP_PTRS; }
 
@@ -222,8 +225,9 @@ static int layer(const step_dims *d, void *const *w, void *kc, void *vc, float *
  * (the residual stream h, its norm, the quantized activations, SwiGLU's product) each thread
  * computes itself into its own buffers: at decode sizes that is cheaper than a barrier, and
  * it is the same arithmetic, so the result is bitwise the per-op path's. A matmul's columns
- * and attention's (row, KV head) items are split between the threads; an item ropes, stores
- * and attends its own heads (no other item reads its new K/V: each row's new slot is its own). */
+ * and attention's items (rows, or (row, KV head) pairs while the rows are few) are split between
+ * the threads; an item ropes, stores and attends its own heads (no other item reads its new K/V:
+ * each row's new slot is its own). */
 typedef struct {
     float *h, *x, *act, *dx; /* (M, hidden) twice, (M, inter), the quantized activations' scales */
     int8_t *xq;
@@ -263,21 +267,35 @@ static void team_lora(const step_lora *L, int64_t li, int m, const float *x, int
 #pragma omp barrier
 }
 
-/* Attention item (row b, KV head kh): RoPE of its G query heads and its K head in place in
- * qkv, the K/V rows into the cache, q into the attention kernel's layout, then attend. */
-static int team_item(const step_dims *d, int w, float *qkv, float *q, float *att, void *kc, void *vc,
-                     const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
-                     const int64_t *tables, const int64_t *lens) {
+/* Row b, KV head kh: RoPE of its G query heads and its K head in place in qkv, the K/V rows
+ * into the cache, q into the attention kernel's layout. */
+static void team_head_in(const step_dims *d, int64_t b, int64_t kh, float *qkv, float *q, void *kc, void *vc,
+                         const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots) {
     const int64_t hd = d->head_dim, KVH = d->kv_heads, G = d->heads / KVH, nq = d->heads * hd, nk = KVH * hd;
-    const int64_t b = w / KVH, kh = w % KVH;
     float *row = qkv + b * (nq + 2 * nk), *qh = row + kh * G * hd, *kr = row + nq + kh * hd;
     rope_f32(qh, 1, 0, (int)G, (int)hd, cos_t, sin_t, positions + b, 1);
     rope_f32(kr, 1, 0, 1, (int)hd, cos_t, sin_t, positions + b, 1);
     put_kv(kc, slots[b], kh, 1, kr, d);
     put_kv(vc, slots[b], kh, 1, kr + nk, d);
     memcpy(q + b * nq + kh * G * hd, qh, sizeof(float) * (size_t)(G * hd));
-    return paged_attention_item(q, kc, vc, tables, lens, NULL, att, w, (int)d->heads, (int)KVH, (int)hd,
-                                (int)d->block_size, (int)d->max_blocks, d->scale, (int)d->kv_fmt);
+}
+
+/* Attention item w: with `whole_rows`, row w and all its KV heads (paged_attention_row: each
+ * block's heads read together); else row w / KVH, KV head w % KVH (items enough for every thread
+ * when the rows are few). Either way the same bits (attention.c). */
+static int team_item(const step_dims *d, int w, int whole_rows, float *qkv, float *q, float *att, void *kc, void *vc,
+                     const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
+                     const int64_t *tables, const int64_t *lens) {
+    const int64_t KVH = d->kv_heads;
+    const int H = (int)d->heads, hd = (int)d->head_dim, bs = (int)d->block_size, mb = (int)d->max_blocks;
+    if (whole_rows) {
+        for (int64_t kh = 0; kh < KVH; kh++) team_head_in(d, w, kh, qkv, q, kc, vc, positions, cos_t, sin_t, slots);
+        return paged_attention_row(q, kc, vc, tables, lens, NULL, att, w, H, (int)KVH, hd, bs, mb, d->scale,
+                                   (int)d->kv_fmt);
+    }
+    team_head_in(d, w / KVH, w % KVH, qkv, q, kc, vc, positions, cos_t, sin_t, slots);
+    return paged_attention_item(q, kc, vc, tables, lens, NULL, att, w, H, (int)KVH, hd, bs, mb, d->scale,
+                                (int)d->kv_fmt);
 }
 
 /* One layer on the team (layer()'s steps); `delta` is the shared previous MLP output. */
@@ -290,9 +308,11 @@ static int team_layer(const step_dims *d, void *const *w, void *kc, void *vc, st
     add_rms_norm_f32(p->h, first ? NULL : s->delta, w[0], p->x, M, H, d->eps, 1);
     team_matmul(p->x, w + 2, s->qkv, M, wqkv, H, p);
     team_lora(L, li, 0, p->x, H, s->qkv, wqkv, M, p);
+    /* whole rows once every thread has two: a row's heads share its blocks' cache lines */
+    const int T = omp_get_num_threads(), whole = T == 1 || M >= 2 * T;
 #pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < (int)(M * d->kv_heads); it++)
-        failed |= team_item(d, it, s->qkv, s->q, s->att, kc, vc, positions, cos_t, sin_t, slots, tables, lens);
+    for (int it = 0; it < (int)(whole ? M : M * d->kv_heads); it++)
+        failed |= team_item(d, it, whole, s->qkv, s->q, s->att, kc, vc, positions, cos_t, sin_t, slots, tables, lens);
     team_matmul(s->att, w + 5, s->a, M, H, nq, p);
     team_lora(L, li, 1, s->att, nq, s->a, H, M, p);
     add_rms_norm_f32(p->h, s->a, w[1], p->x, M, H, d->eps, 1);
