@@ -155,6 +155,21 @@ static inline __attribute__((always_inline)) void block_values_d64(avec *acc, co
 #endif
 }
 
+/* One block's first n rows of a KV head (D = 64) as fp32 rows: in place for fp32 (stride `row`
+ * bytes), else widened into buf (n x 64) once for every query head that reads them, not once per
+ * head (bf16 -> fp32 is exact: the scores are the same bits). */
+static inline __attribute__((always_inline)) const char *as_f32(const char *rows, size_t row, int n, const int fmt,
+                                                               float *buf, size_t *stride) {
+    if (fmt == KV_F32) {
+        *stride = row;
+        return rows;
+    }
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < AV_C; c++) av_store(buf + t * 64 + AV_LANES * c, kvv(rows + t * row + 2 * AV_LANES * c, fmt));
+    *stride = 64 * sizeof(float);
+    return (const char *)buf;
+}
+
 /* acc (64 floats in AV_C vectors) from / to memory. */
 static inline __attribute__((always_inline)) void load_d64(const float *src, avec *acc) {
     for (int c = 0; c < AV_C; c++) acc[c] = av_load(src + AV_LANES * c);

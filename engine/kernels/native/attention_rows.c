@@ -31,19 +31,6 @@ int paged_attention_row(const float *q, const void *kc, const void *vc, const in
                         float scale, int kv_fmt);
 
 #ifdef __AVX2__
-/* One block's rows of a KV head as fp32 rows: in place for fp32 (stride `row` bytes), else widened
- * into buf once for the run's rows (bf16 -> fp32 is exact: the scores are the same bits). */
-static inline const char *as_f32(const char *rows, size_t row, int bs, const int fmt, float *buf, size_t *stride) {
-    if (fmt == KV_F32) {
-        *stride = row;
-        return rows;
-    }
-    for (int t = 0; t < bs; t++)
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(buf + t * 64 + 8 * c, kv8(rows + t * row + 16 * c, fmt));
-    *stride = 64 * sizeof(float);
-    return (const char *)buf;
-}
-
 /* Rows [r0, r0 + R) of one run x KV head kh (D = 64, fmt KV_F32 or KV_BF16). work: R*G*(2*64 + 1 + lens[R-1]) floats:
  * the (row, head) pairs' scaled queries and value sums, their softmax sums and scores. */
 static inline __attribute__((always_inline)) void attend_run_d64(const float *q, const char *kc, const char *vc,
