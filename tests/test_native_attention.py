@@ -186,16 +186,24 @@ def test_a_bf16_cache_is_read_as_the_fp32_it_rounds_to():
         torch.testing.assert_close(got, ref_backend.decode(q, kb, vb, ref_meta), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8", "fp8"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_step_of_many_rows_gives_each_row_the_bits_it_gets_alone(kv, threads):
     """A step of single rows, two a thread or more, attends a row (all its KV heads, block by
     block) an item; alone, a row's KV heads are items of their own. Every row's output is the
-    same bits either way, with a sliding window's skipped keys too, and matches the reference."""
+    same bits either way, with a sliding window's skipped keys too, in every cache format, and
+    matches the reference."""
     from pdserve.engine.kernels.native import paged_decode_attention
+    from pdserve.engine.kv import formats as kv_format
     lens = [1, 5, 16, 17, 40, 300, 129, 64]
     q, kc, vc, meta = _decode_case(lens, 9, 3, 64, 16, num_blocks=96)
-    kc, vc = kc.to(kv), vc.to(kv)
+    if kv in ("int8", "fp8"):
+        fmt = kv_format.FORMATS[kv_format.CHOICES[kv]]
+        kc, vc = (kv_format.encode(c.view(-1, *c.shape[2:]), fmt).view(*c.shape[:2], *c.shape[2:3], -1)
+                  for c in (kc, vc))
+    else:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[kv]
+        kc, vc = kc.to(dtype), vc.to(dtype)
     tables, seq = meta.decode_block_tables, meta.decode_seq_lens
     skips = torch.tensor([0, 2, 0, 15, 3, 7, 0, 9])
     before = torch.get_num_threads()

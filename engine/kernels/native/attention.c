@@ -116,68 +116,6 @@ static inline __attribute__((always_inline)) void attend_d64(const float *q, con
 }
 #endif
 
-#ifdef __AVX2__
-/* The whole block (all KV heads, `bytes` of them) into L1 ahead of its use: a row's blocks lie
- * anywhere in the pool, so the hardware's streams end at each block's edge, and one core's reads
- * waited on memory (2 rows x 2,048 keys: 5 GB/s, where a streaming sum reads 14 GB/s). Inlined
- * where it is used: as a function of its own, GCC found it free of effects and dropped its calls. */
-static inline __attribute__((always_inline)) void prefetch_block(const char *p, size_t bytes) {
-    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-}
-
-/* All KVH heads of one row: each block's K (then V) rows, every head's, read at once from one
- * contiguous stretch, the next block fetched meanwhile (2,048 keys x 4 rows and 300 x 32 on one
- * Xeon core: 1.3-1.7x faster than head by head; a bf16 block widened once per KV head, not once
- * per query head: 1.15x more). Each head's sums run as in attend_d64 (the same block functions in
- * the same order): the same bits. scores: H * len floats, acc: H * 64, buf: bs * 64. */
-static inline __attribute__((always_inline)) void attend_row_d64(const float *q, const char *kc, const char *vc,
-                                                                const int64_t *table, int64_t len, int64_t skip,
-                                                                float *out, int G, int KVH, int bs, float scale,
-                                                                float *scores, float *acc, float *buf, const int fmt) {
-    enum { D = 64 };
-    const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow, blk = (size_t)bs * row;
-    const int64_t nblk = (len + bs - 1) / bs;
-    const int H = G * KVH;
-    for (int64_t b = 0; b < nblk; b++) {
-        const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        prefetch_block(b + 1 < nblk ? kc + (size_t)table[b + 1] * blk : vc + (size_t)table[0] * blk, blk);
-        for (int kh = 0; kh < KVH; kh++) {
-            size_t stride;
-            const char *kb = as_f32(kc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
-            for (int h = kh * G; h < (kh + 1) * G; h++) {
-                avec qv[AV_C];
-                scaled_q_d64(q + h * D, scale, qv);
-                block_scores_d64(qv, kb, stride, n, scores + (size_t)h * len + b * bs, KV_F32);
-            }
-        }
-    }
-    float sum[H];
-    for (int h = 0; h < H; h++) {
-        mask_head(scores + (size_t)h * len, skip);
-        sum[h] = softmax_numerators(scores + (size_t)h * len, len);
-    }
-    memset(acc, 0, sizeof(float) * (size_t)H * D);
-    for (int64_t b = 0; b < nblk; b++) {
-        const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        if (b + 1 < nblk) prefetch_block(vc + (size_t)table[b + 1] * blk, blk);
-        for (int kh = 0; kh < KVH; kh++) {
-            size_t stride;
-            const char *vb = as_f32(vc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
-            for (int h = kh * G; h < (kh + 1) * G; h++) {
-                avec a[AV_C];
-                load_d64(acc + h * D, a);
-                block_values_d64(a, scores + (size_t)h * len + b * bs, vb, stride, n, KV_F32);
-                store_d64(a, acc + h * D);
-            }
-        }
-    }
-    for (int h = 0; h < H; h++) {
-        avec a[AV_C];
-        load_d64(acc + h * D, a);
-        head_out_d64(a, sum[h], out + h * D);
-    }
-}
-#endif
 
 #ifdef __AVX2__
 /* The n rows (token stride `row` bytes) of one block's KV head, decoded and scaled, into buf (n, 64). */
@@ -230,6 +168,79 @@ static inline __attribute__((always_inline)) void attend_d64_8bit(const float *q
         avec a[AV_C];
         load_d64(out + g * D, a);
         head_out_d64(a, sum[g], out + g * D);
+    }
+}
+#endif
+
+#ifdef __AVX2__
+/* The whole block (all KV heads, `bytes` of them) into L1 ahead of its use: a row's blocks lie
+ * anywhere in the pool, so the hardware's streams end at each block's edge, and one core's reads
+ * waited on memory (2 rows x 2,048 keys: 5 GB/s, where a streaming sum reads 14 GB/s). Inlined
+ * where it is used: as a function of its own, GCC found it free of effects and dropped its calls. */
+static inline __attribute__((always_inline)) void prefetch_block(const char *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+/* One block's first n rows of a KV head as fp32 rows, in any format: 8-bit codes decoded and
+ * scaled into buf (as attend_d64_8bit does), float ones as attend.h's as_f32. */
+static inline __attribute__((always_inline)) const char *block_f32(const char *rows, size_t row, int n, const int fmt,
+                                                                  float *buf, size_t *stride) {
+    if (fmt == KV_F32 || fmt == KV_BF16) return as_f32(rows, row, n, fmt, buf, stride);
+    decode_rows_d64(rows, row, n, buf, fmt);
+    *stride = 64 * sizeof(float);
+    return (const char *)buf;
+}
+
+/* All KVH heads of one row: each block's K (then V) rows, every head's, read at once from one
+ * contiguous stretch, the next block fetched meanwhile (2,048 keys x 4 rows and 300 x 32 on one
+ * Xeon core: 1.3-1.7x faster than head by head; a bf16 block widened once per KV head, not once
+ * per query head: 1.15x more). Each head's sums run as in attend_d64 (the same block functions in
+ * the same order): the same bits. scores: H * len floats, acc: H * 64, buf: bs * 64. */
+static inline __attribute__((always_inline)) void attend_row_d64(const float *q, const char *kc, const char *vc,
+                                                                const int64_t *table, int64_t len, int64_t skip,
+                                                                float *out, int G, int KVH, int bs, float scale,
+                                                                float *scores, float *acc, float *buf, const int fmt) {
+    enum { D = 64 };
+    const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow, blk = (size_t)bs * row;
+    const int64_t nblk = (len + bs - 1) / bs;
+    const int H = G * KVH;
+    for (int64_t b = 0; b < nblk; b++) {
+        const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
+        prefetch_block(b + 1 < nblk ? kc + (size_t)table[b + 1] * blk : vc + (size_t)table[0] * blk, blk);
+        for (int kh = 0; kh < KVH; kh++) {
+            size_t stride;
+            const char *kb = block_f32(kc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
+            for (int h = kh * G; h < (kh + 1) * G; h++) {
+                avec qv[AV_C];
+                scaled_q_d64(q + h * D, scale, qv);
+                block_scores_d64(qv, kb, stride, n, scores + (size_t)h * len + b * bs, KV_F32);
+            }
+        }
+    }
+    float sum[H];
+    for (int h = 0; h < H; h++) {
+        mask_head(scores + (size_t)h * len, skip);
+        sum[h] = softmax_numerators(scores + (size_t)h * len, len);
+    }
+    memset(acc, 0, sizeof(float) * (size_t)H * D);
+    for (int64_t b = 0; b < nblk; b++) {
+        const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
+        if (b + 1 < nblk) prefetch_block(vc + (size_t)table[b + 1] * blk, blk);
+        for (int kh = 0; kh < KVH; kh++) {
+            size_t stride;
+            const char *vb = block_f32(vc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
+            for (int h = kh * G; h < (kh + 1) * G; h++) {
+                avec a[AV_C];
+                load_d64(acc + h * D, a);
+                block_values_d64(a, scores + (size_t)h * len + b * bs, vb, stride, n, KV_F32);
+                store_d64(a, acc + h * D);
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        avec a[AV_C];
+        load_d64(acc + h * D, a);
+        head_out_d64(a, sum[h], out + h * D);
     }
 }
 #endif
@@ -324,24 +335,29 @@ int paged_attention_item(const float *q, const void *kc, const void *vc, const i
     return 0;
 }
 
-/* All KV heads of sequence b at once (its H query heads' outputs): with D = 64 over a float
- * cache through attend_row_d64, else head by head (paged_attention_item). Not static: step.c
+/* All KV heads of sequence b at once (its H query heads' outputs): with D = 64 through
+ * attend_row_d64 (every cache format), else head by head (paged_attention_item). Not static: step.c
  * runs a row an item where there are rows enough for every thread. Returns 0, or -1 without
  * scratch memory. */
 int paged_attention_row(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
                         const int64_t *skips, float *out, int b, int H, int KVH, int D, int bs, int max_blocks,
                         float scale, int kv_fmt) {
 #ifdef __AVX2__
-    if (D == 64 && (kv_fmt == KV_F32 || kv_fmt == KV_BF16)) {
+    if (D == 64) {
         float *scratch = malloc(sizeof(float) * ((size_t)H * lens[b] + (size_t)H * D + (size_t)bs * D));
         if (!scratch) return -1;
         const float *qi = q + (size_t)b * H * D;
         float *oi = out + (size_t)b * H * D, *acc = scratch + (size_t)H * lens[b], *buf = acc + (size_t)H * D;
         const int64_t *table = tables + (size_t)b * max_blocks, skip = skips ? skips[b] : 0;
+        const int G = H / KVH;
         if (kv_fmt == KV_F32)
-            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, H / KVH, KVH, bs, scale, scratch, acc, buf, KV_F32);
+            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, bs, scale, scratch, acc, buf, KV_F32);
+        else if (kv_fmt == KV_BF16)
+            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, bs, scale, scratch, acc, buf, KV_BF16);
+        else if (kv_fmt == KV_INT8)
+            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, bs, scale, scratch, acc, buf, KV_INT8);
         else
-            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, H / KVH, KVH, bs, scale, scratch, acc, buf, KV_BF16);
+            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, bs, scale, scratch, acc, buf, KV_FP8);
         free(scratch);
         return 0;
     }
