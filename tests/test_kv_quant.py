@@ -1,6 +1,9 @@
 """8-bit KV formats (engine/kv/formats.py): the codes and scales written when K/V are stored,
 and every attention path reading them in place (the C kernel, the torch reference; the
 Triton kernel in test_triton_kernels) to the same result."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +14,8 @@ from pdserve.engine.kernels.native import available, paged_decode_attention
 
 INT8, FP8 = kv_format.FORMATS["int8"], kv_format.FORMATS["float8_e4m3fn"]
 native = pytest.mark.skipif(not available(), reason="no C compiler for the native kernels")
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def rows(n=50, heads=3, hd=64, seed=0):
@@ -218,3 +223,34 @@ def test_auto_keeps_bf16_kv_where_the_matrices_quantize_their_activations(smollm
     exact = load_model(quantization="exact")
     assert exact.model.int8_activation_matrices() == 0
     assert engine_kv_format(EngineConfig(quantization="exact"), exact.model).name == "float32"
+
+
+def _mapping_of(address: int) -> tuple[str, int]:
+    """The VmFlags and AnonHugePages (kB) of this process's mapping that holds `address`."""
+    flags, huge, inside = "", 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            flags = line
+        elif inside and head == "AnonHugePages:":
+            huge = int(line.split()[1])
+    return flags, huge
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not THP.exists() or "[never]" in THP.read_text(),
+                    reason="transparent huge pages are off here")
+def test_the_kv_pool_is_advised_onto_huge_pages(make_engine):
+    """The pool a decode step's attention reads from all over sits on memory advised for
+    transparent huge pages (VmFlags `hg`), and it still starts as zeros."""
+    from pdserve.engine.kv.cache import HUGE_PAGE, advise_huge_pages
+    eng = make_engine(kv_cache_memory=4 * HUGE_PAGE)
+    kv = eng.kv_cache.kv
+    assert kv.nbytes >= 3 * HUGE_PAGE and not kv.any()
+    flags, _ = _mapping_of(kv.data_ptr() + 2 * HUGE_PAGE)
+    assert " hg" in flags, flags
+    assert not advise_huge_pages(torch.zeros(16))  # no whole huge page inside: nothing to advise
