@@ -57,16 +57,22 @@ void amx_configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-/* x fp32 rows [0, m) -> bf16 rows of width k; rows [m, mp) zero (the last tile's padding). */
+/* x fp32 rows [0, m) -> bf16 in the tiles' order, (mp/16, k/32, 16, 32): each tile's 16 rows of
+ * 32 values one contiguous KB, so a tile load reads 16 consecutive lines (with a row stride of
+ * 2k bytes: 3-7% slower at 512 rows on one Xeon core); rows [m, mp) zero (the last tile's padding). */
 static void to_bf16(const float *x, uint16_t *xb, int64_t m, int64_t mp, int64_t k) {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < mp; i++) {
-        if (i >= m) {
-            memset(xb + i * k, 0, k * 2);
-            continue;
+        uint16_t *d = xb + (i / 16) * k * 16 + (i % 16) * 32;
+        for (int64_t j = 0; j < k; j += 32, d += 512) {
+            if (i >= m) {
+                memset(d, 0, 64);
+                continue;
+            }
+            /* the lower 16 values from the second operand */
+            _mm512_storeu_si512((void *)d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i * k + j + 16),
+                                                                        _mm512_loadu_ps(x + i * k + j)));
         }
-        for (int64_t j = 0; j < k; j += 16)
-            _mm256_storeu_si256((__m256i *)(xb + i * k + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * k + j)));
     }
 }
 
@@ -75,14 +81,14 @@ static void to_bf16(const float *x, uint16_t *xb, int64_t m, int64_t mp, int64_t
 static void block(const uint16_t *xb, const uint16_t *w, float *y, int64_t r, int64_t nb, int64_t m, int64_t n,
                   int64_t k, float *tmp) {
     const int64_t kb = k / 32;
-    const uint16_t *b0 = w + 2 * nb * kb * 512, *b1 = b0 + kb * 512, *a = xb + r * k;
+    const uint16_t *b0 = w + 2 * nb * kb * 512, *b1 = b0 + kb * 512, *a = xb + r * k; /* row tile r / 16 */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t b = 0; b < kb; b++) {
-        _tile_loadd(4, a + b * 32, k * 2);
-        _tile_loadd(5, a + 16 * k + b * 32, k * 2);
+        _tile_loadd(4, a + b * 512, 64);
+        _tile_loadd(5, a + 16 * k + b * 512, 64);
         _tile_loadd(6, b0 + b * 512, 64);
         _tile_loadd(7, b1 + b * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
