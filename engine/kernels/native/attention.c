@@ -16,13 +16,14 @@
  *   out    (B, H, D)
  * GQA: query head h reads KV head h / (H / KVH). This file is the one-row kernel; the entry point
  * paged_decode_attention_f32 (attention_rows.c) runs it, or the multi-row kernel for runs of a
- * prompt's rows. Work items are (sequence, KV head) pairs,
- * so the G = H / KVH query heads sharing a KV head read each K/V row from memory once (the
- * later heads of the group find it in L2).
+ * prompt's rows. Work items are (sequence, KV head) pairs (paged_attention_item), or whole
+ * sequences where there are enough for every thread (paged_attention_row); either way the G =
+ * H / KVH query heads sharing a KV head read each K/V row from memory once (the later heads of
+ * the group find it in L1), and a row's result is the same bits.
  * Two passes per item: scores for every cached token (K read once), then softmax, then the
- * weighted sum of V (V read once). An 8-bit cache's rows are decoded block by block into an
- * fp32 buffer shared by the group's heads, then attended as fp32: the result is bitwise the
- * fp32 kernel's over the decoded cache. */
+ * weighted sum of V (V read once). A bf16 or 8-bit cache's rows are widened (8-bit: decoded
+ * and scaled) block by block into an fp32 buffer shared by the group's heads, then attended as
+ * fp32: the result is bitwise the fp32 kernel's over the widened cache. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -68,56 +69,6 @@ static inline float dot_kv(const float *q, const char *k, int n, int fmt) {
 }
 
 #ifdef __AVX2__
-/* D = 64 (SmolLM2, Llama-style small models) over a float cache (fp32, bf16): `inline` with a
- * constant fmt lets the compiler unroll the chunk loops. Blocks outside, the G query heads
- * inside: a block's K (then V) rows are read from memory once, widened to fp32 once (as_f32),
- * and found in L1 by the group's other heads (head by head over the whole context, they came
- * from L2: 1.2x slower at 320 tokens). Each head's sums run in the per-block order of attend.h,
- * which the multi-row kernel (attention_rows.c) also runs: a row gets the same bits from either.
- * acc: G * 64 floats, buf: bs * 64. */
-static inline __attribute__((always_inline)) void attend_d64(const float *q, const char *kc, const char *vc,
-                                                            const int64_t *table, int64_t len, int64_t skip,
-                                                            float *out, int G, int KVH, int kh, int bs, float scale,
-                                                            float *scores, float *acc, float *buf, const int fmt) {
-    enum { D = 64 };
-    const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow; /* bytes between tokens of a block */
-    const int64_t nblk = (len + bs - 1) / bs;
-    size_t stride;
-    for (int64_t b = 0; b < nblk; b++) {
-        const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        const char *kb = as_f32(kc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, n, fmt, buf, &stride);
-        for (int g = 0; g < G; g++) {
-            avec qv[AV_C];
-            scaled_q_d64(q + g * D, scale, qv);
-            block_scores_d64(qv, kb, stride, n, scores + (size_t)g * len + b * bs, KV_F32);
-        }
-    }
-    float sum[G];
-    for (int g = 0; g < G; g++) {
-        mask_head(scores + (size_t)g * len, skip);
-        sum[g] = softmax_numerators(scores + (size_t)g * len, len);
-    }
-    memset(acc, 0, sizeof(float) * (size_t)G * D);
-    for (int64_t b = 0; b < nblk; b++) {
-        const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        const char *vb = as_f32(vc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, n, fmt, buf, &stride);
-        for (int g = 0; g < G; g++) {
-            avec a[AV_C];
-            load_d64(acc + g * D, a);
-            block_values_d64(a, scores + (size_t)g * len + b * bs, vb, stride, n, KV_F32);
-            store_d64(a, acc + g * D);
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        avec a[AV_C];
-        load_d64(acc + g * D, a);
-        head_out_d64(a, sum[g], out + g * D);
-    }
-}
-#endif
-
-
-#ifdef __AVX2__
 /* The n rows (token stride `row` bytes) of one block's KV head, decoded and scaled, into buf (n, 64). */
 static inline void decode_rows_d64(const char *rows, size_t row, int n, float *buf, const int fmt) {
     const float unit = kv8_unit(fmt);
@@ -128,51 +79,6 @@ static inline void decode_rows_d64(const char *rows, size_t row, int n, float *b
     }
 }
 
-/* D = 64 over an 8-bit cache: each block is decoded once for the G heads (not once per head),
- * then scores, softmax and the weighted sum of V run as in attend_d64 on its fp32 rows (the
- * same block functions: the result is the fp32 kernel's over the decoded cache). buf: bs * 64. */
-static inline __attribute__((always_inline)) void attend_d64_8bit(const float *q, const char *kc, const char *vc,
-                                                                 const int64_t *table, int64_t len, int64_t skip,
-                                                                 float *out, int G, int KVH, int kh, int bs,
-                                                                 float scale, float *scores, float *buf,
-                                                                 const int fmt) {
-    enum { D = 64 };
-    const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow, frow = D * sizeof(float);
-    const int64_t nblk = (len + bs - 1) / bs;
-    for (int64_t b = 0; b < nblk; b++) {
-        int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        decode_rows_d64(kc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, n, buf, fmt);
-        for (int g = 0; g < G; g++) {
-            avec qv[AV_C];
-            scaled_q_d64(q + g * D, scale, qv);
-            block_scores_d64(qv, (const char *)buf, frow, n, scores + (size_t)g * len + b * bs, KV_F32);
-        }
-    }
-    float sum[G];
-    for (int g = 0; g < G; g++) {
-        mask_head(scores + (size_t)g * len, skip);
-        sum[g] = softmax_numerators(scores + (size_t)g * len, len);
-    }
-    memset(out, 0, sizeof(float) * G * D);
-    for (int64_t b = 0; b < nblk; b++) {
-        int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        decode_rows_d64(vc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, n, buf, fmt);
-        for (int g = 0; g < G; g++) {
-            avec a[AV_C];
-            load_d64(out + g * D, a);
-            block_values_d64(a, scores + (size_t)g * len + b * bs, (const char *)buf, frow, n, KV_F32);
-            store_d64(a, out + g * D);
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        avec a[AV_C];
-        load_d64(out + g * D, a);
-        head_out_d64(a, sum[g], out + g * D);
-    }
-}
-#endif
-
-#ifdef __AVX2__
 /* The whole block (all KV heads, `bytes` of them) into L1 ahead of its use: a row's blocks lie
  * anywhere in the pool, so the hardware's streams end at each block's edge, and one core's reads
  * waited on memory (2 rows x 2,048 keys: 5 GB/s, where a streaming sum reads 14 GB/s). Inlined
@@ -182,7 +88,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const char *p, 
 }
 
 /* One block's first n rows of a KV head as fp32 rows, in any format: 8-bit codes decoded and
- * scaled into buf (as attend_d64_8bit does), float ones as attend.h's as_f32. */
+ * scaled into buf, float ones as attend.h's as_f32. */
 static inline __attribute__((always_inline)) const char *block_f32(const char *rows, size_t row, int n, const int fmt,
                                                                   float *buf, size_t *stride) {
     if (fmt == KV_F32 || fmt == KV_BF16) return as_f32(rows, row, n, fmt, buf, stride);
@@ -191,26 +97,33 @@ static inline __attribute__((always_inline)) const char *block_f32(const char *r
     return (const char *)buf;
 }
 
-/* All KVH heads of one row: each block's K (then V) rows, every head's, read at once from one
- * contiguous stretch, the next block fetched meanwhile (2,048 keys x 4 rows and 300 x 32 on one
- * Xeon core: 1.3-1.7x faster than head by head; a bf16 block widened once per KV head, not once
- * per query head: 1.15x more). Each head's sums run as in attend_d64 (the same block functions in
- * the same order): the same bits. scores: H * len floats, acc: H * 64, buf: bs * 64. */
-static inline __attribute__((always_inline)) void attend_row_d64(const float *q, const char *kc, const char *vc,
-                                                                const int64_t *table, int64_t len, int64_t skip,
-                                                                float *out, int G, int KVH, int bs, float scale,
-                                                                float *scores, float *acc, float *buf, const int fmt) {
+/* D = 64 (SmolLM2, Llama-style small models) in any cache format, KV heads [kh0, kh1) of one
+ * row (q and out start at head kh0 * G): `inline` with a constant fmt lets the compiler unroll
+ * the chunk loops. Blocks outside, each KV head's G query heads inside: a block's K (then V)
+ * rows are read from memory once, widened to fp32 once for the G heads (block_f32), and found
+ * in L1 by them (head by head over the whole context, they came from L2: 1.2x slower at 320
+ * tokens). With `ahead` (a whole row's heads: one contiguous stretch a block), the next block
+ * is fetched into L1 meanwhile (2,048 keys x 4 rows and 300 x 32 on one Xeon core: 1.3-1.7x
+ * faster than head by head; the widening once per KV head 1.15x more). Each head's sums run
+ * in the per-block order of attend.h, which the multi-row kernel (attention_rows.c) also runs:
+ * a row gets the same bits from any of them. scores: heads * len floats, acc: heads * 64,
+ * buf: bs * 64. */
+static inline __attribute__((always_inline)) void attend_heads_d64(const float *q, const char *kc, const char *vc,
+                                                                  const int64_t *table, int64_t len, int64_t skip,
+                                                                  float *out, int G, int KVH, int kh0, int kh1, int bs,
+                                                                  float scale, float *scores, float *acc, float *buf,
+                                                                  const int fmt, int ahead) {
     enum { D = 64 };
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow, blk = (size_t)bs * row;
     const int64_t nblk = (len + bs - 1) / bs;
-    const int H = G * KVH;
+    const int H = G * (kh1 - kh0);
     for (int64_t b = 0; b < nblk; b++) {
         const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        prefetch_block(b + 1 < nblk ? kc + (size_t)table[b + 1] * blk : vc + (size_t)table[0] * blk, blk);
-        for (int kh = 0; kh < KVH; kh++) {
+        if (ahead) prefetch_block(b + 1 < nblk ? kc + (size_t)table[b + 1] * blk : vc + (size_t)table[0] * blk, blk);
+        for (int kh = kh0; kh < kh1; kh++) {
             size_t stride;
             const char *kb = block_f32(kc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
-            for (int h = kh * G; h < (kh + 1) * G; h++) {
+            for (int h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; h++) {
                 avec qv[AV_C];
                 scaled_q_d64(q + h * D, scale, qv);
                 block_scores_d64(qv, kb, stride, n, scores + (size_t)h * len + b * bs, KV_F32);
@@ -225,11 +138,11 @@ static inline __attribute__((always_inline)) void attend_row_d64(const float *q,
     memset(acc, 0, sizeof(float) * (size_t)H * D);
     for (int64_t b = 0; b < nblk; b++) {
         const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        if (b + 1 < nblk) prefetch_block(vc + (size_t)table[b + 1] * blk, blk);
-        for (int kh = 0; kh < KVH; kh++) {
+        if (ahead && b + 1 < nblk) prefetch_block(vc + (size_t)table[b + 1] * blk, blk);
+        for (int kh = kh0; kh < kh1; kh++) {
             size_t stride;
             const char *vb = block_f32(vc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
-            for (int h = kh * G; h < (kh + 1) * G; h++) {
+            for (int h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; h++) {
                 avec a[AV_C];
                 load_d64(acc + h * D, a);
                 block_values_d64(a, scores + (size_t)h * len + b * bs, vb, stride, n, KV_F32);
@@ -242,6 +155,20 @@ static inline __attribute__((always_inline)) void attend_row_d64(const float *q,
         load_d64(acc + h * D, a);
         head_out_d64(a, sum[h], out + h * D);
     }
+}
+
+/* attend_heads_d64 with the cache format a constant (one unrolled copy per format). */
+static void attend_d64(const float *q, const char *kc, const char *vc, const int64_t *table, int64_t len,
+                       int64_t skip, float *out, int G, int KVH, int kh0, int kh1, int bs, float scale, float *scores,
+                       float *acc, float *buf, int fmt, int ahead) {
+    if (fmt == KV_F32)
+        attend_heads_d64(q, kc, vc, table, len, skip, out, G, KVH, kh0, kh1, bs, scale, scores, acc, buf, KV_F32, ahead);
+    else if (fmt == KV_BF16)
+        attend_heads_d64(q, kc, vc, table, len, skip, out, G, KVH, kh0, kh1, bs, scale, scores, acc, buf, KV_BF16, ahead);
+    else if (fmt == KV_INT8)
+        attend_heads_d64(q, kc, vc, table, len, skip, out, G, KVH, kh0, kh1, bs, scale, scores, acc, buf, KV_INT8, ahead);
+    else
+        attend_heads_d64(q, kc, vc, table, len, skip, out, G, KVH, kh0, kh1, bs, scale, scores, acc, buf, KV_FP8, ahead);
 }
 #endif
 
@@ -317,16 +244,8 @@ int paged_attention_item(const float *q, const void *kc, const void *vc, const i
     const int64_t *table = tables + (size_t)b * max_blocks, skip = skips ? skips[b] : 0;
 #ifdef __AVX2__
     float *acc = scratch + (size_t)G * lens[b], *buf = acc + (size_t)G * D;
-    if (D == 64 && kv_fmt == KV_F32)
-        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, acc, buf, KV_F32);
-    else if (D == 64 && kv_fmt == KV_BF16)
-        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, acc, buf, KV_BF16);
-    else if (D == 64 && kv_fmt == KV_INT8)
-        attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
-                        KV_INT8);
-    else if (D == 64 && kv_fmt == KV_FP8)
-        attend_d64_8bit(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, bs, scale, scratch, scratch + (size_t)G * lens[b],
-                        KV_FP8);
+    if (D == 64)
+        attend_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, kh + 1, bs, scale, scratch, acc, buf, kv_fmt, 0);
     else
 #endif
         attend_generic(qi, kc, vc, table, lens[b], skip, oi, G, KVH, kh, D, bs, scale, scratch,
@@ -336,7 +255,7 @@ int paged_attention_item(const float *q, const void *kc, const void *vc, const i
 }
 
 /* All KV heads of sequence b at once (its H query heads' outputs): with D = 64 through
- * attend_row_d64 (every cache format), else head by head (paged_attention_item). Not static: step.c
+ * attend_d64 (every cache format), else head by head (paged_attention_item). Not static: step.c
  * runs a row an item where there are rows enough for every thread. Returns 0, or -1 without
  * scratch memory. */
 int paged_attention_row(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
@@ -349,15 +268,7 @@ int paged_attention_row(const float *q, const void *kc, const void *vc, const in
         const float *qi = q + (size_t)b * H * D;
         float *oi = out + (size_t)b * H * D, *acc = scratch + (size_t)H * lens[b], *buf = acc + (size_t)H * D;
         const int64_t *table = tables + (size_t)b * max_blocks, skip = skips ? skips[b] : 0;
-        const int G = H / KVH;
-        if (kv_fmt == KV_F32)
-            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, bs, scale, scratch, acc, buf, KV_F32);
-        else if (kv_fmt == KV_BF16)
-            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, bs, scale, scratch, acc, buf, KV_BF16);
-        else if (kv_fmt == KV_INT8)
-            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, bs, scale, scratch, acc, buf, KV_INT8);
-        else
-            attend_row_d64(qi, kc, vc, table, lens[b], skip, oi, G, KVH, bs, scale, scratch, acc, buf, KV_FP8);
+        attend_d64(qi, kc, vc, table, lens[b], skip, oi, H / KVH, KVH, 0, KVH, bs, scale, scratch, acc, buf, kv_fmt, 1);
         free(scratch);
         return 0;
     }
