@@ -88,6 +88,43 @@ def test_a_stopped_step_whose_blocks_another_request_took_preempts_that_one(make
     assert eng.scheduler.stopped_steps == 1
 
 
+def test_a_short_step_of_the_python_layer_loop_stops_for_its_word(make_engine):
+    """Two requests decode and a short prompt (under PAUSE_MIN_TOKENS) joins them: a step the
+    Python layer loop runs (the native step's kind on an AMX CPU, where prompt rows take that
+    loop) reads the stop word at each layer's end and stops at the first when the word is
+    below its threshold: no output, no progress; then every request gives the tokens of a run
+    that never stopped, and every block is back."""
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6, 5, 4, 3, 2]]
+    want = make_engine().generate([*prompts, SHORT], GREEDY)
+    eng = make_engine()
+    eng.stop_word = word = StopWord()
+    for rid, p in zip("ab", prompts):
+        eng.add_request(rid, p, GREEDY)
+    got = _tokens(eng.step())
+    eng.add_request("s", SHORT, GREEDY)
+    computed = {r: eng.scheduler.requests[r].num_computed_tokens for r in "abs"}
+    layers, hook_of = [], eng._native_stop
+
+    def seen():  # the step's hook, recording the layers whose ends it was called at
+        hook = hook_of()
+
+        def spy(i):
+            layers.append(i)
+            hook(i)
+        spy.native_stop = hook.native_stop
+        return spy
+    eng._native_stop = seen
+    word.note(-5)
+    assert eng.step() == [] and eng.scheduler.stopped_steps == 1
+    assert layers == [0]  # it stopped at the first layer's end
+    assert {r: eng.scheduler.requests[r].num_computed_tokens for r in "abs"} == computed
+    word.clear()
+    for rid, toks in _until_done(eng).items():
+        got.setdefault(rid, []).extend(toks)
+    assert [got["a"], got["b"], got["s"]] == want
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
 def test_the_rule_stops_only_for_a_more_urgent_arrival(make_engine):
     ae = AsyncEngine(make_engine())
     ae.stop_word.threshold = 0
