@@ -281,10 +281,10 @@ class SchedulerConfig:
     """The longest a window step may take by the cost model (engine/core/step_cost.py): less
     urgent rows take turns within it (each step takes one at least). An urgent request stops the
     step in flight at a layer's end (it counts for nothing): this bounds the work lost; 0: none."""
-    peer_chunk: int = 128
+    peer_chunk: int = 0
     """Prompt chunks' most tokens while only a peer on this host had more urgent work within its
-    window: the step pauses at a layer's end for the peer's next urgent step (async_engine.py),
-    within one layer of such a chunk (~4 ms on one core of a 2-core Zen 4); 0: no cap."""
+    window; 0: no cap (a long step pauses for the peer inside each layer, kv_hooks.py: a cap of
+    128 cost a flood's prompts 25-30% beside an urgent client, for no gain: bench/NOTES.md)."""
 
     def __post_init__(self):
         if self.max_num_seqs <= 0:
