@@ -12,9 +12,11 @@ from pathlib import Path
 
 import uvicorn
 
+
 from pdserve.config import LOOPBACK_HOSTS as LOOPBACK
 from pdserve.config import ClusterConfig, RouterConfig, SecurityConfig
 from pdserve.common.aio import stop_tasks
+from pdserve.common.gc_quiet import freeze_startup
 
 
 def check_exposure(router: RouterConfig, security: SecurityConfig) -> None:
@@ -68,6 +70,7 @@ def serve_router(config: ClusterConfig, model_paths: list[Path], log, t0: float,
     async def announce():
         while not (server.started and routers.ready()):
             await asyncio.sleep(0.1)
+        freeze_startup()  # full collections then skip the libraries, tokenizers and the app
         if not api:
             log(f"pools ready in {time.monotonic() - t0:.1f}s: {control.sizes()}; admin endpoints on "
                 f"http://{rc.host}:{rc.port}/admin/pools")

@@ -16,6 +16,7 @@ from pdserve.engine.core.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parallel.cores import CoreShare
 from pdserve.engine.core.engine import LLMEngine
+from pdserve.common.gc_quiet import freeze_startup
 from pdserve.common.model_files import served_model_name
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.engine.parallel.tp import ModelSource
@@ -116,6 +117,8 @@ class HostedWorker:
             self.registration.start()
         self.record = record
         self._watchdog = asyncio.create_task(self._watch_engine())
+        if self.exit_on_engine_death:  # a process of its own: in another program, its garbage would stay
+            freeze_startup()  # full collections then skip the model, the libraries and the server
         return record
 
     async def _watch_engine(self, interval_s: float = 0.5) -> None:
