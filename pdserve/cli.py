@@ -71,28 +71,37 @@ def _export_hf(args) -> int:
     return 0
 
 
-def _bench_commands(sub) -> None:
-    """The benchmark lab's commands; each parses its own flags (pdserve.bench)."""
-    from pdserve.bench import baseline_server, cluster, engine, peers, serving, transfer
+# the benchmark lab's commands: (command, module of pdserve.bench, its function adding the flags, help)
+BENCH_COMMANDS = (
+    ("bench-transfer", "transfer", "add_bench_transfer_args", "KV hand-off GB/s: gRPC vs UCX vs a memory copy"),
+    ("bench-cluster", "cluster", "add_bench_cluster_args",
+     "disaggregated vs aggregated under a mixed workload; KV transfer GB/s"),
+    ("bench", "serving", "add_bench_serving_args",
+     "serving benchmark of any OpenAI endpoint: TTFT/ITL/TPOT, goodput, rate sweeps"),
+    ("bench-peers", "peers", "add_bench_peers_args", "pdserve vs transformers (and llama.cpp/vLLM when installed), one run"),
+    ("baseline-server", "baseline_server", "add_baseline_args",
+     "the transformers baseline behind an OpenAI API (static batching)"),
+    ("bench-engine", "engine", "add_bench_args", "engine throughput vs a transformers baseline; writes JSON"))
 
-    for name, module, add, help_ in (
-            ("bench-transfer", transfer, "add_bench_transfer_args", "KV hand-off GB/s: gRPC vs UCX vs a memory copy"),
-            ("bench-cluster", cluster, "add_bench_cluster_args",
-             "disaggregated vs aggregated under a mixed workload; KV transfer GB/s"),
-            ("bench", serving, "add_bench_serving_args",
-             "serving benchmark of any OpenAI endpoint: TTFT/ITL/TPOT, goodput, rate sweeps"),
-            ("bench-peers", peers, "add_bench_peers_args",
-             "pdserve vs transformers (and llama.cpp/vLLM when installed), one run"),
-            ("baseline-server", baseline_server, "add_baseline_args",
-             "the transformers baseline behind an OpenAI API (static batching)"),
-            ("bench-engine", engine, "add_bench_args", "engine throughput vs a transformers baseline; writes JSON")):
+
+def _bench_commands(sub, chosen: str | None) -> None:
+    """The benchmark lab's commands, each parsing its own flags (pdserve.bench). Only the
+    `chosen` one imports its module (some import torch, ~2 s): the others are listed by name."""
+    import importlib
+
+    for name, module_name, add, help_ in BENCH_COMMANDS:
         p = sub.add_parser(name, help=help_)
+        if name != chosen:
+            continue
+        module = importlib.import_module(f"pdserve.bench.{module_name}")
         getattr(module, add)(p)
-        if module is engine:
+        if module_name == "engine":
             add_engine_args(p)
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; `argv` (default sys.argv[1:]) names the command whose flags a
+    benchmark command loads (`_bench_commands`)."""
     ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt (text only on stdout)")
@@ -120,12 +129,13 @@ def parser() -> argparse.ArgumentParser:
     x.set_defaults(func=_export_hf)
     r.set_defaults(func=_router)
     s.set_defaults(func=_scale)
-    _bench_commands(sub)
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    _bench_commands(sub, words[0] if words else None)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser(argv).parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:  # `kill -USR1 PID`: every thread's stack to stderr (what a stuck process waits on)
         faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, RotaryEmbedding
+from pdserve.engine.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, RotaryEmbedding, token_embedding
 from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
 
 
@@ -48,7 +48,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(cfg)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

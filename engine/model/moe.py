@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
+from pdserve.engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm, token_embedding
 from pdserve.engine.model.lora_batch import LoRALayer
 from pdserve.engine.model.quant import make_linear
 
@@ -232,7 +232,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(cfg)
         self.layers = nn.ModuleList(MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
