@@ -125,6 +125,23 @@ def test_exact_runs_exact_grids_quantized_and_the_rest_in_fp32(fmt):
     assert not isinstance(make_linear(torch.randn(8, 48), "exact"), WeightOnlyLinear)  # K not a multiple of 32
 
 
+def test_a_grid_s_packed_form_is_the_quantizer_s_own():
+    """grid_form, the one-pass check each worker's start runs on every matrix, gives bitwise
+    what quantize_q4_1 / quantize_q8_0 give for a grid of theirs, and nothing for a matrix
+    that is neither (a Q8_0 grid is not a Q4_1 one: 255 levels where Q4_1 has 16)."""
+    from pdserve.engine.kernels import native
+    from pdserve.engine.kernels.native.weight_formats import grid_form
+    g = torch.Generator().manual_seed(5)
+    for fmt in ("q4_1", "q8_0"):
+        quantize, dequantize = getattr(native, f"quantize_{fmt}"), getattr(native, f"dequantize_{fmt}")
+        for scale in (0.02, 3.0):
+            w = dequantize(*quantize(scale * torch.randn(48, 128, generator=g)))
+            w[5, 32:64] = 0.25  # a constant group
+            found, packed = grid_form(w, 1e-5)
+            assert found == fmt and all(torch.equal(a, b) for a, b in zip(packed, quantize(w)))
+    assert grid_form(torch.randn(48, 128, generator=g), 1e-5) is None
+
+
 @pytest.mark.slow
 def test_exact_is_the_same_model_as_fp32(smollm, quantized):
     """The default checkpoint's 120 layer matrices are Q4_1 grids and its LM head a Q8_0 one:

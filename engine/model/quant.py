@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import QUANTIZATIONS
+from pdserve.engine.kernels.native.weight_formats import grid_form
 
 EXACT_TOL = 1e-5  # a matrix is a Q4_1 grid if re-quantizing it moves no weight by more than this x max |w|
 
@@ -286,13 +287,7 @@ def exact_grid(w: torch.Tensor) -> tuple[str, tuple] | None:
         native.load()
     except native.NativeKernelUnavailable:
         return None
-    tol = EXACT_TOL * w.abs().max().clamp(min=1e-30)
-    for fmt, quantize, dequantize in (("q4_1", native.quantize_q4_1, native.dequantize_q4_1),
-                                      ("q8_0", native.quantize_q8_0, native.dequantize_q8_0)):
-        packed = quantize(w)
-        if dequantize(*packed).sub_(w).abs_().max() <= tol:
-            return fmt, packed
-    return None
+    return grid_form(w, EXACT_TOL)
 
 
 def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True,

@@ -57,3 +57,26 @@ def dequantize_q4_1(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> t
     b = packed.reshape(n, -1, 16)
     q = torch.cat([b & 15, b >> 4], dim=2).float()
     return (q * d[..., None] + m[..., None]).reshape(n, -1)
+
+
+def grid_form(w: torch.Tensor, rel_tol: float) -> tuple[str, tuple] | None:
+    """("q4_1", quantize_q4_1's output) or ("q8_0", quantize_q8_0's) of the 2-D fp32 `w` (K a
+    multiple of 32) if re-quantizing it that way moves no weight by more than `rel_tol` x max |w|
+    (as GGUF checkpoints dequantize), else None. The same arithmetic as dequantizing each format's
+    quantization, in one pass over reused buffers: every worker's start checks every matrix."""
+    n, k = w.shape
+    g = w.detach().reshape(n, k // 32, 32)
+    lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
+    tol = rel_tol * torch.maximum(hi.max(), -lo.min()).clamp(min=1e-30)
+    d = (hi - lo) / 15
+    q = (g - lo).mul_(torch.where(d > 0, 1 / d, torch.zeros_like(d))).round_().clamp_(0, 15)
+    err = torch.empty_like(q)
+    if torch.mul(q, d, out=err).add_(lo).sub_(g).abs_().max() <= tol:
+        q = q.to(torch.uint8)
+        packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
+        return "q4_1", (packed.contiguous(), d.reshape(n, -1).contiguous(), lo.reshape(n, -1).contiguous())
+    d = torch.maximum(hi, lo.neg_()).div_(127)  # max |w| of each group / 127
+    q = torch.mul(g, torch.where(d > 0, 1 / d, torch.zeros_like(d)), out=q).round_().clamp_(-127, 127)
+    if torch.mul(q, d, out=err).sub_(g).abs_().max() <= tol:
+        return "q8_0", (q.to(torch.int8).reshape(n, k).contiguous(), d.reshape(n, -1).contiguous())
+    return None
