@@ -200,8 +200,10 @@ def test_scale_puts_the_new_decode_worker_on_the_node_with_room(cluster):
                         "--decode", "2"], capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr + cluster.log()
     assert json.loads(r.stdout) == {"prefill": 1, "decode": 2}
-    w = wait_until(lambda: cluster.workers().get("decode-1"), 30, "decode-1 to register")
-    assert w["address"].split(":")[0] == IP["spare"] and w["healthy"]
+    # registered first, healthy at the router's next poll of its stats
+    w = wait_until(lambda: (w := cluster.workers().get("decode-1")) and w["healthy"] and w, 30,
+                   "decode-1 to register and answer the router's health poll")
+    assert w["address"].split(":")[0] == IP["spare"]
     cluster.track()
 
 
