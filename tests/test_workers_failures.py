@@ -244,30 +244,33 @@ def test_a_prefill_cancelled_while_its_blocks_wait_to_be_freed_still_frees_them(
     come back: a cancel may not drop that cleanup."""
     import threading
 
-    from pdserve.prefill_worker.service import PrefillServicer
-
     async def main():
         async with Cluster(make_engine) as c:
             eng, ae = c.prefill_engine, c.prefill.engine
             in_step, go_on = threading.Event(), threading.Event()
             export = eng.export_kv
 
-            def export_then_stall(rid):  # engine thread: the next command in line is a long "step"
-                out = export(rid)
+            def export_then_stall(request_id):  # engine thread: the next command in line is a long "step"
+                out = export(request_id=request_id)
                 ae.call(lambda e: (in_step.set(), go_on.wait(10)))
                 return out
             eng.export_kv = export_then_stall
             req = pb.PrefillRequest(request_id="p", prompt_token_ids=PROMPTS[1], kv_address="127.0.0.1:1",
                                     params=params_to_proto(PARAMS[0]), dest_block_ids=[0, 1, 2])
-            task = asyncio.ensure_future(PrefillServicer(c.prefill).Prefill(req, None))
-            await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
+            channel = grpc.aio.insecure_channel(c.prefill.address)
+            task = asyncio.ensure_future(pb_grpc.PrefillServiceStub(channel).Prefill(req))
+            assert await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
             for _ in range(500):  # the handler has queued the release behind the stall
                 if ae._commands.qsize():
                     break
                 await asyncio.sleep(0.01)
+            assert ae._commands.qsize(), "the release never queued behind the stall"
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(0.05)  # the cancel reaches the handler while its release waits
+            assert eng.blocks.num_used_blocks  # still held, behind the stall
             go_on.set()
+            await asyncio.gather(task, return_exceptions=True)
+            await channel.close()
             assert await ae.run(lambda e: (e.blocks.num_used_blocks, dict(e._held))) == (0, {})
 
     asyncio.run(main())
