@@ -86,6 +86,8 @@ class AdapterAdmin:
         self.wanted: dict[str, str] = {}  # loaded at run time: name -> directory
         self.unwanted: set[str] = set()   # unloaded at run time (a worker started with it drops it)
         self._refused: set[tuple[str, str, str]] = set()  # (worker, name, path) a reconcile failed on: not retried
+        # one change at a time: a reconcile's list, made before an admin unload, would load the adapter back
+        self._changing = asyncio.Lock()
 
     async def _on_all(self, method: str, name: str, path: str = "") -> list[tuple[str, object]]:
         """Call LoadLoRA / UnloadLoRA on every healthy worker: (worker id, reply or AioRpcError)."""
@@ -108,6 +110,10 @@ class AdapterAdmin:
         if not name or not path:
             raise APIError(400, "lora_name and lora_path are both required", param="lora_name" if not name
                            else "lora_path", code="missing_field")
+        async with self._changing:
+            return await self._load(name, path)
+
+    async def _load(self, name: str, path: str) -> str:
         results = await self._on_all("LoadLoRA", name, path)
         failed = [(wid, r) for wid, r in results if isinstance(r, grpc.aio.AioRpcError)]
         if failed:
@@ -122,6 +128,10 @@ class AdapterAdmin:
         """Unload adapter `name` from every worker; 404 if none knows it."""
         if not name:
             raise APIError(400, "lora_name is required", param="lora_name", code="missing_field")
+        async with self._changing:
+            return await self._unload(name)
+
+    async def _unload(self, name: str) -> str:
         results = await self._on_all("UnloadLoRA", name)
         if all(isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.NOT_FOUND for _, r in results):
             raise _api_error(results[0][1], name, results[0][0])
@@ -138,20 +148,25 @@ class AdapterAdmin:
         """Give each healthy worker the adapters loaded at run time that it lacks (it started
         later, or restarted), and take away those unloaded since it started. A change a worker
         refuses is logged once and not retried until that worker has been away (unhealthy)."""
-        for w in list(self.cluster.workers.values()):
-            s = self.cluster.stats.get(w.worker_id)
-            if s is None or not self.cluster.healthy.get(w.worker_id):
-                self._refused = {r for r in self._refused if r[0] != w.worker_id}
+        async with self._changing:
+            for w in list(self.cluster.workers.values()):
+                await self._reconcile(w)
+
+    async def _reconcile(self, w) -> None:
+        """One worker's share of `reconcile`."""
+        s = self.cluster.stats.get(w.worker_id)
+        if s is None or not self.cluster.healthy.get(w.worker_id):
+            self._refused = {r for r in self._refused if r[0] != w.worker_id}
+            return
+        has = {i.name for i in s.loras}
+        todo = [("LoadLoRA", n, p) for n, p in self.wanted.items() if n not in has]
+        todo += [("UnloadLoRA", n, "") for n in self.unwanted & has]
+        for method, name, path in todo:
+            if (w.worker_id, name, path) in self._refused:
                 continue
-            has = {i.name for i in s.loras}
-            todo = [("LoadLoRA", n, p) for n, p in self.wanted.items() if n not in has]
-            todo += [("UnloadLoRA", n, "") for n in self.unwanted & has]
-            for method, name, path in todo:
-                if (w.worker_id, name, path) in self._refused:
-                    continue
-                try:
-                    await getattr(self.cluster._stub(w), method)(pb.LoRARequest(
-                        cluster_token=self.cluster.cluster_token, lora_name=name, lora_path=path), timeout=60.0)
-                except grpc.aio.AioRpcError as e:
-                    self._refused.add((w.worker_id, name, path))
-                    log.warning("%s of adapter %s on worker %s failed: %s", method, name, w.worker_id, e.details())
+            try:
+                await getattr(self.cluster._stub(w), method)(pb.LoRARequest(
+                    cluster_token=self.cluster.cluster_token, lora_name=name, lora_path=path), timeout=60.0)
+            except grpc.aio.AioRpcError as e:
+                self._refused.add((w.worker_id, name, path))
+                log.warning("%s of adapter %s on worker %s failed: %s", method, name, w.worker_id, e.details())
