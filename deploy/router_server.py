@@ -113,7 +113,7 @@ def serve_router(config: ClusterConfig, model_paths: list[Path], log, t0: float,
 
 def run_router(config: ClusterConfig) -> int:
     """`pdserve router`: serve against the cluster of `config.registry` until Ctrl-C."""
-    from pdserve.engine.model.weights import resolve_model_path
+    from pdserve.common.model_files import resolve_model_path
     from pdserve.registry.urls import redact_url
 
     check_exposure(config.router, config.security)

@@ -60,10 +60,8 @@ def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
     """Refuse at once, before Ray starts, a pool's tensor-, expert- or pipeline-parallel degree
     its model cannot be split into (the model's config read from its directory or GGUF header,
     only where a degree is above 1), naming the pool's flag and the degrees that fit."""
-    from pdserve.engine.model.weights import read_model_config
-    from pdserve.engine.parallel.ep import check_experts
-    from pdserve.engine.parallel.pp import check_stages
-    from pdserve.engine.parallel.shard import check_degree
+    from pdserve.engine.model.gguf_config import read_model_config
+    from pdserve.engine.parallel.degrees import check_degree, check_experts, check_stages
 
     for c, path in zip(clusters, paths):
         e = c.engine
@@ -83,6 +81,21 @@ def _check_degrees(clusters: list[ClusterConfig], paths: list) -> None:
                     check(cfg, degree)
                 except ValueError as err:
                     raise ValueError(f"--{role}-{flag}: {err}") from None
+
+
+def _check_local_fit(config: ClusterConfig, cpus: int) -> None:
+    """Raise PlacementError before a local Ray of `cpus` CPUs starts when the pools' CPUs do not
+    fit in it. Pools that ask for GPUs or custom resources are left to `_check_placement`:
+    what a local Ray has of those is known once it runs."""
+    from .placement import RayResources, cluster_demands, placement_shortfall
+
+    demands = cluster_demands(config)
+    if any(set(d.per_worker) - {"CPU"} for d in demands):
+        return
+    has = {"CPU": float(cpus)}
+    short = placement_shortfall(demands, RayResources(has, has, [has]))
+    if short is not None:
+        raise PlacementError(f"the pools do not fit in the local Ray cluster: {short}")
 
 
 def _check_placement(config: ClusterConfig, log) -> None:
@@ -141,10 +154,9 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     admin endpoints only; routers run elsewhere. A signal in any phase, start included, stops
     everything started so far (deploy/interrupts.py); a start cut short raises
     KeyboardInterrupt once it is cleaned up."""
-    from pdserve.engine.model.weights import resolve_model_path
+    from pdserve.common.model_files import resolve_model_path
 
     from .interrupts import Interrupts
-    from .launch import RayPools
     from .placement import local_ray_cpus
 
     check_exposure(config.router, config.security)
@@ -153,10 +165,14 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     clusters = config.model_clusters()  # one per served model (one: the cluster's own engine and pools)
     paths = [resolve_model_path(c.engine.model or None) for c in clusters]
     _check_degrees(clusters, paths)
+    cpus = local_ray_cpus(config, os.cpu_count() or 1)
+    if not config.ray_address:
+        _check_local_fit(config, cpus)
+    from .launch import RayPools  # Ray and the workers' code: imported once the flags are known to fit
+
     up, clean = _Started(), False
     interrupts = Interrupts(log).install()
     try:
-        cpus = local_ray_cpus(config, os.cpu_count() or 1)
         log(f"joining Ray at {config.ray_address}" if config.ray_address else f"starting a local Ray of {cpus} CPUs")
         with interrupts.deferred():  # cut half-way, ray.init leaves processes behind that nothing stops
             gcs, up.ray_temp = _start_ray(config.ray_address, cpus)

@@ -360,7 +360,7 @@ def test_fused_expert_tensors_as_transformers_holds_them(tmp_path):
 
 
 def test_incomplete_gguf_expert_metadata_is_refused():
-    from pdserve.engine.model.moe_weights import gguf_moe_fields
+    from pdserve.engine.model.gguf_config import gguf_moe_fields
     assert gguf_moe_fields({"llama.feed_forward_length": 96}, "llama") == {}  # a dense Llama
     with pytest.raises(ModelLoadError, match="expert_used_count"):
         gguf_moe_fields({"llama.expert_count": 8}, "llama")

@@ -2,6 +2,7 @@
 that does not run a model, no torch._dynamo import while a model loads (~2 s each), and a KV
 cache whose memory the OS makes as blocks are first written, zero until then. Each check runs
 in a fresh interpreter, where the test process's own imports cannot hide an import."""
+import os
 import subprocess
 import sys
 
@@ -12,8 +13,8 @@ from pdserve.engine.config import CacheConfig
 from pdserve.engine.kv.cache import KVCache
 
 
-def run_python(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def run_python(code: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -57,3 +58,21 @@ def test_a_fresh_cache_is_zero_and_takes_memory_only_where_blocks_are_written(sm
     block.fill_(1.5)
     assert cache.kv[:, :, 7].eq(1.5).all() and not cache.kv[:, :, 6].any() and not cache.kv[:, :, 8].any()
     assert _resident_mb() - before < 128
+
+
+# `pdserve up` with the arguments given, its exit code, then whether torch and Ray were imported
+UP_IMPORTS = ("import atexit, sys\n"
+              "atexit.register(lambda: print('torch' in sys.modules, 'ray' in sys.modules))\n"
+              "from pdserve.cli import main\n"
+              "sys.argv = ['pdserve', 'up', *sys.argv[1:]]\n"
+              "print(main())\n")
+
+
+def test_up_refuses_flags_that_cannot_fit_without_importing_torch_or_ray():
+    # a degree the model cannot be split into, and ranks the local Ray's CPUs cannot hold:
+    # each refused from the model file's header and the flags, before Ray or a model loads
+    out = run_python(UP_IMPORTS, "--decode-pp", "31")
+    assert out.split() == ["2", "False", "False"], out
+    tp = (os.cpu_count() or 1) + 1
+    out = run_python(UP_IMPORTS, "--prefill-tp", str(tp), "--kv-cache-memory", "64MiB")
+    assert out.split() == ["2", "False", "False"], out

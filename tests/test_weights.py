@@ -190,3 +190,67 @@ def test_fingerprint_follows_content_not_location(tmp_path, monkeypatch):
     write_gguf(tmp_path / "c.gguf", cfg, tiny_state_dict(cfg, seed=2))
     a, b, c = (load_model(p).fingerprint for p in (tmp_path / "a.gguf", tmp_path / "elsewhere" / "b.gguf", tmp_path / "c.gguf"))
     assert a == b != c
+
+
+def _reader_metadata(path) -> dict:
+    """What gguf's own reader finds in the file's metadata, as `gguf_header` gives it (the
+    vocabulary's arrays by their length)."""
+    from gguf import GGUFReader
+
+    out = {}
+    for key, field in GGUFReader(str(path)).fields.items():
+        if key.startswith("GGUF."):  # the reader's own records of the header (version, counts)
+            continue
+        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in ("tokens", "merges", "token_type", "scores"):
+            out[f"{key}.count"] = len(field.data)
+        else:
+            out[key] = field.contents()
+    return out
+
+
+@pytest.mark.parametrize("endian", ["little", "big"])
+def test_the_header_reader_reads_every_value_type_as_gguf_does(tmp_path, endian):
+    from gguf import GGUFEndian
+
+    from pdserve.engine.model.gguf_config import gguf_header
+
+    path = tmp_path / "kinds.gguf"
+    w = GGUFWriter(str(path), "llama", endianess=GGUFEndian.BIG if endian == "big" else GGUFEndian.LITTLE)
+    w.add_uint8("k.u8", 200), w.add_int8("k.i8", -5), w.add_uint16("k.u16", 60000), w.add_int16("k.i16", -300)
+    w.add_uint32("k.u32", 4_000_000_000), w.add_int32("k.i32", -7), w.add_float32("k.f32", 0.25)
+    w.add_uint64("k.u64", 2**40), w.add_int64("k.i64", -(2**40)), w.add_float64("k.f64", 1e-300)
+    w.add_bool("k.bool", True), w.add_string("k.str", "ünïcode")
+    w.add_array("k.ints", [3, 1, 4]), w.add_array("k.strs", ["a", "", "bc"]), w.add_array("k.floats", [0.5, 1.5])
+    w.add_token_list(["<s>", "a", "ab"]), w.add_token_scores([0.0, -1.0, -2.0]), w.add_token_merges(["a b"])
+    w.add_tensor("t", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    got = gguf_header(path)
+    assert got == _reader_metadata(path)
+    assert got["k.u64"] == 2**40 and got["k.str"] == "ünïcode" and got["k.strs"] == ["a", "", "bc"]
+    assert got["tokenizer.ggml.tokens.count"] == 3 and "tokenizer.ggml.tokens" not in got
+
+
+def test_the_header_reader_gives_the_real_model_s_metadata_and_config(smollm):
+    from pdserve.engine.model.gguf_config import gguf_header, model_config_from_gguf, read_model_config
+
+    path = smollm[0].path
+    meta = gguf_header(path)
+    assert meta == _reader_metadata(path)
+    assert meta["tokenizer.ggml.tokens.count"] == 49152
+    cfg = read_model_config(path)
+    assert cfg == model_config_from_gguf(meta) and cfg.num_hidden_layers == 30 and cfg.vocab_size == 49152
+
+
+def test_the_header_reader_names_a_file_that_is_not_gguf(tmp_path):
+    from pdserve.engine.model.gguf_config import gguf_header
+
+    cfg = tiny_config()
+    good = tmp_path / "tiny.gguf"
+    write_gguf(good, cfg, tiny_state_dict(cfg, seed=1))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:200])  # the metadata ends mid-value
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "text.gguf").write_text("not a model at all")
+    for name, why in [("cut.gguf", "ends early"), ("empty.gguf", "not a GGUF file"), ("text.gguf", "no GGUF magic")]:
+        with pytest.raises(ModelLoadError, match=why):
+            gguf_header(tmp_path / name)

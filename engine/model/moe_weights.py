@@ -21,10 +21,6 @@ from pdserve.engine.config import ModelConfig
 
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _GGUF_EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-# llama.cpp renormalizes the top-k weights for these architectures (its build_moe_ffn's norm_w),
-# unless the file says otherwise in {arch}.expert_weights_norm
-_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
-GGUF_MOE_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 _GGUF_SHARED = {"ffn_gate_shexp": "shared_expert.gate_proj", "ffn_up_shexp": "shared_expert.up_proj",
                 "ffn_down_shexp": "shared_expert.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate"}
 
@@ -75,26 +71,6 @@ def _split_fused(prefix: str, kind: str, t: torch.Tensor, cfg: ModelConfig) -> d
         else:
             out[f"{prefix}.{e}.down_proj.weight"] = t[e]
     return out
-
-
-def gguf_moe_fields(meta: dict, arch: str) -> dict:
-    """The ModelConfig fields of an MoE GGUF (empty for a dense one): the model type, the
-    expert counts and width, and whether the top-k weights are renormalized."""
-    count = int(meta.get(f"{arch}.expert_count") or 0)
-    if not count:
-        return {}
-    if arch not in GGUF_MOE_TYPES:
-        raise ModelLoadError(f"GGUF architecture {arch!r} with experts is not supported: pdserve runs the "
-                             f"experts of {', '.join(GGUF_MOE_TYPES)}")
-    used = meta.get(f"{arch}.expert_used_count")
-    if not used:
-        raise ModelLoadError(f"GGUF metadata key {arch}.expert_used_count is missing")
-    width = meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length")
-    norm = meta.get(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK[arch])
-    return {"model_type": GGUF_MOE_TYPES[arch], "num_experts": count, "num_experts_per_tok": int(used),
-            "moe_intermediate_size": int(width), "norm_topk_prob": bool(norm),
-            "shared_expert_intermediate_size": int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
-            "qk_norm": arch in ("qwen3moe", "olmoe")}
 
 
 _GGUF_EXPERT_TENSOR = re.compile(

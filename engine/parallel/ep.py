@@ -30,25 +30,9 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv.cache import KVCache, kv_format
 from pdserve.engine.model.moe import ExpertShare
-from pdserve.engine.parallel.shard import span
+from pdserve.engine.parallel.degrees import check_experts, experts_of, span  # noqa: F401 - the split
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
-
-
-def check_experts(cfg: ModelConfig, ep: int) -> None:
-    """Refuse a degree the model's experts cannot be split into."""
-    if not cfg.num_experts:
-        raise ValueError(f"expert-parallel degree {ep}: this {cfg.model_type} model is dense (no experts to "
-                         "split): use 1 (or tensor parallelism, --tp)")
-    if not 1 <= ep <= cfg.num_experts:
-        raise ValueError(f"expert-parallel degree {ep}: this model has {cfg.num_experts} experts per layer: use "
-                         f"1 to {cfg.num_experts}")
-
-
-def experts_of(cfg: ModelConfig, ep: int, rank: int) -> range:
-    """The experts rank `rank` holds: its contiguous share of each MoE layer's."""
-    s = span(cfg.num_experts, ep, rank)
-    return range(s.start, s.stop)
 
 
 def shard_experts(state: dict[str, torch.Tensor], cfg: ModelConfig, ep: int, rank: int

@@ -8,31 +8,11 @@ from dataclasses import replace
 import torch
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.parallel.degrees import check_degree, span  # noqa: F401 - the degrees a model allows
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output
 ROW = ("o_proj", "down_proj")  # split by input
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def check_degree(cfg: ModelConfig, tp: int) -> None:
-    """Refuse a degree the model's heads cannot be split into, naming the degrees that work."""
-    if tp > 1 and cfg.num_experts:
-        raise ValueError(f"tensor-parallel degree {tp}: a mixture-of-experts model ({cfg.model_type}) is not "
-                         "split by tensor parallelism (not implemented): use 1, or expert parallelism (--ep)")
-    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    ok = h % tp == 0 and (kv % tp == 0 or tp % kv == 0)
-    if tp < 1 or not ok:
-        good = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
-        raise ValueError(f"tensor-parallel degree {tp} does not divide this model's {h} attention heads "
-                         f"({kv} KV heads): use one of {', '.join(map(str, good))}")
-
-
-def span(n: int, tp: int, rank: int) -> slice:
-    """Rank `rank`'s part of n units split as evenly as possible (the first n % tp get one more;
-    heads and units here, experts in ep.py)."""
-    base, extra = divmod(n, tp)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (rank < extra))
 
 
 def kv_heads_of(cfg: ModelConfig, tp: int, rank: int) -> slice:
