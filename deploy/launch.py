@@ -20,7 +20,6 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from pdserve.config import ClusterConfig, PoolConfig, WorkerConfig
 
-from .worker_host import HostedWorker, load_worker_model
 
 log = logging.getLogger("pdserve.deploy")
 
@@ -50,6 +49,8 @@ class WorkerActor:
         import torch
 
         from pdserve.common.threads import in_fresh_thread
+
+        from .worker_host import HostedWorker, load_worker_model  # torch and the engine: the worker's process alone
 
         if config.host == "auto":  # multi-node: serve on this node's address, which other nodes reach
             config = replace(config, host=ray.util.get_node_ip_address())

@@ -44,6 +44,8 @@ def test_up_serves(default_up, smollm):
     assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
     isolation_under_ray(url, model)
     responses_under_ray(client, model)
+    # the driver and its router run no model: torch (~2 s of each start) stays out of `pdserve up`'s process
+    assert "libtorch" not in open(f"/proc/{default_up.up.p.pid}/maps").read()
     metrics = httpx.get(f"{url}/metrics").text
     assert 'role="prefill"' in metrics and 'role="decode"' in metrics
     # where each prompt was computed: at least one found the decode worker idle (no hand-off)
