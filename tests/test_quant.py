@@ -140,6 +140,12 @@ def test_a_grid_s_packed_form_is_the_quantizer_s_own():
             found, packed = grid_form(w, 1e-5)
             assert found == fmt and all(torch.equal(a, b) for a, b in zip(packed, quantize(w)))
     assert grid_form(torch.randn(48, 128, generator=g), 1e-5) is None
+    w = native.dequantize_q4_1(*native.quantize_q4_1(torch.randn(64, 256, generator=g)))
+    assert grid_form(w.t().contiguous().t(), 1e-5)[0] == "q4_1"  # any layout: read as (N, K)
+    for row, value in ((63, 0.3), (0, float("nan"))):  # one weight off the grid, in the last row or the first
+        off = w.clone()
+        off[row, 200] += value
+        assert grid_form(off, 1e-5) is None
 
 
 @pytest.mark.slow

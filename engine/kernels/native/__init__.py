@@ -27,17 +27,17 @@ import torch
 
 from .cpu import ISA_ENV, ISAS, UnknownISA, cpu_flags, isa, isas  # noqa: F401  (the build's target)
 
-# one library from every C file here: weight-only matmuls (woq.c), paged decode attention
-# (attention.c; runs of a prompt's rows together: attention_rows.c), 8-bit KV stores (kv_store.c), fused elementwise ops (fused.c), Q4_1 x int8
-# matmuls (w4a8.c, bound in w4a8.py), Q8_0 x int16 matmuls (q8a16.c, bound in q8a16.py),
-# sampling (sampling.c), a whole decode step's layers (step.c, bound in step.py; its matmul over
-# nibble-packed weights: w4a8n.c), LoRA updates
-# (lora.c, bound in lora.py), bf16 matmuls and prompt attention on AMX tiles (amx.c, amx_attention.c, bound in amx.py); vecmath.h,
-# kvformat.h and attend.h are shared by them
+# one library from every C file here: weight-only matmuls (woq.c), paged decode attention (attention.c;
+# runs of a prompt's rows together: attention_rows.c), 8-bit KV stores (kv_store.c), fused elementwise ops
+# (fused.c), Q4_1 x int8 matmuls (w4a8.c, bound in w4a8.py), Q8_0 x int16 matmuls (q8a16.c, bound in
+# q8a16.py), sampling (sampling.c), a whole decode step's layers (step.c, bound in step.py; its matmul over
+# nibble-packed weights: w4a8n.c), LoRA updates (lora.c, bound in lora.py), bf16 matmuls and prompt attention
+# on AMX tiles (amx.c, amx_attention.c, bound in amx.py), the grid check of a model's matrices at load
+# (grids.c, bound in weight_formats.py); vecmath.h, kvformat.h and attend.h are shared by them
 SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
                                      for n in ("woq.c", "attention.c", "attention_rows.c", "kv_store.c", "fused.c", "w4a8.c", "q8a16.c", "sampling.c",
                                                "step.c", "w4a8n.c", "lora.c", "peak.c", "amx.c",
-                                               "amx_attention.c"))
+                                               "amx_attention.c", "grids.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h"))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

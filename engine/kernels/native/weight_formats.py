@@ -1,8 +1,14 @@
 """The weight formats the native matmuls read, on the Python side: per-row int8, GGUF's Q4_1
-and Q8_0 (groups of 32 along K), quantized and dequantized with torch ops."""
+and Q8_0 (groups of 32 along K), quantized and dequantized with torch ops; and whether a matrix
+is exactly such a grid (grids.c)."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
+
+_grids = None  # grids.c's two checks, bound at the first grid_form
+
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-row int8: returns q int8 (N, K) and scales fp32 (N,), w ~ q * scale."""
@@ -60,23 +66,31 @@ def dequantize_q4_1(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> t
 
 
 def grid_form(w: torch.Tensor, rel_tol: float) -> tuple[str, tuple] | None:
-    """("q4_1", quantize_q4_1's output) or ("q8_0", quantize_q8_0's) of the 2-D fp32 `w` (K a
-    multiple of 32) if re-quantizing it that way moves no weight by more than `rel_tol` x max |w|
-    (as GGUF checkpoints dequantize), else None. The same arithmetic as dequantizing each format's
-    quantization, in one pass over reused buffers: every worker's start checks every matrix."""
+    """("q4_1", quantize_q4_1's output) or ("q8_0", quantize_q8_0's) of the 2-D fp32 CPU `w` (K
+    a multiple of 32) if re-quantizing it that way moves no weight by more than `rel_tol` x max
+    |w| (as GGUF checkpoints dequantize), else None. In C (grids.c: the quantizers' arithmetic,
+    one pass, stopping at the first group off the grid): every model load checks every matrix.
+    Needs the native library (raises NativeKernelUnavailable without it)."""
+    global _grids
+    if _grids is None:
+        from . import load
+        lib, p, i64, f32, c_int = load(), ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        lib.grid_q4_1.argtypes = [p, i64, i64, f32, p, p, p, c_int]
+        lib.grid_q8_0.argtypes = [p, i64, i64, f32, p, p, c_int]
+        lib.grid_q4_1.restype = lib.grid_q8_0.restype = c_int
+        _grids = lib.grid_q4_1, lib.grid_q8_0
+    q4_1, q8_0 = _grids
+    w = w.detach().contiguous()
+    if w.dtype != torch.float32 or not w.is_cpu or w.dim() != 2 or w.shape[1] % 32:
+        raise ValueError(f"expected a 2-D fp32 CPU weight (N, K) with K a multiple of 32, got {w.dtype} "
+                         f"{tuple(w.shape)} on {w.device}")
     n, k = w.shape
-    g = w.detach().reshape(n, k // 32, 32)
-    lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
-    tol = rel_tol * torch.maximum(hi.max(), -lo.min()).clamp(min=1e-30)
-    d = (hi - lo) / 15
-    q = (g - lo).mul_(torch.where(d > 0, 1 / d, torch.zeros_like(d))).round_().clamp_(0, 15)
-    err = torch.empty_like(q)
-    if torch.mul(q, d, out=err).add_(lo).sub_(g).abs_().max() <= tol:
-        q = q.to(torch.uint8)
-        packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
-        return "q4_1", (packed.contiguous(), d.reshape(n, -1).contiguous(), lo.reshape(n, -1).contiguous())
-    d = torch.maximum(hi, lo.neg_()).div_(127)  # max |w| of each group / 127
-    q = torch.mul(g, torch.where(d > 0, 1 / d, torch.zeros_like(d)), out=q).round_().clamp_(-127, 127)
-    if torch.mul(q, d, out=err).sub_(g).abs_().max() <= tol:
-        return "q8_0", (q.to(torch.int8).reshape(n, k).contiguous(), d.reshape(n, -1).contiguous())
+    threads = torch.get_num_threads()
+    d, m = torch.empty(n, k // 32), torch.empty(n, k // 32)
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    if q4_1(w.data_ptr(), n, k, rel_tol, packed.data_ptr(), d.data_ptr(), m.data_ptr(), threads):
+        return "q4_1", (packed, d, m)
+    q = torch.empty(n, k, dtype=torch.int8)
+    if q8_0(w.data_ptr(), n, k, rel_tol, q.data_ptr(), d.data_ptr(), threads):
+        return "q8_0", (q, d)
     return None
