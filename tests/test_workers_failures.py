@@ -252,19 +252,27 @@ def test_a_prefill_cancelled_while_its_blocks_wait_to_be_freed_still_frees_them(
 
             def export_then_stall(request_id):  # engine thread: the next command in line is a long "step"
                 out = export(request_id=request_id)
-                ae.call(lambda e: (in_step.set(), go_on.wait(10)))
+                # held until the test lets it go (the bound only keeps a failed test from hanging)
+                ae.call(lambda e: (in_step.set(), go_on.wait(120)))
                 return out
             eng.export_kv = export_then_stall
+            release, release_asked = ae.release_kv, asyncio.Event()
+
+            async def asked_then_release(request_id):  # the handler's cleanup, seen as it asks
+                release_asked.set()
+                await release(request_id)
+            ae.release_kv = asked_then_release
             req = pb.PrefillRequest(request_id="p", prompt_token_ids=PROMPTS[1], kv_address="127.0.0.1:1",
                                     params=params_to_proto(PARAMS[0]), dest_block_ids=[0, 1, 2])
             channel = grpc.aio.insecure_channel(c.prefill.address)
             task = asyncio.ensure_future(pb_grpc.PrefillServiceStub(channel).Prefill(req))
-            assert await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
-            for _ in range(500):  # the handler has queued the release behind the stall
-                if ae._commands.qsize():
+            # polled on this loop: the stall runs and the handler has asked for the release, which
+            # waits behind it (in the queue, or in the batch the engine thread took with the stall)
+            for _ in range(6000):
+                if in_step.is_set() and release_asked.is_set():
                     break
-                await asyncio.sleep(0.01)
-            assert ae._commands.qsize(), "the release never queued behind the stall"
+                await asyncio.sleep(0.005)
+            assert in_step.is_set() and release_asked.is_set(), "the release was never asked for behind the stall"
             task.cancel()
             await asyncio.sleep(0.05)  # the cancel reaches the handler while its release waits
             assert eng.blocks.num_used_blocks  # still held, behind the stall
