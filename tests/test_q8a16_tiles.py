@@ -1,7 +1,7 @@
-"""The Q8_0 x int16 kernel's tiles (engine/kernels/native/q8a16.c: 4 rows x 2 column blocks, the
-last rows and an odd last block alone) at every row count 1..70 and at random shapes: each row's
-logits are bitwise the ones an fp32 emulation of the documented arithmetic gives, and the ones
-the row gets alone, on one thread or two."""
+"""The Q8_0 x int16 kernel's tiles (engine/kernels/native/q8a16.c: 4 rows x 2 column blocks, 8 or
+12 rows of a pair in 512-bit vectors, the last rows and an odd last block alone) at every row
+count 1..70 and at random shapes: each row's logits are bitwise the ones an fp32 emulation of
+the documented arithmetic gives, and the ones the row gets alone, on one thread or two."""
 from __future__ import annotations
 
 import pytest
