@@ -8,13 +8,18 @@ exports the default model as a Hugging Face directory (`pdserve export-hf`), whi
 - `LD_PRELOAD` of the venv's `libiomp5.so`, `VLLM_CPU_OMP_THREADS_BIND` over this process's
   cores, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` and a KV space (`VLLM_CPU_KVCACHE_SPACE`, GiB);
 - it compiles its model at start (70-200 s here);
-- its best numerics depend on the CPU: bf16 where the CPU has AVX512_BF16 (2.2x fp32 GEMM
-  there), fp32 elsewhere (measured on an AVX2-only EPYC: bf16 15.4 tok/s at 32 streams, fp32
-  67.5: its oneDNN bf16 matmuls fail to build there and fall back).
+- its best numerics depend on the CPU (`best_dtype`): bf16 where the CPU has AMX tiles; fp32
+  where it has no bf16 instructions (measured on an AVX2-only EPYC: bf16 15.4 tok/s at 32
+  streams, fp32 67.5: its oneDNN bf16 matmuls fail to build there and fall back); where it has
+  AVX512_BF16 alone, whichever GEMM runs faster here, measured at start. On a Zen 5 bf16 ran at
+  2.2x fp32; on an Intel Xeon (family 6, model 207) without AMX, whose `vdpbf16ps` runs at half
+  the rate of its fp32 FMAs, torch's bf16 GEMM ran at 0.54x fp32, and vLLM in fp32 gave 123.9
+  tok/s at 32 prompt-heavy streams against 98.1 in bf16.
 The benchmark sends it no `seed` (it crashed under concurrent seeded requests).
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -25,10 +30,39 @@ MODEL_DIR = Path(".cache/smollm2-hf")
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
-def best_dtype(flags: set[str] | None = None) -> str:
-    """The dtype vLLM runs fastest in on this CPU."""
+@functools.cache
+def gemm_rates() -> dict[str, float]:
+    """torch's fp32 and bf16 GEMM GFLOP/s on this CPU (1024 x 1024, every core, best of 3),
+    measured once a process: every choice a run makes from them is the same."""
+    import time
+
+    import torch
+
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        m = torch.randn(1024, 1024).to(dtype)
+        m @ m
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(5):
+                m @ m
+            best = min(best, (time.perf_counter() - t) / 5)
+        out[name] = 2 * 1024 ** 3 / best / 1e9
+    return out
+
+
+def best_dtype(flags: set[str] | None = None, rates: dict[str, float] | None = None) -> str:
+    """The dtype vLLM runs fastest in on this CPU: bf16 with AMX tiles, fp32 without bf16
+    instructions, and with AVX512_BF16 alone the faster GEMM of `rates` (`gemm_rates`,
+    measured when not given)."""
     flags = cpu_flags() if flags is None else flags
-    return "bfloat16" if {"avx512_bf16"} & flags or {"amx_bf16"} & flags else "float32"
+    if "amx_bf16" in flags:
+        return "bfloat16"
+    if "avx512_bf16" not in flags:
+        return "float32"
+    rates = gemm_rates() if rates is None else rates
+    return "bfloat16" if rates["bf16"] > rates["fp32"] else "float32"
 
 
 def command(port: int, dtype: str, venv: Path = VENV, model_dir: Path = MODEL_DIR) -> list[str] | None:

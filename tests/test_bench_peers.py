@@ -124,11 +124,17 @@ def test_bench_peers_quick(tmp_path):
 
 def test_vllm_runs_from_its_own_venv_with_what_it_needs_here(tmp_path):
     """vLLM is found in its venv beside an exported model, gets the environment its CPU
-    backend needs, and runs in bf16 only where the CPU has bf16 instructions."""
+    backend needs, and runs in its faster dtype here: bf16 on AMX tiles, fp32 without bf16
+    instructions, and with AVX512_BF16 alone whichever GEMM the CPU runs faster."""
     from pdserve.bench import vllm_peer
 
+    slow_bf16, fast_bf16 = {"fp32": 300.0, "bf16": 160.0}, {"fp32": 150.0, "bf16": 330.0}
     assert vllm_peer.best_dtype({"avx2", "fma"}) == "float32"
-    assert vllm_peer.best_dtype({"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert vllm_peer.best_dtype({"avx512f", "avx512_bf16", "amx_bf16"}, slow_bf16) == "bfloat16"
+    assert vllm_peer.best_dtype({"avx512f", "avx512_bf16"}, fast_bf16) == "bfloat16"
+    assert vllm_peer.best_dtype({"avx512f", "avx512_bf16"}, slow_bf16) == "float32"
+    rates = vllm_peer.gemm_rates()  # measured here, once a process
+    assert rates["fp32"] > 0 and rates["bf16"] > 0 and vllm_peer.gemm_rates() is rates
     assert vllm_peer.command(8000, "float32", tmp_path / "no-venv", tmp_path) is None
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "python").touch()
