@@ -189,7 +189,8 @@ static void tile_rows(int64_t R, int B, const int16_t *x, const float *d, int64_
  * 12 or 8 (tile_rows' row counts) while that many are left. */
 static inline int64_t tile_height(int64_t left, int B) {
 #ifdef PDSERVE_VNNI512
-    if (B == 2 && left >= 8) return left >= PAIR_ROWS ? PAIR_ROWS : 8;
+    if (B == 2 && left >= 8) /* 12 unless that leaves 4..7 rows: 16 as 8 + 8, not 12 + 4 */
+        return left >= 20 || (left >= 12 && left < 16) ? PAIR_ROWS : 8;
 #else
     (void)B;
 #endif
