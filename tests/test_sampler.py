@@ -1,6 +1,7 @@
 """Sampler: truncation masks, penalties, distribution and determinism."""
 import math
 
+import pytest
 import torch
 
 from pdserve.engine.core.request import Request
@@ -166,3 +167,44 @@ def test_sampled_rows_draw_the_same_tokens_in_c_and_in_torch(monkeypatch):
     monkeypatch.setattr(sampler, "_native_sampling", lambda: False)
     t = [sample(logits, reqs_t)[0] for _ in range(50)]
     assert sum(a != b for x, y in zip(c, t) for a, b in zip(x, y)) <= 1  # a uniform on an fp32 boundary, at most
+
+
+def test_greedy_rows_take_torch_argmaxs_token_in_the_c_call_too(monkeypatch):
+    """The C argmax (native/argmax.py) gives torch.argmax's index on every row: the first of
+    tied maxima, the first NaN where there is one, +inf, rows all -inf, -0 tied with +0, row
+    lengths off the vector width; for any subset of rows, on one thread or two, and through
+    `sample` for greedy rows mixed with sampled ones and grammar-masked ones."""
+    from pdserve.engine.kernels import native
+    from pdserve.engine.kernels.native import argmax
+    from pdserve.engine.sampling import sampler
+
+    if not native.available():
+        pytest.skip("the native kernels do not build here")
+    g = torch.Generator().manual_seed(5)
+    for v in (1, 7, 8, 9, 100, 49152):
+        x = torch.randn(6, v, generator=g)
+        assert argmax.rows(x, list(range(6))) == torch.argmax(x, -1).tolist()
+    x = torch.randn(6, 1000, generator=g)
+    x[0, 10] = x[0, 500] = 50.0                      # tied maxima: the first
+    x[1, 903], x[1, 3] = float("nan"), float("nan")  # NaNs: the first one
+    x[2] = float("-inf")                             # nothing finite: index 0
+    x[3] = -1.0
+    x[3, 7], x[3, 9] = -0.0, 0.0                     # -0 and +0 tie
+    x[4, 999] = float("inf")
+    x[5, 1] = float("nan")                           # a NaN beats +inf
+    x[5, 2] = float("inf")
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert argmax.rows(x, list(range(6))) == torch.argmax(x, -1).tolist()
+            assert argmax.rows(x, [5, 0, 3]) == [torch.argmax(x[i]).item() for i in (5, 0, 3)]
+    finally:
+        torch.set_num_threads(old)
+    logits = torch.randn(4, 3000, generator=g)
+    mk = lambda: [req(SamplingParams(temperature=0.0), seed=1), req(SamplingParams(temperature=0.9), seed=2),  # noqa: E731
+                  req(SamplingParams(temperature=0.0), seed=3), req(SamplingParams(temperature=0.0), seed=4)]
+    c = sample(logits, mk())[0]
+    monkeypatch.setattr(sampler, "_native_sampling", lambda: False)
+    t = sample(logits, mk())[0]
+    assert c[0] == t[0] == int(torch.argmax(logits[0])) and c[2:] == t[2:] == torch.argmax(logits[2:], -1).tolist()

@@ -125,7 +125,8 @@ class MicroBatches:
         reqs = [completed[i].request for i in rows]
         if not reqs:
             return []
-        tokens, logprobs = sample(logits[rows], reqs, masks.result() if masks else None)
+        live = logits if len(rows) == len(completed) else logits[rows]  # skip a (rows, vocab) copy
+        tokens, logprobs = sample(live, reqs, masks.result() if masks else None)
         return [e._on_token(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
 
     def drain(self) -> list[RequestOutput]:

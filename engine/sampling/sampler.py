@@ -1,6 +1,7 @@
 """Turns the logits of the rows that finished a step into next tokens.
 
-Greedy rows (temperature 0) take the argmax in one batched op. Other rows are sampled by
+Greedy rows (temperature 0) take the argmax in one batched op (on the CPU one C call,
+native/argmax.py, torch.argmax's result). Other rows are sampled by
 the inverse CDF with one uniform draw each from their request's own `torch.Generator`, so a
 seeded request draws the same tokens whether it runs alone or in any batch. On the CPU the
 draws of a step run in one C call (native/sampling.c: max, exponentials and the walk to the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.kernels import native
+from pdserve.engine.kernels.native import argmax as native_argmax
 from pdserve.engine.core.request import Request
 from pdserve.common.outputs import TokenLogprobs
 from pdserve.engine.sampling.grammar import disallowed_rows
@@ -152,8 +154,11 @@ def sample(logits: torch.Tensor, reqs: list[Request],
     tokens: list[int | None] = [None] * len(reqs)
     simple = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
     if simple:
-        rows = logits if len(simple) == len(reqs) else logits[simple]  # skip a (N, vocab) copy
-        picked = torch.argmax(rows, dim=-1).tolist()
+        if logits.is_cpu and logits.stride(-1) == 1 and _native_sampling():
+            picked = native_argmax.rows(logits, simple)  # in place, no copy of the rows
+        else:
+            rows = logits if len(simple) == len(reqs) else logits[simple]  # skip a (N, vocab) copy
+            picked = torch.argmax(rows, dim=-1).tolist()
         for i, t in zip(simple, picked):
             tokens[i] = t
     pending = [i for i in range(len(reqs)) if tokens[i] is None]

@@ -111,3 +111,51 @@ int sample_rows_f32(const float *logits, int64_t V, int64_t stride, int64_t R, c
     }
     return failed ? -1 : 0;
 }
+
+/* The first index of the row's largest value, a NaN counting as larger than any number (what
+ * torch.argmax returns): one pass for the max and whether a NaN is there, one to its first
+ * occurrence (-0 and +0 are equal, as in any comparison). */
+static int64_t argmax_row(const float *l, int64_t V) {
+    float m = -INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+        const __m256 x = _mm256_loadu_ps(l + i);
+        mv = _mm256_max_ps(mv, x);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    nan = _mm256_movemask_ps(un) != 0;
+#endif
+    for (; i < V; i++) {
+        m = l[i] > m ? l[i] : m;
+        nan |= l[i] != l[i];
+    }
+    if (nan) {
+        for (i = 0; i < V; i++)
+            if (l[i] != l[i]) return i;
+    }
+    i = 0;
+#ifdef __AVX2__
+    const __m256 target = _mm256_set1_ps(m);
+    for (; i + 8 <= V; i += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(l + i), target, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    for (; i < V; i++)
+        if (l[i] == m) return i;
+    return 0; /* V == 0 */
+}
+
+/* tokens[r] = the argmax of row rows[r] (logits + rows[r] * stride, V entries), for R rows. */
+void argmax_rows_f32(const float *logits, int64_t V, int64_t stride, int64_t R, const int64_t *rows,
+                     int64_t *tokens, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R > 1)
+    for (int64_t r = 0; r < R; r++) tokens[r] = argmax_row(logits + rows[r] * stride, V);
+}
