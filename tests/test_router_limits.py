@@ -84,6 +84,10 @@ def test_past_the_limit_requests_wait_most_urgent_first_and_a_full_queue_gives_4
             assert r.json()["error"]["type"] == "rate_limit_error"
             queue.max_waiting = cluster.router.config.queue_size
             a.close()  # its place goes to the urgent one; the low one waits for the next
+            _wait_for(lambda: done)
+            # b would stream its 1,000 tokens with the low one's decodes standing aside for it
+            # (priority 0 before 5): 10 s of the suite; closed, the low one runs alone
+            b.close()
             for t in threads:
                 t.join(120)
             assert done == [("urgent", 200), ("low", 200)]
