@@ -138,24 +138,29 @@ def test_bad_input_raises():
 
 
 def test_cache_reuses_library(tmp_path, monkeypatch):
-    """First build compiles into $PDSERVE_CACHE_DIR/native; a second finds it and does not."""
+    """First build compiles into $PDSERVE_CACHE_DIR/native, each source to its object and one
+    link; a second finds the library and compiles nothing."""
+    from pdserve.engine.kernels.native import compile as compile_mod
+
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     calls = []
-    real_run = native.subprocess.run
+    real_popen = compile_mod.subprocess.Popen
 
-    def run(cmd, *a, **kw):
-        calls.append(cmd)
-        return real_run(cmd, *a, **kw)
+    def popen(cmd, *a, **kw):
+        if "-o" in cmd:  # a compile or the link (subprocess.run's own Popen asks gcc --version)
+            calls.append(cmd)
+        return real_popen(cmd, *a, **kw)
 
-    monkeypatch.setattr(native.subprocess, "run", run)
+    monkeypatch.setattr(compile_mod.subprocess, "Popen", popen)
     path = native.build()
     assert path.parent == tmp_path / "native" and path.exists()
-    compiles = [c for c in calls if "-o" in c]
-    assert len(compiles) == 1
+    objects = [c for c in calls if "-c" in c]
+    assert len(objects) == len(native.SRC) and len(calls) == len(objects) + 1  # every source, then the link
+    assert "-shared" in calls[-1] and all(c[-2] in calls[-1] for c in objects)
     mtime = path.stat().st_mtime_ns
     assert native.build() == path and path.stat().st_mtime_ns == mtime
-    assert len([c for c in calls if "-o" in c]) == 1  # no second compile
-    assert [f.name for f in path.parent.iterdir()] == [path.name]  # no temp file left behind
+    assert len(calls) == len(objects) + 1  # no second compile
+    assert [f.name for f in path.parent.iterdir()] == [path.name]  # no temp file or object left behind
 
 
 def test_compile_failure_is_named(tmp_path, monkeypatch):
@@ -165,7 +170,7 @@ def test_compile_failure_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "SRC", bad)
     with pytest.raises(native.NativeKernelUnavailable, match="error"):
         native.build()
-    assert not any(f.suffix == ".tmp" for f in (tmp_path / "native").iterdir())
+    assert list((tmp_path / "native").iterdir()) == []  # no temp file or object directory left
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(native.NativeKernelUnavailable):
         native.build()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .compile import compile_library
 from .cpu import ISA_ENV, ISAS, UnknownISA, cpu_flags, isa, isas  # noqa: F401  (the build's target)
 
 # one library from every C file here: weight-only matmuls (woq.c), paged decode attention (attention.c;
@@ -102,14 +103,8 @@ def build(src=None) -> Path:
         raise NativeKernelUnavailable(f"cannot write the native kernel cache {out.parent}: {e}") from e
     os.close(fd)
     try:
-        cmd = [_compiler(), *_flags(), "-o", tmp, *map(str, _sources(src))]
-        try:
-            r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise NativeKernelUnavailable(f"running {' '.join(cmd)} failed: {e}") from e
-        if r.returncode != 0:
-            raise NativeKernelUnavailable(
-                f"compiling the native WOQ kernels failed ({' '.join(cmd)}, exit {r.returncode}):\n{r.stderr}")
+        with tempfile.TemporaryDirectory(prefix=out.stem + ".", dir=out.parent) as objs:
+            compile_library(_compiler(), _flags(), _sources(src), Path(objs), tmp, NativeKernelUnavailable)
         os.replace(tmp, out)  # atomic: a concurrent loader sees the old state or a complete file
     finally:
         if os.path.exists(tmp):
