@@ -3,7 +3,7 @@ above the layers, a pipeline with expert parallelism, PP x TP whose TP degree do
 divide the heads, or a split of other than one layer count a stage, is refused before Ray
 starts, naming the flag and what fits; a pipeline's stages count as ranks when the pools are
 placed; one Ray cluster (`--models-file`) of two models, SmolLM2 on 2-stage prefill and
-decode workers (the default split: 13 layers and 17) and a tiny random Llama on a decode
+decode workers (the default split: 15 layers and 15) and a tiny random Llama on a decode
 worker of 2 stages x 2 tensor-parallel ranks, answers greedily as each single engine, prompts
 prefilled remotely and locally, and every process exits on Ctrl-C; a decode stage killed
 mid-stream moves the stream to another worker, token-exact."""

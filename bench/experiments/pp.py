@@ -1,7 +1,8 @@
 """Pipeline parallelism on this machine, in one run: SmolLM2 (30 layers) as one engine (2
 threads) and as PP=2 (two processes of one thread each, gloo between them): `pp2` the default
-split (engine/parallel/pp.py `split_layers`: 13 layers on stage 0, which also runs the LM head,
-sampling and scheduling, 17 on stage 1), `pp2_even` 15 and 15, both with micro-batches in
+split (engine/parallel/degrees.py `split_layers`: 15 layers on stage 0, which also runs the LM
+head, sampling and scheduling, 15 on stage 1), `pp2_13_17` 13 and 17 (the default before the
+nineteenth session), both with micro-batches in
 flight (engine/core/micro_batches.py), and `pp2_one_step` the default split one step at a time;
 decode-heavy: 1 and 32 streams of 64-token prompts and 64 tokens out, each stream's prompt
 new. Reports tokens/s (prompt + output over the run's wall time, and output alone), the decode
@@ -86,8 +87,8 @@ def stage0_extra(loaded, streams: int = 16) -> float:
         e.shutdown()
 
 
-MODES = ("pp1", "pp2_one_step", "pp2", "pp2_even")  # pp2_one_step: PP=2 with micro-batching off
-SPLITS = {"pp2_even": (15, 15)}  # else the default split
+MODES = ("pp1", "pp2_one_step", "pp2", "pp2_13_17")  # pp2_one_step: PP=2 with micro-batching off
+SPLITS = {"pp2_13_17": (13, 17)}  # else the default split
 
 
 def main() -> None:

@@ -8,10 +8,12 @@ import math
 
 from pdserve.engine.config import ModelConfig
 
-# stage 0's extra work (LM head, sampling, scheduling) in layers' time over its LM head's multiply-adds in
-# layers': SmolLM2, one engine of one thread at 16 streams (a micro-batch of 32 streams), its steps beyond
-# the forward pass 4.4-4.5 layers' time against 8.0 by multiply-adds (bench/experiments/pp.py `stage0_extra`)
-HEAD_SCALE = 0.55
+# stage 0's extra work in a pipeline (the LM head, sampling, scheduling, less what the last stage does
+# beyond its layers) in layers' time over its LM head's multiply-adds in layers': SmolLM2 at PP=2 and 32
+# streams, one thread a stage: 15 layers and 15 (w = 0.8 of 8.0) against 13 and 17 (the factor 0.55) gave
+# 0.98-1.13x the tokens/s over four runs and rank 0 idle 8-12% of its time against 11-26% (bench/NOTES.md,
+# the nineteenth session), once the head took 8-row tiles and greedy sampling its argmax in C
+HEAD_SCALE = 0.1
 
 
 def span(n: int, tp: int, rank: int) -> slice:
