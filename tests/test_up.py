@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -46,6 +47,10 @@ def test_up_serves(default_up, smollm):
     responses_under_ray(client, model)
     # the driver and its router run no model: torch (~2 s of each start) stays out of `pdserve up`'s process
     assert "libtorch" not in open(f"/proc/{default_up.up.p.pid}/maps").read()
+    # the workers' loads keep the model's grid forms on disk (engine/model/packed_cache.py): one
+    # file, written whole (no temporary file left by the two workers writing at once)
+    forms = Path(os.environ["PDSERVE_CACHE_DIR"]) / "forms"
+    assert list(forms.glob("SmolLM2-135M-Instruct-auto-*.forms.safetensors")) and not list(forms.glob("*.tmp*"))
     metrics = httpx.get(f"{url}/metrics").text
     assert 'role="prefill"' in metrics and 'role="decode"' in metrics
     # where each prompt was computed: at least one found the decode worker idle (no hand-off)

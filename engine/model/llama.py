@@ -21,6 +21,7 @@ from pdserve.engine.kernels.attention import (AMX_PROMPT_ROWS, AttentionBackend,
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import native_step
 from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
+from pdserve.engine.model.packed_cache import PackedForms
 from pdserve.engine.model.quant import (PromptRows, Q8A16Linear, W4A8Linear, WeightOnlyLinear, amx_prompt_rows,
                                         make_linear)
 
@@ -116,9 +117,11 @@ class LlamaAttention(nn.Module):
         self.qkv_linear = self.o_linear = None
         self.tp = None  # a tensor-parallel group (engine/parallel/tp.py): o_proj's partial sums are all-reduced
 
-    def fuse(self, packed: bool, quantization: str = "none", prompt_rows: PromptRows | None = None) -> None:
+    def fuse(self, packed: bool, quantization: str = "none", prompt_rows: PromptRows | None = None,
+             forms: PackedForms | None = None) -> None:
         """Store q/k/v as one matrix (one matmul per step); the named weights become views of it.
-        `prompt_rows`: the model's, where its prompt rows run on AMX (quant.make_linear)."""
+        `prompt_rows`: the model's, where its prompt rows run on AMX; `forms`: its load's
+        recorded or replayed grid forms (quant.make_linear)."""
         w = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data])
         sizes = (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
         for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), w.split(sizes)):
@@ -129,8 +132,8 @@ class LlamaAttention(nn.Module):
             for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), b.split(sizes)):
                 proj.bias.data = view
             self.qkv_bias = b
-        self.qkv_linear = make_linear(w, quantization, packed, prompt_rows)
-        self.o_linear = make_linear(self.o_proj.weight.data, quantization, packed, prompt_rows)
+        self.qkv_linear = make_linear(w, quantization, packed, prompt_rows, forms)
+        self.o_linear = make_linear(self.o_proj.weight.data, quantization, packed, prompt_rows, forms)
 
     def forward(self, x, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend, lora: LoRALayer | None = None) -> torch.Tensor:
@@ -182,12 +185,13 @@ class LlamaMLP(nn.Module):
         self.gelu = cfg.hidden_activation == "gelu_pytorch_tanh"  # Gemma's GeGLU, else SwiGLU
         self.tp = None  # a tensor-parallel group: down_proj's partial sums are all-reduced
 
-    def fuse(self, packed: bool, quantization: str = "none", prompt_rows: PromptRows | None = None) -> None:
+    def fuse(self, packed: bool, quantization: str = "none", prompt_rows: PromptRows | None = None,
+             forms: PackedForms | None = None) -> None:
         w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
         self.gate_proj.weight.data, self.up_proj.weight.data = w.chunk(2)
         self.gate_up_weight = w
-        self.gate_up_linear = make_linear(w, quantization, packed, prompt_rows)
-        self.down_linear = make_linear(self.down_proj.weight.data, quantization, packed, prompt_rows)
+        self.gate_up_linear = make_linear(w, quantization, packed, prompt_rows, forms)
+        self.down_linear = make_linear(self.down_proj.weight.data, quantization, packed, prompt_rows, forms)
 
     def forward(self, x: torch.Tensor, lora: LoRALayer | None = None, within=None) -> torch.Tensor:
         """`within()`, if given, is called between the gate/up matmul and the down one (a
@@ -282,22 +286,27 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
-    def fuse(self, packed: bool = False, quantization: str = "none") -> "LlamaForCausalLM":
+    def fuse(self, packed: bool = False, quantization: str = "none",
+             forms: PackedForms | None = None) -> "LlamaForCausalLM":
         """Fuse q/k/v and gate/up into single matrices for inference (weights unchanged) and
         pick each matrix's kernel (engine/model/quant.py). With `packed`, fp32 CPU matrices get a
         oneDNN-packed copy; with `quantization`, an int8 or fp16 copy. The named weights stay
         as loaded (state_dict, KV export and the GPU path read them). Under "auto" on a CPU with
-        AMX, the Q4_1 matrices run the prompt rows of each step in bf16 (`prompt_rows`)."""
+        AMX, the Q4_1 matrices run the prompt rows of each step in bf16 (`prompt_rows`). `forms`
+        (engine/model/packed_cache.py): where the grid forms are recorded or replayed from
+        (a dense model's layers and head only)."""
         on_cpu = self.lm_head.weight.device.type == "cpu" and self.lm_head.weight.dtype == torch.float32
         self.prompt_rows = amx_prompt_rows(quantization) if self.amx_prompts and on_cpu else None
         rows = {} if self.prompt_rows is None else {"prompt_rows": self.prompt_rows}
+        if forms is not None:
+            rows["forms"] = forms
         for layer in self.model.layers:
             layer.self_attn.fuse(packed, quantization, **rows)
             layer.mlp.fuse(packed, quantization, **rows)
         # q4_1 keeps the LM head in int8, as GGUF Q4_1 checkpoints ship it (Q8_0): in 4 bits it
         # alone raised SmolLM2's perplexity 4%; "auto" keeps it as shipped
         head = "int8" if quantization == "q4_1" else quantization
-        self.lm_head_linear = make_linear(self.lm_head.weight.data, head, packed)
+        self.lm_head_linear = make_linear(self.lm_head.weight.data, head, packed, forms=forms)
         return self
 
     def quantized_matrices(self) -> int:

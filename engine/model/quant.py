@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.kernels.native.weight_formats import grid_form
+from pdserve.engine.model.packed_cache import PackedForms
 
 EXACT_TOL = 1e-5  # a matrix is a Q4_1 grid if re-quantizing it moves no weight by more than this x max |w|
 
@@ -146,9 +147,10 @@ class W4A8Linear:
     """An exact Q4_1 grid, int8 activations per 16 (see the module docstring). Holds one byte
     per weight in the kernel's layout, not an fp32 copy."""
 
-    def __init__(self, packed: tuple):
+    def __init__(self, packed: tuple, laid_out: bool = False):
+        """`packed`: the grid's Q4_1 form, or with `laid_out` already `w4a8.pack`'s."""
         from pdserve.engine.kernels.native import w4a8
-        self.packed = w4a8.pack(*packed)
+        self.packed = tuple(packed) if laid_out else w4a8.pack(*packed)
         w4a8.check_packed(*self.packed)  # once: each call then checks x alone
         self.kernel = w4a8.matmul
 
@@ -163,9 +165,10 @@ class Q8A16Linear:
     kernel took 1.9x as long; int8 activations there cost 1.7% perplexity, int16 ones nothing
     measurable. Holds one byte per weight, no fp32 copy."""
 
-    def __init__(self, packed: tuple):
+    def __init__(self, packed: tuple, laid_out: bool = False):
+        """`packed`: the grid's Q8_0 form, or with `laid_out` already `q8a16.pack`'s."""
         from pdserve.engine.kernels.native import q8a16
-        self.packed = q8a16.pack(*packed)
+        self.packed = tuple(packed) if laid_out else q8a16.pack(*packed)
         self.kernel = q8a16.matmul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -290,26 +293,46 @@ def exact_grid(w: torch.Tensor) -> tuple[str, tuple] | None:
     return grid_form(w, EXACT_TOL)
 
 
+def _amx_fits(w: torch.Tensor) -> bool:
+    from pdserve.engine.kernels.native import amx
+    return amx.fits(w)
+
+
+def _grid_forms(w: torch.Tensor, quantization: str, amx_rows: bool) -> tuple[str, tuple]:
+    """What "auto"/"exact" derive from `w`, tagged: "w4a8" or "q8a16" (the kernel's layout, under
+    "auto"), "q4_1" or "q8_0" (the grid's packed form: "exact", a matrix W4A8 does not fit, or
+    AMX prompt rows), "" (not a grid)."""
+    grid = exact_grid(w)
+    if grid is None:
+        return "", ()
+    if quantization == "auto" and w4a8_fits(w) and not (grid[0] == "q4_1" and amx_rows):
+        from pdserve.engine.kernels.native import q8a16, w4a8
+        return ("w4a8", w4a8.pack(*grid[1])) if grid[0] == "q4_1" else ("q8a16", q8a16.pack(*grid[1]))
+    return grid
+
+
 def make_linear(w: torch.Tensor, quantization: str = "none", packed: bool = True,
-                prompt_rows: PromptRows | None = None):
+                prompt_rows: PromptRows | None = None, forms: PackedForms | None = None):
     """The kernel for one (out, in) weight. `quantization` is one of QUANTIZATIONS; with
     "none" (and "auto"/"exact" for a matrix that is not a grid), `packed` picks oneDNN's layout
     for fp32 CPU weights. `prompt_rows` (`amx_prompt_rows`): a Q4_1 grid under "auto" runs its
-    model's prompt rows on AMX (`PromptBf16Linear`)."""
+    model's prompt rows on AMX (`PromptBf16Linear`). `forms` (engine/model/packed_cache.py):
+    where the grid check's and the packers' results are recorded or replayed from."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     on_cpu = w.device.type == "cpu"
     if quantization in ("auto", "exact"):
-        grid = exact_grid(w)
-        if grid is not None and quantization == "auto" and w4a8_fits(w):
-            if grid[0] != "q4_1":
-                return Q8A16Linear(grid[1])
-            from pdserve.engine.kernels.native import amx
-            if prompt_rows is not None and amx.fits(w):
-                return PromptBf16Linear(grid[1], w, prompt_rows)
-            return W4A8Linear(grid[1])
-        if grid is not None:
-            return WeightOnlyLinear(w, grid[0], exact=grid[1])
+        amx_rows = prompt_rows if prompt_rows is not None and w4a8_fits(w) and _amx_fits(w) else None
+        derive = lambda: _grid_forms(w, quantization, amx_rows is not None)  # noqa: E731
+        tag, tensors = forms.take(tuple(w.shape), derive) if forms is not None and amx_rows is None else derive()
+        if tag == "w4a8":
+            return W4A8Linear(tensors, laid_out=True)
+        if tag == "q8a16":
+            return Q8A16Linear(tensors, laid_out=True)
+        if tag == "q4_1" and amx_rows is not None:
+            return PromptBf16Linear(tensors, w, amx_rows)
+        if tag:
+            return WeightOnlyLinear(w, tag, exact=tensors)
         quantization = "none"
     if quantization in ("int8", "q4_1"):
         if not on_cpu:

@@ -4,7 +4,8 @@ Mistral, Qwen2, Qwen3).
 GGUF tensors are renamed to Hugging Face names, dequantized (gguf's numpy dequantizer handles
 Q4_0, Q4_1, Q8_0, F16, F32 and the other ggml types), and the Q/K row permutation that
 llama.cpp's converter applies for its RoPE layout is undone. A converted GGUF is cached as
-safetensors (keyed by path, size and mtime) so the next start skips dequantization.
+safetensors (keyed by path, size and mtime) so the next start skips dequantization, and what
+"auto" and "exact" derive from its grid matrices is cached beside it (engine/model/packed_cache.py).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.common.model_files import (  # noqa: F401 - the loader's callers find the default model here too
     DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, cache_dir, content_fingerprint, default_model_path, file_fingerprint,
     resolve_model_path)
-from pdserve.engine.model import moe_weights
+from pdserve.engine.model import moe_weights, packed_cache
 from pdserve.engine.model.gguf_config import gguf_header, model_config_from_gguf, read_model_config
 from pdserve.engine.model.llama import LlamaForCausalLM
 
@@ -202,10 +203,11 @@ class LoadedModel:
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: str = "cpu", packed_weights: bool = True, quantization: str = "auto",
-                experts=None, layers: range | None = None) -> LlamaForCausalLM:
+                experts=None, layers: range | None = None, forms=None) -> LlamaForCausalLM:
     """Instantiate the model for `cfg` with `state`'s weights, fused for inference. `experts`:
     an expert-parallel rank's share (moe.ExpertShare), whose experts alone `state` holds;
-    `layers`: a pipeline stage's (engine/parallel/pp.py), numbered from 0 in `state`."""
+    `layers`: a pipeline stage's (engine/parallel/pp.py), numbered from 0 in `state`; `forms`:
+    a dense model's grid forms, recorded or replayed (engine/model/packed_cache.py)."""
     cfg.check_runnable()
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
@@ -215,7 +217,8 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
         model.keep_experts(experts)
     load_weights_into(model, state, dtype)
     model.build_rotary()  # on the meta device until now
-    return model.to(device).eval().fuse(packed_weights, quantization)
+    fuse = {} if forms is None else {"forms": forms}
+    return model.to(device).eval().fuse(packed_weights, quantization, **fuse)
 
 
 def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
@@ -241,8 +244,31 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
     state, cfg, fingerprint = load_state_dict(path)
     if max_model_len:
         cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
-    built = build_model(cfg, state, dtype, device, packed_weights, quantization)
+    built = _build_with_forms(path, cfg, state, dtype, device, packed_weights, quantization)
     return LoadedModel(built, cfg, path, quantized_fingerprint(fingerprint, quantization, built))
+
+
+def _build_with_forms(path: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                      device: str, packed_weights: bool, quantization: str) -> LlamaForCausalLM:
+    """build_model, its grid forms replayed from the cache when a previous load of the same
+    weights, quantization and code left them there, else computed and recorded there. Only a
+    dense fp32 model on the CPU under "auto" or "exact" has them; a cache that does not fit
+    (packed_cache.StaleForms) is set aside and the model built again."""
+    if quantization not in ("auto", "exact") or device != "cpu" or dtype != torch.float32 or cfg.num_experts:
+        return build_model(cfg, state, dtype, device, packed_weights, quantization)
+    file = packed_cache.cache_path(path, quantization)
+    forms = packed_cache.load(file)
+    if forms is not None:
+        try:
+            built = build_model(cfg, state, dtype, device, packed_weights, quantization, forms=forms)
+            if forms.complete():
+                return built
+        except packed_cache.StaleForms:
+            pass
+    forms = packed_cache.PackedForms()
+    built = build_model(cfg, state, dtype, device, packed_weights, quantization, forms=forms)
+    packed_cache.save(forms, file, path)
+    return built
 
 
 def quantized_fingerprint(fingerprint: str, quantization: str, built: LlamaForCausalLM) -> str:
