@@ -100,3 +100,23 @@ def test_another_quantization_or_version_of_the_file_gets_its_own_key(cache, tmp
     os.utime(copy, ns=(0, copy.stat().st_mtime_ns + 10**9))  # a new version of the file, same path
     assert packed_cache.cache_path(copy, "auto") != before
     assert packed_cache.cache_path(copy, "auto").parent == cache / "forms"
+
+
+def test_each_rank_s_slice_and_each_stage_keeps_forms_of_its_own(cache, monkeypatch):
+    """A tensor-parallel rank's slice and a pipeline stage's layers are other matrices than the
+    whole model's: each gets its own file, replayed by the next load of that same part."""
+    from pdserve.engine.parallel.tp import ModelSource, load_rank
+
+    config = EngineConfig()
+    parts = [dict(tp=3, rank=0), dict(tp=3, rank=1), dict(tp=2, rank=1, pipeline=True)]
+    first = [packed_state(load_rank(ModelSource(), config, **p)[0].model) for p in parts]
+    names = sorted(f.name for f in forms_files(cache))
+    assert len(names) == 3 and any("-tp3r1-" in n for n in names) and any("-pp2r1l15-30tp1r0-" in n for n in names)
+    with monkeypatch.context() as m:
+        no_grid_check(m)
+        again = [packed_state(load_rank(ModelSource(), config, **p)[0].model) for p in parts]
+    for want, got in zip(first, again):
+        assert [k for k, _ in got] == [k for k, _ in want]
+        for (_, a), (_, b) in zip(want, got):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert sorted(f.name for f in forms_files(cache)) == names

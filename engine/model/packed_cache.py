@@ -8,7 +8,8 @@ records their results (`PackedForms`, in the order `fuse` asks for them) and wri
 `$PDSERVE_CACHE_DIR/forms/<model>-<quantization>-<key>.forms.safetensors` (165 MB for the
 default model under "auto"); a later load of the same source file (path, size and mtime, as
 the conversion cache keys it) with the same quantization and the same code replays them
-instead of computing them.
+instead of computing them. A tensor-parallel rank's slice and a pipeline stage's layers
+(engine/parallel/tp.py, pp.py) are other matrices: each such part has a file of its own.
 
 The key covers the source's identity, the quantization, and the code that defines the forms
 (this file, quant.py, the grid check and the packers): an edit to any of them makes a new
@@ -78,9 +79,12 @@ def _code_key() -> str:
     return hashlib.sha256(b"\0".join((here / name).resolve().read_bytes() for name in _CODE)).hexdigest()[:16]
 
 
-def cache_path(path: Path, quantization: str) -> Path:
-    key = hashlib.sha256(f"{source_key(path)}|{quantization}|{_code_key()}".encode()).hexdigest()[:24]
-    return cache_dir() / "forms" / f"{path.name.split('.')[0]}-{quantization}-{key}{SUFFIX}"
+def cache_path(path: Path, quantization: str, part: str = "") -> Path:
+    """Where the forms of `path`'s model (or of its `part`: a rank's slice, a stage) under
+    `quantization` live."""
+    key = hashlib.sha256(f"{source_key(path)}|{quantization}|{part}|{_code_key()}".encode()).hexdigest()[:24]
+    name = "-".join(x for x in (path.name.split(".")[0], quantization, part) if x)
+    return cache_dir() / "forms" / f"{name}-{key}{SUFFIX}"
 
 
 def load(file: Path) -> PackedForms | None:

@@ -244,29 +244,31 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
     state, cfg, fingerprint = load_state_dict(path)
     if max_model_len:
         cfg = ModelConfig(**{**cfg.__dict__, "max_position_embeddings": max_model_len})
-    built = _build_with_forms(path, cfg, state, dtype, device, packed_weights, quantization)
+    built = build_cached(path, cfg, state, dtype, device, packed_weights, quantization)
     return LoadedModel(built, cfg, path, quantized_fingerprint(fingerprint, quantization, built))
 
 
-def _build_with_forms(path: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                      device: str, packed_weights: bool, quantization: str) -> LlamaForCausalLM:
+def build_cached(path: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                 packed_weights: bool, quantization: str, part: str = "", **kw) -> LlamaForCausalLM:
     """build_model, its grid forms replayed from the cache when a previous load of the same
-    weights, quantization and code left them there, else computed and recorded there. Only a
-    dense fp32 model on the CPU under "auto" or "exact" has them; a cache that does not fit
-    (packed_cache.StaleForms) is set aside and the model built again."""
-    if quantization not in ("auto", "exact") or device != "cpu" or dtype != torch.float32 or cfg.num_experts:
-        return build_model(cfg, state, dtype, device, packed_weights, quantization)
-    file = packed_cache.cache_path(path, quantization)
+    weights, quantization, code and `part` (a tensor-parallel rank's slice or a pipeline stage,
+    named by the caller) left them there, else computed and recorded there. Only a dense fp32
+    model on the CPU under "auto" or "exact", read from a file, has them; a cache that does not
+    fit (packed_cache.StaleForms) is set aside and the model built again. `kw`: build_model's."""
+    if quantization not in ("auto", "exact") or device != "cpu" or dtype != torch.float32 or cfg.num_experts \
+            or kw.get("experts") is not None or not path.exists():
+        return build_model(cfg, state, dtype, device, packed_weights, quantization, **kw)
+    file = packed_cache.cache_path(path, quantization, part)
     forms = packed_cache.load(file)
     if forms is not None:
         try:
-            built = build_model(cfg, state, dtype, device, packed_weights, quantization, forms=forms)
+            built = build_model(cfg, state, dtype, device, packed_weights, quantization, forms=forms, **kw)
             if forms.complete():
                 return built
         except packed_cache.StaleForms:
             pass
     forms = packed_cache.PackedForms()
-    built = build_model(cfg, state, dtype, device, packed_weights, quantization, forms=forms)
+    built = build_model(cfg, state, dtype, device, packed_weights, quantization, forms=forms, **kw)
     packed_cache.save(forms, file, path)
     return built
 

@@ -113,7 +113,7 @@ def load_stage(source, config: EngineConfig, world: int, rank: int):
     tensor-parallel slice of them, the vocabulary whole, or under expert parallelism their
     attention whole and its share of their experts: ep.shard_experts), and the whole model's
     config."""
-    from pdserve.engine.model.weights import LoadedModel, build_model, quantized_fingerprint
+    from pdserve.engine.model.weights import LoadedModel, build_cached, quantized_fingerprint
 
     state, cfg, fp, path = source.read()
     if config.max_model_len:
@@ -126,8 +126,9 @@ def load_stage(source, config: EngineConfig, world: int, rank: int):
         part, share = shard_experts(part, cfg, w, rank % w)
     elif w > 1:
         part, local = shard(part, cfg, w, rank % w, vocab=False)
-    model = build_model(local, part, getattr(torch, config.dtype), config.device,
-                        config.packed_weights, config.quantization, experts=share, layers=layers)
+    model = build_cached(path, local, part, getattr(torch, config.dtype), config.device, config.packed_weights,
+                         config.quantization, part=f"pp{world // w}r{rank // w}l{layers.start}-{layers.stop}tp{w}r{rank % w}",
+                         experts=share, layers=layers)
     return LoadedModel(model, cfg, path, quantized_fingerprint(fp, config.quantization, model)), cfg
 
 

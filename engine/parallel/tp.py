@@ -84,7 +84,7 @@ def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int, exp
     """The LoadedModel of one rank's slice (its config: the slice's heads and units, the
     whole vocabulary; `expert`: the whole model's, its share of the experts; `pipeline`: the
     whole model's, its stage's layers: pp.load_stage), and the whole model's config."""
-    from pdserve.engine.model.weights import LoadedModel, build_model, quantized_fingerprint
+    from pdserve.engine.model.weights import LoadedModel, build_cached, build_model, quantized_fingerprint
 
     if pipeline:
         return load_stage(source, config, tp, rank)
@@ -97,8 +97,8 @@ def load_rank(source: ModelSource, config: EngineConfig, tp: int, rank: int, exp
                             config.quantization, experts=share)
         return LoadedModel(model, cfg, path, quantized_fingerprint(fp, config.quantization, model)), cfg
     local_state, local = shard(state, cfg, tp, rank)
-    model = build_model(local, local_state, getattr(torch, config.dtype), config.device, config.packed_weights,
-                        config.quantization)
+    model = build_cached(path, local, local_state, getattr(torch, config.dtype), config.device, config.packed_weights,
+                         config.quantization, part=f"tp{tp}r{rank}")
     return LoadedModel(model, replace(local, vocab_size=cfg.vocab_size), path,
                        quantized_fingerprint(fp, config.quantization, model)), cfg
 
