@@ -2,9 +2,9 @@
 the grid check and the packers derive; the next load of the same file, quantization and code
 replays it without checking a grid, and answers with the same bits; a cache file that does not
 fit (truncated, or made for other shapes) is set aside and rewritten, never trusted; another
-quantization or another version of the file gets its own key."""
+quantization, another version of the file or a part of the model (a rank's slice, a stage)
+gets its own key; an old version's file and a gone file's are removed."""
 import os
-import shutil
 
 import pytest
 import torch
@@ -90,16 +90,32 @@ def test_a_cache_file_that_does_not_fit_is_set_aside_and_rewritten(cache):
     assert entries(file) == good
 
 
-def test_another_quantization_or_version_of_the_file_gets_its_own_key(cache, tmp_path):
+def small_recording():
+    forms = packed_cache.PackedForms()
+    forms.take((8, 32), lambda: ("q8_0", (torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 1))))
+    return forms
+
+
+def test_another_quantization_or_version_of_the_file_gets_its_own_key_and_a_gone_one_is_removed(cache, tmp_path):
     src = default_model_path()
     assert packed_cache.cache_path(src, "auto") != packed_cache.cache_path(src, "exact")
     copy = tmp_path / "model" / src.name
     copy.parent.mkdir()
-    shutil.copyfile(src, copy)
-    before = packed_cache.cache_path(copy, "auto")
+    copy.write_bytes(b"GGUF")  # its key reads the path, size and mtime alone
+    old = packed_cache.cache_path(copy, "auto")
+    packed_cache.save(small_recording(), old, copy)
+    part = packed_cache.cache_path(copy, "auto", "tp3r0")
+    packed_cache.save(small_recording(), part, copy)
+    assert forms_files(cache) == sorted([old, part])
     os.utime(copy, ns=(0, copy.stat().st_mtime_ns + 10**9))  # a new version of the file, same path
-    assert packed_cache.cache_path(copy, "auto") != before
-    assert packed_cache.cache_path(copy, "auto").parent == cache / "forms"
+    new = packed_cache.cache_path(copy, "auto")
+    assert new != old and new.parent == cache / "forms"
+    packed_cache.save(small_recording(), new, copy)
+    assert forms_files(cache) == sorted([new, part])  # the old version's file is pruned, the part's is not
+    assert [tag for _, tag, _ in packed_cache.load(new).replay] == ["q8_0"]
+    copy.unlink()
+    packed_cache.save(small_recording(), packed_cache.cache_path(src, "auto"), src)
+    assert forms_files(cache) == [packed_cache.cache_path(src, "auto")]  # a gone file's are removed
 
 
 def test_each_rank_s_slice_and_each_stage_keeps_forms_of_its_own(cache, monkeypatch):
@@ -108,10 +124,11 @@ def test_each_rank_s_slice_and_each_stage_keeps_forms_of_its_own(cache, monkeypa
     from pdserve.engine.parallel.tp import ModelSource, load_rank
 
     config = EngineConfig()
+    load_model()  # the whole model's file stays beside its parts'
     parts = [dict(tp=3, rank=0), dict(tp=3, rank=1), dict(tp=2, rank=1, pipeline=True)]
     first = [packed_state(load_rank(ModelSource(), config, **p)[0].model) for p in parts]
     names = sorted(f.name for f in forms_files(cache))
-    assert len(names) == 3 and any("-tp3r1-" in n for n in names) and any("-pp2r1l15-30tp1r0-" in n for n in names)
+    assert len(names) == 4 and any("-tp3r1-" in n for n in names) and any("-pp2r1l15-30tp1r0-" in n for n in names)
     with monkeypatch.context() as m:
         no_grid_check(m)
         again = [packed_state(load_rank(ModelSource(), config, **p)[0].model) for p in parts]

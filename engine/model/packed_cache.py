@@ -9,7 +9,10 @@ records their results (`PackedForms`, in the order `fuse` asks for them) and wri
 default model under "auto"); a later load of the same source file (path, size and mtime, as
 the conversion cache keys it) with the same quantization and the same code replays them
 instead of computing them. A tensor-parallel rank's slice and a pipeline stage's layers
-(engine/parallel/tp.py, pp.py) are other matrices: each such part has a file of its own.
+(engine/parallel/tp.py, pp.py) are other matrices: each such part has a file of its own. Only
+GGUF files' models are cached (a Hugging Face directory is seldom a grid, and a directory
+written for one run would leave its files behind); a file whose source is gone is removed at
+the next write.
 
 The key covers the source's identity, the quantization, and the code that defines the forms
 (this file, quant.py, the grid check and the packers): an edit to any of them makes a new
@@ -65,24 +68,15 @@ class PackedForms:
         return self.replay is None or self.at == len(self.replay)
 
 
-def source_key(path: Path) -> str:
-    """The weights' identity on this host: a GGUF file's path, size and mtime; a directory's,
-    each of its weight and config files'."""
-    if path.is_file():
-        return file_fingerprint(path)
-    files = sorted([*path.glob("*.safetensors"), *path.glob("config.json")])
-    return hashlib.sha256("|".join(file_fingerprint(f) for f in files).encode()).hexdigest()[:24]
-
-
 def _code_key() -> str:
     here = Path(__file__).parent
     return hashlib.sha256(b"\0".join((here / name).resolve().read_bytes() for name in _CODE)).hexdigest()[:16]
 
 
 def cache_path(path: Path, quantization: str, part: str = "") -> Path:
-    """Where the forms of `path`'s model (or of its `part`: a rank's slice, a stage) under
-    `quantization` live."""
-    key = hashlib.sha256(f"{source_key(path)}|{quantization}|{part}|{_code_key()}".encode()).hexdigest()[:24]
+    """Where the forms of GGUF file `path`'s model (or of its `part`: a rank's slice, a stage)
+    under `quantization` live."""
+    key = hashlib.sha256(f"{file_fingerprint(path)}|{quantization}|{part}|{_code_key()}".encode()).hexdigest()[:24]
     name = "-".join(x for x in (path.name.split(".")[0], quantization, part) if x)
     return cache_dir() / "forms" / f"{name}-{key}{SUFFIX}"
 
@@ -121,10 +115,11 @@ def save(forms: PackedForms, file: Path, source: Path) -> None:
 
 
 def _prune(kept: Path, source: Path) -> None:
-    """Remove this source's files for the same quantization under older keys."""
+    """Remove this source's files for the same quantization and part under older keys, and
+    every file whose source is gone."""
     from safetensors import safe_open
     stem = kept.name.rsplit("-", 1)[0]
-    for f in kept.parent.glob(f"{stem}-*{SUFFIX}"):
+    for f in kept.parent.glob(f"*{SUFFIX}"):
         if f == kept:
             continue
         try:
@@ -132,5 +127,6 @@ def _prune(kept: Path, source: Path) -> None:
                 other = (h.metadata() or {}).get("pdserve_source")
         except Exception:
             continue
-        if other == str(source) or (other and not Path(other).exists()):
+        same_part = f.name.startswith(stem + "-") and "-" not in f.name[len(stem) + 1:]
+        if other and ((same_part and other == str(source)) or not Path(other).exists()):
             f.unlink(missing_ok=True)

@@ -253,10 +253,10 @@ def build_cached(path: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], d
     """build_model, its grid forms replayed from the cache when a previous load of the same
     weights, quantization, code and `part` (a tensor-parallel rank's slice or a pipeline stage,
     named by the caller) left them there, else computed and recorded there. Only a dense fp32
-    model on the CPU under "auto" or "exact", read from a file, has them; a cache that does not
+    model on the CPU under "auto" or "exact", read from a GGUF file, has them; a cache that does not
     fit (packed_cache.StaleForms) is set aside and the model built again. `kw`: build_model's."""
     if quantization not in ("auto", "exact") or device != "cpu" or dtype != torch.float32 or cfg.num_experts \
-            or kw.get("experts") is not None or not path.exists():
+            or kw.get("experts") is not None or not path.is_file() or path.suffix != ".gguf":
         return build_model(cfg, state, dtype, device, packed_weights, quantization, **kw)
     file = packed_cache.cache_path(path, quantization, part)
     forms = packed_cache.load(file)
