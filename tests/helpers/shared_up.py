@@ -1,6 +1,6 @@
 """One `pdserve up` under Ray, started as a user starts it (no flags but a cluster token and a
-shutdown grace), shared by the tests of what it serves (tests/test_isolation_up.py, then
-tests/test_up.py): its start is paid once. A pytest plugin (conftest.py loads it): the
+shutdown grace), shared by the tests of what it serves (tests/test_bf16_kv_up.py,
+tests/test_isolation_up.py, then tests/test_up.py): its start is paid once. A pytest plugin (conftest.py loads it): the
 `default_up` fixture (over the session's `default_up_session`), and a collection hook that
 runs the tests using it one after another (where the first of them was), so the cluster never
 idles beside other files (an idle one takes ~4% of a core). Each
