@@ -15,8 +15,9 @@ written for one run would leave its files behind); a file whose source is gone i
 the next write.
 
 The key covers the source's identity, the quantization, and the code that defines the forms
-(this file, quant.py, the grid check and the packers): an edit to any of them makes a new
-key, and the old file is pruned. A replayed entry whose shape is not the matrix's raises
+(this file, quant.py, the grid check and the packers, the conversion, the models' fuse order,
+the parts' slicing: `_CODE`): an edit to any of them makes a new key, and the old file is
+pruned. A replayed entry whose shape is not the matrix's raises
 `StaleForms`, and the load starts over computing (a cache file is never trusted over the
 weights' shapes); an unreadable file is ignored and rewritten.
 """
@@ -31,8 +32,11 @@ import torch
 
 from pdserve.common.model_files import cache_dir, file_fingerprint
 
+# what decides the forms and their order: the checks and packers, the conversion of the weights,
+# the models' fuse order, and the slicing of a rank's or a stage's part
 _CODE = ("packed_cache.py", "quant.py", "../kernels/native/weight_formats.py", "../kernels/native/grids.c",
-         "../kernels/native/w4a8.py", "../kernels/native/q8a16.py")
+         "../kernels/native/w4a8.py", "../kernels/native/q8a16.py", "weights.py", "llama.py", "gemma3.py",
+         "../parallel/shard.py", "../parallel/pp.py", "../parallel/degrees.py", "../../common/model_files.py")
 SUFFIX = ".forms.safetensors"
 
 
@@ -69,8 +73,12 @@ class PackedForms:
 
 
 def _code_key() -> str:
-    here = Path(__file__).parent
-    return hashlib.sha256(b"\0".join((here / name).resolve().read_bytes() for name in _CODE)).hexdigest()[:16]
+    here, h = Path(__file__).parent, hashlib.sha256()
+    for name in _CODE:
+        f = here / name
+        h.update(f.read_bytes() if f.exists() else name.encode())  # an install without one: still one key
+        h.update(b"\0")
+    return h.hexdigest()[:16]
 
 
 def cache_path(path: Path, quantization: str, part: str = "") -> Path:
