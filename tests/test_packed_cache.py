@@ -137,3 +137,17 @@ def test_each_rank_s_slice_and_each_stage_keeps_forms_of_its_own(cache, monkeypa
         for (_, a), (_, b) in zip(want, got):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert sorted(f.name for f in forms_files(cache)) == names
+
+
+def test_a_cache_that_cannot_be_written_costs_the_load_nothing_but_time(cache, monkeypatch):
+    """A full or read-only disk: the load answers as ever, and leaves no half-written file."""
+    import safetensors.torch
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    first = load_model()
+    assert first.model.int8_activation_matrices() > 0
+    assert not list((cache / "forms").iterdir())

@@ -107,17 +107,19 @@ def load(file: Path) -> PackedForms | None:
 
 def save(forms: PackedForms, file: Path, source: Path) -> None:
     """Write a recording to `file` atomically (concurrent workers never read half a file) and
-    prune the files of the same source the key no longer names. A read-only home only costs
-    the next load its time."""
+    prune the files of the same source the key no longer names. The cache is best effort: a
+    read-only or full disk only costs the next load its time (what was half written is
+    removed), never this load."""
     from safetensors.torch import save_file
     meta = [(list(shape), tag, len(tensors)) for shape, tag, tensors in forms.recorded]
     tensors = {f"{i}.{j}": t for i, (_, _, ts) in enumerate(forms.recorded) for j, t in enumerate(ts)}
+    tmp = file.with_suffix(f".tmp{os.getpid()}")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".tmp{os.getpid()}")
         save_file(tensors, str(tmp), metadata={"pdserve_forms": json.dumps(meta), "pdserve_source": str(source.resolve())})
         os.replace(tmp, file)
-    except OSError:
+    except Exception:  # OSError, or safetensors' own error for a failed write
+        tmp.unlink(missing_ok=True)
         return
     _prune(file, source.resolve())
 
