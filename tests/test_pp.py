@@ -4,7 +4,8 @@ fewer layers by its LM head's work; each stage holds its layers; engines over 2 
 layers, the default split: 2 and 3) and 3 (2, 2 and 1, given) give the single engine's greedy
 tokens and logprobs exactly, batched and chunked, with every block back (a mixture-of-experts
 model too); KV moves between pipelines and single engines token-exactly, and a step's layer
-streams are the exported KV; through the workers each stage hands off its own layers; a stage
+streams are the exported KV; rank 0 holds a bounded number of posted sends however long it
+serves; through the workers each stage hands off its own layers; a stage
 killed mid-stream makes the next step raise RankFailed, the other stages go down and the blocks
 come back."""
 from dataclasses import replace
@@ -20,6 +21,7 @@ from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.kv.cache import bytes_per_block
 from pdserve.engine.model.tiny import tiny_config, tiny_state_dict
 from pdserve.engine.model.weights import LoadedModel, build_model
+from pdserve.engine.parallel.group import SENT_KEPT
 from pdserve.engine.parallel.pp import PPKVCache, check_stages, head_weight, layers_of, split_layers, stage_state
 from pdserve.engine.parallel.tp import ModelSource
 from tests.helpers.engine_runs import GREEDY, clean, handoff, kill_rank_mid_stream, run
@@ -274,6 +276,9 @@ def test_micro_batches_in_flight_keep_tokens_and_logprobs_exact(pipelines, pp):
     got, got_lp = run(e, ps)
     assert got == want and got_lp == want_lp
     assert mb.most == pp and mb.launched - launched >= 16  # the pipe was full, many times over
+    # rank 0's posted sends (3 a micro-batch a stage) are held to a bound, not one more a send
+    # for as long as the pipeline serves (their buffers held and each send scanning them all)
+    assert len(e.tp.group._sent) == SENT_KEPT
     clean(e)
 
     e.add_request("held", ps[0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import os
 import time
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,12 @@ import torch.distributed as dist
 from pdserve.common.errors import PdserveError
 from pdserve.engine.parallel.wire import MAX_MESSAGE, PeerRefused, decode, encode, mac, seal, store_prefix, unseal
 
+
+
+# isend's works held at once: a pipeline's rank 0 posts 3 sends a micro-batch a stage (the
+# step's length and message, the residual stream) and lands each micro-batch two or three
+# launches later, so a send this many back was received long ago
+SENT_KEPT = 32
 
 class RankFailed(PdserveError, RuntimeError):
     """A rank of a tensor-parallel group died or stopped answering: the group is down."""
@@ -57,7 +64,7 @@ class Group:
         self.seq = 0  # messages rank 0 sent (or this rank received): each is sealed with its number
         self.key = b""  # the session's, once every rank proved the secret
         self.posted = False  # rank 0's messages point to point, unwaited (a pipeline's: pp.attach_stage)
-        self._sent: list = []  # isend's works not yet complete, with their buffers
+        self._sent: deque = deque()  # isend's works not yet waited for, with their buffers
         self._authenticate(secret)
 
     def _authenticate(self, secret: bytes) -> None:
@@ -182,8 +189,13 @@ class Group:
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         """`t`'s bytes to rank `dst`, not waited for: gloo moves them once `dst` receives, and
-        keeps them till then; a rank that died shows in a later wait."""
-        self._sent = [(w, b) for w, b in self._sent if not w.is_completed()]
+        keeps them till then; a rank that died shows in a later wait. At most `SENT_KEPT` sends
+        are held: gloo's send works report completion only to `wait`, so the oldest, which a
+        pipeline's stages received several micro-batches ago, are waited for (at once) and
+        dropped with their buffers; a rank that has fallen that far behind holds this one up."""
+        while len(self._sent) >= SENT_KEPT:
+            work, _ = self._sent.popleft()
+            self._wait(work, f"sending to rank {dst}")
         if t.numel():
             buf = t.contiguous().view(-1).view(torch.uint8)
             try:  # gloo raises here at once when it knows `dst` is gone
