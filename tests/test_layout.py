@@ -63,7 +63,8 @@ ENGINE_ROOMS = {
     f"{_E}.core": {f"{_E}.config", f"{_E}.kv", f"{_E}.kernels", f"{_E}.model"},
     f"{_E}.sampling": {f"{_E}.config", f"{_E}.core", f"{_E}.kv", f"{_E}.kernels", f"{_E}.kernels.native",
                        f"{_E}.model"},
-    f"{_E}.parallel": {f"{_E}.config", f"{_E}.core", f"{_E}.kv", f"{_E}.kernels", f"{_E}.model"},
+    f"{_E}.parallel": {f"{_E}.config", f"{_E}.core", f"{_E}.kv", f"{_E}.kernels", f"{_E}.kernels.native",
+                       f"{_E}.model"},
     **{f"{_E}.core.{front}": {"*"} for front in ("engine", "kv_hooks", "async_engine", "interactive", "arg_utils",
                                                           "micro_batches")},
 }

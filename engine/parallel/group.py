@@ -1,5 +1,8 @@
 """One process's membership of a tensor-parallel group: the authenticated rendezvous, the
-collectives (gloo, on the CPU) and rank 0's sealed messages to the other ranks.
+collectives and rank 0's sealed messages to the other ranks. All-reduces, gathers and rank
+0's commands move through shared memory (engine/parallel/shm.py: every rank is a process on
+rank 0's host) where a segment can be made, through gloo otherwise; KV scatters and a
+pipeline's point-to-point messages always through gloo.
 
 The group forms on a loopback TCPStore under a key prefix derived from the group's random
 secret (engine/parallel/wire.py), then every rank proves the secret before anything else
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.common.errors import PdserveError
+from pdserve.engine.parallel import shm as shm_mod
 from pdserve.engine.parallel.wire import MAX_MESSAGE, PeerRefused, decode, encode, mac, seal, store_prefix, unseal
 
 
@@ -65,7 +69,37 @@ class Group:
         self.key = b""  # the session's, once every rank proved the secret
         self.posted = False  # rank 0's messages point to point, unwaited (a pipeline's: pp.attach_stage)
         self._sent: deque = deque()  # isend's works not yet waited for, with their buffers
+        self.shm: shm_mod.ShmGroup | None = None
         self._authenticate(secret)
+        self._attach_shm(timeout_s)
+
+    def _attach_shm(self, timeout_s: float) -> None:
+        """Rank 0 makes the segment and sends its path (sealed); every rank maps it and says so;
+        rank 0 unlinks it and tells whether every rank has it: if one has not, gloo carries all."""
+        path, view = "", None
+        if self.rank == 0 and self.world > 1:
+            try:
+                shm_mod.available()
+                path = shm_mod.create(self.world)
+            except (OSError, shm_mod.Unavailable):
+                path = ""
+            self.broadcast(path)
+        elif self.world > 1:
+            path = self.receive()
+        try:
+            view = shm_mod.ShmGroup(path, self.rank, self.world, timeout_s) if path else None
+        except (OSError, shm_mod.Unavailable):
+            view = None
+        mapped = self.gather(torch.tensor([view is not None], dtype=torch.uint8))
+        if self.rank == 0:
+            if path:
+                os.unlink(path)
+            self.broadcast(bool(path) and all(bool(m) for m in mapped))
+        everyone = self.receive() if self.rank != 0 else bool(path) and all(bool(m) for m in mapped)
+        if everyone:
+            self.shm = view
+        elif view is not None:
+            view.close()
 
     def _authenticate(self, secret: bytes) -> None:
         """Rank 0 sends a random challenge; every rank answers with a MAC of it under the secret,
@@ -90,7 +124,10 @@ class Group:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t = time.perf_counter()
-        self._wait(self.pg.allreduce([x]), "an all-reduce")
+        if self.shm is not None and x.is_contiguous():
+            self._shm(self.shm.all_reduce, "an all-reduce", x)
+        else:
+            self._wait(self.pg.allreduce([x]), "an all-reduce")
         self.allreduce_s += time.perf_counter() - t
         self.allreduces += 1
         return x
@@ -99,6 +136,12 @@ class Group:
         try:
             work.wait()
         except RuntimeError as e:
+            self._failed(what, e)
+
+    def _shm(self, op, what: str, *args):
+        try:
+            return op(*args)
+        except shm_mod.PeerGone as e:
             self._failed(what, e)
 
     def _failed(self, what: str, e: RuntimeError):
@@ -127,17 +170,32 @@ class Group:
             for r in range(1, self.world):
                 self.isend(torch.tensor([len(data)]), r, MESSAGES)
                 self.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), r, MESSAGES)
+            if self.shm is not None:
+                self.shm.ring(self.seq + 1)
         else:
             self._send_raw(data)
         self.seq += 1
 
     def _send_raw(self, data: bytes) -> None:
+        if self.shm is not None:
+            self._shm(self.shm.send, "a broadcast", data)
+            return
         self._bcast(torch.tensor([len(data)]))
         self._bcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def receive(self, device: str = "cpu"):
         """Another rank: rank 0's next message, its tensors on `device`. Raises PeerRefused
         (and takes this rank out) when it is not sealed by a holder of the group's secret."""
+        if self.shm is not None and not self.posted:
+            try:
+                data = self._shm(self.shm.receive, "receiving rank 0's command", MAX_MESSAGE)
+            except ValueError as e:
+                raise PeerRefused(f"a tensor-parallel message is refused: {e}") from e
+            payload = unseal(self.key, self.seq, data)
+            self.seq += 1
+            return decode(payload, device)
+        if self.posted and self.shm is not None:  # an idle pipeline waits here, not in gloo's timed receive
+            self._shm(self.shm.wait_rung, "waiting for rank 0's command", self.seq + 1)
         n = self.recv((1,), torch.long, 0, MESSAGES) if self.posted else torch.zeros(1, dtype=torch.long)
         if not self.posted:
             self._bcast(n)
@@ -152,6 +210,11 @@ class Group:
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `t` on rank 0 (None elsewhere)."""
+        if self.shm is not None:
+            t = t.contiguous()
+            out = [torch.empty_like(t) for _ in range(self.world)] if self.rank == 0 else None
+            self._shm(self.shm.gather, "gathering KV", t, out, [t.nbytes] * self.world)
+            return out
         opts = dist.GatherOptions()
         opts.rootRank = 0
         out = [[torch.empty_like(t) for _ in range(self.world)]] if self.rank == 0 else []
@@ -160,8 +223,15 @@ class Group:
 
     def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
         """Every rank's (rows, widths[rank]) `t` side by side on rank 0 (None elsewhere). Gloo
-        gathers equal shapes: each part travels padded to the widest."""
+        gathers equal shapes: there each part travels padded to the widest."""
         t0, wide = time.perf_counter(), max(self.widths)
+        if self.shm is not None:  # each part as it is: no padding
+            t = t.contiguous()
+            rows, size = t.shape[:-1], t.element_size() * t[..., :1].numel()
+            out = [t.new_empty(*rows, w) for w in self.widths] if self.rank == 0 else None
+            self._shm(self.shm.gather, "gathering the logits", t, out, [size * w for w in self.widths])
+            self.gather_s += time.perf_counter() - t0
+            return None if out is None else torch.cat(out, dim=-1)
         if t.shape[-1] < wide:
             t = torch.nn.functional.pad(t, (0, wide - t.shape[-1]))
         parts = self.gather(t)
@@ -218,3 +288,6 @@ class Group:
 
     def close(self) -> None:
         self.pg = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None

@@ -34,11 +34,12 @@ from .cpu import ISA_ENV, ISAS, UnknownISA, cpu_flags, isa, isas  # noqa: F401  
 # q8a16.py), sampling (sampling.c), a whole decode step's layers (step.c, bound in step.py; its matmul over
 # nibble-packed weights: w4a8n.c), LoRA updates (lora.c, bound in lora.py), bf16 matmuls and prompt attention
 # on AMX tiles (amx.c, amx_attention.c, bound in amx.py), the grid check of a model's matrices at load
-# (grids.c, bound in weight_formats.py); vecmath.h, kvformat.h and attend.h are shared by them
+# (grids.c, bound in weight_formats.py), the waits of a group's shared-memory collectives (shm.c, bound in
+# engine/parallel/shm.py); vecmath.h, kvformat.h and attend.h are shared by them
 SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
                                      for n in ("woq.c", "attention.c", "attention_rows.c", "kv_store.c", "fused.c", "w4a8.c", "q8a16.c", "sampling.c",
                                                "step.c", "w4a8n.c", "lora.c", "peak.c", "amx.c",
-                                               "amx_attention.c", "grids.c"))
+                                               "amx_attention.c", "grids.c", "shm.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h"))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

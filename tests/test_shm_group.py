@@ -1,0 +1,170 @@
+"""The collectives of a group over shared memory (engine/parallel/shm.py): sums in rank order,
+the same bits on every rank, parts larger than a slot, a peer that exits seen at once and one
+that never answers at the timeout; through the engine, a tensor-parallel group and a pipeline
+idle for longer than their timeout still step, the segment is gone once the group formed
+and unmapped when it stops, and a group whose segment cannot be made steps as well over gloo."""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.core.engine import LLMEngine
+from pdserve.engine.parallel import shm
+from pdserve.engine.parallel.tp import ModelSource
+
+
+@pytest.fixture
+def segment():
+    made = []
+
+    def make(world: int) -> str:
+        made.append(shm.create(world))
+        return made[-1]
+    yield make
+    for path in made:
+        os.unlink(path)
+
+
+def on_ranks(path: str, world: int, fn, timeout_s: float = 30.0) -> list:
+    """fn(group) on `world` ranks, each a thread of this process with its own view: their results."""
+    out, errors = [None] * world, []
+
+    def run(rank):
+        g = shm.ShmGroup(path, rank, world, timeout_s)
+        try:
+            out[rank] = fn(g)
+        except Exception as e:  # noqa: BLE001 - reported below, with its rank
+            errors.append((rank, e))
+        finally:
+            g.close()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_reduce_sums_in_rank_order_with_the_same_bits_on_every_rank(segment, dtype):
+    world, sizes = 3, [576, 5 * shm.SLOT_BYTES // 4 + 3]  # a decode row, and parts over five slots
+    parts = {n: [torch.randn(n, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world)]
+             for n in sizes}
+    got = on_ranks(segment(world), world, lambda g: [g.all_reduce(parts[n][g.rank].clone()) for n in sizes])
+    for i, n in enumerate(sizes):
+        want = parts[n][0].clone()
+        for p in parts[n][1:]:
+            want.add_(p)
+        for rank in range(world):
+            assert torch.equal(got[rank][i], want), (n, rank)
+
+
+def test_a_message_and_a_gather_larger_than_a_slot(segment):
+    world, message = 3, os.urandom(3 * shm.SLOT_BYTES + 17)
+    sizes = [shm.SLOT_BYTES + 8, 12, 2 * shm.SLOT_BYTES]  # bytes, different for each rank
+
+    def run(g):
+        got = g.send(message) if g.rank == 0 else g.receive(len(message))
+        mine = torch.full((sizes[g.rank],), g.rank + 1, dtype=torch.uint8)
+        outs = [torch.zeros(n, dtype=torch.uint8) for n in sizes] if g.rank == 0 else None
+        g.gather(mine, outs, sizes)
+        return got, outs
+    (_, outs), *others = on_ranks(segment(world), world, run)
+    assert [got for got, _ in others] == [message, message]
+    assert [torch.equal(o, torch.full((n,), r + 1, dtype=torch.uint8)) for r, (o, n) in enumerate(zip(outs, sizes))] \
+        == [True] * world
+
+
+def test_a_length_over_the_limit_is_refused_before_it_is_read(segment):
+    def run(g):
+        if g.rank == 0:
+            return g.send(b"x" * 100)
+        with pytest.raises(ValueError, match="100 bytes"):
+            g.receive(99)
+    on_ranks(segment(2), 2, run)
+
+
+def test_a_peer_that_exits_is_seen_at_once_and_one_that_never_answers_at_the_timeout(segment):
+    path = segment(2)
+    peer = subprocess.run([sys.executable, "-c", f"from pdserve.engine.parallel import shm; shm.ShmGroup({path!r}, 1, 2, 5)"],
+                          check=True, timeout=120)
+    assert peer.returncode == 0
+    g = shm.ShmGroup(path, 0, 2, timeout_s=60.0)
+    t = time.monotonic()
+    with pytest.raises(shm.PeerGone, match=r"rank\(s\) \[1\]"):
+        g.all_reduce(torch.ones(4))
+    assert time.monotonic() - t < 10  # its process is gone: not the 60 s timeout
+    g.close()
+
+    alive = shm.ShmGroup(segment(2), 0, 2, timeout_s=0.3)  # rank 1 is this process, which never joins in
+    alive._pids[1] = os.getpid()
+    t = time.monotonic()
+    with pytest.raises(shm.PeerGone, match="within 0 s"):
+        alive.all_reduce(torch.ones(4))
+    assert 0.3 <= time.monotonic() - t < 10
+    alive.close()
+
+
+def test_a_receive_waits_for_rank_0_however_long_it_is_idle(segment):
+    def run(g):
+        if g.rank == 0:
+            time.sleep(1.0)  # 5x the group's timeout
+            return g.send(b"step")
+        return g.receive(100)
+    assert on_ranks(segment(2), 2, run, timeout_s=0.2)[1] == b"step"
+
+
+def _ours() -> set[str]:
+    return set(glob.glob("/dev/shm/pdserve-tp-*"))
+
+
+def _mapped() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split()[-2] for line in f if "/dev/shm/pdserve-tp-" in line}
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_a_group_idle_past_its_timeout_still_steps_and_leaves_no_segment(kind):
+    """Gloo's receive ended at the group's timeout: a pool idle for a minute lost its ranks."""
+    pipeline = kind == "pipeline"
+    cfg = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=16 << 20),
+                       pipeline_parallel_size=2 if pipeline else 1)
+    before, mapped = _ours(), _mapped()
+    e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), cfg, 2, pipeline=pipeline, timeout_s=3.0)  # the ranks start within it
+    try:
+        assert e.tp.group.shm is not None and _ours() == before  # unlinked once every rank had it mapped
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        first = e.generate([[1, 2, 3]], params)
+        time.sleep(3.5)
+        assert e.tp.dead_ranks() == []
+        assert e.generate([[1, 2, 3]], params) == first
+        assert e.blocks.num_used_blocks == 0
+    finally:
+        e.shutdown()
+    assert _mapped() == mapped  # unmapped at shutdown: its memory went back
+
+
+def test_without_a_segment_the_group_steps_over_gloo(monkeypatch):
+    cfg = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=16 << 20))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = []
+    for make in (shm.create, None):
+        if make is None:
+            def refuse(world):
+                raise OSError(28, "No space left on device")
+            monkeypatch.setattr(shm, "create", refuse)
+        e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), cfg, 2)
+        try:
+            assert (e.tp.group.shm is None) == (make is None)
+            outs.append(e.generate([[5, 6, 7], [9, 8]], params))
+        finally:
+            e.shutdown()
+    assert outs[0] == outs[1]
