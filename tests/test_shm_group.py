@@ -113,6 +113,22 @@ def test_a_peer_that_exits_is_seen_at_once_and_one_that_never_answers_at_the_tim
     alive.close()
 
 
+def test_a_rank_that_maps_the_segment_late_is_waited_for(segment):
+    path = segment(2)
+
+    def late():
+        time.sleep(0.5)  # ten of the waiting rank's looks at its peers, which see no pid yet
+        g = shm.ShmGroup(path, 1, 2, 30.0)
+        g.all_reduce(torch.ones(4))
+        g.close()
+    peer = threading.Thread(target=late)
+    peer.start()
+    g = shm.ShmGroup(path, 0, 2, 30.0)
+    assert torch.equal(g.all_reduce(torch.ones(4)), torch.full((4,), 2.0))
+    g.close()
+    peer.join(30)
+
+
 def test_a_receive_waits_for_rank_0_however_long_it_is_idle(segment):
     def run(g):
         if g.rank == 0:

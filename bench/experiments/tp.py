@@ -1,5 +1,5 @@
 """Tensor parallelism on this machine, in one run: SmolLM2 (9 heads, 3 KV heads) at TP=1 and
-TP=3 (three processes on this host, gloo): prefill time of a 512-token prompt, decode step time
+TP=3 (three processes on this host, their collectives in shared memory): prefill time of a 512-token prompt, decode step time
 at 1 and 8 rows, the all-reduce time per step (two per layer and the vocabulary-parallel
 embedding lookup, 61 per step), the gather of each rank's logits per step, and the KV re-shard
 of a hand-off (export of a 1k-token prompt's KV: gathered from the ranks into the whole

@@ -1,8 +1,9 @@
 """A group's collectives over one shared-memory segment: every rank of a tensor-parallel group
 is a process on rank 0's host (engine/parallel/tp.py starts them), and gloo's loopback TCP
 costs more than the work between two collectives. On 2 cores of a Xeon (family 6, model 207)
-an all-reduce of one decode row took 0.52 ms between two processes and 2.4 ms among three;
-a decode step does two a layer.
+an all-reduce of one decode row took 0.72 ms through gloo between two processes and 2.6 ms
+among three, 42 and 155 us here (bench/experiments/collectives.py); a decode step does two a
+layer.
 
 The segment holds, per rank, a header line (its sequence number, its sleepers' count and its
 pid) and two data slots of `SLOT_BYTES`, used by operations of even and odd numbers in turn.
@@ -135,7 +136,6 @@ class ShmGroup:
         self._pids = head[:, 1]
         self._pids[rank] = os.getpid()
         self.gen = 0
-        self.pids: list[int] = []
         self.spin_ns = SPIN_NS if world <= len(os.sched_getaffinity(0)) else SPIN_CROWDED_NS
 
     def _start(self, gen: int, rank: int) -> int:
@@ -166,9 +166,8 @@ class ShmGroup:
         or at the group's timeout (`deadline`)."""
         end = time.monotonic() + self.timeout_s if deadline else float("inf")
         while not self._lib.shm_wait(words, LINE // 4, n, _i32(gen), self.spin_ns, SLICE_NS):
-            if not self.pids:
-                self.pids = [int(p) for p in self._pids]
-            gone = [r for r, pid in enumerate(self.pids) if r != self.rank and not _alive(pid)]
+            # a rank not yet attached (pid 0) is waited for, up to the timeout
+            gone = [r for r, pid in enumerate(self._pids.tolist()) if pid and r != self.rank and not _alive(pid)]
             if gone:
                 raise PeerGone(f"rank(s) {gone} of the group exited")
             if time.monotonic() > end:

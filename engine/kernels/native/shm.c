@@ -1,6 +1,6 @@
 /* The waits of a group's collectives over shared memory (engine/parallel/shm.py): the ranks
- * of a tensor-parallel group share a host, and gloo's loopback TCP took 0.5 ms for an
- * all-reduce of one decode row between two processes on two cores, 2.4 ms among three.
+ * of a tensor-parallel group share a host, and gloo's loopback TCP took 0.72 ms for an
+ * all-reduce of one decode row between two processes on two cores, 2.6 ms among three.
  *
  * Each rank owns two 32-bit words in the shared header, `stride` words apart: its sequence
  * number (the last operation whose data it has written) and the count of ranks sleeping on
