@@ -147,24 +147,27 @@ def _mapped() -> set[str]:
         return {line.split()[-2] for line in f if "/dev/shm/pdserve-tp-" in line}
 
 
-@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
-def test_a_group_idle_past_its_timeout_still_steps_and_leaves_no_segment(kind):
-    """Gloo's receive ended at the group's timeout: a pool idle for a minute lost its ranks."""
-    pipeline = kind == "pipeline"
-    cfg = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=16 << 20),
-                       pipeline_parallel_size=2 if pipeline else 1)
+def test_groups_idle_past_their_timeout_still_step_and_leave_no_segment():
+    """Gloo's receive ended at the group's timeout: a pool idle for a minute lost its ranks. A
+    tensor-parallel group and a pipeline, idle together for longer than their 3 s timeout."""
     before, mapped = _ours(), _mapped()
-    e = LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), cfg, 2, pipeline=pipeline, timeout_s=3.0)  # the ranks start within it
+    engines, params = [], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     try:
-        assert e.tp.group.shm is not None and _ours() == before  # unlinked once every rank had it mapped
-        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-        first = e.generate([[1, 2, 3]], params)
+        for pipeline in (False, True):
+            cfg = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=16 << 20),
+                               pipeline_parallel_size=2 if pipeline else 1)
+            engines.append(LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), cfg, 2, pipeline=pipeline,
+                                                     timeout_s=3.0))  # the ranks start within it
+        assert all(e.tp.group.shm is not None for e in engines)
+        assert _ours() == before  # unlinked once every rank had it mapped
+        first = [e.generate([[1, 2, 3]], params) for e in engines]
         time.sleep(3.5)
-        assert e.tp.dead_ranks() == []
-        assert e.generate([[1, 2, 3]], params) == first
-        assert e.blocks.num_used_blocks == 0
+        assert [e.tp.dead_ranks() for e in engines] == [[], []]
+        assert [e.generate([[1, 2, 3]], params) for e in engines] == first
+        assert [e.blocks.num_used_blocks for e in engines] == [0, 0]
     finally:
-        e.shutdown()
+        for e in engines:
+            e.shutdown()
     assert _mapped() == mapped  # unmapped at shutdown: its memory went back
 
 
