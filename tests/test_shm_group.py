@@ -171,7 +171,7 @@ def test_groups_idle_past_their_timeout_still_step_and_leave_no_segment():
     assert _mapped() == mapped  # unmapped at shutdown: its memory went back
 
 
-def test_without_a_segment_the_group_steps_over_gloo(monkeypatch):
+def test_without_a_segment_the_group_steps_over_gloo_and_says_so(monkeypatch, capfd):
     cfg = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=16 << 20))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outs = []
@@ -187,3 +187,5 @@ def test_without_a_segment_the_group_steps_over_gloo(monkeypatch):
         finally:
             e.shutdown()
     assert outs[0] == outs[1]
+    assert "no shared-memory segment ([Errno 28] No space left on device): its collectives go through gloo" \
+        in capfd.readouterr().err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import sys
 import time
 from collections import deque
 from datetime import timedelta
@@ -81,14 +82,17 @@ class Group:
             try:
                 shm_mod.available()
                 path = shm_mod.create(self.world)
-            except (OSError, shm_mod.Unavailable):
-                path = ""
+            except (OSError, shm_mod.Unavailable) as e:
+                print(f"pdserve tensor-parallel group: no shared-memory segment ({e}): its collectives go "
+                      "through gloo, an all-reduce ~17x slower", file=sys.stderr, flush=True)
             self.broadcast(path)
         elif self.world > 1:
             path = self.receive()
         try:
             view = shm_mod.ShmGroup(path, self.rank, self.world, timeout_s) if path else None
-        except (OSError, shm_mod.Unavailable):
+        except (OSError, shm_mod.Unavailable) as e:
+            print(f"pdserve tensor-parallel rank {self.rank}: cannot map the group's segment ({e}): the group's "
+                  "collectives go through gloo", file=sys.stderr, flush=True)
             view = None
         mapped = self.gather(torch.tensor([view is not None], dtype=torch.uint8))
         if self.rank == 0:
