@@ -20,6 +20,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from pdserve.common.errors import InvalidRequestError, ModelLoadError
+from pdserve.common.gguf_file import gguf_header
 from pdserve.common.model_files import cache_dir, file_fingerprint
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -159,13 +160,10 @@ class Tokenizer:
 
     @classmethod
     def _build_from_gguf(cls, path: Path) -> "Tokenizer":
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        f = reader.fields
+        meta = gguf_header(path, vocab=True)
 
         def val(key, default=None):
-            return f[key].contents() if key in f else default
+            return meta.get(key, default)
 
         kind = val("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):

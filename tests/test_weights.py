@@ -192,25 +192,37 @@ def test_fingerprint_follows_content_not_location(tmp_path, monkeypatch):
     assert a == b != c
 
 
-def _reader_metadata(path) -> dict:
+def _reader_metadata(reader, vocab: bool = False) -> dict:
     """What gguf's own reader finds in the file's metadata, as `gguf_header` gives it (the
-    vocabulary's arrays by their length)."""
-    from gguf import GGUFReader
-
+    vocabulary's arrays by their length unless `vocab`)."""
     out = {}
-    for key, field in GGUFReader(str(path)).fields.items():
+    for key, field in reader.fields.items():
         if key.startswith("GGUF."):  # the reader's own records of the header (version, counts)
             continue
-        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in ("tokens", "merges", "token_type", "scores"):
+        if not vocab and key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in (
+                "tokens", "merges", "token_type", "scores"):
             out[f"{key}.count"] = len(field.data)
         else:
             out[key] = field.contents()
     return out
 
 
+def _same_tensors_as_the_reader(path, reader) -> None:
+    """The loader's views of every tensor hold what gguf's reader finds: name, type, shape
+    and every value (plain numbers in this machine's byte order)."""
+    from pdserve.engine.model.weights import _gguf_arrays
+
+    _, ours = _gguf_arrays(path)
+    assert [t[0] for t in ours] == [t.name for t in reader.tensors]
+    for (name, kind, data, shape), want in zip(ours, reader.tensors):
+        assert kind == want.tensor_type and data.shape == want.data.shape, name
+        assert shape == tuple(reversed([int(x) for x in want.shape])), name
+        assert np.array_equal(data, np.asarray(want.data)) and data.dtype.isnative, name
+
+
 @pytest.mark.parametrize("endian", ["little", "big"])
 def test_the_header_reader_reads_every_value_type_as_gguf_does(tmp_path, endian):
-    from gguf import GGUFEndian
+    from gguf import GGUFEndian, GGUFReader
 
     from pdserve.engine.model.gguf_config import gguf_header
 
@@ -222,23 +234,41 @@ def test_the_header_reader_reads_every_value_type_as_gguf_does(tmp_path, endian)
     w.add_bool("k.bool", True), w.add_string("k.str", "ünïcode")
     w.add_array("k.ints", [3, 1, 4]), w.add_array("k.strs", ["a", "", "bc"]), w.add_array("k.floats", [0.5, 1.5])
     w.add_token_list(["<s>", "a", "ab"]), w.add_token_scores([0.0, -1.0, -2.0]), w.add_token_merges(["a b"])
-    w.add_tensor("t", np.zeros(4, dtype=np.float32))
+    w.add_tensor("t", np.arange(4, dtype=np.float32) - 1.5)
+    w.add_tensor("h", np.arange(6, dtype=np.float16).reshape(2, 3))
+    w.add_tensor("i", np.arange(8, dtype=np.int32) * -3)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    reader = GGUFReader(str(path))
     got = gguf_header(path)
-    assert got == _reader_metadata(path)
+    assert got == _reader_metadata(reader)
     assert got["k.u64"] == 2**40 and got["k.str"] == "ünïcode" and got["k.strs"] == ["a", "", "bc"]
     assert got["tokenizer.ggml.tokens.count"] == 3 and "tokenizer.ggml.tokens" not in got
+    full = gguf_header(path, vocab=True)
+    assert full == _reader_metadata(reader, vocab=True) and full["tokenizer.ggml.tokens"] == ["<s>", "a", "ab"]
+    _same_tensors_as_the_reader(path, reader)
 
 
-def test_the_header_reader_gives_the_real_model_s_metadata_and_config(smollm):
+def test_the_header_reader_gives_the_real_model_s_metadata_config_and_tensors(smollm):
+    """And the tokenizer built from it (no GGUFReader anywhere) is the one the suite's
+    references were made with."""
+    from gguf import GGUFReader
+
+    from pdserve.common.tokenizer import Tokenizer
     from pdserve.engine.model.gguf_config import gguf_header, model_config_from_gguf, read_model_config
 
     path = smollm[0].path
+    reader = GGUFReader(str(path))
     meta = gguf_header(path)
-    assert meta == _reader_metadata(path)
+    assert meta == _reader_metadata(reader)
     assert meta["tokenizer.ggml.tokens.count"] == 49152
+    assert gguf_header(path, vocab=True) == _reader_metadata(reader, vocab=True)
     cfg = read_model_config(path)
     assert cfg == model_config_from_gguf(meta) and cfg.num_hidden_layers == 30 and cfg.vocab_size == 49152
+    _same_tensors_as_the_reader(path, reader)
+    built = Tokenizer._build_from_gguf(path)
+    assert built._tok.to_str() == smollm[1]._tok.to_str()
+    assert (built.eos_token_id, built.bos_token_id, built.chat_template) == (
+        smollm[1].eos_token_id, smollm[1].bos_token_id, smollm[1].chat_template)
 
 
 def test_the_header_reader_names_a_file_that_is_not_gguf(tmp_path):

@@ -3,24 +3,16 @@ without the weights: what `pdserve up` needs to refuse a parallel degree the mod
 split into before anything starts (the loader, engine/model/weights.py, builds the same
 config from the same metadata).
 
-`gguf_header` reads only the key-value metadata at the file's start. gguf's `GGUFReader`
-parses the whole file (every tensor's record and every vocabulary entry into numpy views):
-3-7 s for the default model, against ~20 ms here."""
+`gguf_header` (common/gguf_file.py) reads only the key-value metadata at the file's start:
+~20 ms for the default model."""
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from pathlib import Path
 
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.gguf_file import gguf_header  # noqa: F401 - the header's reader, for this module's callers
 from pdserve.engine.config import ModelConfig
-
-# GGUF value types: struct codes of the scalars; 8 is a string, 9 an array
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-# the vocabulary's arrays: only their length is kept (the tokenizer reads them itself)
-_COUNTED = ("tokens", "merges", "token_type", "scores")
 
 # general.architecture values (Mistral, and Mixtral with expert_count set, ship as llama)
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "olmoe")
@@ -30,75 +22,6 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' RoPE base (not in its G
 # unless the file says otherwise in {arch}.expert_weights_norm
 _GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 GGUF_MOE_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
-
-
-class _Cursor:
-    """Reads GGUF values from a buffer at a moving offset, in the file's byte order."""
-
-    def __init__(self, buf, order: str, at: int):
-        self.buf, self.order, self.at = buf, order, at
-
-    def scalar(self, code: str):
-        (v,) = struct.unpack_from(self.order + code, self.buf, self.at)
-        self.at += struct.calcsize(code)
-        return v
-
-    def string(self) -> str:
-        n = self.scalar("Q")
-        s = bytes(self.buf[self.at:self.at + n]).decode("utf-8", errors="replace")
-        self.at += n
-        return s
-
-    def value(self, kind: int, keep: bool = True):
-        """The value of GGUF type `kind`; an array not kept (`keep` False) is skipped and its
-        length returned."""
-        if kind in _SCALARS:
-            return self.scalar(_SCALARS[kind])
-        if kind == _STRING:
-            return self.string()
-        if kind != _ARRAY:
-            raise ModelLoadError(f"GGUF value type {kind} is not one this reader knows")
-        item, n = self.scalar("I"), self.scalar("Q")
-        if not keep and item in _SCALARS:
-            self.at += n * struct.calcsize(_SCALARS[item])
-            return n
-        if not keep and item == _STRING:  # a vocabulary: each entry's length, to step over it
-            length = struct.Struct(self.order + "Q")
-            for _ in range(n):
-                self.at += 8 + length.unpack_from(self.buf, self.at)[0]
-            return n
-        values = [self.value(item) for _ in range(n)]
-        return values if keep else n
-
-
-def gguf_header(path: Path) -> dict:
-    """The metadata of the GGUF file at `path`: scalars and strings as Python values, arrays as
-    lists, the vocabulary's arrays as `{key}.count` only (as engine/model/weights.py's
-    `gguf_metadata` gives them from a GGUFReader)."""
-    with open(path, "rb") as fh:
-        try:
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as err:  # an empty file
-            raise ModelLoadError(f"{path}: not a GGUF file ({err})") from None
-    with buf:
-        if buf[:4] != b"GGUF":
-            raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic)")
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # a big-endian file's version reads byte-swapped
-        cur = _Cursor(buf, order, 4)
-        version = cur.scalar("I")
-        if version < 2:
-            raise ModelLoadError(f"{path}: GGUF version {version} is too old (2 or later)")
-        cur.scalar("Q")  # tensors
-        out = {}
-        try:
-            for _ in range(cur.scalar("Q")):
-                key, kind = cur.string(), cur.scalar("I")
-                counted = key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in _COUNTED
-                value = cur.value(kind, keep=not counted)
-                out[f"{key}.count" if counted else key] = value
-        except struct.error as err:
-            raise ModelLoadError(f"{path}: GGUF metadata ends early ({err})") from None
-    return out
 
 
 def model_config_from_gguf(meta: dict) -> ModelConfig:
@@ -115,7 +38,8 @@ def model_config_from_gguf(meta: dict) -> ModelConfig:
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     return ModelConfig(
-        vocab_size=int(meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens.count") or 0),
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens.count")
+                       or len(meta.get("tokenizer.ggml.tokens") or ())),
         hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")), num_attention_heads=n_heads,
         num_key_value_heads=int(get("attention.head_count_kv", n_heads)),

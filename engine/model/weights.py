@@ -24,7 +24,8 @@ from pdserve.common.model_files import (  # noqa: F401 - the loader's callers fi
     DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, cache_dir, content_fingerprint, default_model_path, file_fingerprint,
     resolve_model_path)
 from pdserve.engine.model import moe_weights, packed_cache
-from pdserve.engine.model.gguf_config import gguf_header, model_config_from_gguf, read_model_config
+from pdserve.common.gguf_file import gguf_contents
+from pdserve.engine.model.gguf_config import model_config_from_gguf, read_model_config
 from pdserve.engine.model.llama import LlamaForCausalLM
 
 
@@ -54,6 +55,9 @@ _GGUF_GEMMA3_NAMES = _GGUF_LAYER_NAMES | {"post_attention_norm": "post_attention
                                           "ffn_norm": "pre_feedforward_layernorm",
                                           "post_ffw_norm": "post_feedforward_layernorm"}
 
+# ggml types stored as plain numbers: their numpy dtype
+_PLAIN_GGUF_TYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
+
 
 def _gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     if name in _GGUF_NAMES:
@@ -65,25 +69,53 @@ def _gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
+def _gguf_arrays(path: Path):
+    """(metadata, [(tensor name, ggml type, its data as gguf's dequantizer takes it, its
+    shape)]) of the GGUF file at `path`: views into one read-only map (plain numbers in this
+    machine's byte order)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    meta, records, order = gguf_contents(path)
+    data = np.memmap(path, mode="r")
+    out = []
+    for t in records:
+        try:
+            kind = GGMLQuantizationType(t.kind)
+        except ValueError:
+            raise ModelLoadError(f"tensor {t.name!r}: unknown GGUF type {t.kind}") from None
+        block, size = GGML_QUANT_SIZES[kind]
+        shape = tuple(reversed(t.dims))
+        n_bytes = int(np.prod(t.dims, dtype=np.int64)) * size // block
+        if t.offset + n_bytes > data.size:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} runs past the file's end (cut short?)")
+        raw = data[t.offset:t.offset + n_bytes]
+        if kind.name in _PLAIN_GGUF_TYPES:  # in this machine's byte order, as the dequantizer reads them
+            dtype = np.dtype(_PLAIN_GGUF_TYPES[kind.name])
+            arr = raw.view(dtype.newbyteorder(order)).astype(dtype, copy=False).reshape(shape)
+        else:
+            arr = raw.reshape(*shape[:-1], shape[-1] // block * size)
+        out.append((t.name, kind, arr, shape))
+    return meta, out
+
+
 def read_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """Dequantize every tensor of a GGUF file to fp32, with Hugging Face names."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    cfg = model_config_from_gguf(gguf_header(path))
+    meta, tensors = _gguf_arrays(path)
+    cfg = model_config_from_gguf(meta)
     state = {}
-    for t in reader.tensors:
-        moe = cfg.num_experts and moe_weights.is_expert_tensor(t.name)
-        name = t.name if moe else _gguf_to_hf_name(t.name, cfg.model_type)
+    for t_name, t_kind, t_data, shape in tensors:
+        moe = cfg.num_experts and moe_weights.is_expert_tensor(t_name)
+        name = t_name if moe else _gguf_to_hf_name(t_name, cfg.model_type)
         try:
-            arr = dequantize(t.data, t.tensor_type)
+            arr = dequantize(t_data, t_kind)
         except NotImplementedError as e:
-            raise ModelLoadError(f"tensor {t.name!r}: unsupported GGUF type {t.tensor_type.name}") from e
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+            raise ModelLoadError(f"tensor {t_name!r}: unsupported GGUF type {t_kind.name}") from e
+        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
         if moe:  # a layer's experts (one slice each) or its router
             state.update({k: torch.from_numpy(np.array(v, dtype=np.float32, order="C"))
-                          for k, v in moe_weights.gguf_expert_tensors(t.name, arr, cfg.num_experts).items()})
+                          for k, v in moe_weights.gguf_expert_tensors(t_name, arr, cfg.num_experts).items()})
             continue
         # llama.cpp permutes Q/K for its interleaved RoPE only in Llama files; Qwen's use the
         # rotate-half ("NEOX") layout, as Hugging Face does
