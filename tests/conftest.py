@@ -10,6 +10,12 @@ import pytest
 # converted-model caches live in the checkout (ignored by git), not in the user's home
 os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
 
+# the suite's processes (the test's, Ray's, each worker's) share the machine's cores: OpenMP's
+# threads sleep at a parallel region's end instead of spinning (libgomp's default spins ~300k
+# times), which held a core another process needed. Twelve of the slowest files on a 2-core
+# AVX2 EPYC: 521 -> 436 s, busy CPU 579 s. Read by libgomp as torch loads it, so set before.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on the CPU (set before triton loads)
