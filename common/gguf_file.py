@@ -1,5 +1,5 @@
-"""A GGUF file's metadata and tensor records, read straight from the bytes (torch-free; numpy
-only for the tensors' views).
+"""A GGUF file's metadata and tensor records, read straight from the bytes (no torch, no
+numpy: the loader, engine/model/weights.py, maps each tensor's bytes from its record).
 
 gguf's `GGUFReader` wraps every value of the file in numpy views, each vocabulary entry among
 them: parsing Gemma 3's 262,144-entry vocabulary took it ~10 s, and the loader and the
