@@ -34,8 +34,11 @@ $(PROMETHEUS):
 up: setup
 	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/pdserve up $(UP_ARGS)
 
+# two pytest workers (tests/helpers/split.py hands them whole files, the longest first): the suite's
+# processes wait on each other (Ray's start-ups, a cluster's requests) more than they use both cores
+TEST_WORKERS ?= 2
 test: setup-test
-	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # what the tests compare to, computed once by transformers and committed as data (tests/data/refs/,
 # tests/refs/): rerun after a transformers or model change, and commit what changed

@@ -25,8 +25,9 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # 
 from pdserve.engine.core.engine import LLMEngine  # noqa: E402
 from pdserve.engine.model.tiny import tiny_llama  # noqa: E402
 
-# each file's time against its budget, the fixtures slow tests waited on; the shared `pdserve up`
-pytest_plugins = ["tests.timing", "tests.helpers.shared_up"]
+# each file's time against its budget, the fixtures slow tests waited on; the shared `pdserve up`;
+# how the suite splits over pytest workers
+pytest_plugins = ["tests.timing", "tests.helpers.shared_up", "tests.helpers.split"]
 THREADS = torch.get_num_threads()  # the process's default, before any engine set its own
 
 

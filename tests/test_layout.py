@@ -254,6 +254,6 @@ def test_every_test_file_keeps_within_its_time_budget(request):
     call and teardown of its tests) within its budget in tests/budgets.toml, so the next slow
     test is seen the day it lands."""
     clock = request.config.pluginmanager.get_plugin(PLUGIN)
-    over = clock.over()
+    over = clock.over(request.session)  # with pytest workers, once the others' tests are done
     assert not over, ("test files over their time budget (tests/budgets.toml; the slow fixtures are named in "
                       "the summary):\n" + "\n".join(over))

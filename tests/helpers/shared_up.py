@@ -14,6 +14,8 @@ from pdserve.registry.embedded import free_port
 from tests.helpers.procs import Proc, descendants, stop
 
 FIXTURE = "default_up_session"
+# the files whose tests use it: one unit of work for the suite's workers (tests/helpers/split.py)
+FILES = ("tests/test_bf16_kv_up.py", "tests/test_isolation_up.py", "tests/test_up.py")
 
 
 class SharedUp:
@@ -75,6 +77,9 @@ def pytest_collection_modifyitems(config, items):
     users = [i for i in items if FIXTURE in getattr(i, "fixturenames", ())]
     if not users:
         return
+    strays = sorted({i.nodeid.split("::")[0] for i in users} - set(FILES))
+    if strays:
+        raise pytest.UsageError(f"{strays} use the shared pdserve up: add them to FILES in {__name__}")
     first = items.index(users[0])
     users.sort(key=lambda i: getattr(getattr(i, "function", None), "stops_default_up", False))
     rest = [i for i in items if FIXTURE not in getattr(i, "fixturenames", ())]
