@@ -1,6 +1,7 @@
 """The native kernels' instruction set, chosen per CPU at start (engine/kernels/native/cpu.py):
-the best the CPU has, a lower one on request, a clear error for one it lacks; and every path this
-CPU can run gives bitwise the same matmuls (the VNNI tiles sum the same integers as AVX2's)."""
+the best the CPU has, a lower one on request, a clear error for one it lacks, the tiles' width per
+row count on a Zen 4; and every path this CPU can run gives bitwise the same matmuls (the VNNI
+tiles sum the same integers as AVX2's)."""
 from __future__ import annotations
 
 import json
@@ -45,6 +46,27 @@ def test_a_lower_instruction_set_is_taken_on_request_and_builds_without_the_high
     assert {"-mamx-tile", "-mamx-bf16", "-mavx512bf16"} <= set(native._flags())
 
 
+def test_a_zen_4_builds_256_bit_w4a8_tiles_up_to_8_rows_and_other_cpus_512_bit_ones(monkeypatch):
+    """A Zen 4 runs a 512-bit operation as two 256-bit halves: its decode rows take the 256-bit
+    tiles (engine/kernels/native/vnni.h), the build says so in its flags (and so its cache key)."""
+    monkeypatch.delenv(isa_mod.NARROW_ROWS_ENV, raising=False)
+    assert isa_mod.narrow_rows("avx512-vnni", ("AuthenticAMD", 25)) == 8
+    assert isa_mod.narrow_rows("avx512-vnni", ("AuthenticAMD", 26)) == 0  # Zen 5: 512 bits wide
+    assert isa_mod.narrow_rows("avx512-amx", ("GenuineIntel", 6)) == 0
+    assert isa_mod.narrow_rows("avx2", ("AuthenticAMD", 25)) == 0  # a Zen 3, or a Zen 4 forced to AVX2
+    monkeypatch.setenv(isa_mod.NARROW_ROWS_ENV, "4")
+    assert isa_mod.narrow_rows("avx512-vnni", ("GenuineIntel", 6)) == 4
+    monkeypatch.setattr(native, "cpu_flags", lambda: ZEN4)
+    monkeypatch.setattr(isa_mod, "cpu_flags", lambda: ZEN4)
+    monkeypatch.delenv(isa_mod.ISA_ENV, raising=False)
+    assert "-DPDSERVE_NARROW_ROWS=4" in native._flags()
+    monkeypatch.setenv(isa_mod.NARROW_ROWS_ENV, "0")
+    assert not any("NARROW" in f for f in native._flags())  # the default build: no define, the same cache key
+    monkeypatch.setenv(isa_mod.NARROW_ROWS_ENV, "eight")
+    with pytest.raises(native.UnknownISA, match="PDSERVE_NARROW_ROWS='eight' is not a whole number"):
+        native._flags()
+
+
 @pytest.mark.parametrize("want,flags,match", [("avx512-vnni", ZEN3, "lacks avx512_vnni, avx512bw"),
                                               ("avx-vnni", ICE_LAKE, "lacks avx_vnni"),
                                               ("avx512-amx", ZEN4, "lacks amx_bf16, amx_tile"),
@@ -72,8 +94,8 @@ json.dump(out, sys.stdout)
 """
 
 
-def _run_kernels(isa: str) -> dict:
-    env = dict(os.environ, **{isa_mod.ISA_ENV: isa})
+def _run_kernels(isa: str, narrow_rows: str = "") -> dict:
+    env = dict(os.environ, **{isa_mod.ISA_ENV: isa, isa_mod.NARROW_ROWS_ENV: narrow_rows})
     r = subprocess.run([sys.executable, "-c", _KERNELS], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
@@ -86,9 +108,12 @@ def test_every_instruction_set_this_cpu_has_gives_bitwise_the_same_matmuls():
     runs = {name: _run_kernels(name) for name in isa_mod.isas() if name != "portable"}
     assert all(r["isa"] == name for name, r in runs.items())
     assert len({r["library"] for r in runs.values()}) == len(runs)  # a build per instruction set
-    best, *others = runs.values()
-    for other in others:
+    if "avx512-vnni" in runs:  # the 512-bit tiles at every row count, and 256-bit ones up to 16 rows
+        for narrow in ("0", "16"):
+            runs[f"avx512-vnni, 256-bit tiles up to {narrow} rows"] = _run_kernels("avx512-vnni", narrow)
+    (first, best), *others = runs.items()
+    for name, other in others:
         for key in best:
             if key not in ("isa", "library"):
-                assert best[key] == other[key], f"{key}: {other['isa']} differs from {best['isa']}"
+                assert best[key] == other[key], f"{key}: {name} differs from {first}"
     assert torch.tensor(best["960x576x5"][0], dtype=torch.int32).view(torch.float32).abs().sum() > 0  # real results, not zeros

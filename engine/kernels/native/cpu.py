@@ -6,6 +6,24 @@ from __future__ import annotations
 import os
 
 
+def cpu_identity() -> tuple[str, int]:
+    """This CPU's (vendor, family) as /proc/cpuinfo lists them (("", 0) where it has none)."""
+    vendor, family = "", 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "cpu family":
+                    family = int(value.strip() or 0)
+                elif not line.strip():
+                    break  # the first processor's record is enough
+    except (OSError, ValueError):
+        pass
+    return vendor, family
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
     try:
@@ -34,6 +52,11 @@ ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "portable": (frozenset(), ()),
 }
 ISA_ENV = "PDSERVE_ISA"  # names another instruction set this CPU has (a check, a comparison)
+NARROW_ROWS_ENV = "PDSERVE_NARROW_ROWS"  # sets narrow_rows (a check, a comparison)
+# AMD's Zen 4 (family 25 with AVX-512) runs a 512-bit operation as two 256-bit halves: there the
+# W4A8 tiles in 256-bit vectors were 1.22-1.28x faster at 1-4 rows and 1.15-1.19x at 8, level
+# at 16 and 32, and 0.93-0.96x at the prompts' 32-512 (bench/NOTES.md, twenty-third session)
+ZEN4 = ("AuthenticAMD", 25)
 
 
 class UnknownISA(ValueError):
@@ -58,3 +81,17 @@ def isas(flags: set[str] | None = None) -> list[str]:
     """Every instruction set in ISAS this CPU has, best first."""
     flags = cpu_flags() if flags is None else flags
     return [name for name, (needs, _) in ISAS.items() if needs <= flags]
+
+
+def narrow_rows(name: str, identity: tuple[str, int] | None = None) -> int:
+    """Up to how many rows an AVX-512 build's W4A8 matmuls take 256-bit tiles (vnni.h
+    PDSERVE_NARROW_ROWS): 8 on a Zen 4, else 0 (512-bit tiles at every row count), or what
+    PDSERVE_NARROW_ROWS says (a whole number)."""
+    want = os.environ.get(NARROW_ROWS_ENV, "").strip()
+    if want:
+        if not want.isdigit():
+            raise UnknownISA(f"{NARROW_ROWS_ENV}={want!r} is not a whole number of rows")
+        return int(want)
+    if not name.startswith("avx512"):
+        return 0
+    return 8 if (cpu_identity() if identity is None else identity) == ZEN4 else 0
