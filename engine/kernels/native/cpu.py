@@ -54,8 +54,9 @@ ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
 ISA_ENV = "PDSERVE_ISA"  # names another instruction set this CPU has (a check, a comparison)
 NARROW_ROWS_ENV = "PDSERVE_NARROW_ROWS"  # sets narrow_rows (a check, a comparison)
 # AMD's Zen 4 (family 25 with AVX-512) runs a 512-bit operation as two 256-bit halves: there the
-# W4A8 tiles in 256-bit vectors were 1.22-1.28x faster at 1-4 rows and 1.15-1.19x at 8, level
-# at 16 and 32, and 0.93-0.96x at the prompts' 32-512 (bench/NOTES.md, twenty-third session)
+# decode steps' W4A8 tiles over nibble-packed weights in 256-bit vectors were 1.22-1.28x faster
+# at 1-4 rows and 1.15-1.19x at 8, level at 16 and 32; over byte weights (prompts) 0.82-0.96x at
+# every row count (bench/NOTES.md, twenty-third session)
 ZEN4 = ("AuthenticAMD", 25)
 
 
@@ -84,7 +85,8 @@ def isas(flags: set[str] | None = None) -> list[str]:
 
 
 def narrow_rows(name: str, identity: tuple[str, int] | None = None) -> int:
-    """Up to how many rows an AVX-512 build's W4A8 matmuls take 256-bit tiles (vnni.h
+    """Up to how many rows an AVX-512 build's W4A8 matmuls over nibble-packed weights (the
+    decode step's) take 256-bit tiles (vnni.h
     PDSERVE_NARROW_ROWS): 8 on a Zen 4, else 0 (512-bit tiles at every row count), or what
     PDSERVE_NARROW_ROWS says (a whole number)."""
     want = os.environ.get(NARROW_ROWS_ENV, "").strip()

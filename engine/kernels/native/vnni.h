@@ -75,8 +75,9 @@ static inline __attribute__((always_inline)) void w4a8_tile_vnni(const int8_t *x
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define PDSERVE_VNNI512 1
-/* Up to this many rows a matmul takes the 256-bit tiles all the same (cpu.py `narrow_rows`: 8
- * on a Zen 4, which runs a 512-bit operation as two 256-bit halves; 0 elsewhere). */
+/* Up to this many rows a matmul over nibble-packed weights (a decode step's) takes the 256-bit
+ * tiles all the same (cpu.py `narrow_rows`: 8 on a Zen 4, which runs a 512-bit operation as two
+ * 256-bit halves; 0 elsewhere). Byte weights keep the 512-bit tiles at every row count. */
 #ifndef PDSERVE_NARROW_ROWS
 #define PDSERVE_NARROW_ROWS 0
 #endif
@@ -139,7 +140,7 @@ static inline __attribute__((always_inline)) void w4a8_tile_vnni512(const int8_t
 #endif
 
 /* Column blocks [c0, c1) for every row of the quantized x, two quads a tile (two column
- * blocks a tile where built for AVX-512, above PDSERVE_NARROW_ROWS rows), `rc` quads a
+ * blocks a tile where built for AVX-512; for nibble weights above PDSERVE_NARROW_ROWS rows), `rc` quads a
  * pass over the columns (their int8 copy stays in L2; rc even). */
 static inline __attribute__((always_inline)) void w4a8_columns_vnni(const int8_t *xq, const float *dx,
                                                                     const float *sx, const uint8_t *w,
@@ -151,7 +152,7 @@ static inline __attribute__((always_inline)) void w4a8_columns_vnni(const int8_t
         const int64_t r1 = r0 + rc < quads ? r0 + rc : quads;
         int64_t c = c0;
 #ifdef PDSERVE_VNNI512
-        for (; M > PDSERVE_NARROW_ROWS && c + 1 < c1; c += 2)
+        for (; (!nib || M > PDSERVE_NARROW_ROWS) && c + 1 < c1; c += 2)
             for (int64_t r = r0; r < r1; r += 2) {
                 const int rows = M - 4 * r < 8 ? (int)(M - 4 * r) : 8;
                 const int8_t *xr = xq + r * 4 * K;
