@@ -192,3 +192,45 @@ def test_without_a_segment_the_group_steps_over_gloo_and_says_so(monkeypatch, ca
     assert outs[0] == outs[1]
     assert "no shared-memory segment ([Errno 28] No space left on device): its collectives go through gloo" \
         in capfd.readouterr().err
+
+
+def test_a_rank_that_never_maps_the_segment_leaves_no_file_and_no_mapping(monkeypatch):
+    """Rank 0 made the segment and sent its path; rank 1 died before mapping it (here it raises,
+    in its thread): rank 0's wait ends at the group's timeout, and the file and its own
+    mapping go with it (a first start's kernel build, slower than a 3 s timeout, had left one)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pdserve.engine.parallel.group import Group, group_store
+    from pdserve.engine.parallel.wire import group_secret, store_prefix
+
+    made, real_create, real_group = [], shm.create, shm.ShmGroup
+
+    def create(world):
+        made.append(real_create(world))
+        return made[-1]
+
+    def group(path, rank, world, timeout_s):
+        if rank != 0:
+            raise RuntimeError("rank 1 died")
+        return real_group(path, rank, world, timeout_s)
+    monkeypatch.setattr(shm, "create", create)
+    monkeypatch.setattr(shm, "ShmGroup", group)
+    mapped, secret, out = _mapped(), group_secret(), {}
+    host, _ = group_store("127.0.0.1", 0, 2, True, 3.0, secret)
+
+    def join(rank: int):
+        own = host if rank == 0 else dist.TCPStore("127.0.0.1", host.port, 2, False, timeout=timedelta(seconds=3))
+        try:
+            out[rank] = Group(rank, 2, dist.PrefixStore(store_prefix(secret), own), 3.0, secret)
+        except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+            out[rank] = e
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(out[1], RuntimeError) and isinstance(out[0], Exception), out
+    assert len(made) == 1 and not os.path.exists(made[0])
+    assert _mapped() == mapped

@@ -77,7 +77,7 @@ class Group:
     def _attach_shm(self, timeout_s: float) -> None:
         """Rank 0 makes the segment and sends its path (sealed); every rank maps it and says so;
         rank 0 unlinks it and tells whether every rank has it: if one has not, gloo carries all."""
-        path, view = "", None
+        path = ""
         if self.rank == 0 and self.world > 1:
             try:
                 shm_mod.available()
@@ -85,6 +85,23 @@ class Group:
             except (OSError, shm_mod.Unavailable) as e:
                 print(f"pdserve tensor-parallel group: no shared-memory segment ({e}): its collectives go "
                       "through gloo, an all-reduce ~17x slower", file=sys.stderr, flush=True)
+        try:
+            mapped, view = self._map_shm(path, timeout_s)
+        finally:  # a rank that never mapped it (dead, or slower than the timeout) leaves no file behind
+            if self.rank == 0 and path:
+                os.unlink(path)
+        if self.rank == 0:
+            self.broadcast(bool(path) and all(bool(m) for m in mapped))
+        everyone = self.receive() if self.rank != 0 else bool(path) and all(bool(m) for m in mapped)
+        if everyone:
+            self.shm = view
+        elif view is not None:
+            view.close()
+
+    def _map_shm(self, path: str, timeout_s: float) -> tuple[list, shm_mod.ShmGroup | None]:
+        """Rank 0 sends the segment's path (sealed), every rank maps it; (whether each rank
+        has it, as rank 0 gathered; this rank's view or None)."""
+        if self.rank == 0 and self.world > 1:
             self.broadcast(path)
         elif self.world > 1:
             path = self.receive()
@@ -94,16 +111,12 @@ class Group:
             print(f"pdserve tensor-parallel rank {self.rank}: cannot map the group's segment ({e}): the group's "
                   "collectives go through gloo", file=sys.stderr, flush=True)
             view = None
-        mapped = self.gather(torch.tensor([view is not None], dtype=torch.uint8))
-        if self.rank == 0:
-            if path:
-                os.unlink(path)
-            self.broadcast(bool(path) and all(bool(m) for m in mapped))
-        everyone = self.receive() if self.rank != 0 else bool(path) and all(bool(m) for m in mapped)
-        if everyone:
-            self.shm = view
-        elif view is not None:
-            view.close()
+        try:
+            return self.gather(torch.tensor([view is not None], dtype=torch.uint8)), view
+        except BaseException:
+            if view is not None:
+                view.close()
+            raise
 
     def _authenticate(self, secret: bytes) -> None:
         """Rank 0 sends a random challenge; every rank answers with a MAC of it under the secret,

@@ -20,7 +20,8 @@ next command waits as long as rank 0 lives: an idle group neither spins nor time
 
 The segment is a file in /dev/shm, created with the owner's permissions alone and a random
 name that rank 0 sends sealed to the others; rank 0 unlinks it as soon as every rank has it
-mapped, so nothing is left however the processes end. Where it cannot be made (no /dev/shm,
+mapped, or the group failed to form (a rank dead or past the timeout before it mapped it), so
+nothing is left however the processes end. Where it cannot be made (no /dev/shm,
 too little room in it, no native kernels), the group keeps to gloo.
 """
 from __future__ import annotations
