@@ -1,7 +1,8 @@
 """The native kernels' instruction set, chosen per CPU at start (engine/kernels/native/cpu.py):
 the best the CPU has, a lower one on request, a clear error for one it lacks, the tiles' width per
-row count on a Zen 4; and every path this CPU can run gives bitwise the same matmuls (the VNNI
-tiles sum the same integers as AVX2's)."""
+row count on a Zen 4, the KV blocks fetched into L2 on AMD CPUs; and every path this CPU can run
+gives bitwise the same matmuls (the VNNI tiles sum the same integers as AVX2's), and each build
+the same attention whichever cache level its blocks are fetched into."""
 from __future__ import annotations
 
 import json
@@ -67,6 +68,28 @@ def test_a_zen_4_builds_256_bit_w4a8_tiles_up_to_8_rows_and_other_cpus_512_bit_o
         native._flags()
 
 
+def test_amd_cpus_fetch_the_kv_blocks_into_l2_and_others_into_l1(monkeypatch):
+    """The paged attention's fetches ahead (engine/kernels/native/attention.c): into L2 on AMD,
+    into L1 elsewhere, or as PDSERVE_KV_PREFETCH says; the build's flags (its cache key) say which."""
+    monkeypatch.delenv(isa_mod.KV_PREFETCH_ENV, raising=False)
+    assert isa_mod.kv_prefetch_l2(("AuthenticAMD", 25)) and isa_mod.kv_prefetch_l2(("AuthenticAMD", 26))
+    assert not isa_mod.kv_prefetch_l2(("GenuineIntel", 6)) and not isa_mod.kv_prefetch_l2(("", 0))
+    monkeypatch.setenv(isa_mod.KV_PREFETCH_ENV, "L2")
+    assert isa_mod.kv_prefetch_l2(("GenuineIntel", 6))
+    monkeypatch.setattr(native, "cpu_flags", lambda: ZEN3)
+    monkeypatch.setattr(isa_mod, "cpu_flags", lambda: ZEN3)
+    monkeypatch.delenv(isa_mod.ISA_ENV, raising=False)
+    assert "-DPDSERVE_KV_PREFETCH_L2" in native._flags()
+    monkeypatch.setenv(isa_mod.KV_PREFETCH_ENV, "l1")
+    assert not any("PREFETCH" in f for f in native._flags())
+    monkeypatch.setenv(isa_mod.ISA_ENV, "portable")
+    monkeypatch.setenv(isa_mod.KV_PREFETCH_ENV, "l2")
+    assert not any("PREFETCH" in f for f in native._flags())  # the scalar build fetches nothing ahead
+    monkeypatch.setenv(isa_mod.KV_PREFETCH_ENV, "l3")
+    with pytest.raises(native.UnknownISA, match="PDSERVE_KV_PREFETCH='l3' is not l1 or l2"):
+        isa_mod.kv_prefetch_l2()
+
+
 @pytest.mark.parametrize("want,flags,match", [("avx512-vnni", ZEN3, "lacks avx512_vnni, avx512bw"),
                                               ("avx-vnni", ICE_LAKE, "lacks avx_vnni"),
                                               ("avx512-amx", ZEN4, "lacks amx_bf16, amx_tile"),
@@ -117,3 +140,45 @@ def test_every_instruction_set_this_cpu_has_gives_bitwise_the_same_matmuls():
             if key not in ("isa", "library"):
                 assert best[key] == other[key], f"{key}: {name} differs from {first}"
     assert torch.tensor(best["960x576x5"][0], dtype=torch.int32).view(torch.float32).abs().sum() > 0  # real results, not zeros
+
+
+_ATTENTION = """
+import json, sys, torch
+from pdserve.engine.kernels import native
+g = torch.Generator().manual_seed(11)
+out = {"library": str(native.library_path())}
+H, KVH, D, bs = 9, 3, 64, 16
+for dtype in (torch.float32, torch.bfloat16):
+    for rows in (1, 2, 32):  # (row, KV head) items at 1 and 2 rows on two threads, whole rows at 32
+        lens = torch.randint(1, 700, (rows,), generator=g)
+        lens[0] = 700
+        width = (int(lens.max()) + bs - 1) // bs
+        k, v = (torch.randn(rows * width + 3, bs, KVH, D, generator=g).to(dtype) for _ in range(2))
+        tables = torch.randperm(rows * width + 3, generator=g)[:rows * width].reshape(rows, width)
+        q = torch.randn(rows, H, D, generator=g)
+        o = native.paged_decode_attention(q, k, v, tables, lens)
+        ref = []  # per row: softmax(q k^T / 8) v over the row's own keys, fp32
+        for r in range(rows):
+            keys = tables[r].repeat_interleave(bs) * bs + torch.arange(bs).repeat(width)
+            kr, vr = (c.reshape(-1, KVH, D)[keys[:lens[r]]].float().repeat_interleave(H // KVH, 1) for c in (k, v))
+            p = torch.softmax(torch.einsum("hd,thd->ht", q[r], kr) / 8, -1)
+            ref.append(torch.einsum("ht,thd->hd", p, vr))
+        err = float((o - torch.stack(ref)).abs().max())
+        out[f"{dtype}-{rows}"] = [o.view(torch.int32).flatten().tolist(), err]
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.mark.skipif(not native.available() or "avx2" not in isa_mod.isas(), reason="the fetches ahead need AVX2")
+def test_the_attention_is_the_same_bits_whichever_cache_its_blocks_are_fetched_into():
+    """The decode attention's paths (one row's items, several rows' items, whole rows), built with
+    the KV blocks fetched into L1 and into L2: the same bits, each the softmax attention."""
+    runs = {}
+    for level in ("l1", "l2"):
+        env = dict(os.environ, **{isa_mod.KV_PREFETCH_ENV: level})
+        r = subprocess.run([sys.executable, "-c", _ATTENTION], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        runs[level] = json.loads(r.stdout)
+    assert runs["l1"].pop("library") != runs["l2"].pop("library")  # two builds
+    assert runs["l1"] == runs["l2"]
+    assert len(runs["l2"]) == 6 and all(err < 1e-4 for _, err in runs["l2"].values())

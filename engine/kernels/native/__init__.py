@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .compile import compile_library
-from .cpu import ISA_ENV, ISAS, UnknownISA, cpu_flags, isa, isas, narrow_rows  # noqa: F401  (the build's target)
+from .cpu import ISA_ENV, ISAS, UnknownISA, cpu_flags, isa, isas, kv_prefetch_l2, narrow_rows  # noqa: F401  (the build's target)
 
 # one library from every C file here: weight-only matmuls (woq.c), paged decode attention (attention.c;
 # runs of a prompt's rows together: attention_rows.c), 8-bit KV stores (kv_store.c), fused elementwise ops
@@ -65,7 +65,8 @@ def _flags() -> list[str]:
     cc = ISAS[name][1]
     narrow = narrow_rows(name) if name.startswith("avx512") else 0  # a define only where it changes the build
     return (["-O3", "-fPIC", "-shared", "-fopenmp", *cc] + (["-mf16c"] if cc and "f16c" in cpu_flags() else [])
-            + ([f"-DPDSERVE_NARROW_ROWS={narrow}"] if narrow else []))
+            + ([f"-DPDSERVE_NARROW_ROWS={narrow}"] if narrow else [])
+            + (["-DPDSERVE_KV_PREFETCH_L2"] if cc and kv_prefetch_l2() else []))
 
 
 def _compiler() -> str:

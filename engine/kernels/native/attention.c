@@ -79,12 +79,37 @@ static inline void decode_rows_d64(const char *rows, size_t row, int n, float *b
     }
 }
 
-/* The whole block (all KV heads, `bytes` of them) into L1 ahead of its use: a row's blocks lie
- * anywhere in the pool, so the hardware's streams end at each block's edge, and one core's reads
- * waited on memory (2 rows x 2,048 keys: 5 GB/s, where a streaming sum reads 14 GB/s). Inlined
- * where it is used: as a function of its own, GCC found it free of effects and dropped its calls. */
-static inline __attribute__((always_inline)) void prefetch_block(const char *p, size_t bytes) {
-    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+/* A row's blocks lie anywhere in the pool, so the hardware's streams end at each block's edge,
+ * and one core's reads waited on memory (2 rows x 2,048 keys: 5 GB/s, where a streaming sum reads
+ * 14 GB/s). So the blocks are fetched ahead of their use, in the row's order of use (its K blocks,
+ * then its V blocks): a whole row's heads (one contiguous stretch a block) the next block, a
+ * (row, KV head) item (one head's slice of each token's row) PDSERVE_ITEM_AHEAD blocks ahead.
+ * PDSERVE_KV_PREFETCH_L2 (set for AMD CPUs, cpu.py `kv_prefetch_l2`) fetches into L2 rather than
+ * L1: on a 2-core Zen 4, 32 rows x 300 keys (bf16) 22 -> 14-16 ms for 30 layers, and the items
+ * of one row at 2,048 keys, unfetched before, 6.7-7.2 -> 2.9-3.3 ms; L1 fetches for the items
+ * gained there 1.1x. Elsewhere (Intel, where the L1 fetches were measured) as before. */
+#ifdef PDSERVE_KV_PREFETCH_L2
+#define KV_HINT _MM_HINT_T1
+#define PDSERVE_ITEM_AHEAD 2
+#else
+#define KV_HINT _MM_HINT_T0
+#define PDSERVE_ITEM_AHEAD 0
+#endif
+
+/* Item i of the fetch order (K blocks 0..nblk-1, then V blocks) for heads at byte offset `off`,
+ * `bytes` of each token's `row` (all of it: the block is one stretch). Inlined where it is used:
+ * as a function of its own, GCC found a prefetch loop free of effects and dropped its calls. */
+static inline __attribute__((always_inline)) void prefetch_item(const char *kc, const char *vc, const int64_t *table,
+                                                               int64_t nblk, int64_t i, size_t blk, size_t row,
+                                                               size_t off, size_t bytes, int bs) {
+    if (i >= 2 * nblk) return;
+    const char *p = (i < nblk ? kc + (size_t)table[i] * blk : vc + (size_t)table[i - nblk] * blk) + off;
+    if (bytes == row) {
+        for (size_t o = 0; o < blk; o += 64) _mm_prefetch(p + o, KV_HINT);
+        return;
+    }
+    for (int t = 0; t < bs; t++)
+        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + (size_t)t * row + o, KV_HINT);
 }
 
 /* One block's first n rows of a KV head as fp32 rows, in any format: 8-bit codes decoded and
@@ -102,9 +127,9 @@ static inline __attribute__((always_inline)) const char *block_f32(const char *r
  * the chunk loops. Blocks outside, each KV head's G query heads inside: a block's K (then V)
  * rows are read from memory once, widened to fp32 once for the G heads (block_f32), and found
  * in L1 by them (head by head over the whole context, they came from L2: 1.2x slower at 320
- * tokens). With `ahead` (a whole row's heads: one contiguous stretch a block), the next block
- * is fetched into L1 meanwhile (2,048 keys x 4 rows and 300 x 32 on one Xeon core: 1.3-1.7x
- * faster than head by head; the widening once per KV head 1.15x more). Each head's sums run
+ * tokens). The blocks ahead are fetched meanwhile (prefetch_item; for a whole row's heads,
+ * `ahead`, on one Xeon core at 2,048 keys x 4 rows and 300 x 32: 1.3-1.7x faster than head by
+ * head; the widening once per KV head 1.15x more). Each head's sums run
  * in the per-block order of attend.h, which the multi-row kernel (attention_rows.c) also runs:
  * a row gets the same bits from any of them. scores: heads * len floats, acc: heads * 64,
  * buf: bs * 64. */
@@ -116,10 +141,12 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const float *
     enum { D = 64 };
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow, blk = (size_t)bs * row;
     const int64_t nblk = (len + bs - 1) / bs;
-    const int H = G * (kh1 - kh0);
+    const int H = G * (kh1 - kh0), dist = ahead ? 1 : PDSERVE_ITEM_AHEAD;
+    const size_t off = (size_t)kh0 * hrow, bytes = (size_t)(kh1 - kh0) * hrow;
+    for (int64_t i = 1; i < dist; i++) prefetch_item(kc, vc, table, nblk, i, blk, row, off, bytes, bs);
     for (int64_t b = 0; b < nblk; b++) {
         const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        if (ahead) prefetch_block(b + 1 < nblk ? kc + (size_t)table[b + 1] * blk : vc + (size_t)table[0] * blk, blk);
+        if (dist) prefetch_item(kc, vc, table, nblk, b + dist, blk, row, off, bytes, bs);
         for (int kh = kh0; kh < kh1; kh++) {
             size_t stride;
             const char *kb = block_f32(kc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
@@ -138,7 +165,7 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const float *
     memset(acc, 0, sizeof(float) * (size_t)H * D);
     for (int64_t b = 0; b < nblk; b++) {
         const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
-        if (ahead && b + 1 < nblk) prefetch_block(vc + (size_t)table[b + 1] * blk, blk);
+        if (dist) prefetch_item(kc, vc, table, nblk, nblk + b + dist, blk, row, off, bytes, bs);
         for (int kh = kh0; kh < kh1; kh++) {
             size_t stride;
             const char *vb = block_f32(vc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);

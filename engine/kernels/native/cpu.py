@@ -53,6 +53,7 @@ ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
 }
 ISA_ENV = "PDSERVE_ISA"  # names another instruction set this CPU has (a check, a comparison)
 NARROW_ROWS_ENV = "PDSERVE_NARROW_ROWS"  # sets narrow_rows (a check, a comparison)
+KV_PREFETCH_ENV = "PDSERVE_KV_PREFETCH"  # "l1" or "l2": sets kv_prefetch_l2 (a check, a comparison)
 # AMD's Zen 4 (family 25 with AVX-512) runs a 512-bit operation as two 256-bit halves: there the
 # decode steps' W4A8 tiles over nibble-packed weights in 256-bit vectors were 1.22-1.28x faster
 # at 1-4 rows and 1.15-1.19x at 8, level at 16 and 32; over byte weights (prompts) 0.82-0.96x at
@@ -97,3 +98,16 @@ def narrow_rows(name: str, identity: tuple[str, int] | None = None) -> int:
     if not name.startswith("avx512"):
         return 0
     return 8 if (cpu_identity() if identity is None else identity) == ZEN4 else 0
+
+
+def kv_prefetch_l2(identity: tuple[str, int] | None = None) -> bool:
+    """Whether the paged attention fetches the KV blocks it reads next into L2 (and a (row, KV
+    head) item's too; attention.c PDSERVE_KV_PREFETCH_L2): on AMD CPUs, where it read 1.4-2.3x
+    faster than into L1 (a Zen 4, bench/NOTES.md, twenty-fourth session); elsewhere into L1, as
+    measured on Intel; or as PDSERVE_KV_PREFETCH says ("l1", "l2")."""
+    want = os.environ.get(KV_PREFETCH_ENV, "").strip().lower()
+    if want:
+        if want not in ("l1", "l2"):
+            raise UnknownISA(f"{KV_PREFETCH_ENV}={want!r} is not l1 or l2")
+        return want == "l2"
+    return (cpu_identity() if identity is None else identity)[0] == "AuthenticAMD"
