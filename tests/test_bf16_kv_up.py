@@ -3,12 +3,14 @@ cluster, tests/helpers/shared_up.py): bf16 is the default cache dtype on a CPU, 
 hold bf16 caches, and the default model at "auto" decodes over it in one C call a step
 (engine/kernels/native/step.c, which stores the new K/V rounded to bf16 as torch does): the
 greedy tokens are the single engine's with a bf16 cache (not the fp32 cache's, which differ
-from the first decode step on for this prompt); every KV block is back in its pool after."""
+from the first decode step on for this prompt); every KV block is back in its pool after. And a
+long prompt, whose rows past position 256 attend in bf16 where the CPU has AVX-512 BF16."""
 
 import re
 
 import httpx
 import pytest
+import torch
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig
@@ -38,3 +40,19 @@ def test_up_decodes_over_a_bf16_cache_as_the_single_engine_does(default_up, smol
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == tok.decode(want["bf16"], skip_special_tokens=True)
     wait_kv_back(url, 2)  # every KV block back in its pool, in both workers
+
+
+def test_up_answers_a_long_prompt_as_the_single_engine_does(default_up, smollm):
+    """A 600-token prompt: on a CPU with AVX-512 BF16 its rows past position 256 attend in bf16
+    (engine/kernels/native/bf16_attention.c) in the prefill worker, and the decode worker goes on
+    over that cache; elsewhere all in fp32. Either way the single engine's greedy tokens."""
+    loaded, tok = smollm
+    ids = torch.randint(200, 30000, (600,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+    want = LLMEngine(loaded, EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20)), tok).generate([ids], params)[0]
+    model = httpx.get(default_up.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    r = httpx.post(default_up.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": ids, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+    wait_kv_back(default_up.url, 2)

@@ -68,6 +68,24 @@ def test_a_zen_4_builds_256_bit_w4a8_tiles_up_to_8_rows_and_other_cpus_512_bit_o
         native._flags()
 
 
+def test_a_vnni_build_targets_avx512_bf16_on_an_amd_cpu_that_has_it(monkeypatch):
+    """The long prompt rows' attention in bf16 vectors (engine/kernels/native/bf16_attention.c)
+    is built where the CPU has AVX-512 BF16 and runs it fast: a Zen 4, not an Intel Xeon without
+    AMX (bf16 dot products at half its fp32 rate) nor an Ice Lake; the AMX build has it anyway."""
+    monkeypatch.delenv(isa_mod.ISA_ENV, raising=False)
+    monkeypatch.setattr(isa_mod, "cpu_identity", lambda: ("AuthenticAMD", 25))
+    for flags, bf16 in ((ZEN4, True), (ICE_LAKE, False), (SAPPHIRE_RAPIDS, True), (ZEN3, False)):
+        monkeypatch.setattr(isa_mod, "cpu_flags", lambda f=flags: f)
+        assert ("-mavx512bf16" in native._flags()) is bf16, flags
+    monkeypatch.setattr(isa_mod, "cpu_flags", lambda: ICE_LAKE | {"avx512_bf16"})  # a Xeon without AMX
+    assert "-mavx512bf16" in native._flags()  # were it an AMD
+    monkeypatch.setattr(isa_mod, "cpu_identity", lambda: ("GenuineIntel", 6))
+    assert "-mavx512bf16" not in native._flags() and not isa_mod.bf16_vectors("avx512-vnni")
+    monkeypatch.setattr(isa_mod, "cpu_flags", lambda: ZEN4)
+    monkeypatch.setenv(isa_mod.ISA_ENV, "avx2")
+    assert not any("512" in f for f in native._flags())
+
+
 def test_amd_cpus_fetch_the_kv_blocks_into_l2_and_others_into_l1(monkeypatch):
     """The paged attention's fetches ahead (engine/kernels/native/attention.c): into L2 on AMD,
     into L1 elsewhere, or as PDSERVE_KV_PREFETCH says; the build's flags (its cache key) say which."""

@@ -52,6 +52,13 @@ class PrefillSpan:
 # meta.backend_state's key for the step's prompt rows ((start, end) ranges) where the model runs
 # them in bf16 on AMX (engine/model/quant.PromptRows): their attention then does too
 AMX_PROMPT_ROWS = "amx_prompt_rows"
+# meta.backend_state's key for the position from which the model's prompt rows attend in bf16
+# (AVX-512 BF16 vectors, engine/kernels/native/bf16_attention.c), where it has no AMX prompt rows
+BF16_PROMPTS_FROM = "bf16_prompts_from"
+# That position under "auto" on a CPU with AVX-512 BF16: a long prompt's attention is most of
+# its prefill in fp32 (2,048 tokens: half of it on a Zen 4), and in bf16 it runs 2-3x faster;
+# a shorter prompt's rows stay in fp32, in the one-call C step with the decode rows.
+BF16_ATTENTION_FROM = 256
 
 
 @dataclass
@@ -67,6 +74,18 @@ class AttentionMetadata:
     def prompt_ranges(self) -> list[tuple[int, int]]:
         """The (start, end) rows of the step that are prompt tokens."""
         return [(sp.start, sp.start + sp.prompt_rows) for sp in self.prefills if sp.prompt_rows]
+
+    def prompt_ranges_from(self, position: int) -> list[tuple[int, int]]:
+        """The (start, end) rows of the step that are prompt tokens at `position` or later (a
+        span's row i is at position num_cached + i)."""
+        spans = ((sp.start + max(0, position - sp.num_cached), sp.start + sp.prompt_rows) for sp in self.prefills)
+        return [(lo, hi) for lo, hi in spans if lo < hi]
+
+    def bf16_prompt_ranges(self) -> list[tuple[int, int]]:
+        """The rows whose attention runs in bf16 vectors (BF16_PROMPTS_FROM): none unless the
+        model set that position for this step."""
+        position = self.backend_state.get(BF16_PROMPTS_FROM)
+        return [] if position is None or not self.prefills else self.prompt_ranges_from(position)
 
 
 class AttentionBackend(Protocol):
@@ -276,17 +295,21 @@ class NativeAttentionBackend(TorchAttentionBackend):
         tables, lens, skips = self._rows_for(meta, window)
         if meta.prefills and kv_format.format_of(k_cache.dtype).quantized:
             return self._forward_8bit_prefill(q, k_cache, v_cache, meta, window)
-        prompt = meta.backend_state.get(AMX_PROMPT_ROWS)
+        prompt, tiles = meta.backend_state.get(AMX_PROMPT_ROWS), True
+        if not prompt:
+            prompt, tiles = meta.bf16_prompt_ranges(), False
         if prompt and not window:
             from pdserve.engine.kernels.native import amx
             if amx.attention_fits(q, k_cache):
-                return self._forward_amx_prompts(q, k_cache, v_cache, tables, lens, prompt)
+                return self._forward_bf16_prompts(q, k_cache, v_cache, tables, lens, prompt, tiles)
         return native.paged_decode_attention(q, k_cache, v_cache, tables, lens, checked=True, skips=skips)
 
     @staticmethod
-    def _forward_amx_prompts(q, k_cache, v_cache, tables, lens, prompt: list[tuple[int, int]]) -> torch.Tensor:
-        """The prompt rows (`prompt`: (start, end) ranges) by the AMX kernel, in bf16
-        (engine/kernels/native/amx_attention.c), every other row by the fp32 one."""
+    def _forward_bf16_prompts(q, k_cache, v_cache, tables, lens, prompt: list[tuple[int, int]],
+                              tiles: bool) -> torch.Tensor:
+        """The prompt rows (`prompt`: (start, end) ranges) in bf16, on AMX tiles
+        (engine/kernels/native/amx_attention.c) or in AVX-512 BF16 vectors (bf16_attention.c),
+        every other row by the fp32 kernel."""
         from pdserve.engine.kernels.native import amx
         out, at, t = torch.empty_like(q), 0, q.shape[0]
         for lo, hi in [*prompt, (t, t)]:
@@ -294,7 +317,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
                 out[at:lo] = native.paged_decode_attention(q[at:lo], k_cache, v_cache, tables[at:lo], lens[at:lo],
                                                            checked=True)
             if lo < hi:
-                out[lo:hi] = amx.attention(q[lo:hi], k_cache, v_cache, tables[lo:hi], lens[lo:hi])
+                out[lo:hi] = amx.attention(q[lo:hi], k_cache, v_cache, tables[lo:hi], lens[lo:hi], tiles)
             at = hi
         return out
 

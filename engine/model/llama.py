@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.kernels import native
-from pdserve.engine.kernels.attention import (AMX_PROMPT_ROWS, AttentionBackend, AttentionMetadata,
-                                              TorchAttentionBackend)
+from pdserve.engine.kernels.attention import (AMX_PROMPT_ROWS, BF16_PROMPTS_FROM, AttentionBackend,
+                                              AttentionMetadata, TorchAttentionBackend)
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import native_step
 from pdserve.engine.model.lora_batch import LoRABatch, LoRALayer
 from pdserve.engine.model.packed_cache import PackedForms
 from pdserve.engine.model.quant import (PromptRows, Q8A16Linear, W4A8Linear, WeightOnlyLinear, amx_prompt_rows,
-                                        make_linear)
+                                        bf16_attention_from, make_linear)
 
 
 class RMSNorm(nn.Module):
@@ -280,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_linear = None
         self.native_ops = False  # RoPE and SwiGLU by the fused C kernels (engine/kernels/native/fused.c)
         self.prompt_rows: PromptRows | None = None  # set by fuse where prompt rows run on AMX
+        self.bf16_prompts_from: int | None = None  # by fuse where prompt rows from there attend in bf16 vectors
 
     def build_rotary(self) -> None:
         """The RoPE tables (computed, not loaded: fp32 for accuracy)."""
@@ -290,13 +291,13 @@ class LlamaForCausalLM(nn.Module):
              forms: PackedForms | None = None) -> "LlamaForCausalLM":
         """Fuse q/k/v and gate/up into single matrices for inference (weights unchanged) and
         pick each matrix's kernel (engine/model/quant.py). With `packed`, fp32 CPU matrices get a
-        oneDNN-packed copy; with `quantization`, an int8 or fp16 copy. The named weights stay
-        as loaded (state_dict, KV export and the GPU path read them). Under "auto" on a CPU with
-        AMX, the Q4_1 matrices run the prompt rows of each step in bf16 (`prompt_rows`). `forms`
-        (engine/model/packed_cache.py): where the grid forms are recorded or replayed from
-        (a dense model's layers and head only)."""
+        oneDNN-packed copy; with `quantization`, an int8 or fp16 copy; the named weights stay as
+        loaded. Under "auto" with AMX the Q4_1 matrices run each step's prompt rows in bf16
+        (`prompt_rows`); with AVX-512 BF16 and no AMX, long prompt rows attend in bf16 (`bf16_prompts_from`).
+        `forms` (engine/model/packed_cache.py): where a dense model's grid forms are recorded or replayed."""
         on_cpu = self.lm_head.weight.device.type == "cpu" and self.lm_head.weight.dtype == torch.float32
         self.prompt_rows = amx_prompt_rows(quantization) if self.amx_prompts and on_cpu else None
+        self.bf16_prompts_from = bf16_attention_from(quantization) if on_cpu and self.prompt_rows is None else None
         rows = {} if self.prompt_rows is None else {"prompt_rows": self.prompt_rows}
         if forms is not None:
             rows["forms"] = forms
@@ -349,6 +350,7 @@ class LlamaForCausalLM(nn.Module):
         Returns the final normed hidden states, (T, hidden)."""
         if lora is not None:
             lora.use_kernels_of(self)
+        meta.backend_state[BF16_PROMPTS_FROM] = self.bf16_prompts_from  # None: every row in fp32
         if self.native_ops and native_step.usable(self, kv_caches, meta, after_layer, lora):
             if self.pp is None:
                 return native_step.forward(self, input_ids, positions, kv_caches, meta, lora,

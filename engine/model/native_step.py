@@ -85,10 +85,12 @@ def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer, lora=No
     of calling it), decode rows (and prompt rows, up to MAX_ROWS_WITH_PROMPTS rows in all),
     the C attention backend and an fp32 or bf16 cache, or an 8-bit one (int8, fp8) for decode
     rows only (a prompt's rows attend over a decoded copy in the Python path); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU weights;
-    no prompt rows where the model runs them in bf16 on AMX (quant.PromptBf16Linear)."""
+    no prompt rows where the model runs them in bf16 on AMX (quant.PromptBf16Linear), nor any
+    whose attention runs in bf16 vectors (AttentionMetadata.bf16_prompt_ranges)."""
     rows = meta.num_decode_tokens + sum(sp.end - sp.start for sp in meta.prefills)
     return (model.native_decode is not None and model.tp is None and rows > 0
             and not (model.prompt_rows is not None and meta.prompt_ranges())  # those run on AMX
+            and not meta.bf16_prompt_ranges()
             and (after_layer is None or hasattr(after_layer, "native_stop"))
             and (not meta.prefills or rows <= MAX_ROWS_WITH_PROMPTS)
             and isinstance(model.backend, NativeAttentionBackend)

@@ -208,6 +208,15 @@ def amx_prompt_rows(quantization: str) -> PromptRows | None:
     return PromptRows() if amx.available() else None
 
 
+def bf16_attention_from(quantization: str) -> int | None:
+    """From which position a model without AMX prompt rows attends its prompt rows in AVX-512
+    BF16 vectors (engine/kernels/attention.py BF16_ATTENTION_FROM): under "auto" on a CPU (and a
+    build) with AVX-512 BF16; else None, every row in fp32."""
+    from pdserve.engine.kernels.attention import BF16_ATTENTION_FROM
+    from pdserve.engine.kernels.native import amx
+    return BF16_ATTENTION_FROM if quantization == "auto" and amx.vector_attention_available() else None
+
+
 class PromptBf16Linear(W4A8Linear):
     """A `W4A8Linear` whose prompt rows (its model's `PromptRows`) run in bf16 on AMX tiles:
     the grid's values rounded to bf16, each activation rounded to bf16, fp32 sums. Holds the

@@ -26,21 +26,21 @@ from pathlib import Path
 import torch
 
 from .compile import compile_library
-from .cpu import ISA_ENV, ISAS, UnknownISA, cpu_flags, isa, isas, kv_prefetch_l2, narrow_rows  # noqa: F401  (the build's target)
+from .cpu import ISA_ENV, ISAS, UnknownISA, build_flags, cpu_flags, isa, isas  # noqa: F401  (the build's target)
 
 # one library from every C file here: weight-only matmuls (woq.c), paged decode attention (attention.c;
 # runs of a prompt's rows together: attention_rows.c), 8-bit KV stores (kv_store.c), fused elementwise ops
 # (fused.c), Q4_1 x int8 matmuls (w4a8.c, bound in w4a8.py), Q8_0 x int16 matmuls (q8a16.c, bound in
 # q8a16.py), sampling (sampling.c), a whole decode step's layers (step.c, bound in step.py; its matmul over
 # nibble-packed weights: w4a8n.c), LoRA updates (lora.c, bound in lora.py), bf16 matmuls and prompt attention
-# on AMX tiles (amx.c, amx_attention.c, bound in amx.py), the grid check of a model's matrices at load
-# (grids.c, bound in weight_formats.py), the waits of a group's shared-memory collectives (shm.c, bound in
-# engine/parallel/shm.py); vecmath.h, kvformat.h and attend.h are shared by them
+# on AMX tiles (amx.c, amx_attention.c; in AVX-512 BF16 vectors: bf16_attention.c; all bound in amx.py), the
+# grid check of a model's matrices at load (grids.c, bound in weight_formats.py), the waits of a group's
+# shared-memory collectives (shm.c, bound in engine/parallel/shm.py); the headers are shared by them
 SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
                                      for n in ("woq.c", "attention.c", "attention_rows.c", "kv_store.c", "fused.c", "w4a8.c", "q8a16.c", "sampling.c",
                                                "step.c", "w4a8n.c", "lora.c", "peak.c", "amx.c",
-                                               "amx_attention.c", "grids.c", "shm.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h"))
+                                               "amx_attention.c", "bf16_attention.c", "grids.c", "shm.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h", "flash.h"))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = _store8 = _load8 = None  # bound C functions, looked up once
@@ -61,12 +61,7 @@ def _flags() -> list[str]:
     # elsewhere); without AVX2 woq.c compiles its scalar path. -fopenmp links libgomp.so.1,
     # which resolves to the copy torch already loaded (same soname; torch is imported above):
     # one thread pool.
-    name = isa()
-    cc = ISAS[name][1]
-    narrow = narrow_rows(name) if name.startswith("avx512") else 0  # a define only where it changes the build
-    return (["-O3", "-fPIC", "-shared", "-fopenmp", *cc] + (["-mf16c"] if cc and "f16c" in cpu_flags() else [])
-            + ([f"-DPDSERVE_NARROW_ROWS={narrow}"] if narrow else [])
-            + (["-DPDSERVE_KV_PREFETCH_L2"] if cc and kv_prefetch_l2() else []))
+    return ["-O3", "-fPIC", "-shared", "-fopenmp", *build_flags(isa())]
 
 
 def _compiler() -> str:

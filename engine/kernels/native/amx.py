@@ -3,8 +3,11 @@
 `pack(w)` rounds an fp32 (N, K) matrix to bf16 (round to nearest even) in the tiles' layout;
 `matmul(x, packed)` rounds each activation to bf16 and sums the products in fp32 tiles;
 `attention(q, k_cache, v_cache, tables, lens)` is prompt rows' paged attention in bf16 tiles
-(amx_attention.c). A row's result depends only on that row. `available()` is False unless the library was built
-for AMX (cpu.py's "avx512-amx") and Linux grants the process the tile state.
+(amx_attention.c), or with `tiles=False` the same flash-style attention in AVX-512 BF16 vectors
+(bf16_attention.c: where the CPU has AVX-512 BF16, with or without AMX). A row's result depends
+only on that row. `available()` is False unless the library was built for AMX (cpu.py's
+"avx512-amx") and Linux grants the process the tile state; `vector_attention_available()` unless
+it was built with AVX-512 BF16.
 """
 from __future__ import annotations
 
@@ -14,22 +17,29 @@ import torch
 
 from . import _bad, bound_runs, load
 
-_fn = _attn = None
+_fn = _attn = _vec = None
 _F32, _BF16 = torch.float32, torch.bfloat16
 _KV = {torch.float32: 0, torch.bfloat16: 1}  # the caches the attention reads (kvformat.h's KV_F32, KV_BF16)
 
 
 def _bound():
-    global _fn, _attn
+    global _fn, _attn, _vec
     if _fn is None:
         lib = load()
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.amx_bf16_matmul.argtypes = [p, p, p, i64, i64, i64, c_int]
-        lib.amx_prompt_attention.argtypes = [p] * 6 + [c_int] * 6 + [ctypes.c_float, c_int, c_int]
-        lib.amx_bf16_matmul.restype = lib.amx_bf16_available.restype = lib.amx_prompt_attention.restype = c_int
+        for attn in (lib.amx_prompt_attention, lib.bf16_prompt_attention):
+            attn.argtypes, attn.restype = [p] * 6 + [c_int] * 6 + [ctypes.c_float, c_int, c_int], c_int
+        lib.amx_bf16_matmul.restype = lib.amx_bf16_available.restype = lib.bf16_attention_available.restype = c_int
         _attn = lib.amx_prompt_attention
+        _vec = lib.bf16_prompt_attention if lib.bf16_attention_available() else False
         _fn = lib.amx_bf16_matmul if lib.amx_bf16_available() else False
     return _fn
+
+
+def vector_attention_available() -> bool:
+    """True where `attention(..., tiles=False)` runs: a build with AVX-512 BF16."""
+    return bound_runs(lambda: _bound() is not None and _vec)
 
 
 def available() -> bool:
@@ -76,12 +86,15 @@ def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-              lens: torch.Tensor) -> torch.Tensor:
+              lens: torch.Tensor, tiles: bool = True) -> torch.Tensor:
     """Prompt rows' attention over the paged cache, as native.paged_decode_attention takes its
     arguments (tables and lens checked by native.paged_attention_tables; no window): q (B, H, 64)
-    fp32, caches (blocks, block_size, KVH, 64) fp32 or bf16. Returns (B, H, 64) fp32."""
-    if not _bound():
+    fp32, caches (blocks, block_size, KVH, 64) fp32 or bf16. Returns (B, H, 64) fp32. `tiles`:
+    on AMX tiles, else in AVX-512 BF16 vectors (the same arithmetic, summed in another order)."""
+    if tiles and not _bound():
         raise RuntimeError("AMX attention needs a CPU with AMX (and the avx512-amx build)")
+    if not tiles and not vector_attention_available():
+        raise RuntimeError("bf16 vector attention needs a CPU with AVX-512 BF16 (and a build for it)")
     q = q.contiguous()
     if q.dtype is not _F32 or not attention_fits(q, k_cache) or v_cache.shape != k_cache.shape \
             or v_cache.dtype is not k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
@@ -91,10 +104,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     out = torch.empty_like(q)
     B, H, D = q.shape
     if B:
-        rc = _attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                   out.data_ptr(), B, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], D ** -0.5,
-                   torch.get_num_threads(), _KV[k_cache.dtype])
+        kernel = _attn if tiles else _vec
+        rc = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                    out.data_ptr(), B, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], D ** -0.5,
+                    torch.get_num_threads(), _KV[k_cache.dtype])
         if rc:
-            raise MemoryError("amx attention: no memory for its tiles") if rc == -1 else \
-                RuntimeError(f"amx attention failed ({rc})")
+            raise MemoryError("bf16 attention: no memory for its packed keys") if rc == -1 else \
+                RuntimeError(f"bf16 attention failed ({rc})")
     return out

@@ -111,3 +111,25 @@ def kv_prefetch_l2(identity: tuple[str, int] | None = None) -> bool:
             raise UnknownISA(f"{KV_PREFETCH_ENV}={want!r} is not l1 or l2")
         return want == "l2"
     return (cpu_identity() if identity is None else identity)[0] == "AuthenticAMD"
+
+
+def bf16_vectors(name: str, identity: tuple[str, int] | None = None) -> bool:
+    """Whether the build for `name` targets AVX-512 BF16 beside VNNI, for the long prompt rows'
+    attention in bf16 vectors (bf16_attention.c): on an AMD CPU that has it (a Zen 4 runs
+    `vdpbf16ps` at twice its fp32 multiply-add rate: 2-3x the fp32 kernel there). Not on an Intel
+    Xeon without AMX, whose `vdpbf16ps` ran at half its fp32 rate (bench/NOTES.md, eighteenth
+    session); the AMX build has BF16 anyway (its prompt attention runs on tiles)."""
+    return (name == "avx512-vnni" and "avx512_bf16" in cpu_flags()
+            and (cpu_identity() if identity is None else identity)[0] == "AuthenticAMD")
+
+
+def build_flags(name: str) -> list[str]:
+    """The compiler flags of the build for instruction set `name` on this CPU: its ISAS entry,
+    F16C where the CPU has it, AVX-512 BF16 where `bf16_vectors`, and the defines that tune it to
+    this CPU (narrow_rows, kv_prefetch_l2) only where they change it."""
+    cc, flags = ISAS[name][1], cpu_flags()
+    narrow = narrow_rows(name) if name.startswith("avx512") else 0
+    return ([*cc] + (["-mf16c"] if cc and "f16c" in flags else [])
+            + (["-mavx512bf16"] if bf16_vectors(name) else [])
+            + ([f"-DPDSERVE_NARROW_ROWS={narrow}"] if narrow else [])
+            + (["-DPDSERVE_KV_PREFETCH_L2"] if cc and kv_prefetch_l2() else []))
