@@ -81,6 +81,15 @@ def test_a_vnni_build_targets_avx512_bf16_on_an_amd_cpu_that_has_it(monkeypatch)
     assert "-mavx512bf16" in native._flags()  # were it an AMD
     monkeypatch.setattr(isa_mod, "cpu_identity", lambda: ("GenuineIntel", 6))
     assert "-mavx512bf16" not in native._flags() and not isa_mod.bf16_vectors("avx512-vnni")
+    monkeypatch.setenv(isa_mod.BF16_VECTORS_ENV, "1")
+    assert "-mavx512bf16" in native._flags()  # on request
+    monkeypatch.setattr(isa_mod, "cpu_identity", lambda: ("AuthenticAMD", 25))
+    monkeypatch.setenv(isa_mod.BF16_VECTORS_ENV, "0")
+    assert "-mavx512bf16" not in native._flags()  # every prompt row's attention in fp32
+    monkeypatch.setenv(isa_mod.BF16_VECTORS_ENV, "yes")
+    with pytest.raises(native.UnknownISA, match="PDSERVE_BF16_VECTORS='yes' is not 0 or 1"):
+        native._flags()
+    monkeypatch.delenv(isa_mod.BF16_VECTORS_ENV)
     monkeypatch.setattr(isa_mod, "cpu_flags", lambda: ZEN4)
     monkeypatch.setenv(isa_mod.ISA_ENV, "avx2")
     assert not any("512" in f for f in native._flags())

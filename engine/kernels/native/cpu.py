@@ -54,6 +54,7 @@ ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
 ISA_ENV = "PDSERVE_ISA"  # names another instruction set this CPU has (a check, a comparison)
 NARROW_ROWS_ENV = "PDSERVE_NARROW_ROWS"  # sets narrow_rows (a check, a comparison)
 KV_PREFETCH_ENV = "PDSERVE_KV_PREFETCH"  # "l1" or "l2": sets kv_prefetch_l2 (a check, a comparison)
+BF16_VECTORS_ENV = "PDSERVE_BF16_VECTORS"  # "0" or "1": sets bf16_vectors (a comparison, fp32 attention)
 # AMD's Zen 4 (family 25 with AVX-512) runs a 512-bit operation as two 256-bit halves: there the
 # decode steps' W4A8 tiles over nibble-packed weights in 256-bit vectors were 1.22-1.28x faster
 # at 1-4 rows and 1.15-1.19x at 8, level at 16 and 32; over byte weights (prompts) 0.82-0.96x at
@@ -118,9 +119,14 @@ def bf16_vectors(name: str, identity: tuple[str, int] | None = None) -> bool:
     attention in bf16 vectors (bf16_attention.c): on an AMD CPU that has it (a Zen 4 runs
     `vdpbf16ps` at twice its fp32 multiply-add rate: 2-3x the fp32 kernel there). Not on an Intel
     Xeon without AMX, whose `vdpbf16ps` ran at half its fp32 rate (bench/NOTES.md, eighteenth
-    session); the AMX build has BF16 anyway (its prompt attention runs on tiles)."""
-    return (name == "avx512-vnni" and "avx512_bf16" in cpu_flags()
-            and (cpu_identity() if identity is None else identity)[0] == "AuthenticAMD")
+    session); the AMX build has BF16 anyway (its prompt attention runs on tiles). PDSERVE_BF16_VECTORS
+    "0" keeps every prompt row's attention in fp32, "1" takes the vectors wherever the CPU has them."""
+    want = os.environ.get(BF16_VECTORS_ENV, "").strip()
+    if want not in ("", "0", "1"):
+        raise UnknownISA(f"{BF16_VECTORS_ENV}={want!r} is not 0 or 1")
+    if want == "0" or name != "avx512-vnni" or "avx512_bf16" not in cpu_flags():
+        return False
+    return want == "1" or (cpu_identity() if identity is None else identity)[0] == "AuthenticAMD"
 
 
 def build_flags(name: str) -> list[str]:
