@@ -1,6 +1,6 @@
 """The native kernels' instruction set, chosen per CPU at start (engine/kernels/native/cpu.py):
 the best the CPU has, a lower one on request, a clear error for one it lacks, the tiles' width per
-row count on a Zen 4, the KV blocks fetched into L2 on AMD CPUs; and every path this CPU can run
+row count on a Zen 4, fetches ahead into L2 on AMD CPUs; and every path this CPU can run
 gives bitwise the same matmuls (the VNNI tiles sum the same integers as AVX2's), and each build
 the same attention whichever cache level its blocks are fetched into."""
 from __future__ import annotations
@@ -95,26 +95,26 @@ def test_a_vnni_build_targets_avx512_bf16_on_an_amd_cpu_that_has_it(monkeypatch)
     assert not any("512" in f for f in native._flags())
 
 
-def test_amd_cpus_fetch_the_kv_blocks_into_l2_and_others_into_l1(monkeypatch):
-    """The paged attention's fetches ahead (engine/kernels/native/attention.c): into L2 on AMD,
-    into L1 elsewhere, or as PDSERVE_KV_PREFETCH says; the build's flags (its cache key) say which."""
-    monkeypatch.delenv(isa_mod.KV_PREFETCH_ENV, raising=False)
-    assert isa_mod.kv_prefetch_l2(("AuthenticAMD", 25)) and isa_mod.kv_prefetch_l2(("AuthenticAMD", 26))
-    assert not isa_mod.kv_prefetch_l2(("GenuineIntel", 6)) and not isa_mod.kv_prefetch_l2(("", 0))
-    monkeypatch.setenv(isa_mod.KV_PREFETCH_ENV, "L2")
-    assert isa_mod.kv_prefetch_l2(("GenuineIntel", 6))
+def test_amd_cpus_fetch_ahead_into_l2_and_others_into_l1(monkeypatch):
+    """The paged attention's and the LM head's fetches ahead (attention.c, q8a16.c): into L2 on AMD,
+    into L1 elsewhere, or as PDSERVE_PREFETCH says; the build's flags (its cache key) say which."""
+    monkeypatch.delenv(isa_mod.PREFETCH_ENV, raising=False)
+    assert isa_mod.prefetch_l2(("AuthenticAMD", 25)) and isa_mod.prefetch_l2(("AuthenticAMD", 26))
+    assert not isa_mod.prefetch_l2(("GenuineIntel", 6)) and not isa_mod.prefetch_l2(("", 0))
+    monkeypatch.setenv(isa_mod.PREFETCH_ENV, "L2")
+    assert isa_mod.prefetch_l2(("GenuineIntel", 6))
     monkeypatch.setattr(native, "cpu_flags", lambda: ZEN3)
     monkeypatch.setattr(isa_mod, "cpu_flags", lambda: ZEN3)
     monkeypatch.delenv(isa_mod.ISA_ENV, raising=False)
-    assert "-DPDSERVE_KV_PREFETCH_L2" in native._flags()
-    monkeypatch.setenv(isa_mod.KV_PREFETCH_ENV, "l1")
+    assert "-DPDSERVE_PREFETCH_L2" in native._flags()
+    monkeypatch.setenv(isa_mod.PREFETCH_ENV, "l1")
     assert not any("PREFETCH" in f for f in native._flags())
     monkeypatch.setenv(isa_mod.ISA_ENV, "portable")
-    monkeypatch.setenv(isa_mod.KV_PREFETCH_ENV, "l2")
+    monkeypatch.setenv(isa_mod.PREFETCH_ENV, "l2")
     assert not any("PREFETCH" in f for f in native._flags())  # the scalar build fetches nothing ahead
-    monkeypatch.setenv(isa_mod.KV_PREFETCH_ENV, "l3")
-    with pytest.raises(native.UnknownISA, match="PDSERVE_KV_PREFETCH='l3' is not l1 or l2"):
-        isa_mod.kv_prefetch_l2()
+    monkeypatch.setenv(isa_mod.PREFETCH_ENV, "l3")
+    with pytest.raises(native.UnknownISA, match="PDSERVE_PREFETCH='l3' is not l1 or l2"):
+        isa_mod.prefetch_l2()
 
 
 @pytest.mark.parametrize("want,flags,match", [("avx512-vnni", ZEN3, "lacks avx512_vnni, avx512bw"),
@@ -172,6 +172,7 @@ def test_every_instruction_set_this_cpu_has_gives_bitwise_the_same_matmuls():
 _ATTENTION = """
 import json, sys, torch
 from pdserve.engine.kernels import native
+from pdserve.engine.kernels.native import q8a16
 g = torch.Generator().manual_seed(11)
 out = {"library": str(native.library_path())}
 H, KVH, D, bs = 9, 3, 64, 16
@@ -192,20 +193,25 @@ for dtype in (torch.float32, torch.bfloat16):
             ref.append(torch.einsum("ht,thd->hd", p, vr))
         err = float((o - torch.stack(ref)).abs().max())
         out[f"{dtype}-{rows}"] = [o.view(torch.int32).flatten().tolist(), err]
+head = q8a16.pack(*native.quantize_q8_0(torch.randn(4096, 576, generator=g) * 0.05))  # the LM head's fetches
+for rows in (1, 5, 32):
+    out[f"head-{rows}"] = q8a16.matmul(torch.randn(rows, 576, generator=g), *head).view(torch.int32).flatten().tolist()
 json.dump(out, sys.stdout)
 """
 
 
 @pytest.mark.skipif(not native.available() or "avx2" not in isa_mod.isas(), reason="the fetches ahead need AVX2")
-def test_the_attention_is_the_same_bits_whichever_cache_its_blocks_are_fetched_into():
-    """The decode attention's paths (one row's items, several rows' items, whole rows), built with
-    the KV blocks fetched into L1 and into L2: the same bits, each the softmax attention."""
+def test_the_attention_and_the_lm_head_are_the_same_bits_whichever_cache_they_fetch_into():
+    """The decode attention's paths (one row's items, several rows' items, whole rows) and the
+    LM head's tiles, built fetching ahead into L1 and into L2: the same bits, each attention the
+    softmax attention."""
     runs = {}
     for level in ("l1", "l2"):
-        env = dict(os.environ, **{isa_mod.KV_PREFETCH_ENV: level})
+        env = dict(os.environ, **{isa_mod.PREFETCH_ENV: level})
         r = subprocess.run([sys.executable, "-c", _ATTENTION], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         runs[level] = json.loads(r.stdout)
     assert runs["l1"].pop("library") != runs["l2"].pop("library")  # two builds
     assert runs["l1"] == runs["l2"]
-    assert len(runs["l2"]) == 6 and all(err < 1e-4 for _, err in runs["l2"].values())
+    assert all(v[1] < 1e-4 for key, v in runs["l2"].items() if not key.startswith("head"))
+    assert len(runs["l2"]) == 9

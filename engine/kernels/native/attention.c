@@ -84,11 +84,11 @@ static inline void decode_rows_d64(const char *rows, size_t row, int n, float *b
  * 14 GB/s). So the blocks are fetched ahead of their use, in the row's order of use (its K blocks,
  * then its V blocks): a whole row's heads (one contiguous stretch a block) the next block, a
  * (row, KV head) item (one head's slice of each token's row) PDSERVE_ITEM_AHEAD blocks ahead.
- * PDSERVE_KV_PREFETCH_L2 (set for AMD CPUs, cpu.py `kv_prefetch_l2`) fetches into L2 rather than
+ * PDSERVE_PREFETCH_L2 (set for AMD CPUs, cpu.py `prefetch_l2`) fetches into L2 rather than
  * L1: on a 2-core Zen 4, 32 rows x 300 keys (bf16) 22 -> 14-16 ms for 30 layers, and the items
  * of one row at 2,048 keys, unfetched before, 6.7-7.2 -> 2.9-3.3 ms; L1 fetches for the items
  * gained there 1.1x. Elsewhere (Intel, where the L1 fetches were measured) as before. */
-#ifdef PDSERVE_KV_PREFETCH_L2
+#ifdef PDSERVE_PREFETCH_L2
 #define KV_HINT _MM_HINT_T1
 #define PDSERVE_ITEM_AHEAD 2
 #else

@@ -53,7 +53,7 @@ ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
 }
 ISA_ENV = "PDSERVE_ISA"  # names another instruction set this CPU has (a check, a comparison)
 NARROW_ROWS_ENV = "PDSERVE_NARROW_ROWS"  # sets narrow_rows (a check, a comparison)
-KV_PREFETCH_ENV = "PDSERVE_KV_PREFETCH"  # "l1" or "l2": sets kv_prefetch_l2 (a check, a comparison)
+PREFETCH_ENV = "PDSERVE_PREFETCH"  # "l1" or "l2": sets prefetch_l2 (a check, a comparison)
 BF16_VECTORS_ENV = "PDSERVE_BF16_VECTORS"  # "0" or "1": sets bf16_vectors (a comparison, fp32 attention)
 # AMD's Zen 4 (family 25 with AVX-512) runs a 512-bit operation as two 256-bit halves: there the
 # decode steps' W4A8 tiles over nibble-packed weights in 256-bit vectors were 1.22-1.28x faster
@@ -101,15 +101,16 @@ def narrow_rows(name: str, identity: tuple[str, int] | None = None) -> int:
     return 8 if (cpu_identity() if identity is None else identity) == ZEN4 else 0
 
 
-def kv_prefetch_l2(identity: tuple[str, int] | None = None) -> bool:
-    """Whether the paged attention fetches the KV blocks it reads next into L2 (and a (row, KV
-    head) item's too; attention.c PDSERVE_KV_PREFETCH_L2): on AMD CPUs, where it read 1.4-2.3x
-    faster than into L1 (a Zen 4, bench/NOTES.md, twenty-fourth session); elsewhere into L1, as
-    measured on Intel; or as PDSERVE_KV_PREFETCH says ("l1", "l2")."""
-    want = os.environ.get(KV_PREFETCH_ENV, "").strip().lower()
+def prefetch_l2(identity: tuple[str, int] | None = None) -> bool:
+    """Whether the kernels fetch what they read next into L2 rather than L1 (the PDSERVE_PREFETCH_L2
+    define): the paged attention's KV blocks (attention.c; a (row, KV head) item's too) and the LM
+    head's weights (q8a16.c). On AMD CPUs, where the attention read 1.4-2.3x faster so and one
+    row's LM head 1.4x (a Zen 4, bench/NOTES.md, twenty-fourth session); elsewhere into L1, as
+    measured on Intel; or as PDSERVE_PREFETCH says ("l1", "l2")."""
+    want = os.environ.get(PREFETCH_ENV, "").strip().lower()
     if want:
         if want not in ("l1", "l2"):
-            raise UnknownISA(f"{KV_PREFETCH_ENV}={want!r} is not l1 or l2")
+            raise UnknownISA(f"{PREFETCH_ENV}={want!r} is not l1 or l2")
         return want == "l2"
     return (cpu_identity() if identity is None else identity)[0] == "AuthenticAMD"
 
@@ -132,10 +133,10 @@ def bf16_vectors(name: str, identity: tuple[str, int] | None = None) -> bool:
 def build_flags(name: str) -> list[str]:
     """The compiler flags of the build for instruction set `name` on this CPU: its ISAS entry,
     F16C where the CPU has it, AVX-512 BF16 where `bf16_vectors`, and the defines that tune it to
-    this CPU (narrow_rows, kv_prefetch_l2) only where they change it."""
+    this CPU (narrow_rows, prefetch_l2) only where they change it."""
     cc, flags = ISAS[name][1], cpu_flags()
     narrow = narrow_rows(name) if name.startswith("avx512") else 0
     return ([*cc] + (["-mf16c"] if cc and "f16c" in flags else [])
             + (["-mavx512bf16"] if bf16_vectors(name) else [])
             + ([f"-DPDSERVE_NARROW_ROWS={narrow}"] if narrow else [])
-            + (["-DPDSERVE_KV_PREFETCH_L2"] if cc and kv_prefetch_l2() else []))
+            + (["-DPDSERVE_PREFETCH_L2"] if cc and prefetch_l2() else []))
