@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import assert_engine_clean
+from tests.helpers.reference import bf16_attention_reference
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.core.engine import LLMEngine
@@ -119,19 +120,6 @@ def _paged(seed: int, dtype=torch.float32, blocks: int = 40, kvh: int = 3):
     return [(torch.randn(blocks, 16, kvh, 64, generator=g) * 2).to(dtype) for _ in range(2)]
 
 
-def _attention_reference(q, kc, vc, table, lens) -> torch.Tensor:
-    """fp64 attention of bf16-rounded scaled queries, keys and values (what the tiles multiply)."""
-    keys, vals = (torch.cat([c[b] for b in table]).bfloat16().double() for c in (kc, vc))
-    g = q.shape[1] // kc.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i, n in enumerate(lens.tolist()):
-        qs = (q[i] * 64 ** -0.5).bfloat16().double()
-        for h in range(q.shape[1]):
-            p = torch.softmax(keys[:n, h // g] @ qs[h], 0)
-            out[i, h] = p @ vals[:n, h // g]
-    return out
-
-
 @needs_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_attention_on_amx_sums_the_bf16_operands_and_a_rows_result_is_its_own(dtype):
@@ -143,7 +131,7 @@ def test_prompt_attention_on_amx_sums_the_bf16_operands_and_a_rows_result_is_its
     tables, lens = native.paged_attention_tables(table.expand(150, -1).contiguous(), lens, 16)
     q = torch.randn(150, 9, 64, generator=torch.Generator().manual_seed(3))
     out = amx.attention(q, kc, vc, tables, lens)
-    ref = _attention_reference(q, kc.float(), vc.float(), table.tolist(), lens)
+    ref = bf16_attention_reference(q, kc.float(), vc.float(), table.tolist(), lens)
     assert (out.double() - ref).abs().max() < 2e-2  # the weights' bf16 rounding: ~2^-9 of |v| <= 8
     for lo, hi in ((0, 1), (149, 150), (10, 43), (16, 48), (0, 150)):
         part = amx.attention(q[lo:hi], kc, vc, tables[lo:hi].contiguous(), lens[lo:hi].contiguous())

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from conftest import assert_engine_clean
+from tests.helpers.reference import bf16_attention_reference
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.core.engine import LLMEngine
 from pdserve.engine.kernels import native
 from pdserve.engine.kernels.attention import (BF16_ATTENTION_FROM, BF16_PROMPTS_FROM, AttentionMetadata,
                                               NativeAttentionBackend, PrefillSpan)
@@ -26,18 +25,6 @@ needs_bf16 = pytest.mark.skipif(not amx.vector_attention_available(),
 def _paged(seed: int, dtype=torch.float32, blocks: int = 140) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return tuple((torch.randn(blocks, 16, 3, 64, generator=g) * 2).to(dtype) for _ in range(2))
-
-
-def _reference(q, kc, vc, table: list[int], lens) -> torch.Tensor:
-    """fp64 attention of bf16-rounded scaled queries, keys and values (what the kernel multiplies)."""
-    keys, vals = (torch.cat([c[b] for b in table]).bfloat16().double() for c in (kc, vc))
-    g = q.shape[1] // kc.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i, n in enumerate(lens.tolist()):
-        qs = (q[i] * 64 ** -0.5).bfloat16().double()
-        for h in range(q.shape[1]):
-            out[i, h] = torch.softmax(keys[:n, h // g] @ qs[h], 0) @ vals[:n, h // g]
-    return out
 
 
 def test_the_rows_from_a_position_are_each_spans_prompt_rows_past_it():
@@ -57,17 +44,17 @@ def test_the_rows_from_a_position_are_each_spans_prompt_rows_past_it():
 @needs_bf16
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_vector_kernel_sums_the_bf16_operands_and_a_rows_result_is_its_own(dtype):
-    """A 600-token prompt's last 430 rows after 170 cached tokens (every row against fp64: the
-    numerators' bf16 rounding is the only difference), and rows alone, in other chunks or on one
-    thread bitwise equal."""
+    """A 600-token prompt's last 430 rows after 170 cached tokens (every row against fp64 with the
+    query unrounded: the numerators' bf16 rounding and the query's last bits are the only
+    difference), and rows alone, in other chunks or on one thread bitwise equal."""
     kc, vc = _paged(1, dtype)
     table = torch.randperm(140, generator=torch.Generator().manual_seed(2))[:38]
     lens = torch.arange(171, 601)
     tables, lens = native.paged_attention_tables(table.expand(430, -1).contiguous(), lens, 16)
     q = torch.randn(430, 9, 64, generator=torch.Generator().manual_seed(3))
     out = amx.attention(q, kc, vc, tables, lens, tiles=False)
-    ref = _reference(q, kc.float(), vc.float(), table.tolist(), lens)
-    assert (out.double() - ref).abs().max() < 3e-2  # the weights' bf16 rounding: ~2^-9 of |v| <= 10
+    ref = bf16_attention_reference(q, kc.float(), vc.float(), table.tolist(), lens, query_bf16=False)
+    assert (out.double() - ref).abs().max() < 1e-2  # the numerators' bf16 rounding: ~2^-9 of |v| <= 10
     fp32 = native.paged_decode_attention(q, kc, vc, tables, lens)
     assert (out - fp32).abs().max() > 0  # not the fp32 kernel's result
     for lo, hi in ((0, 1), (429, 430), (10, 43), (16, 48), (100, 357)):
@@ -106,7 +93,8 @@ def test_a_step_runs_its_long_prompt_rows_in_bf16_and_every_other_row_in_fp32():
 
 
 @needs_bf16
-def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempted_and_cached(smollm, monkeypatch):
+def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempted_and_cached(smollm, make_engine,
+                                                                                            monkeypatch):
     """The default model under "auto": a 700-token prompt's rows past position 256 attend in bf16
     (a spy sees them), the one-call C step never takes them; its greedy tokens are the same alone,
     beside others, in 64-token chunks, preempted in a cache too small for all, and again from the
@@ -131,10 +119,9 @@ def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempt
     others = [torch.randint(200, 30000, (n,), generator=g).tolist() for n in (40, 300)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
-    def engine(kv: int, budget: int, seqs: int) -> LLMEngine:
-        return LLMEngine(loaded, EngineConfig(cache=CacheConfig(block_size=16, kv_cache_memory=kv),
-                                              scheduler=SchedulerConfig(max_num_seqs=seqs,
-                                                                        max_num_batched_tokens=budget)), tok)
+    def engine(kv: int, budget: int, seqs: int):
+        return make_engine(tiny=False, loaded=loaded, tokenizer=tok, kv_cache_memory=kv,
+                           max_num_batched_tokens=budget, max_num_seqs=seqs)
 
     big = engine(64 << 20, 1024, 64)
     alone = big.generate([long], params)[0]

@@ -1,4 +1,5 @@
-"""What reference checks (against transformers, between architectures) read out of an engine."""
+"""What reference checks (against transformers, between architectures) read out of an engine, and
+the fp64 attention the bf16 attention kernels are checked against."""
 from __future__ import annotations
 
 import torch
@@ -20,3 +21,17 @@ def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
             return engine.runner.model.compute_logits(hidden)
     finally:
         engine.blocks.free("ref")
+
+
+def bf16_attention_reference(q, kc, vc, table: list[int], lens, query_bf16: bool = True) -> torch.Tensor:
+    """fp64 attention of bf16-rounded keys and values and scaled queries (D = 64), the queries
+    rounded to bf16 (the AMX kernel, amx_attention.c) or not (`query_bf16` False: the vector
+    kernel, bf16_attention.c, which keeps ~16 bits of each)."""
+    keys, vals = (torch.cat([c[b] for b in table]).bfloat16().double() for c in (kc, vc))
+    g = q.shape[1] // kc.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, n in enumerate(lens.tolist()):
+        qs = (q[i] * 64 ** -0.5).bfloat16().double() if query_bf16 else q[i].double() * 64 ** -0.5
+        for h in range(q.shape[1]):
+            out[i, h] = torch.softmax(keys[:n, h // g] @ qs[h], 0) @ vals[:n, h // g]
+    return out

@@ -79,11 +79,5 @@ int amx_prompt_attention(const float *q, const void *kc, const void *vc, const i
 }
 
 #else
-int amx_prompt_attention(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
-                         float *out, int B, int H, int KVH, int D, int bs, int max_blocks, float scale, int nthreads,
-                         int fmt) {
-    (void)q, (void)kc, (void)vc, (void)tables, (void)lens, (void)out, (void)B, (void)H, (void)KVH, (void)D;
-    (void)bs, (void)max_blocks, (void)scale, (void)nthreads, (void)fmt;
-    return -2;
-}
+FLASH_ABSENT(amx_prompt_attention)
 #endif

@@ -16,6 +16,15 @@
  * head dim 64, no window. Built where the compiler targets AVX-512 BF16. */
 #ifndef PDSERVE_FLASH_H
 #define PDSERVE_FLASH_H
+/* An entry point whose kernel this build lacks: it refuses every call (-2: not its case). */
+#define FLASH_ABSENT(name)                                                                                   \
+    int name(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,     \
+             float *out, int B, int H, int KVH, int D, int bs, int max_blocks, float scale, int nthreads,  \
+             int fmt) {                                                                                      \
+        (void)q, (void)kc, (void)vc, (void)tables, (void)lens, (void)out, (void)B, (void)H, (void)KVH;       \
+        (void)D, (void)bs, (void)max_blocks, (void)scale, (void)nthreads, (void)fmt;                         \
+        return -2;                                                                                           \
+    }
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <float.h>
 #include <immintrin.h>
