@@ -10,6 +10,7 @@ have their commands held on its decode worker; every KV block is back in its poo
 import asyncio
 import json
 import math
+import os
 import random
 import re
 
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from pdserve.engine.core.step_cost import BUCKETS
-from tests.helpers.procs import wait_kv_back
+from tests.helpers.procs import OtherLoad, wait_kv_back
 from tests.helpers.ray_procs import slowness
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -51,6 +52,14 @@ def load_buckets() -> int:
     Measured while the test's own load is not running (before it and after it: another
     process's load may start or end in between)."""
     return max(0, round(2 * math.log2(slowness())))
+
+
+def other_buckets(other: OtherLoad) -> int:
+    """Buckets a step may move up by the cores other work kept busy over a window (another
+    pytest worker's tests, measured while the flood runs: `load_buckets` samples before and
+    after it): a team on n cores stretches by n / (n - other)."""
+    n = os.cpu_count() or 2
+    return max(0, round(2 * math.log2(n / (n - min(other.cores(), n - 0.25)))))
 
 
 def median_step(before: dict, after: dict, *kinds: str) -> tuple[int, int]:
@@ -106,7 +115,7 @@ def placed_urgent(url: str) -> float:
     return float(re.search(r'^pdserve_prompt_placements_total\{where="decode_urgent"\} (\S+)$', text, re.M).group(1))
 
 
-def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
+def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url, default_up):
     rng = random.Random(1)
     load = load_buckets()
     before = step_series(url)
@@ -116,6 +125,7 @@ def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     alone_median, alone_steps = median_step(before, alone, "false", "window")
     assert alone_steps >= 3 * (CHAT_TOKENS - 1) and median_step(before, alone, "true")[1] == 0
     placed = placed_urgent(url)
+    other = OtherLoad([default_up.up.p.pid])
     asyncio.run(_beside_a_flood(url, -10, tenants=False))
     # B's short prompts beside the flood are computed on the decode worker, where the flood's
     # steps stop for them, not behind a prefill worker's chunk that streams KV out
@@ -126,7 +136,7 @@ def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     # the budget lets the flood's decodes add 30% to B's step; the flood's client and the router
     # take CPU from B's two threads too: at most 2x (two buckets) over B's steps alone (measured:
     # one bucket; with the flood's decodes and chunks in B's steps, three)
-    load = max(load, load_buckets())
+    load = max(load, load_buckets(), other_buckets(other))
     assert urgent_median <= alone_median + 2 + load, (urgent_median, alone_median, load)
     # between B's chats the flood's steps are window steps, sized by the learnt cost to 60 ms
     # (the flood's decodes and chunks take turns), which B's next prompt stops at a layer's end;
@@ -138,7 +148,7 @@ def test_urgent_steps_stay_within_the_budget_of_their_steps_alone(url):
     wait_kv_back(url, 2, within_s=60)  # the flood's cancelled requests freed everything
 
 
-def test_a_tenant_with_no_priority_is_served_ahead_of_another_tenants_backlog(url):
+def test_a_tenant_with_no_priority_is_served_ahead_of_another_tenants_backlog(url, default_up):
     load = load_buckets()
     before = step_series(url)
     asyncio.run(_chats(url, 2, None, "B", random.Random(2)))
@@ -146,11 +156,12 @@ def test_a_tenant_with_no_priority_is_served_ahead_of_another_tenants_backlog(ur
     # B alone: plain steps, or window steps while an urgent window of the tests before is open
     alone_median, alone_steps = median_step(before, alone, "false", "window")
     assert alone_steps >= 2 * (CHAT_TOKENS - 1), alone_steps
+    other = OtherLoad([default_up.up.p.pid])
     asyncio.run(_beside_a_flood(url, None, tenants=True))
     fair = step_series(url)
     median, steps = median_step(alone, fair, "true")
     assert steps >= 3 * (CHAT_TOKENS - 1), steps  # B (less in flight) was the urgent one in its steps
-    load = max(load, load_buckets())
+    load = max(load, load_buckets(), other_buckets(other))
     # measured: one or two buckets over B's steps alone (steps that carried the flood's decodes and
     # chunks were three or more)
     assert median <= alone_median + 3 + load, (median, alone_median, load)

@@ -3,12 +3,15 @@ check, on one of them, gets the other's figures (tests/timing.py): pure, no pyte
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.procs import OtherLoad
 from tests.helpers.shared_up import FILES as SHARED_UP_FILES
 from tests.helpers.split import expected_seconds, order, unit_of
 from tests.timing import BUDGET_TEST, SuiteClock
@@ -72,3 +75,17 @@ def test_a_worker_publishes_its_figures_after_each_test(tmp_path):
     record = json.loads((tmp_path / "gw3.json").read_text())
     assert record["times"] == {"tests/test_a.py": 0.75} and record["done"] == ["tests/test_a.py::t"]
     assert not list(tmp_path.glob(".*"))  # written whole, then renamed into place
+
+
+def test_the_other_load_counts_a_busy_process_outside_the_roots_and_not_one_inside():
+    """Two readings over the same window, one with a spinning process as its root: the other one
+    sees about a core more, less on a loaded machine (what another worker's test adds beside a
+    timing check)."""
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    try:
+        inside, outside = OtherLoad([spin.pid]), OtherLoad([])
+        time.sleep(1.2)
+        extra = outside.cores() - inside.cores()
+    finally:
+        spin.wait(10)
+    assert 0.3 < extra < 1.2, extra  # a loaded machine gives the spinner less than a core

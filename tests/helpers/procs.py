@@ -115,3 +115,42 @@ def restart_redis(host: str, port: int, within_s: float = 20.0, password: str = 
                 raise
             print(f"redis restart failed, retrying: {e}")
             time.sleep(0.5)
+
+
+def _ticks(pid: int) -> int:
+    """CPU clock ticks (user + system) process `pid` has run, all its threads; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def _busy_ticks() -> int:
+    """Ticks the machine's cores were busy so far (/proc/stat: user, nice, system, irq, softirq
+    and steal: what the hypervisor gave other guests)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7))
+
+
+class OtherLoad:
+    """How many cores the machine's other work kept busy over a window: every process but
+    `roots`, their descendants and this one (another pytest worker's tests, another guest's
+    steal), from /proc. A timing check's own load is excluded, so the other load can be read
+    while it runs, where a timed loop (ray_procs.slowness) would read the check's own load too."""
+
+    def __init__(self, roots: list[int]):
+        self.roots = roots
+        self.start = self._read()
+
+    def _read(self) -> tuple[float, int, int]:
+        ours = {os.getpid(), *self.roots}
+        for root in self.roots:
+            ours |= descendants(root)
+        return time.monotonic(), _busy_ticks(), sum(_ticks(p) for p in ours)
+
+    def cores(self) -> float:
+        """The other work's cores from the start until now (a process of ours that ended within
+        the window counts as other work: the cluster's processes outlive it)."""
+        (t0, busy0, ours0), (t1, busy1, ours1) = self.start, self._read()
+        return max(0.0, (busy1 - busy0) - (ours1 - ours0)) / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-3)
