@@ -159,7 +159,7 @@ def test_groups_idle_past_their_timeout_still_step_and_leave_no_segment():
             cfg = EngineConfig(quantization="none", cache=CacheConfig(kv_cache_memory=16 << 20),
                                pipeline_parallel_size=2 if pipeline else 1)
             engines.append(LLMEngine.tensor_parallel(ModelSource(tiny_seed=0), cfg, 2, pipeline=pipeline,
-                                                     timeout_s=3.0))  # the ranks start within it
+                                                     timeout_s=3.0))
         assert all(e.tp.group.shm is not None for e in engines)
         ours = _mapped() - mapped
         assert len(ours) == 2 and not ours & _present()  # unlinked once every rank had it mapped

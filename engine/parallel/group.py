@@ -4,7 +4,10 @@ collectives and rank 0's sealed messages to the other ranks. All-reduces, gather
 rank 0's host) where a segment can be made, through gloo otherwise; KV scatters and a
 pipeline's point-to-point messages always through gloo.
 
-The group forms on a loopback TCPStore under a key prefix derived from the group's random
+The ranks join in two steps: each rank's process says on the store that it has loaded its
+slice, and once every one has (or one has exited: at once, not at a timeout) rank 0 lets the
+group form; the start-up's own time limit (`JOIN_S`) is not the collectives' timeout. The
+group forms on a loopback TCPStore under a key prefix derived from the group's random
 secret (engine/parallel/wire.py), then every rank proves the secret before anything else
 moves: another local user, who can reach the store's and the ranks' ports, can neither join
 the group nor speak in it, and what rank 0 sends is decoded without unpickling.
@@ -42,6 +45,39 @@ def group_store(host: str, port: int, world: int, is_rank0: bool, timeout_s: flo
     store = dist.TCPStore(host, port, world, is_rank0, timeout=timedelta(seconds=timeout_s),
                           **({"wait_for_workers": False} if is_rank0 else {}))
     return store, dist.PrefixStore(store_prefix(secret), store)
+
+
+# how long the ranks' processes may take to start and load their slices: a fresh interpreter
+# and a model read from a slow disk, on a loaded host (a rank that exits ends the wait at once)
+JOIN_S = 600.0
+JOINED = "joined"  # the key rank 0 sets once every rank has loaded
+
+
+def announce_loaded(store, rank: int, join_s: float = JOIN_S) -> None:
+    """A rank other than 0: say that its slice is loaded, then wait until every rank has."""
+    store.set(f"loaded/{rank}", b"1")
+    try:
+        store.wait([JOINED], timedelta(seconds=join_s))
+    except RuntimeError as e:
+        raise RankFailed(f"rank 0 did not start the group within {join_s:.0f} s: {e}") from e
+
+
+def await_loaded(store, procs: list, join_s: float = JOIN_S, poll_s: float = 0.05) -> None:
+    """Rank 0: wait until each rank's process (procs[r - 1], a Popen) has loaded its slice,
+    then let the group form. RankFailed as soon as one exits, or past `join_s`."""
+    end, pending = time.monotonic() + join_s, set(range(1, len(procs) + 1))
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"loaded/{r}"]):
+                pending.discard(r)
+            elif procs[r - 1].poll() is not None:
+                raise RankFailed(f"tensor-parallel rank {r} exited (code {procs[r - 1].returncode}) "
+                                 "before it joined the group")
+        if pending and time.monotonic() > end:
+            raise RankFailed(f"tensor-parallel ranks {sorted(pending)} did not load within {join_s:.0f} s")
+        if pending:
+            time.sleep(poll_s)
+    store.set(JOINED, b"1")
 
 
 MESSAGES = 1  # the tag of rank 0's posted messages (activations and KV move under tag 0)

@@ -47,7 +47,7 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv.cache import KVCache
 from pdserve.engine.parallel.ep import EPKVCache, attach_experts, check_experts, shard_experts
-from pdserve.engine.parallel.group import Group, RankFailed, group_store
+from pdserve.engine.parallel.group import JOIN_S, Group, RankFailed, announce_loaded, await_loaded, group_store
 from pdserve.engine.parallel.lora import GroupAdapters, RankAdapters, step_groups
 from pdserve.engine.parallel.pp import PPKVCache, attach_stage, load_stage, stage_group, stage_width
 from pdserve.engine.parallel.pp_handoff import COMMANDS as HANDOFF_COMMANDS
@@ -162,6 +162,7 @@ def follower_main(source: ModelSource, config: EngineConfig, tp: int, rank: int,
     loaded, full = load_rank(source, config, tp, rank, expert, pipeline)
     _, store = group_store("127.0.0.1", port, tp, False, timeout_s, secret)
     try:
+        announce_loaded(store, rank)
         group = Group(rank, tp, store, timeout_s, secret)
         stage_tp = stage_group(store, rank, stage_width(config, tp), timeout_s, secret) if pipeline else None
     except (RankFailed, PeerRefused) as e:
@@ -297,10 +298,12 @@ class TensorParallel:
     expert-parallel group of `tp` ranks (engine/parallel/ep.py); `pipeline`: a pipeline of `tp`
     ranks (engine/parallel/pp.py) in `stages` stages of `config.tensor_parallel_size` ranks each
     (PP x TP; 1: a stage a rank) or of `config.expert_parallel_size` (PP x EP, whether or not
-    `expert` says so too), `stage_tp` rank 0's stage group."""
+    `expert` says so too), `stage_tp` rank 0's stage group. `timeout_s`: the collectives' and
+    the rendezvous' timeout; `join_s`: how long the other ranks may take to start and load
+    their slices (one that exits fails the start at once)."""
 
     def __init__(self, source: ModelSource, config: EngineConfig, tp: int, timeout_s: float = 60.0,
-                 threads_per_rank: int = 0, expert: bool = False, pipeline: bool = False):
+                 threads_per_rank: int = 0, expert: bool = False, pipeline: bool = False, join_s: float = JOIN_S):
         self.tp, self.config, self.expert, self.pipeline = tp, config, expert, pipeline
         self.stages = tp // stage_width(config, tp) if pipeline else 1
         kind = "a pipeline-parallel group" if pipeline else "an expert-parallel group" if expert else ""
@@ -325,6 +328,7 @@ class TensorParallel:
             self.procs.append(p)
         self.stage_tp = None
         try:
+            await_loaded(store, self.procs, join_s)
             self.group = Group(0, tp, store, timeout_s, secret, on_failure=self._kill_ranks)
             if pipeline:
                 self.stage_tp = stage_group(store, 0, tp // self.stages, timeout_s, secret, self._kill_ranks)
