@@ -95,13 +95,13 @@ def test_a_step_runs_its_long_prompt_rows_in_bf16_and_every_other_row_in_fp32():
 @needs_bf16
 def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempted_and_cached(smollm, make_engine,
                                                                                             monkeypatch):
-    """The default model under "auto": a 700-token prompt's rows past position 256 attend in bf16
-    (a spy sees them), the one-call C step never takes them; its greedy tokens are the same alone,
-    beside others, in 64-token chunks, preempted in a cache too small for all, and again from the
-    prefix cache."""
+    """The default model under "auto": a 700-token prompt's rows past position 256 attend in bf16,
+    in the one-call C step (a spy on its steps sees them) and in the Python layer loop (a spy
+    on its kernel does), with the same greedy tokens; the same alone, beside others, in 64-token
+    chunks, preempted in a cache too small for all, and again from the prefix cache."""
     loaded, tok = smollm
     assert loaded.model.bf16_prompts_from == BF16_ATTENTION_FROM
-    seen, real_attention, real_usable = [], amx.attention, native_step.usable
+    seen, native_rows, real_attention, real_usable = [], [], amx.attention, native_step.usable
 
     def spy(q, *a, **kw):
         seen.append(q.shape[0])
@@ -109,7 +109,7 @@ def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempt
 
     def usable(model, kv, meta, *a, **kw):
         ok = real_usable(model, kv, meta, *a, **kw)
-        assert not (ok and meta.bf16_prompt_ranges())
+        native_rows.extend(hi - lo for lo, hi in meta.bf16_prompt_ranges() if ok)
         return ok
 
     monkeypatch.setattr(amx, "attention", spy)
@@ -125,14 +125,20 @@ def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempt
 
     big = engine(64 << 20, 1024, 64)
     alone = big.generate([long], params)[0]
+    assert sum(native_rows) == 700 - BF16_ATTENTION_FROM and not seen  # its rows past 256, in the C step
+    python = engine(64 << 20, 1024, 64)
+    monkeypatch.setattr(loaded.model, "native_decode", None)  # the Python layer loop (after the engine set it)
+    assert python.generate([long], params)[0] == alone
     assert sum(seen) == loaded.config.num_hidden_layers * (700 - BF16_ATTENTION_FROM)  # each layer, its rows past 256
+    assert_engine_clean(python)
+    monkeypatch.undo()
     alone_others = [big.generate([p], params)[0] for p in others]
     assert big.generate([long], params)[0] == alone and big.blocks.num_cached_blocks > 0  # from the prefix cache
     assert_engine_clean(big)
     fresh = engine(64 << 20, 1024, 64)
     assert fresh.generate([others[0], long, others[1]], params) == [alone_others[0], alone, alone_others[1]]
     assert_engine_clean(fresh)
-    chunked = engine(64 << 20, 64, 64)  # 64-row steps: each would fit the C step, but has rows past 256
+    chunked = engine(64 << 20, 64, 64)  # 64-row steps
     assert chunked.generate([long, others[1]], params) == [alone, alone_others[1]]
     assert_engine_clean(chunked)
     small = engine(20 << 20, 256, 8)  # ~870 tokens of bf16 KV for ~1,100 wanted: preemption

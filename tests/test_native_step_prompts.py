@@ -1,8 +1,9 @@
 """Prompt rows in the one-call C step (engine/model/native_step.py): a step whose rows include
-small prompt chunks or speculative drafts (consecutive positions of one sequence, up to
-MAX_ROWS_WITH_PROMPTS rows) runs natively with bitwise the Python path's hidden states and
-K/V; a larger one takes the Python path. Through the engine: chunked prompts and prompt-lookup
-speculation give the same tokens with the C step on and off, and every block is back."""
+prompt chunks or speculative drafts (consecutive positions of one sequence) runs natively with
+bitwise the Python path's hidden states and K/V, small chunks over the nibble weights, large
+ones over the byte weights, and rows whose attention the model gives to bf16 vectors there
+too. Through the engine: chunked prompts and prompt-lookup speculation give the same tokens
+with the C step on and off, and every block is back."""
 from __future__ import annotations
 
 import pytest
@@ -18,13 +19,14 @@ from conftest import assert_engine_clean
 from test_native_step import BS, _forward, _prefill, model, pytestmark, step_calls  # noqa: F401 (fixtures)
 
 
-def _mixed_meta(decode_lens, decode_tables, spans):
-    """Decode rows first (each at position len - 1), then each (start, n, table) chunk."""
+def _mixed_meta(decode_lens, decode_tables, spans, prompt: bool = False):
+    """Decode rows first (each at position len - 1), then each (start, n, table) chunk (its
+    rows prompt tokens with `prompt`)."""
     slots = [t[(n - 1) // BS] * BS + (n - 1) % BS for n, t in zip(decode_lens, decode_tables)]
     prefills, row = [], len(decode_lens)
     for start, n, table in spans:
         slots += [table[p // BS] * BS + p % BS for p in range(start, start + n)]
-        prefills.append(PrefillSpan(row, row + n, start, table))
+        prefills.append(PrefillSpan(row, row + n, start, table, n if prompt else 0))
         row += n
     width = max(len(t) for t in decode_tables)
     return AttentionMetadata(torch.tensor(slots), len(decode_lens),
@@ -63,11 +65,47 @@ def test_a_step_with_prompt_chunks_equals_the_python_path(model, step_calls, kv)
     assert step_calls == [len(c[3]) for c in cases]
 
 
-def test_a_step_with_many_prompt_rows_takes_the_python_path(model):
-    layers = [(torch.zeros(8, BS, 3, 64), torch.zeros(8, BS, 3, 64))]
-    n = native_step.MAX_ROWS_WITH_PROMPTS
-    assert native_step.usable(model, layers, _mixed_meta([5], [[1]], [(0, n - 1, [2, 3, 4, 5])]), None)
-    assert not native_step.usable(model, layers, _mixed_meta([5], [[1]], [(0, n, [2, 3, 4, 5])]), None)
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+def test_a_step_of_many_prompt_rows_equals_the_python_path(model, step_calls, kv, monkeypatch):
+    """A decode row beside a 90-row chunk after a 20-token cached prefix and a fresh 30-row
+    prompt (more than step.BYTE_ROWS rows: the byte weights), the chunks' rows from position 25
+    on in bf16 vectors where this CPU has them (else every row in fp32), natively and in
+    Python from equal caches: bitwise equal hidden states and caches."""
+    from pdserve.engine.kernels.native import amx, step
+    bf16 = amx.vector_attention_available()
+    monkeypatch.setattr(model, "bf16_prompts_from", 25 if bf16 else None)
+    cfg, dtype = model.config, {"fp32": torch.float32, "bf16": torch.bfloat16}[kv]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 10000, (n,), generator=g).tolist() for n in (9, 20)]
+    tables = [[1, 2], list(range(3, 11)), [11, 12]]
+    cache = torch.zeros(cfg.num_hidden_layers, 2, 13, BS, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+    _prefill(model, prompts, cache, tables[:2])
+    spans = [(20, 90, tables[1]), (0, 30, tables[2])]
+    ids = [prompts[0][-1]] + torch.randint(100, 10000, (120,), generator=g).tolist()
+    pos = [9] + [p for start, n, _ in spans for p in range(start, start + n)]
+    caches, hidden = {on: cache.clone() for on in (False, True)}, {}
+    for on in (False, True):
+        meta = _mixed_meta([10], tables[:1], spans, prompt=True)
+        layers = [(caches[on][i, 0], caches[on][i, 1]) for i in range(cfg.num_hidden_layers)]
+        assert native_step.usable(model, layers, meta, None)
+        hidden[on] = _forward(model, torch.tensor(ids), torch.tensor(pos), layers, meta, on)
+        if bf16:
+            assert meta.bf16_prompt_ranges() == [(6, 91), (116, 121)]
+    assert torch.equal(hidden[True], hidden[False]), (hidden[True] - hidden[False]).abs().max()
+    assert torch.equal(caches[True], caches[False])
+    assert step_calls == [121] and 121 > step.BYTE_ROWS
+
+
+def test_bf16_ranges_that_are_not_a_step_s_rows_are_refused(model):
+    from pdserve.engine.kernels.native import step
+    w = model.native_decode
+    layers = [(torch.zeros(8, BS, 3, 64), torch.zeros(8, BS, 3, 64))] * len(w.layers)
+    h, pos = torch.zeros(4, w.hidden), torch.arange(4)
+    tables, lens = torch.ones(4, 1, dtype=torch.long), torch.arange(1, 5)
+    for rows in ([(2, 1)], [(0, 5)], [(2, 4), (0, 1)], [(0, 2)]):
+        with pytest.raises(ValueError, match="ascending"):
+            step.run(w, h, layers, pos, model.rotary.cos, model.rotary.sin, pos, tables, lens,
+                     one_team=rows == [(0, 2)], bf16_rows=rows)  # the last: valid ranges, one team
 
 
 def test_chunked_prompts_and_prompt_lookup_give_the_same_tokens_natively(smollm, step_calls):

@@ -56,9 +56,10 @@ def prepare(model):
         from pdserve.engine.kernels.native import step
         cfg = model.config
         nib = lambda lin: (step.nibbles(lin.packed[0]), *lin.packed[1:])  # noqa: E731
+        mats = lambda layer: (layer.self_attn.qkv_linear, layer.self_attn.o_linear,  # noqa: E731
+                              layer.mlp.gate_up_linear, layer.mlp.down_linear)
         layers = [step.LayerWeights(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                    nib(layer.self_attn.qkv_linear), nib(layer.self_attn.o_linear),
-                                    nib(layer.mlp.gate_up_linear), nib(layer.mlp.down_linear))
+                                    *(nib(lin) for lin in mats(layer)), byte_q=tuple(lin.packed[0] for lin in mats(layer)))
                   for layer in model.model.layers]
         eps = {layer.input_layernorm.eps for layer in model.model.layers} | {
             layer.post_attention_layernorm.eps for layer in model.model.layers} | {model.model.norm.eps}
@@ -70,29 +71,21 @@ def prepare(model):
         return None
 
 
-# A step with prompt rows (a prompt chunk, or a speculative draft being checked) runs natively up
-# to this many rows in all. The C step's matmuls read the weights as nibbles: fewer bytes, but
-# unpacking them costs more than it saves once the step is bound by its arithmetic (one thread,
-# gate_up: 46 against 36 GMAC/s at 32 rows, 56 against 64 at 256); larger steps take the
-# Python path on w4a8.c's byte weights (the same bits either way).
-MAX_ROWS_WITH_PROMPTS = 64
 _FLOAT_KV, _CODE_KV = (torch.float32, torch.bfloat16), (torch.int8, torch.float8_e4m3fn)
 
 
 def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer, lora=None) -> bool:
     """Whether this step runs natively: a prepared model, no tensor parallelism, no per-layer
     hook but one that only stops the step (its `native_stop`, which the C step reads instead
-    of calling it), decode rows (and prompt rows, up to MAX_ROWS_WITH_PROMPTS rows in all),
-    the C attention backend and an fp32 or bf16 cache, or an 8-bit one (int8, fp8) for decode
-    rows only (a prompt's rows attend over a decoded copy in the Python path); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU weights;
-    no prompt rows where the model runs them in bf16 on AMX (quant.PromptBf16Linear), nor any
-    whose attention runs in bf16 vectors (AttentionMetadata.bf16_prompt_ranges)."""
+    of calling it), decode and prompt rows (a prompt's rows whose attention runs in bf16 vectors,
+    AttentionMetadata.bf16_prompt_ranges, too), the C attention backend and an fp32 or bf16
+    cache, or an 8-bit one (int8, fp8) for decode rows only (a prompt's rows attend over a
+    decoded copy in the Python path); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU
+    weights; no prompt rows where the model runs them in bf16 on AMX (quant.PromptBf16Linear)."""
     rows = meta.num_decode_tokens + sum(sp.end - sp.start for sp in meta.prefills)
     return (model.native_decode is not None and model.tp is None and rows > 0
             and not (model.prompt_rows is not None and meta.prompt_ranges())  # those run on AMX
-            and not meta.bf16_prompt_ranges()
             and (after_layer is None or hasattr(after_layer, "native_stop"))
-            and (not meta.prefills or rows <= MAX_ROWS_WITH_PROMPTS)
             and isinstance(model.backend, NativeAttentionBackend)
             and (kv_caches[0][0].dtype in _FLOAT_KV or kv_caches[0][0].dtype in _CODE_KV and not meta.prefills)
             and (lora is None or all(_fp32_cpu(a) for a in lora.adapters)))
@@ -127,4 +120,4 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: 
     return step.run(model.native_decode, h, kv_caches, positions.to(torch.int64).contiguous(), rotary.cos,
                     rotary.sin, meta.slot_mapping.to(torch.int64).contiguous(), tables, lens,
                     None if lora is None else StepLoRA.of(lora.groups, h.shape[0]), one_team=not meta.prefills,
-                    stop=stop)
+                    stop=stop, bf16_rows=meta.bf16_prompt_ranges())

@@ -40,7 +40,8 @@ SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
                                      for n in ("woq.c", "attention.c", "attention_rows.c", "kv_store.c", "fused.c", "w4a8.c", "q8a16.c", "sampling.c",
                                                "step.c", "w4a8n.c", "lora.c", "peak.c", "amx.c",
                                                "amx_attention.c", "bf16_attention.c", "grids.c", "shm.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h", "flash.h"))
+HEADERS = tuple(Path(__file__).with_name(n)
+                for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h", "flash.h", "step_lora.h"))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _i8 = _q8 = _q4 = _attn = _silu_mul = _rope = _sample = _norm = _store8 = _load8 = None  # bound C functions, looked up once

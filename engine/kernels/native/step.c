@@ -4,7 +4,9 @@
  * as ~9 ctypes calls per layer plus torch glue (allocations, views, index_copy_). Here the
  * layer loop is C, and each op is the kernel the Python path calls (add_rms_norm_f32,
  * rope_f32, paged attention, silu_mul_f32) on the same inputs in the same order, the matmuls
- * w4a8n_matmul below (bitwise w4a8_matmul's result from half its weight bytes), and the KV
+ * w4a8n_matmul below (bitwise w4a8_matmul's result from half its weight bytes; a step of many
+ * rows, a prompt's chunk, w4a8_matmul on the byte weights), the attention of prompt rows the
+ * model gives to bf16 vectors by bf16_attention.c as that path does, and the KV
  * store the new rows as the cache's dtype holds them (put_kv: what .to() and index_copy_ do
  * there): a row's result is bitwise the Python path's. Two schedules, the same result: a parallel region per op
  * (layer), or the whole step on one OpenMP team (team_step, the default).
@@ -25,6 +27,7 @@
  * of them per layer, in this order:
  *   input norm weight, post-attention norm weight,
  *   qkv q/d/m, o q/d/m, gate_up q/d/m, down q/d/m (w4a8.pack's d, m and its q as nibbles, below),
+ *   qkv, o, gate_up, down q as w4a8.pack lays it out, a byte a weight (or NULL: the nibbles serve)
  *   K cache, V cache (num_blocks, bs, KVH, hd) fp32 or bf16, or (num_blocks, bs, KVH, hd + 4)
  *   8-bit rows and their scales, in a second array (per KV cache)
  */
@@ -39,7 +42,8 @@ static inline int omp_get_num_threads(void) { return 1; }
 #endif
 #include "kvformat.h"
 
-#define STEP_PTRS 14
+#define STEP_PTRS 18
+#define STEP_BYTES 14 /* the first of the byte weights' pointers */
 #define STEP_STOPPED (-4) /* decode_step_llama stopped at a layer's end: nothing it computed counts */
 
 int w4a8_matmul(const float *x, const uint8_t *wq, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
@@ -53,6 +57,9 @@ int paged_decode_attention_f32(const float *q, const void *kc, const void *vc, c
                                const int64_t *lens, const int64_t *skips, float *out, int B, int H, int KVH, int D,
                                int bs, int max_blocks, float scale, int nthreads, int kv_fmt);
 
+int bf16_prompt_attention(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                          float *out, int B, int H, int KVH, int D, int bs, int max_blocks, float scale, int nthreads,
+                          int fmt);
 int paged_attention_item(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
                          const int64_t *skips, float *out, int w, int H, int KVH, int D, int bs, int max_blocks,
                          float scale, int kv_fmt);
@@ -62,55 +69,7 @@ int paged_attention_row(const float *q, const void *kc, const void *vc, const in
 
 int decode_step_ptrs(void) { return STEP_PTRS; }
 
-void lora_shrink(const float *x, int64_t K, const float *a, int64_t r, float *t);
-void lora_expand(const float *t, int64_t r, const float *bt, int64_t N, float *y, int64_t n0, int64_t n1);
-
-/* A step's LoRA adapters (lora.c; NULL: none). Adapter s: ab[(layer * 4 + m) * 2] its A (r, in)
- * and [.. + 1] its B transposed (r, out) of fused matrix m (0 qkv, 1 o, 2 gate_up, 3 down),
- * ranks[layer * 4 + m] r (0: not updated); row_slot (M,) each row's adapter, -1 the base. */
-typedef struct {
-    void *const *ab;
-    const int64_t *ranks;
-} lora_adapter;
-typedef struct {
-    int64_t n_adapters, max_rank;
-    const lora_adapter *adapters;
-    const int32_t *row_slot;
-} step_lora;
-
-/* y (M, N) += each adapter row's update of matrix m at `layer`, output columns [n0, n1); t: a
- * scratch of max_rank floats. Every caller computes a row the same way (lora.c). */
-static void lora_cols(const step_lora *L, int64_t layer, int m, const float *x, int64_t K, float *y, int64_t N,
-                      int64_t M, int64_t n0, int64_t n1, float *t) {
-    for (int64_t i = 0; i < M; i++) {
-        const int32_t s = L->row_slot[i];
-        if (s < 0) continue;
-        const lora_adapter *ad = L->adapters + s;
-        const int64_t r = ad->ranks[layer * 4 + m];
-        if (!r) continue;
-        lora_shrink(x + i * K, K, ad->ab[(layer * 4 + m) * 2], r, t);
-        lora_expand(t, r, ad->ab[(layer * 4 + m) * 2 + 1], N, y + i * N, n0, n1);
-    }
-}
-
-/* lora_cols over every column, the rows split between nt threads (the per-op schedule). */
-static int lora_all(const step_lora *L, int64_t layer, int m, const float *x, int64_t K, float *y, int64_t N,
-                    int64_t M, int nt) {
-    if (!L) return 0;
-    int failed = 0;
-#pragma omp parallel num_threads(nt < 1 ? 1 : nt) reduction(| : failed)
-    {
-        float *t = malloc(sizeof(float) * (size_t)(L->max_rank > 0 ? L->max_rank : 1));
-        if (!t) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < M; i++) {
-            const step_lora one = {L->n_adapters, L->max_rank, L->adapters, L->row_slot + i};
-            if (t) lora_cols(&one, layer, m, x + i * K, K, y + i * N, N, 1, 0, N, t);
-        }
-        free(t);
-    }
-    return failed ? -1 : 0;
-}
+#include "step_lora.h"
 
 /* w4a8n.c: Q4_1 x int8 over nibble-packed weights (bitwise w4a8_matmul's result) */
 int w4a8n_matmul(const float *x, const uint8_t *wn, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
@@ -128,6 +87,9 @@ typedef struct {
     float eps, scale;
     int64_t max_positions, num_slots; /* the cos/sin tables' rows, the cache's slots: the inputs' bounds */
     int64_t kv_fmt;                   /* the cache's format (kvformat.h): KV_F32, KV_BF16, KV_INT8, KV_FP8 */
+    int64_t byte_rows;                /* a step of more rows reads the byte weights (where present) */
+    int64_t n_bf16;                   /* ranges of prompt rows that attend in bf16 vectors (bf16_attention.c) */
+    const int64_t *bf16_ranges;       /* n_bf16 (start, end) pairs, ascending */
 } step_dims;
 
 /* Heads [kh, kh + nh) of a token's new K (or V) row x (nh * hd floats) into its cache slot:
@@ -192,6 +154,44 @@ static void store_kv(const step_dims *d, const float *qkv, float *q, void *kc, v
     }
 }
 
+/* y (M, N) = x (M, K) @ matrix m (0 qkv, 1 o, 2 gate_up, 3 down) of a layer's pointers w: over
+ * its nibbles, or past byte_rows rows over its byte weights, which the arithmetic-bound step
+ * reads faster than it unpacks nibbles (the same bits either way). */
+static int matmul(const step_dims *d, void *const *w, int m, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                  int nt) {
+    void *const *q = w + 2 + 3 * m;
+    if (M > d->byte_rows && w[STEP_BYTES + m]) return w4a8_matmul(x, w[STEP_BYTES + m], q[1], q[2], y, M, N, K, nt);
+    return w4a8n_matmul(x, q[0], q[1], q[2], y, M, N, K, nt);
+}
+
+/* The step's attention: the rows of d->bf16_ranges in bf16 vectors (where the kernel takes
+ * them, else as the others), the others by the fp32 kernel, range by range as the Python path
+ * calls them (engine/kernels/attention.py `_forward_bf16_prompts`). Returns 0 or -1. */
+static int attend(const step_dims *d, const float *q, const void *kc, const void *vc, const int64_t *tables,
+                  const int64_t *lens, float *att, int64_t M, int nt) {
+    const int H = (int)d->heads, KVH = (int)d->kv_heads, hd = (int)d->head_dim, bs = (int)d->block_size;
+    const int mb = (int)d->max_blocks, fmt = (int)d->kv_fmt;
+    const int64_t w = (int64_t)H * hd;
+    int64_t at = 0;
+    for (int64_t r = 0; r <= d->n_bf16; r++) {
+        const int64_t lo = r < d->n_bf16 ? d->bf16_ranges[2 * r] : M, hi = r < d->n_bf16 ? d->bf16_ranges[2 * r + 1] : M;
+        if (at < lo && paged_decode_attention_f32(q + at * w, kc, vc, tables + at * mb, lens + at, NULL, att + at * w,
+                                                  (int)(lo - at), H, KVH, hd, bs, mb, d->scale, nt, fmt))
+            return -1;
+        if (lo < hi) {
+            const int rc = bf16_prompt_attention(q + lo * w, kc, vc, tables + lo * mb, lens + lo, att + lo * w,
+                                                 (int)(hi - lo), H, KVH, hd, bs, mb, d->scale, nt, fmt);
+            if (rc == -2 ? paged_decode_attention_f32(q + lo * w, kc, vc, tables + lo * mb, lens + lo, NULL,
+                                                      att + lo * w, (int)(hi - lo), H, KVH, hd, bs, mb, d->scale, nt,
+                                                      fmt)
+                         : rc)
+                return -1;
+        }
+        at = hi;
+    }
+    return 0;
+}
+
 /* One layer: h += delta (the previous layer's MLP output; NULL for the first), attention,
  * h += its output, and the MLP's output into b->delta. Returns 0, or -1 without memory. */
 static int layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta,
@@ -200,21 +200,18 @@ static int layer(const step_dims *d, void *const *w, void *kc, void *vc, float *
                  const step_lora *L, int64_t li) {
     const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
     add_rms_norm_f32(h, delta, w[0], b->x, M, H, d->eps, nt);
-    if (w4a8n_matmul(b->x, w[2], w[3], w[4], b->qkv, M, wqkv, H, nt)) return -1;
+    if (matmul(d, w, 0, b->x, b->qkv, M, wqkv, H, nt)) return -1;
     if (lora_all(L, li, 0, b->x, H, b->qkv, wqkv, M, nt)) return -1;
     rope_f32(b->qkv, M, wqkv, (int)(d->heads + d->kv_heads), (int)d->head_dim, cos_t, sin_t, positions, nt);
     store_kv(d, b->qkv, b->q, kc, vc, slots, M);
-    if (paged_decode_attention_f32(b->q, kc, vc, tables, lens, NULL, b->att, (int)M, (int)d->heads,
-                                   (int)d->kv_heads, (int)d->head_dim, (int)d->block_size, (int)d->max_blocks,
-                                   d->scale, nt, (int)d->kv_fmt))
-        return -1;
-    if (w4a8n_matmul(b->att, w[5], w[6], w[7], b->a, M, H, nq, nt)) return -1;
+    if (attend(d, b->q, kc, vc, tables, lens, b->att, M, nt)) return -1;
+    if (matmul(d, w, 1, b->att, b->a, M, H, nq, nt)) return -1;
     if (lora_all(L, li, 1, b->att, nq, b->a, H, M, nt)) return -1;
     add_rms_norm_f32(h, b->a, w[1], b->x, M, H, d->eps, nt);
-    if (w4a8n_matmul(b->x, w[8], w[9], w[10], b->gu, M, 2 * d->inter, H, nt)) return -1;
+    if (matmul(d, w, 2, b->x, b->gu, M, 2 * d->inter, H, nt)) return -1;
     if (lora_all(L, li, 2, b->x, H, b->gu, 2 * d->inter, M, nt)) return -1;
     silu_mul_f32(b->gu, b->act, M, d->inter, nt);
-    if (w4a8n_matmul(b->act, w[11], w[12], w[13], b->delta, M, H, d->inter, nt)) return -1;
+    if (matmul(d, w, 3, b->act, b->delta, M, H, d->inter, nt)) return -1;
     return lora_all(L, li, 3, b->act, d->inter, b->delta, H, M, nt);
 }
 
@@ -366,7 +363,8 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
 }
 #endif
 
-/* All layers of a decode-only step, then the final norm:
+/* All layers of a step (decode rows, and prompt rows in runs of consecutive positions), then
+ * the final norm:
  *   h (M, hidden)       the residual stream into the first layer (the embeddings, or a pipeline
  *                       stage's input) in; the stream after the last layer (its MLP's output added) out
  *   out (M, hidden)     the final normed hidden states
@@ -375,7 +373,8 @@ static int team_step(const step_dims *d, void *const *weights, void *const *kv, 
  *   slots (M,)          int64 flat cache slots of the new tokens
  *   tables (M, max_blocks), lens (M,) int64: each row's blocks and context length, checked
  *                       (native.paged_attention_tables)
- *   one_region          1: the whole step on one OpenMP team (team_step), 0: each op its own region
+ *   one_region          1: the whole step on one OpenMP team (team_step; decode rows only, no bf16
+ *                       ranges), 0: each op its own region
  *   lora                the rows' LoRA adapters (step_lora above), or NULL
  *   stop, threshold     the stop word (NULL: the step never stops), read at each layer's end
  *                       but the last: the step stops there when it is below `threshold`
@@ -397,7 +396,7 @@ int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv,
     if (!base) return -1;
     int rc = 0;
 #ifdef __AVX2__
-    if (one_region) {
+    if (one_region && !d->n_bf16) {
         rc = team_step(d, weights, kv, final_w, h, out, &b, positions, cos_t, sin_t, slots, tables, lens, M,
                        nt < 1 ? 1 : nt, lora, stop, threshold);
         free(base);

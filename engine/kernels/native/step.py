@@ -21,7 +21,11 @@ from . import _bad, load
 
 _fn = _nib = None
 _F32, _I64 = torch.float32, torch.int64
-PTRS = 14  # pointers per layer (step.c STEP_PTRS)
+PTRS = 18  # pointers per layer (step.c STEP_PTRS)
+# a step of more rows than this reads the byte weights (where given): at prompt-chunk sizes the
+# step is bound by its arithmetic, and unpacking nibbles costs more than their bytes save (one
+# thread, gate_up: 46 against 36 GMAC/s at 32 rows, 56 against 64 at 256)
+BYTE_ROWS = 64
 # the caches step.c stores into (kvformat.h's codes); an 8-bit cache's rows are head_dim codes and a scale
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 STOPPED = -4  # step.c STEP_STOPPED
@@ -40,7 +44,10 @@ class _Dims(ctypes.Structure):
                                                                                ("scale", ctypes.c_float),
                                                                                ("max_positions", ctypes.c_int64),
                                                                                ("num_slots", ctypes.c_int64),
-                                                                               ("kv_fmt", ctypes.c_int64)]
+                                                                               ("kv_fmt", ctypes.c_int64),
+                                                                               ("byte_rows", ctypes.c_int64),
+                                                                               ("n_bf16", ctypes.c_int64),
+                                                                               ("bf16_ranges", ctypes.c_void_p)]
 
 
 def _bound():
@@ -86,8 +93,9 @@ def nibble_matmul(x: torch.Tensor, wn: torch.Tensor, d: torch.Tensor, m: torch.T
 
 @dataclass
 class LayerWeights:
-    """One layer's tensors as the step reads them: the two RMSNorm weights (hidden,) fp32 and
-    each matrix as (nibbles(q), d, m) of w4a8.pack's (q, d, m)."""
+    """One layer's tensors as the step reads them: the two RMSNorm weights (hidden,) fp32,
+    each matrix as (nibbles(q), d, m) of w4a8.pack's (q, d, m), and `byte_q` the four matrices'
+    q themselves (qkv, o, gate_up, down; empty: steps of every size read the nibbles)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -95,6 +103,7 @@ class LayerWeights:
     o: tuple
     gate_up: tuple
     down: tuple
+    byte_q: tuple = ()
 
 
 class StepWeights:
@@ -113,6 +122,10 @@ class StepWeights:
                 if not (t.is_contiguous() and t.is_cpu):
                     raise _bad("step weights must be contiguous CPU tensors", t)
             ptrs += [t.data_ptr() for t in tensors]
+            for t in lw.byte_q:
+                if not (t.is_contiguous() and t.is_cpu and t.dtype is torch.uint8):
+                    raise _bad("step byte weights must be contiguous CPU uint8 tensors", t)
+            ptrs += [t.data_ptr() for t in lw.byte_q] if len(lw.byte_q) == 4 else [None] * 4
         self.array = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._kv_cached = None  # (key, pointer array, the list) of the last KV cache
         self.one_region = True  # the whole step on one OpenMP team (step.c team_step); False: a region per op
@@ -133,10 +146,19 @@ class StepWeights:
         return array
 
 
+def _ranges(rows: list[tuple[int, int]], M: int, one_team: bool) -> torch.Tensor:
+    """bf16_rows as step.c reads them (int64 pairs), checked: ascending, disjoint, inside the step."""
+    flat = [int(x) for pair in rows for x in pair]
+    if rows and (one_team or any(len(p) != 2 for p in rows) or flat != sorted(flat) or flat[0] < 0 or flat[-1] > M):
+        raise ValueError(f"expected ascending (start, end) ranges of a step's {M} rows, one_team False; got {rows}")
+    return torch.tensor(flat, dtype=_I64)
+
+
 def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, lora=None,
-        one_team: bool = True, stop: tuple[int, int] | None = None) -> torch.Tensor:
-    """The final normed hidden states (M, hidden) of a decode step; h (M, hidden) fp32, the
+        one_team: bool = True, stop: tuple[int, int] | None = None, bf16_rows: list[tuple[int, int]] = ()
+        ) -> torch.Tensor:
+    """The final normed hidden states (M, hidden) of a step; h (M, hidden) fp32, the
     embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) contiguous
     (num_blocks, block_size, kv_heads, head_dim), all fp32 or all bf16 (the new rows stored
     rounded as .to(torch.bfloat16) rounds), or all int8 or all fp8 (rows head_dim + 4 wide: the
@@ -149,7 +171,8 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     the schedule with a region per op stores every row first. stop: (the address of an int32,
     the stop word, which another thread may write meanwhile; a threshold): at each layer's end
     but the last the step stops, raising `Stopped`, if the word is below the threshold; None:
-    it runs to the end."""
+    it runs to the end. bf16_rows: (start, end) ranges of prompt rows, ascending, whose
+    attention runs in bf16 vectors (AttentionMetadata.bf16_prompt_ranges; one_team False)."""
     fn = _bound()
     M = h.shape[0]
     k0 = kv_caches[0][0]
@@ -160,8 +183,10 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
         raise _bad("expected fp32, bf16, int8 or fp8 caches (num_blocks, block_size, kv_heads, head_dim; an 8-bit "
                    "cache's rows 4 bytes wider: their scale)", k0)
     _check_rows(M, positions, slots, tables, lens)
+    ranges = _ranges(bf16_rows, M, one_team)
     dims = _Dims(len(w.layers), w.hidden, w.heads, w.kv_heads, w.head_dim, w.inter, bs, tables.shape[1], w.eps,
-                 w.head_dim ** -0.5, cos.shape[0], nb * bs, KV_FORMATS[k0.dtype])
+                 w.head_dim ** -0.5, cos.shape[0], nb * bs, KV_FORMATS[k0.dtype], BYTE_ROWS, len(bf16_rows),
+                 ranges.data_ptr() if len(bf16_rows) else None)
     out = torch.empty_like(h)
     rc = M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                   out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
