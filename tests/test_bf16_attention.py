@@ -95,7 +95,7 @@ def test_a_step_runs_its_long_prompt_rows_in_bf16_and_every_other_row_in_fp32():
 @needs_bf16
 def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempted_and_cached(smollm, make_engine,
                                                                                             monkeypatch):
-    """The default model under "auto": a 700-token prompt's rows past position 256 attend in bf16,
+    """The default model under "auto": a 700-token prompt's rows past BF16_ATTENTION_FROM (128) attend in bf16,
     in the one-call C step (a spy on its steps sees them) and in the Python layer loop (a spy
     on its kernel does), with the same greedy tokens; the same alone, beside others, in 64-token
     chunks, preempted in a cache too small for all, and again from the prefix cache."""
@@ -125,11 +125,11 @@ def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempt
 
     big = engine(64 << 20, 1024, 64)
     alone = big.generate([long], params)[0]
-    assert sum(native_rows) == 700 - BF16_ATTENTION_FROM and not seen  # its rows past 256, in the C step
+    assert sum(native_rows) == 700 - BF16_ATTENTION_FROM and not seen  # its rows past 128, in the C step
     python = engine(64 << 20, 1024, 64)
     monkeypatch.setattr(loaded.model, "native_decode", None)  # the Python layer loop (after the engine set it)
     assert python.generate([long], params)[0] == alone
-    assert sum(seen) == loaded.config.num_hidden_layers * (700 - BF16_ATTENTION_FROM)  # each layer, its rows past 256
+    assert sum(seen) == loaded.config.num_hidden_layers * (700 - BF16_ATTENTION_FROM)  # each layer, its rows past 128
     assert_engine_clean(python)
     monkeypatch.undo()
     alone_others = [big.generate([p], params)[0] for p in others]

@@ -4,7 +4,7 @@ hold bf16 caches, and the default model at "auto" decodes over it in one C call 
 (engine/kernels/native/step.c, which stores the new K/V rounded to bf16 as torch does): the
 greedy tokens are the single engine's with a bf16 cache (not the fp32 cache's, which differ
 from the first decode step on for this prompt); every KV block is back in its pool after. And a
-long prompt, whose rows past position 256 attend in bf16 where the CPU has AVX-512 BF16."""
+long prompt, whose rows past position 128 attend in bf16 where the CPU has AVX-512 BF16."""
 
 import re
 
@@ -43,7 +43,7 @@ def test_up_decodes_over_a_bf16_cache_as_the_single_engine_does(default_up, smol
 
 
 def test_up_answers_a_long_prompt_as_the_single_engine_does(default_up, smollm):
-    """A 600-token prompt: on a CPU with AVX-512 BF16 its rows past position 256 attend in bf16
+    """A 600-token prompt: on a CPU with AVX-512 BF16 its rows past position 128 attend in bf16
     (engine/kernels/native/bf16_attention.c) in the prefill worker, and the decode worker goes on
     over that cache; elsewhere all in fp32. Either way the single engine's greedy tokens."""
     loaded, tok = smollm

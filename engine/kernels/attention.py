@@ -56,9 +56,11 @@ AMX_PROMPT_ROWS = "amx_prompt_rows"
 # (AVX-512 BF16 vectors, engine/kernels/native/bf16_attention.c), where it has no AMX prompt rows
 BF16_PROMPTS_FROM = "bf16_prompts_from"
 # That position under "auto" on a CPU with AVX-512 BF16: a long prompt's attention is most of
-# its prefill in fp32 (2,048 tokens: half of it on a Zen 4), and in bf16 it runs 2-3x faster;
-# a shorter prompt's rows stay in fp32, in the one-call C step with the decode rows.
-BF16_ATTENTION_FROM = 256
+# its prefill in fp32 (2,048 tokens: half of it on a Zen 4), and in bf16 it runs 2-3x faster
+# (a 250-token prefill 7% faster from 128 on); below it bf16 gains nothing measurable (64- and
+# 128-token prompts), and each row it takes is rounded a little more (perplexity on 1,024-token
+# windows +0.0 / +0.3 / +0.4% against fp32 attention, bench/NOTES.md), so those rows stay fp32
+BF16_ATTENTION_FROM = 128
 
 
 @dataclass
