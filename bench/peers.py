@@ -37,6 +37,7 @@ from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.kernels.native.cpu import ISA_ENV, isa
 
 from . import llama_peer, vllm_peer
+from .procs import clear_leftovers, descendants
 from .metrics import cpu_description, format_table
 from .serving import add_bench_serving_args, bench
 
@@ -167,6 +168,8 @@ class Server:
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; see {self.log_path}")
 
     def stop(self) -> None:
+        """SIGINT, then SIGKILL after 60 s; then the files its ended processes left (bench/procs.py)."""
+        tree = {self.proc.pid} | descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -174,6 +177,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        clear_leftovers(tree)
 
 
 def bench_args(extra: list[str], out_dir: Path):
