@@ -100,6 +100,8 @@ def test_the_engine_answers_a_long_prompt_the_same_alone_batched_chunked_preempt
     on its kernel does), with the same greedy tokens; the same alone, beside others, in 64-token
     chunks, preempted in a cache too small for all, and again from the prefix cache."""
     loaded, tok = smollm
+    if loaded.model.prompt_rows is not None:
+        pytest.skip("this CPU runs prompt rows on AMX tiles (their attention too)")
     assert loaded.model.bf16_prompts_from == BF16_ATTENTION_FROM
     seen, native_rows, real_attention, real_usable = [], [], amx.attention, native_step.usable
 

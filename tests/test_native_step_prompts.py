@@ -69,10 +69,10 @@ def test_a_step_with_prompt_chunks_equals_the_python_path(model, step_calls, kv)
 def test_a_step_of_many_prompt_rows_equals_the_python_path(model, step_calls, kv, monkeypatch):
     """A decode row beside a 90-row chunk after a 20-token cached prefix and a fresh 30-row
     prompt (more than step.BYTE_ROWS rows: the byte weights), the chunks' rows from position 25
-    on in bf16 vectors where this CPU has them (else every row in fp32), natively and in
+    on in bf16 vectors where this CPU has them (else, rows not marked as prompt, every row in fp32), natively and in
     Python from equal caches: bitwise equal hidden states and caches."""
     from pdserve.engine.kernels.native import amx, step
-    bf16 = amx.vector_attention_available()
+    bf16 = amx.vector_attention_available() and model.prompt_rows is None  # AMX CPUs: prompt rows on tiles
     monkeypatch.setattr(model, "bf16_prompts_from", 25 if bf16 else None)
     cfg, dtype = model.config, {"fp32": torch.float32, "bf16": torch.bfloat16}[kv]
     g = torch.Generator().manual_seed(2)
@@ -85,7 +85,7 @@ def test_a_step_of_many_prompt_rows_equals_the_python_path(model, step_calls, kv
     pos = [9] + [p for start, n, _ in spans for p in range(start, start + n)]
     caches, hidden = {on: cache.clone() for on in (False, True)}, {}
     for on in (False, True):
-        meta = _mixed_meta([10], tables[:1], spans, prompt=True)
+        meta = _mixed_meta([10], tables[:1], spans, prompt=bf16)  # else recomputed rows: fp32 attention
         layers = [(caches[on][i, 0], caches[on][i, 1]) for i in range(cfg.num_hidden_layers)]
         assert native_step.usable(model, layers, meta, None)
         hidden[on] = _forward(model, torch.tensor(ids), torch.tensor(pos), layers, meta, on)
