@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.common.proctree import alive, descendants  # noqa: F401 - the tests take them from here
 from pdserve.registry.embedded import EmbeddedRedis
 
 ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore")
@@ -63,34 +64,6 @@ def stop(proc: Proc, within_s: float = 60.0) -> int:
     except subprocess.TimeoutExpired:
         proc.p.kill()
         raise
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie has exited; it only waits for its parent to reap it
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def registry_url(log: str, password: str) -> str:
