@@ -44,8 +44,7 @@ def served(tmp_path_factory):
     up = Proc("up", "--port", str(port), "--cluster-token", "test-token", "--shutdown-grace", "3",
               "--keys-file", str(path), "--api-key", OP, "--cluster-name", "keys", "--redis-password", "keys-redis")
     try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        line = up.ready_line("curl ")
         yield f"http://127.0.0.1:{port}", path, up
     finally:
         rc = stop(up, 90)

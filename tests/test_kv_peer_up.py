@@ -28,8 +28,7 @@ def test_up_pulls_a_prefix_from_the_peer_that_holds_it():
               "--shutdown-grace", "3")
     url = f"http://127.0.0.1:{port}"
     try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        line = up.ready_line("curl ")
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
         answers = []

@@ -81,8 +81,7 @@ def served_as_transformers(moe_dir, tokenizer, *flags: str) -> str:
               "test-token", "--shutdown-grace", "3")
     url = f"http://127.0.0.1:{port}"
     try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        line = up.ready_line("curl ")
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         r = httpx.post(url + "/v1/completions", timeout=120, json={
             "model": model, "prompt": PROMPTS, "max_tokens": N, "temperature": 0, "ignore_eos": True})

@@ -126,8 +126,7 @@ lora_modules = {{ gad = "{root / 'gad'}" }}
               "--cluster-token", "test-token", "--shutdown-grace", "3", "--worker-metrics-port", str(metrics_port))
     url = f"http://127.0.0.1:{port}"
     try:
-        line = up.p.stdout.readline()
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        line = up.ready_line("curl ")
         yield Served(url, want, ids, str(root / "chat"), metrics_port, served_model_name(smollm[0].path))
         assert _models(url) == MODELS, "a test left an adapter loaded"
         wait_kv_back(url, WORKERS)

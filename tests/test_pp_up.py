@@ -145,8 +145,7 @@ def pp_cluster(tmp_path_factory, tokenizer):
         smollm_want = [tokenizer.decode(t, skip_special_tokens=True) for t in smollm.generate(
             [tokenizer.encode(p) for p in SMOLLM_PROMPTS], SamplingParams(max_tokens=SMOLLM_N, temperature=0))]
         del llama, smollm
-        line = up.p.stdout.readline()  # the curl line: printed once the router can serve
-        assert line.startswith("curl "), up.text() if up.p.poll() is not None else line
+        line = up.ready_line("curl ")  # the curl line: printed once the router can serve
         yield PPCluster(up, f"http://127.0.0.1:{port}", llama_want, smollm_want, descendants(up.p.pid))
     finally:
         if up.p.poll() is None:

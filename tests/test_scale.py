@@ -119,8 +119,7 @@ def test_pools_only_head_and_a_separate_router():
     procs: set[int] = set()
     router = None
     try:
-        line = up.p.stdout.readline()
-        assert line.startswith("pools ready: "), "".join(up.log)
+        line = up.ready_line("pools ready: ")
         assert json.loads(line.removeprefix("pools ready: ")) == {"prefill": 1, "decode": 1}
         procs = descendants(up.p.pid)
         assert httpx.get(url + "/health").status_code == 200

@@ -33,6 +33,20 @@ class Proc:
             self._reader.join(10)
         return "".join(self.log)
 
+    def ready_line(self, prefix: str, exit_within_s: float = 30.0) -> str:
+        """Its next stdout line, which must start with `prefix`; else (it closed its stdout,
+        exiting, or said something else) an AssertionError with the line and its stderr, once
+        it has exited (waited for up to `exit_within_s`)."""
+        line = self.p.stdout.readline()
+        if not line.startswith(prefix):
+            try:
+                self.p.wait(exit_within_s)
+            except subprocess.TimeoutExpired:
+                pass
+            raise AssertionError(f"expected a line starting {prefix!r}, got {line!r} (exit code "
+                                 f"{self.p.poll()}); its stderr:\n{self.text()}")
+        return line
+
     def find(self, needle: str) -> str | None:
         return next((line for line in self.log if needle in line), None)
 
