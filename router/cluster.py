@@ -313,7 +313,8 @@ class ClusterClient:
         decode = next(w for w in decode_pool if w.worker_id == decode_id)
         idle = self.idle_decode_prefill and decode.running == 0 and decode.queued_prefill_tokens == 0
         return prefill_on_decode(queued.get(prefill.worker_id, 0), queued.get(decode_id, 0),
-                                 max(prompt_len - prefill.cached_tokens, 0), self.prefill_queue_limit, idle)
+                                 max(prompt_len - prefill.cached_tokens, 0), self.prefill_queue_limit, idle,
+                                 decode.running)
 
     def settle(self, route: Route | None, prefilled_remotely: bool = True) -> None:
         """The route's prefill is over (its first token came, or it failed): take its tokens

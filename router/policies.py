@@ -133,30 +133,44 @@ def prefer_adapter(workers: list[WorkerLoad], holders: set[str]) -> list[WorkerL
 
 
 DECODE_PREFILL_SLOWDOWN = 3
-"""How many times longer a prompt takes on a busy decode worker than on a prefill worker: its
-prefill chunks share the core with its streams' decode steps. Measured on the 2-core CPU of
-bench/NOTES.md (prompt-heavy, 32 streams, 64 prompts after 4 of warm-up): 1 sent it 31 of the
-68, and its queue of them held off its KV imports while the prefill worker waited (59.4 tok/s,
-TTFT p50 5.2 s); 3 sent it 18 (69.2 tok/s, TTFT p50 7.3 s); one prompt at a time, 12-15
-(69-70 tok/s, TTFT p50 8.8-10.4 s)."""
+"""How many times longer a prompt takes on a decode worker full of streams (FULL_DECODE_STREAMS)
+than on a prefill worker: its prefill chunks share the core with its streams' decode steps.
+Measured on the 2-core CPU of bench/NOTES.md (prompt-heavy, 32 streams, 64 prompts after 4 of
+warm-up): 1 sent it 31 of the 68, and its queue of them held off its KV imports while the
+prefill worker waited (59.4 tok/s, TTFT p50 5.2 s); 3 sent it 18 (69.2 tok/s, TTFT p50 7.3 s);
+one prompt at a time, 12-15 (69-70 tok/s, TTFT p50 8.8-10.4 s)."""
+FULL_DECODE_STREAMS = 32
+
+
+def decode_prefill_slowdown(streams: int) -> float:
+    """How many times longer a prompt takes on a decode worker with `streams` streams than on
+    a prefill worker: from 1 with none (its steps are the prompt's chunks, and the prompt skips
+    the KV hand-off) to DECODE_PREFILL_SLOWDOWN at FULL_DECODE_STREAMS and beyond, in a line.
+    A few streams add a few rows to each chunk's step: on 2 cores a burst of 8 ~2,000-token
+    prompts kept the decode worker's core idle for most of the run at a fixed 3 (one prompt
+    of 8 went there)."""
+    share = min(max(streams, 0), FULL_DECODE_STREAMS) / FULL_DECODE_STREAMS
+    return 1 + (DECODE_PREFILL_SLOWDOWN - 1) * share
 
 
 def prefill_on_decode(prefill_backlog: int, decode_backlog: int, todo: int, limit: int,
-                      decode_idle: bool = False) -> bool:
+                      decode_idle: bool = False, decode_streams: int = FULL_DECODE_STREAMS) -> bool:
     """Conditional disaggregation by load: should the decode worker prefill this prompt itself?
 
     `prefill_backlog`: prompt tokens queued on the chosen prefill worker ahead of this one;
     `decode_backlog`: prompt tokens the decode worker is already prefilling itself; `todo`:
-    this prompt's uncached tokens. Yes when the prefill worker's queue has reached `limit`
-    tokens and the prompt would still be done sooner on the decode worker, which prefills at
-    1 / DECODE_PREFILL_SLOWDOWN of the speed: a saturated prefill pool then lends work to the
-    decode pool's spare compute (what Dynamo's disaggregated router does with its
-    prefill-queue limit) instead of TTFT growing with the queue. 0: never.
+    this prompt's uncached tokens; `decode_streams`: the streams the decode worker holds (those
+    still waiting for their prompts too: they decode there next). Yes when the prefill worker's
+    queue has reached `limit` tokens and the prompt would still be done sooner on the decode
+    worker, which prefills at 1 / decode_prefill_slowdown(decode_streams) of the speed: a
+    saturated prefill pool then lends work to the decode pool's spare compute (what Dynamo's
+    disaggregated router does with its prefill-queue limit) instead of TTFT growing with the
+    queue. 0: never.
     Yes too when `decode_idle` (the caller's policy: the decode worker has no stream and no
     prompt of its own): no stream's inter-token latency pays for the prefill there, and the
     prompt skips the KV hand-off."""
     return decode_idle or (limit > 0 and prefill_backlog >= limit
-                           and DECODE_PREFILL_SLOWDOWN * (decode_backlog + todo) < prefill_backlog)
+                           and decode_prefill_slowdown(decode_streams) * (decode_backlog + todo) < prefill_backlog)
 
 
 URGENT_LOCAL_PREFILL = 512

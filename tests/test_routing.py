@@ -5,7 +5,7 @@ from pdserve.common.block_hash import hash_blocks
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.router.cluster import ClusterClient, WorkerEndpoint
-from pdserve.router.policies import NoWorkerError, WorkerLoad, make_policy, prefill_on_decode
+from pdserve.router.policies import NoWorkerError, WorkerLoad, make_policy
 from pdserve.router.prefix_index import PrefixIndex
 
 
@@ -306,66 +306,6 @@ def test_a_decode_worker_is_expected_to_hold_a_prompt_once_its_first_token_came(
     ll.healthy = {"d0": True}
     ll.route(prompt)
     assert ll.index.match(blocks) == {}  # only prefix_aware uses (and fills) the index
-
-
-def test_prefill_moves_to_the_decode_worker_only_when_the_prefill_queue_is_deep():
-    # below the limit: the prefill pool, however idle the decode worker
-    assert not prefill_on_decode(prefill_backlog=511, decode_backlog=0, todo=250, limit=512)
-    # at the limit, and the prompt would be done sooner on the decode worker, which prefills
-    # at a third of the speed
-    assert prefill_on_decode(prefill_backlog=512, decode_backlog=0, todo=150, limit=512)
-    assert not prefill_on_decode(prefill_backlog=512, decode_backlog=0, todo=250, limit=512)
-    assert prefill_on_decode(prefill_backlog=3001, decode_backlog=750, todo=250, limit=512)
-    # ...but not if the decode worker's own queue is a third as long
-    assert not prefill_on_decode(prefill_backlog=3000, decode_backlog=750, todo=250, limit=512)
-    assert not prefill_on_decode(prefill_backlog=10**6, decode_backlog=0, todo=10, limit=0)  # 0: off
-
-
-def test_a_saturated_prefill_pool_lends_prompts_to_its_decode_worker_and_takes_them_back():
-    """A burst of prompts: the first ones queue on the prefill worker; once its queue reaches
-    the limit, a prompt goes to the decode worker while its queue there would be done sooner
-    (at a third of the speed); as prompts settle, the tokens come off the worker that computes
-    them, and new ones go to the prefill pool again."""
-    c = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=500)
-    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
-    c.healthy = {"p0": True, "d0": True}
-    prompts = [[g * 1000 + i for i in range(250)] for g in range(8)]
-    routes = [c.route(p) for p in prompts]
-    where = [r.prefill.worker_id if r.prefill else "d0" for r in routes]
-    assert where == ["p0", "p0", "p0", "p0", "d0", "p0", "p0", "p0"], where
-    assert c.pending_prefill == {"p0": 7 * 250, "d0": 250}
-    # a prompt prefilled on the decode worker is not expected in the prefill worker's cache
-    assert c.index.match(hash_blocks(prompts[4], 16, "")).get("p0", 0) == 0
-    assert c.index.match(hash_blocks(prompts[3], 16, "")).get("p0", 0) == 15
-    for r in routes:
-        c.settle(r, prefilled_remotely=r.prefill is not None)
-        c.release(r)
-    assert c.pending_prefill == {} and c.decode_streams == {}
-    assert c.route(prompts[0][:10] + [5] * 240).prefill.worker_id == "p0"
-
-
-def test_an_idle_decode_worker_prefills_the_prompt_itself_a_busy_one_does_not():
-    """With idle_decode_prefill, a prompt whose decode worker has no stream and no prompt of its
-    own is prefilled there (no hand-off); once a stream runs there, prompts go to the prefill
-    pool again (its ITL would pay), and back when the stream ends."""
-    assert prefill_on_decode(prefill_backlog=0, decode_backlog=0, todo=250, limit=0, decode_idle=True)
-    c = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=512, idle_decode_prefill=True)
-    c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
-    c.healthy = {"p0": True, "d0": True}
-    prompts = [[g * 1000 + i for i in range(250)] for g in range(4)]
-    first = c.route(prompts[0])
-    assert first.prefill is None and c.pending_prefill == {"d0": 250}
-    c.settle(first, prefilled_remotely=False)  # its first token: the stream still runs
-    second = c.route(prompts[1])
-    assert second.prefill.worker_id == "p0"
-    for r in (first, second):
-        c.settle(r)
-        c.release(r)
-    assert c.route(prompts[2]).prefill is None  # idle again
-    off = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=512)
-    off.set_workers(c.workers.values())
-    off.healthy = dict(c.healthy)
-    assert off.route(prompts[3]).prefill.worker_id == "p0"  # off (the default here): the prefill pool
 
 
 def test_a_prompt_is_not_lent_to_a_decode_worker_streaming_for_more_urgent_requests(monkeypatch):
