@@ -63,6 +63,11 @@ class RouterConfig:
     """Conditional disaggregation by load: once the chosen prefill worker has this many prompt
     tokens queued, a prompt that would wait less on its decode worker is prefilled there
     (router/policies.prefill_on_decode); 0: always the prefill pool."""
+    hold_tokens: int = 2048
+    """Late binding: while every prefill worker has this many prompt tokens queued and no decode
+    worker would take the prompt, the router holds it and routes it when a place opens, so a
+    burst does not split between the pools by the loads at its arrival (router/holding.py);
+    0: every prompt routed at once. Only with prefill_queue_limit > 0."""
     idle_decode_prefill: bool = True
     """A decode worker with no stream and no prompt of its own prefills a prompt itself: no
     stream's ITL pays for it, and the prompt skips the KV hand-off (on one host: 859 -> 696 ms
@@ -112,7 +117,7 @@ class RouterConfig:
         for name in ("max_inflight", "request_timeout_s", "decode_local_prefill", "prefill_queue_limit",
                      "max_body_bytes", "stream_stall_timeout_s", "shutdown_grace_s", "tenant_max_inflight",
                      "tenant_max_queued_tokens", "session_kv_limit", "queue_size", "queue_timeout_s",
-                     "urgent_lend_window_s"):
+                     "urgent_lend_window_s", "hold_tokens"):
             at_least(name, getattr(self, name), 0)
         at_least("refresh_interval_s", self.refresh_interval_s, 0.01)
 

@@ -53,6 +53,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="once the prefill worker has TOKENS prompt tokens queued, a prompt that would wait less "
                         "on its decode worker is prefilled there, so neither pool idles while the other is "
                         "saturated (0: always the prefill pool; default: %(default)s)")
+    p.add_argument("--hold-tokens", type=int, default=_R.hold_tokens, metavar="TOKENS",
+                   help="while every prefill worker has TOKENS prompt tokens queued and no decode worker would "
+                        "take a prompt, the router holds it until a place opens (0: route every prompt at once; "
+                        "default: %(default)s)")
     p.add_argument("--no-idle-decode-prefill", dest="idle_decode_prefill", action="store_false",
                    help="send prompts to the prefill pool even when their decode worker is idle (default: an "
                         "idle decode worker prefills the prompt itself, skipping the KV hand-off)")
@@ -326,7 +330,7 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
 def _router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, model_name=args.served_model_name, routing=args.routing,
                         decode_local_prefill=args.decode_local_prefill,
-                        prefill_queue_limit=args.prefill_queue_limit,
+                        prefill_queue_limit=args.prefill_queue_limit, hold_tokens=args.hold_tokens,
                         idle_decode_prefill=args.idle_decode_prefill, urgent_lend_window_s=args.urgent_lend_window,
                         max_inflight=args.max_inflight,
                         queue_size=args.queue_size, queue_timeout_s=args.queue_timeout,

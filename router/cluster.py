@@ -25,6 +25,7 @@ from pdserve.protos.security import (ReplyCheck, TLSConfig, WorkerIdentity, chec
                                      stats_request)
 
 from .adapters import resident_on, served_adapters
+from .holding import HeldPrompts, must_hold
 from .policies import (NoWorkerError, PrefillChoice, WorkerLoad, make_policy, pick_peer, prefer_adapter,
                        prefill_on_decode, urgent_prefill_on_decode)
 from .prefix_index import PrefixIndex
@@ -74,7 +75,7 @@ class ClusterClient:
                  cluster_token: str = "", tls: TLSConfig | None = None, local_prefill_tokens: int = 0,
                  prefill_queue_limit: int = 0, idle_decode_prefill: bool = False,
                  stats_timeout_s: float = 2.0, slow_grace_s: float = 30.0, session_kv_limit: float = 0.9,
-                 urgent_lend_window_s: float = URGENT_WINDOW_S):
+                 urgent_lend_window_s: float = URGENT_WINDOW_S, hold_tokens: int = 0):
         """block_size, namespace: the workers' KV block size and cache namespace (the prefix
         index hashes prompts as they do). tls: mutual TLS to the workers (their services must
         use the same CA). local_prefill_tokens: a decode worker whose own cache holds all of a
@@ -86,11 +87,14 @@ class ClusterClient:
         stream and no prompt of its own prefills the prompt itself. session_kv_limit: a session
         stays on its decode worker while that worker's KV usage is below this.
         urgent_lend_window_s: no less urgent prompt is lent to a decode worker that streamed for
-        a more urgent request within this many seconds (0: only while it streams for one)."""
+        a more urgent request within this many seconds (0: only while it streams for one).
+        hold_tokens: prompts wait in the router while every prefill worker has this many tokens
+        queued and no decode worker takes them (router/holding.py); 0: never."""
         self.urgent_lend_window_s = urgent_lend_window_s
         self.local_prefill_tokens = local_prefill_tokens
         self.idle_decode_prefill = idle_decode_prefill
         self.prefill_queue_limit = prefill_queue_limit
+        self.hold_tokens = hold_tokens
         self.index = PrefixIndex()
         self.policy = make_policy(routing, self.index)
         self.block_size, self.namespace = block_size, namespace
@@ -114,6 +118,7 @@ class ClusterClient:
         self.decode_urgent: dict[str, tuple[int, float]] = {}  # the most urgent stream's priority lately, when
         self._streams_at_poll: dict[str, int] = {}  # decode_streams when each worker's stats came
         self.affinity = SessionAffinity(session_kv_limit)
+        self.held = HeldPrompts(self._must_hold)  # prompts waiting for a place to be computed
         self.impostors: set[str] = set()  # registered workers that answered without proving the token
 
     @classmethod
@@ -124,7 +129,7 @@ class ClusterClient:
                    local_prefill_tokens=router.decode_local_prefill,
                    prefill_queue_limit=router.prefill_queue_limit,
                    idle_decode_prefill=router.idle_decode_prefill, session_kv_limit=router.session_kv_limit,
-                   urgent_lend_window_s=router.urgent_lend_window_s)
+                   urgent_lend_window_s=router.urgent_lend_window_s, hold_tokens=router.hold_tokens)
 
     # ---- membership ---------------------------------------------------------------------
     def set_workers(self, workers: list[WorkerEndpoint]) -> None:
@@ -178,6 +183,7 @@ class ClusterClient:
                 elif now - self._slow_since.setdefault(wid, now) >= self.slow_grace_s or not self.healthy.get(wid):
                     self.healthy[wid] = False
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
+        self.held.wake()
 
     def _impostor(self, wid: str, address: str, why: str) -> None:
         self.healthy[wid] = False
@@ -275,15 +281,31 @@ class ClusterClient:
             prefill, placement = None, "decode_urgent" if urgent_here else "decode_load"
         if prefill is None:
             self.pending_prefill[decode_id] = self.pending_prefill.get(decode_id, 0) + len(prompt)
-            return Route(self.workers[decode_id], None, 0, len(prompt), holds_stream=True, block_hashes=hashes,
-                         decode_expected_until=decode_until, priority=priority, placement=placement,
-                         **self._peer(hashes, decode_id))
-        todo = max(len(prompt) - prefill.cached_tokens, 0)
-        self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
-        return Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,
-                     holds_stream=True, block_hashes=hashes, expected_until=prefill.expected_until,
-                     decode_expected_until=decode_until, priority=priority,
-                     **self._peer(hashes, prefill.worker_id))
+            route = Route(self.workers[decode_id], None, 0, len(prompt), holds_stream=True, block_hashes=hashes,
+                          decode_expected_until=decode_until, priority=priority, placement=placement,
+                          **self._peer(hashes, decode_id))
+        else:
+            todo = max(len(prompt) - prefill.cached_tokens, 0)
+            self.pending_prefill[prefill.worker_id] = self.pending_prefill.get(prefill.worker_id, 0) + todo
+            route = Route(self.workers[decode_id], self.workers[prefill.worker_id], prefill.cached_tokens, todo,
+                          holds_stream=True, block_hashes=hashes, expected_until=prefill.expected_until,
+                          decode_expected_until=decode_until, priority=priority,
+                          **self._peer(hashes, prefill.worker_id))
+        self.held.wake()  # with this prompt counted: the next held one may fit too
+        return route
+
+    def _must_hold(self, todo: int, priority: int) -> bool:
+        """Should a prompt of `todo` tokens wait in the router (router/holding.py)? Never one
+        more urgent than every stream of some decode worker (its own placement there)."""
+        if any(urgent_prefill_on_decode(priority, streams, todo) for streams in self.decode_priorities.values()):
+            return False
+        now = time.monotonic()
+        lendable = [w for w in self._loads({"decode", "aggregated"})  # as `route` would lend (not mutating)
+                    if min(self.decode_priorities.get(w.worker_id) or [priority]) >= priority
+                    and not ((seen := self.decode_urgent.get(w.worker_id)) and seen[0] < priority
+                             and now - seen[1] <= self.urgent_lend_window_s)]
+        return must_hold(self._loads({"prefill"}), lendable, todo, self.prefill_queue_limit, self.idle_decode_prefill,
+                         self.hold_tokens)
 
     def _peer(self, hashes: list[int], target: str) -> dict:
         """Route's peer fields: who `target` (the worker computing the prompt) may pull the
@@ -329,14 +351,14 @@ class ClusterClient:
         if route.prefill is not None and not prefilled_remotely and route.expected_until:
             self.index.withdraw(wid, route.block_hashes, route.expected_until)
         route.expected_until = 0.0
-        if not route.prefill_tokens:
-            return
-        left = self.pending_prefill.get(wid, 0) - route.prefill_tokens
-        route.prefill_tokens = 0
-        if left > 0:
-            self.pending_prefill[wid] = left
-        else:
-            self.pending_prefill.pop(wid, None)
+        if route.prefill_tokens:
+            left = self.pending_prefill.get(wid, 0) - route.prefill_tokens
+            route.prefill_tokens = 0
+            if left > 0:
+                self.pending_prefill[wid] = left
+            else:
+                self.pending_prefill.pop(wid, None)
+        self.held.wake()  # a place to compute a held prompt may have opened
 
     def release(self, route: Route | None) -> None:
         """The route's stream is over (finished, failed, refused or moved): settle its prefill
@@ -361,6 +383,7 @@ class ClusterClient:
             del priorities[route.priority]
         if not priorities:
             self.decode_priorities.pop(wid, None)
+        self.held.wake()
 
     async def generate(self, route: Route, request_id: str, prompt: list[int], params,
                        resume: list[int] | None = None, metadata: tuple = (),

@@ -110,6 +110,7 @@ class Generation:
 
     async def _open(self) -> None:
         refused: set[str] = set()  # workers whose queue is full: try the others of their pool
+        await self.cluster.held.wait(len(self.prompt), self.params.priority)  # while every place is busy
         while True:
             self.cluster.release(self.route)  # a refused route's prefill never ran, its stream ended
             try:

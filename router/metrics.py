@@ -12,7 +12,7 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str = "default"):
+    def __init__(self, model_name: str = "default", held=None):
         r = self.registry = CollectorRegistry()
         self.vllm = VllmMetrics(r, model_name)
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY)
@@ -46,6 +46,12 @@ class RouterMetrics:
                                    ["priority", "tenant"], registry=r)
         self.router_queue = Gauge("pdserve_router_queue_requests", "Requests waiting in the router's queue "
                                   "(past --max-inflight), by priority band", ["priority"], registry=r)
+        self.held_prompts = Gauge("pdserve_held_prompts_now", "Admitted prompts the router holds while every place "
+                                  "to compute them is busy (router/holding.py)", registry=r)
+        self.held_total = Counter("pdserve_held_prompts", "Prompts the router held (router/holding.py)", registry=r)
+        if held is not None:  # the cluster's HeldPrompts
+            self.held_prompts.set_function(lambda: len(held))
+            held.on_hold = self.held_total.inc
         self.class_wait = Histogram("pdserve_class_wait_seconds", "Time to first token by priority band and tenant",
                                     ["priority", "tenant"], registry=r, buckets=_LATENCY)
         self.usage_tokens = Counter("pdserve_usage_tokens", "Tokens used, for charge-back: prompt (cached ones "

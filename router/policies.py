@@ -170,7 +170,7 @@ def prefill_on_decode(prefill_backlog: int, decode_backlog: int, todo: int, limi
     prompt of its own): no stream's inter-token latency pays for the prefill there, and the
     prompt skips the KV hand-off."""
     return decode_idle or (limit > 0 and prefill_backlog >= limit
-                           and decode_prefill_slowdown(decode_streams) * (decode_backlog + todo) < prefill_backlog)
+                           and decode_prefill_slowdown(decode_streams) * (decode_backlog + todo) < prefill_backlog + todo)
 
 
 URGENT_LOCAL_PREFILL = 512

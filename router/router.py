@@ -49,7 +49,7 @@ class Router:
         self.discovery = discovery
         self.tracer = tracer
         self.refresh_interval_s = config.refresh_interval_s
-        self.metrics = RouterMetrics(self.model_name)
+        self.metrics = RouterMetrics(self.model_name, held=getattr(cluster, "held", None))
         self.logprobs = responses.Logprobs(tokenizer)
         self.admission = AdmissionQueue(config.max_inflight, config.queue_size, config.queue_timeout_s)
         self.started = time.time()  # the model card's `created`

@@ -44,9 +44,10 @@ def test_an_aggregated_cluster_takes_every_core_unless_told(monkeypatch):
     assert flags.up_config(parse("up", "--mode", "aggregated")).decode.num_cpus == 8
     assert flags.up_config(parse("up", "--mode", "aggregated", "--decode", "3")).decode.num_cpus == 2
     assert flags.up_config(parse("up", "--mode", "aggregated", "--decode-cpus", "1")).decode.num_cpus == 1
-    disagg = flags.up_config(parse("up", "--no-share-cores", "--prefill-queue-limit", "0"))
+    disagg = flags.up_config(parse("up", "--no-share-cores", "--prefill-queue-limit", "0", "--hold-tokens", "0"))
     assert (disagg.prefill.num_cpus, disagg.decode.num_cpus, disagg.share_cores) == (1, 1, False)
-    assert disagg.router.prefill_queue_limit == 0
+    assert disagg.router.prefill_queue_limit == 0 and disagg.router.hold_tokens == 0
+    assert flags.up_config(parse("up")).router.hold_tokens == 2048
 
 
 def test_every_up_flag_reaches_its_field(monkeypatch):

@@ -63,12 +63,12 @@ def test_prefill_moves_to_the_decode_worker_only_when_the_prefill_queue_is_deep(
     # below the limit: the prefill pool, however idle the decode worker
     assert not prefill_on_decode(prefill_backlog=511, decode_backlog=0, todo=250, limit=512)
     # at the limit, and the prompt would be done sooner on the decode worker, which prefills
-    # at a third of the speed
-    assert prefill_on_decode(prefill_backlog=512, decode_backlog=0, todo=150, limit=512)
-    assert not prefill_on_decode(prefill_backlog=512, decode_backlog=0, todo=250, limit=512)
-    assert prefill_on_decode(prefill_backlog=3001, decode_backlog=750, todo=250, limit=512)
+    # at a third of the speed (full of streams, the default): 3 * 250 < 512 + 250, 3 * 260 > 512 + 260
+    assert prefill_on_decode(prefill_backlog=512, decode_backlog=0, todo=250, limit=512)
+    assert not prefill_on_decode(prefill_backlog=512, decode_backlog=0, todo=260, limit=512)
+    assert prefill_on_decode(prefill_backlog=3501, decode_backlog=1000, todo=250, limit=512)
     # ...but not if the decode worker's own queue is a third as long
-    assert not prefill_on_decode(prefill_backlog=3000, decode_backlog=750, todo=250, limit=512)
+    assert not prefill_on_decode(prefill_backlog=3500, decode_backlog=1000, todo=250, limit=512)
     assert not prefill_on_decode(prefill_backlog=10**6, decode_backlog=0, todo=10, limit=0)  # 0: off
 
 
@@ -85,11 +85,12 @@ def test_a_saturated_prefill_pool_lends_prompts_to_its_decode_worker_and_takes_t
     prompts = [[g * 1000 + i for i in range(250)] for g in range(8)]
     routes = [c.route(p) for p in prompts]
     where = [r.prefill.worker_id if r.prefill else "d0" for r in routes]
-    assert where == ["p0", "p0", "p0", "p0", "d0", "p0", "p0", "p0"], where
-    assert c.pending_prefill == {"p0": 7 * 250, "d0": 250}
+    # the 4th: 3 * 250 < 750 + 250 queued; the 8th: 3 * 500 < 1,500 + 250
+    assert where == ["p0", "p0", "p0", "d0", "p0", "p0", "p0", "d0"], where
+    assert c.pending_prefill == {"p0": 6 * 250, "d0": 2 * 250}
     # a prompt prefilled on the decode worker is not expected in the prefill worker's cache
-    assert c.index.match(hash_blocks(prompts[4], 16, "")).get("p0", 0) == 0
-    assert c.index.match(hash_blocks(prompts[3], 16, "")).get("p0", 0) == 15
+    assert c.index.match(hash_blocks(prompts[3], 16, "")).get("p0", 0) == 0
+    assert c.index.match(hash_blocks(prompts[4], 16, "")).get("p0", 0) == 15
     for r in routes:
         c.settle(r, prefilled_remotely=r.prefill is not None)
         c.release(r)
@@ -101,16 +102,16 @@ def test_a_decode_worker_with_few_streams_takes_a_larger_share_of_a_burst_of_lon
     """The decode worker's prefill costs more the more streams it decodes: from the prefill
     worker's speed with none to DECODE_PREFILL_SLOWDOWN times it with FULL_DECODE_STREAMS. A
     burst of 8 ~2,000-token prompts (the first on the idle decode worker) then leaves 3 of 8 on
-    the decode worker, where a fixed 3x took only the first and left its core idle while the
-    prefill worker's queue ran 7 prompts deep; full of streams it takes one."""
+    the decode worker, where a fixed 3x left 2 and its core idle while the prefill worker's
+    queue ran 6 prompts deep; full of streams (never idle) it takes 2."""
     from pdserve.protos import worker_pb2 as pb
     assert decode_prefill_slowdown(0) == 1.0
     assert decode_prefill_slowdown(FULL_DECODE_STREAMS // 2) == pytest.approx((1 + DECODE_PREFILL_SLOWDOWN) / 2)
     assert decode_prefill_slowdown(FULL_DECODE_STREAMS) == decode_prefill_slowdown(10 * FULL_DECODE_STREAMS) == 3
-    # 4,000 tokens queued on the prefill worker, 2,000 on the decode worker: a 1,000-token
-    # prompt goes there with no stream decoding, not with 16 (1.5 * 3,000 > 4,000)
-    assert prefill_on_decode(4000, 2000, 1000, limit=512, decode_streams=0)
-    assert not prefill_on_decode(4000, 2000, 1000, limit=512, decode_streams=FULL_DECODE_STREAMS // 2)
+    # 3,000 tokens queued on the prefill worker, 2,000 on the decode worker: a 1,000-token
+    # prompt goes there with no stream (3,000 < 4,000), not with 16 (2 * 3,000 > 4,000)
+    assert prefill_on_decode(3000, 2000, 1000, limit=512, decode_streams=0)
+    assert not prefill_on_decode(3000, 2000, 1000, limit=512, decode_streams=FULL_DECODE_STREAMS // 2)
     prompts = [[g * 10000 + i for i in range(2000)] for g in range(8)]
     placed = {}
     for busy in (0, FULL_DECODE_STREAMS):
@@ -125,9 +126,9 @@ def test_a_decode_worker_with_few_streams_takes_a_larger_share_of_a_burst_of_lon
             c.settle(r, prefilled_remotely=r.prefill is not None)
             c.release(r)
         assert c.pending_prefill == {} and c.decode_streams == {}
-    assert placed[0] == ["d0", "p0", "p0", "p0", "d0", "p0", "p0", "d0"], placed[0]
-    # full of streams: never idle, and 3x: one prompt, once 4 are queued on the prefill worker
-    assert placed[FULL_DECODE_STREAMS] == ["p0"] * 4 + ["d0"] + ["p0"] * 3, placed[FULL_DECODE_STREAMS]
+    assert placed[0] == ["d0", "p0", "p0", "d0", "p0", "d0", "p0", "p0"], placed[0]
+    # full of streams: never idle, and 3x: 3 * 2,000 < 6,000 + 2,000, then 3 * 4,000 < 12,000 + 2,000
+    assert placed[FULL_DECODE_STREAMS] == ["p0"] * 3 + ["d0"] + ["p0"] * 3 + ["d0"], placed[FULL_DECODE_STREAMS]
 
 
 def test_an_idle_decode_worker_prefills_the_prompt_itself_a_busy_one_does_not():

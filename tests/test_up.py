@@ -46,6 +46,7 @@ def test_up_serves(default_up, smollm):
     assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
     isolation_under_ray(url, model)
     responses_under_ray(client, model)
+    holding_under_ray(url, model)
     # the driver and its router run no model: torch (~2 s of each start) stays out of `pdserve up`'s process
     assert "libtorch" not in open(f"/proc/{default_up.up.p.pid}/maps").read()
     # the workers' loads keep the model's grid forms on disk (engine/model/packed_cache.py): one
@@ -163,6 +164,22 @@ def isolation_under_ray(url: str, model: str) -> None:
     # each went through the router's queue (its places were free: no wait), by priority band
     assert 'pdserve_router_queue_requests{priority="high"} 0.0' in metrics
     assert 'pdserve_router_queue_requests{priority="low"} 0.0' in metrics
+
+
+def holding_under_ray(url: str, model: str) -> None:
+    """A burst of 10 distinct ~600-token prompts at once: the router holds those no worker
+    would start soon (router/holding.py) and routes each as a place opens; all are served."""
+    import concurrent.futures
+
+    def one(g: int) -> int:
+        body = {"model": model, "prompt": [1000 + (g * 7919 + i * 31) % 40000 for i in range(600)], "max_tokens": 2}
+        return httpx.post(url + "/v1/completions", json=body, timeout=300).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        assert list(pool.map(one, range(10))) == [200] * 10
+    metrics = httpx.get(url + "/metrics").text
+    held = float(re.search(r"^pdserve_held_prompts_total (\S+)$", metrics, re.M).group(1))
+    assert held >= 1 and re.search(r"^pdserve_held_prompts_now 0\.0$", metrics, re.M), metrics
 
 
 def responses_under_ray(client, model: str) -> None:
