@@ -135,3 +135,33 @@ def test_a_router_without_holding_routes_every_prompt_at_once():
             c.route([g * 10000 + i for i in range(2000)])
         assert len(c.held) == 0 and c.pending_prefill["p0"] >= 6 * 2000
     asyncio.run(main())
+
+
+def test_held_prompts_go_to_the_decode_worker_when_the_prefill_pool_goes_down():
+    """Prompts held behind a busy prefill worker are not stranded when it fails: the next poll
+    (refresh marks it unhealthy, then wakes the held) lets them go, one by one, to the decode
+    worker, which prefills them itself; every stream and pending token is released after."""
+    async def main():
+        c = ClusterClient(routing="prefix_aware", block_size=16, prefill_queue_limit=512, hold_tokens=1000)
+        c.set_workers([WorkerEndpoint("p0", "prefill", "a:1"), WorkerEndpoint("d0", "decode", "a:2")])
+        c.healthy = {"p0": True, "d0": True}
+        c.stats = {"d0": pb.WorkerStats(running=FULL_DECODE_STREAMS)}  # full of streams: lends nothing
+        routes = []
+
+        async def request(g):
+            await c.held.wait(600)
+            routes.append(c.route([g * 10000 + i for i in range(600)]))
+
+        tasks = [asyncio.create_task(request(g)) for g in range(4)]
+        await asyncio.sleep(0.02)
+        assert len(routes) == 2 and len(c.held) == 2  # 1,200 tokens queued on p0: the rest wait
+        c.healthy["p0"] = False  # what refresh() finds, and then it wakes the held
+        for _ in range(2):
+            c.held.wake()
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(asyncio.gather(*tasks), 2)
+        assert [r.prefill is None for r in routes[2:]] == [True, True]  # the decode worker prefills them
+        for r in routes:
+            c.release(r)
+        assert c.pending_prefill == {} and c.decode_streams == {} and len(c.held) == 0
+    asyncio.run(main())
