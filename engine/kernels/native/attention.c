@@ -21,9 +21,10 @@
  * H / KVH query heads sharing a KV head read each K/V row from memory once (the later heads of
  * the group find it in L1), and a row's result is the same bits.
  * Two passes per item: scores for every cached token (K read once), then softmax, then the
- * weighted sum of V (V read once). A bf16 or 8-bit cache's rows are widened (8-bit: decoded
- * and scaled) block by block into an fp32 buffer shared by the group's heads, then attended as
- * fp32: the result is bitwise the fp32 kernel's over the widened cache. */
+ * weighted sum of V (V read once). An 8-bit cache's rows are decoded and scaled block by block
+ * into an fp32 buffer shared by the group's heads, then attended as fp32: the result is bitwise
+ * the fp32 kernel's over the decoded cache. A bf16 cache's rows are likewise widened, or where the
+ * build has bf16 vectors (attend.h ATTEND_BF16) read in place by `vdpbf16ps`. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -112,11 +113,11 @@ static inline __attribute__((always_inline)) void prefetch_item(const char *kc, 
         for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + (size_t)t * row + o, KV_HINT);
 }
 
-/* One block's first n rows of a KV head as fp32 rows, in any format: 8-bit codes decoded and
- * scaled into buf, float ones as attend.h's as_f32. */
-static inline __attribute__((always_inline)) const char *block_f32(const char *rows, size_t row, int n, const int fmt,
-                                                                  float *buf, size_t *stride) {
-    if (fmt == KV_F32 || fmt == KV_BF16) return as_f32(rows, row, n, fmt, buf, stride);
+/* One block's first n rows of a KV head as the block functions read them (READ_FMT), in any
+ * format: 8-bit codes decoded and scaled into buf as fp32 rows, float ones as attend.h's as_read. */
+static inline __attribute__((always_inline)) const char *block_read(const char *rows, size_t row, int n, const int fmt,
+                                                                   float *buf, size_t *stride) {
+    if (fmt == KV_F32 || fmt == KV_BF16) return as_read(rows, row, n, fmt, buf, stride);
     decode_rows_d64(rows, row, n, buf, fmt);
     *stride = 64 * sizeof(float);
     return (const char *)buf;
@@ -125,7 +126,7 @@ static inline __attribute__((always_inline)) const char *block_f32(const char *r
 /* D = 64 (SmolLM2, Llama-style small models) in any cache format, KV heads [kh0, kh1) of one
  * row (q and out start at head kh0 * G): `inline` with a constant fmt lets the compiler unroll
  * the chunk loops. Blocks outside, each KV head's G query heads inside: a block's K (then V)
- * rows are read from memory once, widened to fp32 once for the G heads (block_f32), and found
+ * rows are read from memory once, widened to fp32 once for the G heads (block_read), and found
  * in L1 by them (head by head over the whole context, they came from L2: 1.2x slower at 320
  * tokens). The blocks ahead are fetched meanwhile (prefetch_item; for a whole row's heads,
  * `ahead`, on one Xeon core at 2,048 keys x 4 rows and 300 x 32: 1.3-1.7x faster than head by
@@ -149,11 +150,11 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const float *
         if (dist) prefetch_item(kc, vc, table, nblk, b + dist, blk, row, off, bytes, bs);
         for (int kh = kh0; kh < kh1; kh++) {
             size_t stride;
-            const char *kb = block_f32(kc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
+            const char *kb = block_read(kc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
             for (int h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; h++) {
                 avec qv[AV_C];
-                scaled_q_d64(q + h * D, scale, qv);
-                block_scores_d64(qv, kb, stride, n, scores + (size_t)h * len + b * bs, KV_F32);
+                query_d64(q + h * D, scale, qv, READ_FMT(fmt));
+                block_scores_d64(qv, kb, stride, n, scores + (size_t)h * len + b * bs, READ_FMT(fmt));
             }
         }
     }
@@ -168,11 +169,11 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const float *
         if (dist) prefetch_item(kc, vc, table, nblk, nblk + b + dist, blk, row, off, bytes, bs);
         for (int kh = kh0; kh < kh1; kh++) {
             size_t stride;
-            const char *vb = block_f32(vc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
+            const char *vb = block_read(vc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
             for (int h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; h++) {
                 avec a[AV_C];
                 load_d64(acc + h * D, a);
-                block_values_d64(a, scores + (size_t)h * len + b * bs, vb, stride, n, KV_F32);
+                block_values_d64(a, scores + (size_t)h * len + b * bs, vb, stride, n, READ_FMT(fmt));
                 store_d64(a, acc + h * D);
             }
         }
@@ -180,7 +181,7 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const float *
     for (int h = 0; h < H; h++) {
         avec a[AV_C];
         load_d64(acc + h * D, a);
-        head_out_d64(a, sum[h], out + h * D);
+        head_out_d64(a, sum[h], out + h * D, READ_FMT(fmt));
     }
 }
 

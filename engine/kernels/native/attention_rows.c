@@ -47,19 +47,19 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             avec v[AV_C];
-            scaled_q_d64(q + ((size_t)r * H + (size_t)kh * G + g) * D, scale, v);
+            query_d64(q + ((size_t)r * H + (size_t)kh * G + g) * D, scale, v, READ_FMT(fmt));
             store_d64(v, qs + (size_t)(r * G + g) * D);
         }
     for (int64_t b = 0; b < nblk; b++) {
         size_t stride;
-        const char *kb = as_f32(kc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, bs, fmt, buf, &stride);
+        const char *kb = as_read(kc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, bs, fmt, buf, &stride);
         for (int r = 0; r < R; r++) {
             if (b * bs >= lens[r]) continue;
             const int n = (int)((b + 1) * bs <= lens[r] ? bs : lens[r] - b * bs);
             for (int g = 0; g < G; g++) {
                 avec qv[AV_C];
                 load_d64(qs + (size_t)(r * G + g) * D, qv);
-                block_scores_d64(qv, kb, stride, n, scores + (size_t)(r * G + g) * Lmax + b * bs, KV_F32);
+                block_scores_d64(qv, kb, stride, n, scores + (size_t)(r * G + g) * Lmax + b * bs, READ_FMT(fmt));
             }
         }
     }
@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
     memset(acc, 0, sizeof(float) * (size_t)RG * D);
     for (int64_t b = 0; b < nblk; b++) {
         size_t stride;
-        const char *vb = as_f32(vc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, bs, fmt, buf, &stride);
+        const char *vb = as_read(vc + ((size_t)table[b] * bs * KVH + kh) * hrow, row, bs, fmt, buf, &stride);
         for (int r = 0; r < R; r++) {
             if (b * bs >= lens[r]) continue;
             const int n = (int)((b + 1) * bs <= lens[r] ? bs : lens[r] - b * bs);
@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
                 float *a = acc + (size_t)(r * G + g) * D;
                 avec v[AV_C];
                 load_d64(a, v);
-                block_values_d64(v, scores + (size_t)(r * G + g) * Lmax + b * bs, vb, stride, n, KV_F32);
+                block_values_d64(v, scores + (size_t)(r * G + g) * Lmax + b * bs, vb, stride, n, READ_FMT(fmt));
                 store_d64(v, a);
             }
         }
@@ -88,7 +88,7 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
         for (int g = 0; g < G; g++) {
             avec v[AV_C];
             load_d64(acc + (size_t)(r * G + g) * D, v);
-            head_out_d64(v, sums[r * G + g], out + ((size_t)r * H + (size_t)kh * G + g) * D);
+            head_out_d64(v, sums[r * G + g], out + ((size_t)r * H + (size_t)kh * G + g) * D, READ_FMT(fmt));
         }
 }
 #endif

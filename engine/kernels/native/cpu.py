@@ -117,11 +117,12 @@ def prefetch_l2(identity: tuple[str, int] | None = None) -> bool:
 
 def bf16_vectors(name: str, identity: tuple[str, int] | None = None) -> bool:
     """Whether the build for `name` targets AVX-512 BF16 beside VNNI, for the long prompt rows'
-    attention in bf16 vectors (bf16_attention.c): on an AMD CPU that has it (a Zen 4 runs
+    attention in bf16 vectors (bf16_attention.c) and every other row's over a bf16 cache
+    (attend.h `ATTEND_BF16`, the PDSERVE_BF16_VECTORS define): on an AMD CPU that has it (a Zen 4 runs
     `vdpbf16ps` at twice its fp32 multiply-add rate: 2-3x the fp32 kernel there). Not on an Intel
     Xeon without AMX, whose `vdpbf16ps` ran at half its fp32 rate (bench/NOTES.md, eighteenth
     session); the AMX build has BF16 anyway (its prompt attention runs on tiles). PDSERVE_BF16_VECTORS
-    "0" keeps every prompt row's attention in fp32, "1" takes the vectors wherever the CPU has them."""
+    "0" keeps every row's attention in fp32, "1" takes the vectors wherever the CPU has them."""
     want = os.environ.get(BF16_VECTORS_ENV, "").strip()
     if want not in ("", "0", "1"):
         raise UnknownISA(f"{BF16_VECTORS_ENV}={want!r} is not 0 or 1")
@@ -137,6 +138,6 @@ def build_flags(name: str) -> list[str]:
     cc, flags = ISAS[name][1], cpu_flags()
     narrow = narrow_rows(name) if name.startswith("avx512") else 0
     return ([*cc] + (["-mf16c"] if cc and "f16c" in flags else [])
-            + (["-mavx512bf16"] if bf16_vectors(name) else [])
+            + (["-mavx512bf16", "-DPDSERVE_BF16_VECTORS"] if bf16_vectors(name) else [])
             + ([f"-DPDSERVE_NARROW_ROWS={narrow}"] if narrow else [])
             + (["-DPDSERVE_PREFETCH_L2"] if cc and prefetch_l2() else []))
