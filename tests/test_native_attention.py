@@ -173,8 +173,8 @@ def test_prefill_rows_match_the_torch_backend_and_each_row_is_its_own_computatio
 def test_a_bf16_cache_is_read_as_the_fp32_it_rounds_to():
     """The kernel on a bf16 cache gives what it gives on the same values widened to fp32
     (the conversion is exact), for every head size path; the torch backend agrees. Where the
-    build reads bf16 in AVX-512 BF16 vectors (D = 64: the query and the numerators in two bf16
-    halves each), within 2^-15 of fp64 sums of the same bf16 keys and values."""
+    build reads bf16 in AVX-512 BF16 vectors (D = 64: the query in three bf16 terms, the
+    numerators in two), within 2^-15 of fp64 sums of the same bf16 keys and values."""
     from pdserve.engine.kernels import native
     from pdserve.engine.kernels.native import paged_decode_attention
     from tests.helpers.reference import bf16_attention_reference

@@ -101,10 +101,10 @@ static inline __m256 av_fold(avec a) { return a; }
  * summed in fp32) where the build targets them (PDSERVE_BF16_VECTORS: cpu.py `bf16_vectors`),
  * read in place: no widening to fp32 first, which cost as much as the multiply-adds (30 layers of
  * 32 rows x 256 keys on a 2-core Zen 4: 33.2 -> 24.8 ms on one core, where it now reads as many
- * bytes a second as the fp32 kernel, 18.5 -> 14.3 ms on two).
- * The query and the numerators are each two bf16 halves, their value and the rest (to 2^-16 of
- * the value), both multiplied in, so K and V meet ~fp32 operands: the results are within fp32
- * rounding of the widened kernel's, not its bits. Every kernel that attends a bf16 cache here
+ * bytes a second as the fp32 kernel; 15.3-19.6 -> 14.0-14.7 ms on two, in turn with the widening).
+ * The query is three bf16 terms (to 2^-24 of it, as fp32) and the numerators two (their value and
+ * the rest, to 2^-16), all multiplied in, so K and V meet ~fp32 operands: the results are near the
+ * widened kernel's, not its bits. Every kernel that attends a bf16 cache here
  * runs these same functions, so a row's result is still the same bits from any of them. */
 #if defined(PDSERVE_BF16_VECTORS) && defined(__AVX512BF16__) && defined(__AVX512BW__) && AV_C == 4
 #define ATTEND_BF16 1
@@ -113,6 +113,13 @@ static inline __m256 av_fold(avec a) { return a; }
 #endif
 /* The format the block functions read after as_read: a bf16 cache in place, else fp32 rows. */
 #define READ_FMT(fmt) (ATTEND_BF16 && (fmt) == KV_BF16 ? KV_BF16 : KV_F32)
+/* Vectors of one head's query as the block functions read it (query_d64): fp32 in AV_C, or for
+ * bf16 blocks three bf16 terms of 64 values in two vectors each. */
+#if ATTEND_BF16
+#define QV_N 6
+#else
+#define QV_N AV_C
+#endif
 
 #if ATTEND_BF16
 /* 16 bf16 (the low or high half of a vector) as fp32. */
@@ -120,31 +127,30 @@ static inline __m512 bf16_widen16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* 32 floats (a: the first 16, b: the rest) as bf16 hi (each rounded to nearest) and lo (what hi
- * left, rounded): hi + lo is within 2^-16 of each float. */
-static inline void bf16_split32(__m512 a, __m512 b, avec *hi, avec *lo) {
-    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-    const __m512 ra = _mm512_sub_ps(a, bf16_widen16(_mm512_castsi512_si256(h)));
-    const __m512 rb = _mm512_sub_ps(b, bf16_widen16(_mm512_extracti64x4_epi64(h, 1)));
-    *hi = _mm512_castsi512_ps(h);
-    *lo = _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(rb, ra));
-}
-
-/* One head's scaled query (64 floats) as qv[0..1] its bf16 halves' values (dims 0-31, 32-63)
- * and qv[2..3] their rests. */
+/* One head's scaled query (64 floats) as three bf16 terms, each two vectors (dims 0-31, 32-63):
+ * qv[0..1] its values rounded, qv[2..3] what they left rounded, qv[4..5] what those left: their
+ * sum is within 2^-24 of the query, as fp32 keeps it. Two terms (2^-16) cost 0.6% perplexity on
+ * the decode path over 6,267 tokens: SmolLM2's scores reach the hundreds, and a score's error is
+ * the query's times |k| summed. */
 static inline void split_q_d64(const float *q, float scale, avec *qv) {
     const __m512 s = _mm512_set1_ps(scale);
-    for (int c = 0; c < 2; c++)
-        bf16_split32(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * c), s), _mm512_mul_ps(_mm512_loadu_ps(q + 32 * c + 16), s),
-                     &qv[c], &qv[2 + c]);
+    for (int c = 0; c < 2; c++) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + 32 * c), s), b = _mm512_mul_ps(_mm512_loadu_ps(q + 32 * c + 16), s);
+        for (int term = 0; term < 3; term++) {
+            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            a = _mm512_sub_ps(a, bf16_widen16(_mm512_castsi512_si256(h)));
+            b = _mm512_sub_ps(b, bf16_widen16(_mm512_extracti64x4_epi64(h, 1)));
+            qv[2 * term + c] = _mm512_castsi512_ps(h);
+        }
+    }
 }
 
-/* a + the split query . one bf16 key row (64 dims), in the order value0, rest0, value1, rest1. */
+/* a + the split query . one bf16 key row (64 dims), per half the smallest term first. */
 static inline __attribute__((always_inline)) __m512 bf16_dot_d64(const avec *qv, const char *k, __m512 a) {
     for (int c = 0; c < 2; c++) {
         const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(k + 64 * c));
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_castps_si512(qv[c]), kv);
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_castps_si512(qv[2 + c]), kv);
+        for (int term = 2; term >= 0; term--)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_castps_si512(qv[2 * term + c]), kv);
     }
     return a;
 }
@@ -189,8 +195,8 @@ static inline __attribute__((always_inline)) void scaled_q_d64(const float *q, f
     for (int c = 0; c < AV_C; c++) qv[c] = av_mul(av_load(q + AV_LANES * c), av_set1(scale));
 }
 
-/* One head's query as the block functions for format `fmt` (READ_FMT) read it: scaled fp32, or
- * for bf16 blocks its split halves (split_q_d64). */
+/* One head's query as the block functions for format `fmt` (READ_FMT) read it, into qv[QV_N]:
+ * scaled fp32 (AV_C vectors), or for bf16 blocks its three bf16 terms (split_q_d64). */
 static inline __attribute__((always_inline)) void query_d64(const float *q, float scale, avec *qv, const int fmt) {
 #if ATTEND_BF16
     if (fmt == KV_BF16) {
@@ -286,6 +292,14 @@ static inline __attribute__((always_inline)) const char *as_read(const char *row
         for (int c = 0; c < AV_C; c++) av_store(buf + t * 64 + AV_LANES * c, kvv(rows + t * row + 2 * AV_LANES * c, fmt));
     *stride = 64 * sizeof(float);
     return (const char *)buf;
+}
+
+/* A query as query_d64 made it (QV_N vectors) from / to memory. */
+static inline __attribute__((always_inline)) void load_q_d64(const float *src, avec *qv) {
+    for (int i = 0; i < QV_N; i++) qv[i] = av_load(src + (64 / AV_C) * i);
+}
+static inline __attribute__((always_inline)) void store_q_d64(const avec *qv, float *dst) {
+    for (int i = 0; i < QV_N; i++) av_store(dst + (64 / AV_C) * i, qv[i]);
 }
 
 /* acc (64 floats in AV_C vectors) from / to memory. */

@@ -145,11 +145,8 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const float *
     const int H = G * (kh1 - kh0), dist = ahead ? 1 : PDSERVE_ITEM_AHEAD;
     const size_t off = (size_t)kh0 * hrow, bytes = (size_t)(kh1 - kh0) * hrow;
     for (int64_t i = 1; i < dist; i++) prefetch_item(kc, vc, table, nblk, i, blk, row, off, bytes, bs);
-    for (int h = 0; h < H; h++) { /* each head's query as the blocks read it, once, in acc until the values */
-        avec qv[AV_C];
-        query_d64(q + h * D, scale, qv, READ_FMT(fmt));
-        store_d64(qv, acc + h * D);
-    }
+    avec qs[H * QV_N]; /* each head's query as the blocks read it, once */
+    for (int h = 0; h < H; h++) query_d64(q + h * D, scale, qs + h * QV_N, READ_FMT(fmt));
     for (int64_t b = 0; b < nblk; b++) {
         const int n = (int)((b + 1) * bs <= len ? bs : len - b * bs);
         if (dist) prefetch_item(kc, vc, table, nblk, b + dist, blk, row, off, bytes, bs);
@@ -157,9 +154,7 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const float *
             size_t stride;
             const char *kb = block_read(kc + (size_t)table[b] * blk + kh * hrow, row, n, fmt, buf, &stride);
             for (int h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; h++) {
-                avec qv[AV_C];
-                load_d64(acc + h * D, qv);
-                block_scores_d64(qv, kb, stride, n, scores + (size_t)h * len + b * bs, READ_FMT(fmt));
+                block_scores_d64(qs + h * QV_N, kb, stride, n, scores + (size_t)h * len + b * bs, READ_FMT(fmt));
             }
         }
     }

@@ -31,8 +31,9 @@ int paged_attention_row(const float *q, const void *kc, const void *vc, const in
                         float scale, int kv_fmt);
 
 #ifdef __AVX2__
-/* Rows [r0, r0 + R) of one run x KV head kh (D = 64, fmt KV_F32 or KV_BF16). work: R*G*(2*64 + 1 + lens[R-1]) floats:
- * the (row, head) pairs' scaled queries and value sums, their softmax sums and scores. */
+/* Rows [r0, r0 + R) of one run x KV head kh (D = 64, fmt KV_F32 or KV_BF16). work: bs*64 +
+ * R*G*(QV_N*64/AV_C + 64 + 1 + lens[R-1]) floats: a block's widened rows, the (row, head) pairs'
+ * prepared queries and value sums, their softmax sums and scores. */
 static inline __attribute__((always_inline)) void attend_run_d64(const float *q, const char *kc, const char *vc,
                                                                 const int64_t *table, const int64_t *lens,
                                                                 int64_t skip, float *out, int R, int H, int KVH,
@@ -42,13 +43,14 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
     const int G = H / KVH, RG = R * G;
     const size_t hrow = head_row_bytes(fmt, D), row = (size_t)KVH * hrow;
     const int64_t Lmax = lens[R - 1], nblk = (Lmax + bs - 1) / bs;
-    float *buf = work, *qs = buf + (size_t)bs * D, *acc = qs + (size_t)RG * D, *sums = acc + (size_t)RG * D;
+    enum { QF = QV_N * 64 / AV_C }; /* floats of one prepared query */
+    float *buf = work, *qs = buf + (size_t)bs * D, *acc = qs + (size_t)RG * QF, *sums = acc + (size_t)RG * D;
     float *scores = sums + RG;
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
-            avec v[AV_C];
+            avec v[QV_N];
             query_d64(q + ((size_t)r * H + (size_t)kh * G + g) * D, scale, v, READ_FMT(fmt));
-            store_d64(v, qs + (size_t)(r * G + g) * D);
+            store_q_d64(v, qs + (size_t)(r * G + g) * QF);
         }
     for (int64_t b = 0; b < nblk; b++) {
         size_t stride;
@@ -57,8 +59,8 @@ static inline __attribute__((always_inline)) void attend_run_d64(const float *q,
             if (b * bs >= lens[r]) continue;
             const int n = (int)((b + 1) * bs <= lens[r] ? bs : lens[r] - b * bs);
             for (int g = 0; g < G; g++) {
-                avec qv[AV_C];
-                load_d64(qs + (size_t)(r * G + g) * D, qv);
+                avec qv[QV_N];
+                load_q_d64(qs + (size_t)(r * G + g) * QF, qv);
                 block_scores_d64(qv, kb, stride, n, scores + (size_t)(r * G + g) * Lmax + b * bs, READ_FMT(fmt));
             }
         }
@@ -108,7 +110,7 @@ static int run_item(const float *q, const void *kc, const void *vc, const int64_
 #ifdef __AVX2__
     const int G = H / KVH;
     if (R > 1 && D == 64 && (fmt == KV_F32 || fmt == KV_BF16)) {
-        float *work = malloc(sizeof(float) * ((size_t)bs * 64 + (size_t)R * G * (2 * 64 + 1 + (size_t)lens[r0 + R - 1])));
+        float *work = malloc(sizeof(float) * ((size_t)bs * 64 + (size_t)R * G * (QV_N * 64 / AV_C + 64 + 1 + (size_t)lens[r0 + R - 1])));
         if (!work) return -1;
         const size_t qoff = (size_t)r0 * H * D;
         const int64_t *table = tables + (size_t)r0 * max_blocks, skip = skips ? skips[r0] : 0;
