@@ -40,13 +40,16 @@ def read_bandwidth(repeats: int = 7) -> float:
 
 def weight_bytes(model, nibbles: bool) -> int:
     """Bytes of weights the decoder layers (and the final norm) read per step: the native
-    step's nibble-packed matrices (`nibbles`), or the Python path's one byte per weight."""
+    step's nibble-packed matrices with their fp16 scales where it has them (`nibbles`), or the
+    Python path's one byte per weight and fp32 scales."""
     total = model.model.norm.weight.numel() * 4
     for layer, lw in zip(model.model.layers, model.native_decode.layers):
         total += 4 * (lw.input_norm.numel() + lw.post_norm.numel())
-        for lin, packed in zip((layer.self_attn.qkv_linear, layer.self_attn.o_linear, layer.mlp.gate_up_linear,
-                                layer.mlp.down_linear), (lw.qkv, lw.o, lw.gate_up, lw.down)):
-            total += sum(t.numel() * t.element_size() for t in (packed if nibbles else lin.packed))
+        for lin, packed, half in zip((layer.self_attn.qkv_linear, layer.self_attn.o_linear, layer.mlp.gate_up_linear,
+                                      layer.mlp.down_linear), (lw.qkv, lw.o, lw.gate_up, lw.down),
+                                     lw.half or (None,) * 4):
+            read = (packed if half is None else (packed[0], half)) if nibbles else lin.packed
+            total += sum(t.numel() * t.element_size() for t in read)
     return total
 
 

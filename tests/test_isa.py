@@ -138,7 +138,9 @@ for n, k in ((960, 576), (576, 1536), (24, 96)):  # 24: an odd count of 8-column
     head = q8a16.pack(*native.quantize_q8_0(torch.randn(n, k, generator=g) * 0.05))
     for rows in (1, 3, 4, 5, 8, 13, 32, 70):
         x = torch.randn(rows, k, generator=g) * 3
-        ys = (w4a8.matmul(x, q, d, m), step.nibble_matmul(x, step.nibbles(q), d, m), q8a16.matmul(x, *head))
+        dh, mh = d.half().float(), m.half().float()  # fp16 values, read in fp16 by the nibble kernels
+        ys = (w4a8.matmul(x, q, d, m), step.nibble_matmul(x, step.nibbles(q), d, m), q8a16.matmul(x, *head),
+              step.nibble_matmul(x, step.nibbles(q), dh, mh, step.half_scales(dh, mh)), w4a8.matmul(x, q, dh, mh))
         out[f"{n}x{k}x{rows}"] = [y.view(torch.int32).flatten().tolist() for y in ys]
 json.dump(out, sys.stdout)
 """
@@ -167,6 +169,9 @@ def test_every_instruction_set_this_cpu_has_gives_bitwise_the_same_matmuls():
             if key not in ("isa", "library"):
                 assert best[key] == other[key], f"{key}: {name} differs from {first}"
     assert torch.tensor(best["960x576x5"][0], dtype=torch.int32).view(torch.float32).abs().sum() > 0  # real results, not zeros
+    for key, ys in best.items():  # the fp16 scales' nibble matmul gives the fp32 kernel's bits
+        if key not in ("isa", "library"):
+            assert ys[3] == ys[4], key
 
 
 _ATTENTION = """

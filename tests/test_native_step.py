@@ -232,3 +232,24 @@ def test_the_nibble_weights_give_bitwise_the_w4a8_kernels_result(n, k, rows):
     x = torch.randn(rows, k, generator=g) * 3
     x[0, :16] = 0.0
     assert torch.equal(step.nibble_matmul(x, step.nibbles(q), d, m), w4a8.matmul(x, q, d, m))
+    d, m = d.half().float(), m.half().float()  # a GGUF's Q4_1 scales and minima: fp16 values
+    dm = step.half_scales(d, m)
+    assert dm is not None and dm.dtype is torch.float16 and dm.shape == (*d.shape[:2], 2, 8)
+    assert torch.equal(step.nibble_matmul(x, step.nibbles(q), d, m, dm), w4a8.matmul(x, q, d, m))
+
+
+def test_the_default_models_step_reads_fp16_scales_and_a_scale_off_fp16_keeps_fp32(model):
+    """A GGUF's Q4_1 scales are fp16 values: every matrix of the default model's step reads
+    them in fp16 (a sixth fewer bytes); one scale that fp16 cannot hold keeps that matrix's fp32
+    ones, and a malformed dm is refused before the C call."""
+    assert all(t is not None and t.dtype is torch.float16 for lw in model.native_decode.layers for t in lw.half)
+    q, d, m = model.model.layers[0].mlp.down_linear.packed
+    assert torch.equal(step.half_scales(d, m)[:, :, 0], d.half()) and torch.equal(step.half_scales(d, m)[:, :, 1], m.half())
+    off = d.clone()
+    off[3, 2, 5] = 1.0 + 2.0 ** -20  # not an fp16 value
+    assert step.half_scales(off, m) is None and step.half_scales(d, m.double()) is None
+    x, wn = torch.randn(3, q.shape[1] * 4), step.nibbles(q)
+    with pytest.raises(ValueError, match="half_scales' dm"):
+        step.nibble_matmul(x, wn, d, m, step.half_scales(d, m)[:, :, 0].contiguous())
+    with pytest.raises(ValueError, match="half_scales' dm"):
+        step.nibble_matmul(x, wn, d, m, step.half_scales(d, m).float())

@@ -59,7 +59,8 @@ def prepare(model):
         mats = lambda layer: (layer.self_attn.qkv_linear, layer.self_attn.o_linear,  # noqa: E731
                               layer.mlp.gate_up_linear, layer.mlp.down_linear)
         layers = [step.LayerWeights(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                    *(nib(lin) for lin in mats(layer)), byte_q=tuple(lin.packed[0] for lin in mats(layer)))
+                                    *(nib(lin) for lin in mats(layer)), byte_q=tuple(lin.packed[0] for lin in mats(layer)),
+                                    half=tuple(step.half_scales(*lin.packed[1:]) for lin in mats(layer)))
                   for layer in model.model.layers]
         eps = {layer.input_layernorm.eps for layer in model.model.layers} | {
             layer.post_attention_layernorm.eps for layer in model.model.layers} | {model.model.norm.eps}

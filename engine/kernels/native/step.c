@@ -28,6 +28,8 @@
  *   input norm weight, post-attention norm weight,
  *   qkv q/d/m, o q/d/m, gate_up q/d/m, down q/d/m (w4a8.pack's d, m and its q as nibbles, below),
  *   qkv, o, gate_up, down q as w4a8.pack lays it out, a byte a weight (or NULL: the nibbles serve)
+ *   qkv, o, gate_up, down d and m in fp16 (w4a8n.c's dm), which the nibbles' matmuls read
+ *   instead of the fp32 ones (or NULL: a model whose scales are not all fp16 values)
  *   K cache, V cache (num_blocks, bs, KVH, hd) fp32 or bf16, or (num_blocks, bs, KVH, hd + 4)
  *   8-bit rows and their scales, in a second array (per KV cache)
  */
@@ -42,8 +44,9 @@ static inline int omp_get_num_threads(void) { return 1; }
 #endif
 #include "kvformat.h"
 
-#define STEP_PTRS 18
+#define STEP_PTRS 22
 #define STEP_BYTES 14 /* the first of the byte weights' pointers */
+#define STEP_HALF 18  /* the first of the fp16 scales' pointers */
 #define STEP_STOPPED (-4) /* decode_step_llama stopped at a layer's end: nothing it computed counts */
 
 int w4a8_matmul(const float *x, const uint8_t *wq, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
@@ -73,12 +76,14 @@ int decode_step_ptrs(void) { return STEP_PTRS; }
 
 /* w4a8n.c: Q4_1 x int8 over nibble-packed weights (bitwise w4a8_matmul's result) */
 int w4a8n_matmul(const float *x, const uint8_t *wn, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
-                 int64_t K, int nt);
+                 int64_t K, int nt, int hs);
 #ifdef __AVX2__
 #include <immintrin.h>
 void w4a8_quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int row);
 void w4a8n_columns(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wn, const float *dw,
                    const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1);
+void w4a8n_columns_h(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wn, const float *dw,
+                     const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1);
 #endif
 
 /* The model's shape, as engine/kernels/native/step.py fills it (field order matters). */
@@ -155,13 +160,14 @@ static void store_kv(const step_dims *d, const float *qkv, float *q, void *kc, v
 }
 
 /* y (M, N) = x (M, K) @ matrix m (0 qkv, 1 o, 2 gate_up, 3 down) of a layer's pointers w: over
- * its nibbles, or past byte_rows rows over its byte weights, which the arithmetic-bound step
- * reads faster than it unpacks nibbles (the same bits either way). */
+ * its nibbles (with its fp16 scales where given), or past byte_rows rows over its byte weights,
+ * which the arithmetic-bound step reads faster than it unpacks nibbles (the same bits either way). */
 static int matmul(const step_dims *d, void *const *w, int m, const float *x, float *y, int64_t M, int64_t N, int64_t K,
                   int nt) {
     void *const *q = w + 2 + 3 * m;
+    const float *dm = w[STEP_HALF + m];
     if (M > d->byte_rows && w[STEP_BYTES + m]) return w4a8_matmul(x, w[STEP_BYTES + m], q[1], q[2], y, M, N, K, nt);
-    return w4a8n_matmul(x, q[0], q[1], q[2], y, M, N, K, nt);
+    return dm ? w4a8n_matmul(x, q[0], dm, dm, y, M, N, K, nt, 1) : w4a8n_matmul(x, q[0], q[1], q[2], y, M, N, K, nt, 0);
 }
 
 /* The step's attention: the rows of d->bf16_ranges in bf16 vectors (where the kernel takes
@@ -244,13 +250,22 @@ static void quantize_all(const float *x, int64_t M, int64_t K, team_bufs *p) {
         w4a8_quantize_row(x + i * K, K, p->xq + i / 4 * 4 * K, p->dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
 }
 
-/* y (M, N) = x @ W.T for this thread's share of the column blocks; then the team waits. */
-static void team_matmul(const float *x, void *const *w, float *y, int64_t M, int64_t N, int64_t K, team_bufs *p) {
+/* y (M, N) = x @ W.T, matrix m of a layer's pointers w, for this thread's share of the column
+ * blocks (over the fp16 scales where given); then the team waits. */
+static void team_matmul(const float *x, void *const *w, int m, float *y, int64_t M, int64_t N, int64_t K,
+                        team_bufs *p) {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int64_t G = K / 32, Mp = (M + 3) / 4 * 4, blocks = N / 8;
+    const int64_t G = K / 32, Mp = (M + 3) / 4 * 4, blocks = N / 8, c0 = blocks * t / T, c1 = blocks * (t + 1) / T;
+    void *const *q = w + 2 + 3 * m;
+    const float *dm = w[STEP_HALF + m];
     quantize_all(x, M, K, p);
-    w4a8n_columns(p->xq, p->dx, p->dx + 2 * Mp * G, w[0], w[1], w[2], y, M, N, K, blocks * t / T,
-                blocks * (t + 1) / T);
+#if defined(__F16C__) || defined(__AVX512F__) /* vnni.h's W4A8_HALF_SCALES: step.py gives dm only there */
+    if (dm)
+        w4a8n_columns_h(p->xq, p->dx, p->dx + 2 * Mp * G, q[0], dm, dm, y, M, N, K, c0, c1);
+    else
+#endif
+        w4a8n_columns(p->xq, p->dx, p->dx + 2 * Mp * G, q[0], q[1], q[2], y, M, N, K, c0, c1);
+    (void)dm;
 #pragma omp barrier
 }
 
@@ -303,20 +318,20 @@ static int team_layer(const step_dims *d, void *const *w, void *kc, void *vc, st
     const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
     int failed = 0;
     add_rms_norm_f32(p->h, first ? NULL : s->delta, w[0], p->x, M, H, d->eps, 1);
-    team_matmul(p->x, w + 2, s->qkv, M, wqkv, H, p);
+    team_matmul(p->x, w, 0, s->qkv, M, wqkv, H, p);
     team_lora(L, li, 0, p->x, H, s->qkv, wqkv, M, p);
     /* whole rows once every thread has two: a row's heads share its blocks' cache lines */
     const int T = omp_get_num_threads(), whole = T == 1 || M >= 2 * T;
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < (int)(whole ? M : M * d->kv_heads); it++)
         failed |= team_item(d, it, whole, s->qkv, s->q, s->att, kc, vc, positions, cos_t, sin_t, slots, tables, lens);
-    team_matmul(s->att, w + 5, s->a, M, H, nq, p);
+    team_matmul(s->att, w, 1, s->a, M, H, nq, p);
     team_lora(L, li, 1, s->att, nq, s->a, H, M, p);
     add_rms_norm_f32(p->h, s->a, w[1], p->x, M, H, d->eps, 1);
-    team_matmul(p->x, w + 8, s->gu, M, 2 * d->inter, H, p);
+    team_matmul(p->x, w, 2, s->gu, M, 2 * d->inter, H, p);
     team_lora(L, li, 2, p->x, H, s->gu, 2 * d->inter, M, p);
     silu_mul_f32(s->gu, p->act, M, d->inter, 1);
-    team_matmul(p->act, w + 11, s->delta, M, H, d->inter, p);
+    team_matmul(p->act, w, 3, s->delta, M, H, d->inter, p);
     team_lora(L, li, 3, p->act, d->inter, s->delta, H, M, p);
     return failed;
 }

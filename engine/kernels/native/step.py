@@ -1,7 +1,9 @@
 """A whole decode step's decoder layers in one C call (step.c): the Llama family's common
 case with W4A8 weights and a paged KV cache in fp32, bf16 or 8-bit codes (int8, fp8).
 
-The matmuls read nibble-packed weights (`nibbles`: half of w4a8.c's bytes, the same result).
+The matmuls read nibble-packed weights (`nibbles`: half of w4a8.c's bytes, the same result),
+with their scales and minima in fp16 where those are all fp16 values (`half_scales`: a GGUF's
+Q4_1 grid; the widened values are the same, a sixth fewer bytes a step).
 `StepWeights(hidden, heads, ..., layers, final_norm)` holds the model's shape and the
 per-layer pointer array (built once per model: the tensors it points into are kept alive
 with it), and `one_region`, which of step.c's two schedules runs (the same result);
@@ -19,9 +21,9 @@ import torch
 
 from . import _bad, load
 
-_fn = _nib = None
+_fn = _nib = _half = None
 _F32, _I64 = torch.float32, torch.int64
-PTRS = 18  # pointers per layer (step.c STEP_PTRS)
+PTRS = 22  # pointers per layer (step.c STEP_PTRS)
 # a step of more rows than this reads the byte weights (where given): at prompt-chunk sizes the
 # step is bound by its arithmetic, and unpacking nibbles costs more than their bytes save (one
 # thread, gate_up: 46 against 36 GMAC/s at 32 rows, 56 against 64 at 256)
@@ -51,7 +53,7 @@ class _Dims(ctypes.Structure):
 
 
 def _bound():
-    global _fn, _nib
+    global _fn, _nib, _half
     if _fn is None:
         lib = load()
         p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -61,9 +63,10 @@ def _bound():
         lib.decode_step_llama.argtypes = [ctypes.POINTER(_Dims), p, p, p, p, p, p, p, p, p, p, p, i64, ctypes.c_int,
                                           ctypes.c_int, p, p, ctypes.c_int32]
         lib.decode_step_llama.restype = ctypes.c_int
-        lib.w4a8n_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int]
+        lib.w4a8n_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         lib.w4a8n_matmul.restype = ctypes.c_int
-        _fn, _nib = lib.decode_step_llama, lib.w4a8n_matmul
+        lib.w4a8n_half_scales.restype = ctypes.c_int
+        _fn, _nib, _half = lib.decode_step_llama, lib.w4a8n_matmul, bool(lib.w4a8n_half_scales())
     return _fn
 
 
@@ -74,19 +77,36 @@ def nibbles(q: torch.Tensor) -> torch.Tensor:
     return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
 
 
-def nibble_matmul(x: torch.Tensor, wn: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """w4a8.matmul(x, q, d, m) bitwise, from `nibbles(q)`: y (M, N) fp32 for x fp32 (M, K)."""
+def half_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+    """w4a8.pack's d, m (N/8, K/32, 8) fp32 as w4a8n.c's dm fp16 (N/8, K/32, 2, 8): each group's
+    8 scales, then its 8 minima. None where this build cannot read them or a value is not an
+    fp16 value (then the fp32 ones serve: a scale must widen back to itself)."""
+    _bound()
+    if not _half or d.dtype is not _F32 or m.dtype is not _F32 or d.shape != m.shape or d.shape[-1:] != (8,):
+        return None
+    dm = torch.stack([d, m], dim=-2).to(torch.float16).contiguous()
+    return dm if torch.equal(dm.float(), torch.stack([d, m], dim=-2)) else None
+
+
+def nibble_matmul(x: torch.Tensor, wn: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                  dm: torch.Tensor | None = None) -> torch.Tensor:
+    """w4a8.matmul(x, q, d, m) bitwise, from `nibbles(q)`: y (M, N) fp32 for x fp32 (M, K);
+    `dm`: `half_scales(d, m)`, read instead of d and m."""
     _bound()
     nb, pairs, width = wn.shape
     n, k = nb * 8, pairs * 8
     if wn.dtype is not torch.uint8 or width != 32 or not wn.is_contiguous() or d.shape != (nb, k // 32, 8) \
             or m.shape != d.shape or not (d.is_contiguous() and m.is_contiguous()) or k % 32:
         raise _bad("expected nibbles (N/8, K/8, 32) and w4a8.pack's d, m", wn, d, m)
+    if dm is not None and (dm.dtype is not torch.float16 or dm.shape != (nb, k // 32, 2, 8) or not dm.is_contiguous()
+                           or not _half):
+        raise _bad("expected half_scales' dm fp16 (N/8, K/32, 2, 8), on a build that reads it", dm)
     if x.dtype is not _F32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
         raise _bad(f"expected contiguous x fp32 (M, {k})", x)
     y = torch.empty(x.shape[0], n, dtype=_F32)
-    if _nib(x.data_ptr(), wn.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), x.shape[0], n, k,
-            torch.get_num_threads()):
+    dp, mp = (d.data_ptr(), m.data_ptr()) if dm is None else (dm.data_ptr(), dm.data_ptr())
+    if _nib(x.data_ptr(), wn.data_ptr(), dp, mp, y.data_ptr(), x.shape[0], n, k, torch.get_num_threads(),
+            int(dm is not None)):
         raise RuntimeError("w4a8n matmul: needs AVX2 and memory for the quantized activations")
     return y
 
@@ -94,8 +114,9 @@ def nibble_matmul(x: torch.Tensor, wn: torch.Tensor, d: torch.Tensor, m: torch.T
 @dataclass
 class LayerWeights:
     """One layer's tensors as the step reads them: the two RMSNorm weights (hidden,) fp32,
-    each matrix as (nibbles(q), d, m) of w4a8.pack's (q, d, m), and `byte_q` the four matrices'
-    q themselves (qkv, o, gate_up, down; empty: steps of every size read the nibbles)."""
+    each matrix as (nibbles(q), d, m) of w4a8.pack's (q, d, m), `byte_q` the four matrices'
+    q themselves (qkv, o, gate_up, down; empty: steps of every size read the nibbles), and
+    `half` their `half_scales` (each None where not fp16 values; empty: none)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -104,6 +125,7 @@ class LayerWeights:
     gate_up: tuple
     down: tuple
     byte_q: tuple = ()
+    half: tuple = ()
 
 
 class StepWeights:
@@ -126,6 +148,12 @@ class StepWeights:
                 if not (t.is_contiguous() and t.is_cpu and t.dtype is torch.uint8):
                     raise _bad("step byte weights must be contiguous CPU uint8 tensors", t)
             ptrs += [t.data_ptr() for t in lw.byte_q] if len(lw.byte_q) == 4 else [None] * 4
+            half = lw.half or (None,) * 4
+            for t, (_, d, _) in zip(half, (lw.qkv, lw.o, lw.gate_up, lw.down)):
+                if t is not None and not (t.dtype is torch.float16 and t.is_contiguous() and t.is_cpu
+                                          and t.shape == (*d.shape[:2], 2, 8) and _half):
+                    raise _bad("step fp16 scales must be half_scales' form, on a build that reads them", t)
+            ptrs += [None if t is None else t.data_ptr() for t in half]
         self.array = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._kv_cached = None  # (key, pointer array, the list) of the last KV cache
         self.one_region = True  # the whole step on one OpenMP team (step.c team_step); False: a region per op

@@ -18,6 +18,28 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* Where a build reads a matrix's scales in fp16 (`hs`: w4a8n.c's nibble weights, when the
+ * model's scales and minima are all fp16 values, as a GGUF's Q4_1 stores them): a group's 8
+ * scales then its 8 minima, 32 bytes at the fp32 layout's d + 8 g (a column block's groups at
+ * the same stride as its fp32 scales), widened exactly; otherwise d and m are fp32, apart. */
+#if defined(__F16C__) || defined(__AVX512F__)
+#define W4A8_HALF_SCALES 1
+#endif
+static inline __attribute__((always_inline)) void w4a8_scales(const float *dw, const float *mw, int64_t g,
+                                                              const int hs, __m256 *dv, __m256 *mv) {
+#ifdef W4A8_HALF_SCALES
+    if (hs) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(dw + g * 8));
+        *dv = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        *mv = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        return;
+    }
+#endif
+    (void)hs;
+    *dv = _mm256_loadu_ps(dw + g * 8);
+    *mv = _mm256_loadu_ps(mw + g * 8);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define PDSERVE_VNNI 1
 #define W4A8_DPBUSD(acc, w, x) _mm256_dpbusd_epi32((acc), (w), (x))
@@ -35,13 +57,14 @@
 static inline __attribute__((always_inline)) void w4a8_tile_vnni(const int8_t *xq, const float *dx, const float *sx,
                                                                  int64_t K, const uint8_t *w, const float *dw,
                                                                  const float *mw, float *y, int64_t N, int rows,
-                                                                 const int R, const int nib) {
+                                                                 const int R, const int nib, const int hs) {
     const int64_t G = K / 32;
     const __m256i low = _mm256_set1_epi8(15);
     __m256 acc[8];
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        const __m256 dv = _mm256_loadu_ps(dw + g * 8), mv = _mm256_loadu_ps(mw + g * 8);
+        __m256 dv, mv;
+        w4a8_scales(dw, mw, g, hs, &dv, &mv);
         for (int h = 0; h < 2; h++) {
             __m256i wv[4];
             if (nib) {
@@ -98,13 +121,22 @@ static inline __attribute__((always_inline)) void w4a8_tile_vnni512(const int8_t
                                                                     const float *sx, int64_t K, const uint8_t *w,
                                                                     int64_t cs, const float *dw, const float *mw,
                                                                     float *y, int64_t N, int rows, const int R,
-                                                                    const int nib) {
+                                                                    const int nib, const int hs) {
     const int64_t G = K / 32;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[8];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        const __m512 dv = w4a8_joinf(dw + g * 8, dw + G * 8 + g * 8), mv = w4a8_joinf(mw + g * 8, mw + G * 8 + g * 8);
+        __m512 dv, mv;
+        if (hs) { /* w4a8_scales' fp16 form: block c's 16 at dw + 8 g, block c + 1's G * 8 floats on */
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(dw + g * 8));
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(dw + G * 8 + g * 8));
+            dv = _mm512_cvtph_ps(_mm256_permute2x128_si256(lo, hi, 0x20));
+            mv = _mm512_cvtph_ps(_mm256_permute2x128_si256(lo, hi, 0x31));
+        } else {
+            dv = w4a8_joinf(dw + g * 8, dw + G * 8 + g * 8);
+            mv = w4a8_joinf(mw + g * 8, mw + G * 8 + g * 8);
+        }
         for (int h = 0; h < 2; h++) {
             __m512i wv[4];
             if (nib) {
@@ -141,12 +173,13 @@ static inline __attribute__((always_inline)) void w4a8_tile_vnni512(const int8_t
 
 /* Column blocks [c0, c1) for every row of the quantized x, two quads a tile (two column
  * blocks a tile where built for AVX-512; for nibble weights above PDSERVE_NARROW_ROWS rows), `rc` quads a
- * pass over the columns (their int8 copy stays in L2; rc even). */
+ * pass over the columns (their int8 copy stays in L2; rc even); `hs`: fp16 scales (w4a8_scales). */
 static inline __attribute__((always_inline)) void w4a8_columns_vnni(const int8_t *xq, const float *dx,
                                                                     const float *sx, const uint8_t *w,
                                                                     const float *dw, const float *mw, float *y,
                                                                     int64_t M, int64_t N, int64_t K, int64_t c0,
-                                                                    int64_t c1, int64_t rc, const int nib) {
+                                                                    int64_t c1, int64_t rc, const int nib,
+                                                                    const int hs) {
     const int64_t G = K / 32, quads = (M + 3) / 4, cstride = nib ? K * 4 : K * 8;
     for (int64_t r0 = 0; r0 < quads; r0 += rc) {
         const int64_t r1 = r0 + rc < quads ? r0 + rc : quads;
@@ -159,11 +192,11 @@ static inline __attribute__((always_inline)) void w4a8_columns_vnni(const int8_t
                 const float *dr = dx + r * 8 * G, *sr = sx + r * 4 * G, *dc = dw + c * G * 8, *mc = mw + c * G * 8;
                 float *yr = y + 4 * r * N + c * 8;
                 if (rows > 4)
-                    w4a8_tile_vnni512(xr, dr, sr, K, w + c * cstride, cstride, dc, mc, yr, N, rows, 8, nib);
+                    w4a8_tile_vnni512(xr, dr, sr, K, w + c * cstride, cstride, dc, mc, yr, N, rows, 8, nib, hs);
                 else if (rows > 1)
-                    w4a8_tile_vnni512(xr, dr, sr, K, w + c * cstride, cstride, dc, mc, yr, N, rows < 4 ? rows : 4, 4, nib);
+                    w4a8_tile_vnni512(xr, dr, sr, K, w + c * cstride, cstride, dc, mc, yr, N, rows < 4 ? rows : 4, 4, nib, hs);
                 else
-                    w4a8_tile_vnni512(xr, dr, sr, K, w + c * cstride, cstride, dc, mc, yr, N, 1, 1, nib);
+                    w4a8_tile_vnni512(xr, dr, sr, K, w + c * cstride, cstride, dc, mc, yr, N, 1, 1, nib, hs);
             }
 #endif
         for (; c < c1; c++)
@@ -173,11 +206,11 @@ static inline __attribute__((always_inline)) void w4a8_columns_vnni(const int8_t
                 const float *dr = dx + r * 8 * G, *sr = sx + r * 4 * G, *dc = dw + c * G * 8, *mc = mw + c * G * 8;
                 float *yr = y + 4 * r * N + c * 8;
                 if (rows > 4) /* quad r + 1 is in this pass: rc is even */
-                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, rows, 8, nib);
+                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, rows, 8, nib, hs);
                 else if (rows > 1)
-                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, rows < 4 ? rows : 4, 4, nib);
+                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, rows < 4 ? rows : 4, 4, nib, hs);
                 else
-                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, 1, 1, nib);
+                    w4a8_tile_vnni(xr, dr, sr, K, w + c * cstride, dc, mc, yr, N, 1, 1, nib, hs);
             }
     }
 }

@@ -125,7 +125,7 @@ static void tile(const int8_t *xq, const float *dx, const float *sx, int64_t K, 
 static void columns(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wq, const float *dw,
                     const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1) {
 #ifdef PDSERVE_VNNI
-    w4a8_columns_vnni(xq, dx, sx, wq, dw, mw, y, M, N, K, c0, c1, MC / 4, 0);
+    w4a8_columns_vnni(xq, dx, sx, wq, dw, mw, y, M, N, K, c0, c1, MC / 4, 0, 0);
     return;
 #endif
     const int64_t G = K / 32, quads = (M + 3) / 4;

@@ -7,7 +7,12 @@
  * Everything else is w4a8.c's arithmetic in its order (the integer sums, then the fp32
  * scaling per half group and the minimum per group), so y is bitwise w4a8_matmul's.
  *   wn uint8 (N/8, K/8, 32): byte [c, p, 4j + e] = q[c, 2p, j, e] | q[c, 2p + 1, j, e] << 4
- * step.c calls w4a8n_columns inside its own parallel region (the one-region schedule).
+ * The scales and minima are w4a8.c's fp32 d and m, or (the `_h` forms, builds with
+ * W4A8_HALF_SCALES) the same values in fp16, a group's 8 scales and 8 minima side by side
+ *   dm fp16 (N/8, K/32, 2, 8)
+ * (step.py `half_scales`, for a model whose d and m are all fp16 values): a one-row step reads
+ * 20 bytes per 32 weights instead of 24, and the widened values, and so y, are the same.
+ * step.c calls w4a8n_columns(_h) inside its own parallel region (the one-region schedule).
  */
 #include <stdint.h>
 
@@ -25,11 +30,12 @@ int w4a8_drive(const float *x, const uint8_t *wq, const float *dw, const float *
 static inline __attribute__((always_inline)) void tile_nib(const int8_t *xq, const float *dx, const float *sx,
                                                            int64_t K, const uint8_t *wn, const float *dw,
                                                            const float *mw, float *y, int64_t N, int rows,
-                                                           const int R) {
+                                                           const int R, const int hs) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     for (int64_t g = 0; g < K / 32; g++, wn += 128, xq += 128, dx += 8, sx += 4) {
-        const __m256 dv = _mm256_loadu_ps(dw + g * 8), mv = _mm256_loadu_ps(mw + g * 8);
+        __m256 dv, mv;
+        w4a8_scales(dw, mw, g, hs, &dv, &mv);
         for (int h = 0; h < 2; h++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wn + h * 64));
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wn + h * 64 + 32));
@@ -64,11 +70,13 @@ static inline __attribute__((always_inline)) void tile_nib(const int8_t *xq, con
 }
 
 /* Column blocks [c0, c1) for every row quad (w4a8.c's `columns`, 64 rows a pass; with VNNI:
- * vnni.h's tiles, the same result). */
-void w4a8n_columns(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wn, const float *dw,
-                   const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1) {
+ * vnni.h's tiles, the same result); `hs`: dw is the fp16 dm above (mw unread). */
+static inline __attribute__((always_inline)) void nib_columns(const int8_t *xq, const float *dx, const float *sx,
+                                                              const uint8_t *wn, const float *dw, const float *mw,
+                                                              float *y, int64_t M, int64_t N, int64_t K, int64_t c0,
+                                                              int64_t c1, const int hs) {
 #ifdef PDSERVE_VNNI
-    w4a8_columns_vnni(xq, dx, sx, wn, dw, mw, y, M, N, K, c0, c1, 16, 1);
+    w4a8_columns_vnni(xq, dx, sx, wn, dw, mw, y, M, N, K, c0, c1, 16, 1, hs);
     return;
 #endif
     const int64_t G = K / 32, quads = (M + 3) / 4;
@@ -80,21 +88,46 @@ void w4a8n_columns(const int8_t *xq, const float *dx, const float *sx, const uin
                 const int8_t *xr = xq + r * 4 * K;
                 const float *dr = dx + r * 8 * G, *sr = sx + r * 4 * G;
                 if (rows == 1)
-                    tile_nib(xr, dr, sr, K, wn + c * K * 4, dw + c * G * 8, mw + c * G * 8, y + 4 * r * N + c * 8, N, 1, 1);
+                    tile_nib(xr, dr, sr, K, wn + c * K * 4, dw + c * G * 8, mw + c * G * 8, y + 4 * r * N + c * 8, N, 1, 1, hs);
                 else
-                    tile_nib(xr, dr, sr, K, wn + c * K * 4, dw + c * G * 8, mw + c * G * 8, y + 4 * r * N + c * 8, N, rows, 4);
+                    tile_nib(xr, dr, sr, K, wn + c * K * 4, dw + c * G * 8, mw + c * G * 8, y + 4 * r * N + c * 8, N, rows, 4, hs);
             }
     }
 }
+
+void w4a8n_columns(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wn, const float *dw,
+                   const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1) {
+    nib_columns(xq, dx, sx, wn, dw, mw, y, M, N, K, c0, c1, 0);
+}
+
+#ifdef W4A8_HALF_SCALES
+void w4a8n_columns_h(const int8_t *xq, const float *dx, const float *sx, const uint8_t *wn, const float *dw,
+                     const float *mw, float *y, int64_t M, int64_t N, int64_t K, int64_t c0, int64_t c1) {
+    nib_columns(xq, dx, sx, wn, dw, mw, y, M, N, K, c0, c1, 1);
+}
+#endif
 #endif
 
-/* w4a8_matmul with nibble-packed weights wn (above); same arguments otherwise, same result. */
-int w4a8n_matmul(const float *x, const uint8_t *wn, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
-                 int64_t K, int nt) {
-#ifdef __AVX2__
-    return w4a8_drive(x, wn, dw, mw, y, M, N, K, nt, w4a8n_columns);
+/* 1 where this build reads fp16 scales (w4a8n_matmul's `hs`), else 0. */
+int w4a8n_half_scales(void) {
+#if defined(__AVX2__) && defined(W4A8_HALF_SCALES)
+    return 1;
 #else
-    (void)x; (void)wn; (void)dw; (void)mw; (void)y; (void)M; (void)N; (void)K; (void)nt;
+    return 0;
+#endif
+}
+
+/* w4a8_matmul with nibble-packed weights wn (above); same arguments otherwise, same result;
+ * `hs`: dw is the fp16 dm above (mw unread). Returns -1 without AVX2 (or F16C for `hs`). */
+int w4a8n_matmul(const float *x, const uint8_t *wn, const float *dw, const float *mw, float *y, int64_t M, int64_t N,
+                 int64_t K, int nt, int hs) {
+#ifdef __AVX2__
+#ifdef W4A8_HALF_SCALES
+    if (hs) return w4a8_drive(x, wn, dw, mw, y, M, N, K, nt, w4a8n_columns_h);
+#endif
+    return hs ? -1 : w4a8_drive(x, wn, dw, mw, y, M, N, K, nt, w4a8n_columns);
+#else
+    (void)x; (void)wn; (void)dw; (void)mw; (void)y; (void)M; (void)N; (void)K; (void)nt; (void)hs;
     return -1;
 #endif
 }
