@@ -71,17 +71,19 @@ def _step_inputs(cfg, rows: int, ctx: int, bs: int = 16, kv_dtype: torch.dtype =
 
 def step_times(model, rows: int, ctx: int, repeats: int, kv_dtype: torch.dtype = torch.float32) -> dict:
     """Median and best ms of one step (backend.prepare + forward) by each path: the Python
-    loop, the C step on one OpenMP team (the default) and with a region per op; the paths
-    alternate in rounds so a noisy neighbour weighs on all alike."""
+    loop, the C step as the engine runs it ("native": one OpenMP team up to 4 rows, the rows
+    split between the threads above), on one team at every row count, and with a region per
+    op; the paths alternate in rounds so a noisy neighbour weighs on all alike."""
     ids, pos, layers, meta = _step_inputs(model.config, rows, ctx, kv_dtype=kv_dtype)
-    native_decode, times = model.native_decode, {"old": [], "native": [], "native_per_op": []}
+    native_decode = model.native_decode
+    times = {"old": [], "native": [], "native_team": [], "native_per_op": []}
     try:
         with torch.inference_mode():
             for r in range(repeats + 2):
                 for name in times:
                     model.native_decode = None if name == "old" else native_decode
-                    native_decode.one_region = name == "native"
-                    native_decode.team_rows = rows  # "native": one team at every row count here
+                    native_decode.one_region = name != "native_per_op"
+                    native_decode.team_rows = rows if name == "native_team" else 4
                     m = meta()
                     t = time.perf_counter()
                     model.backend.prepare(m)

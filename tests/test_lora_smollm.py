@@ -100,8 +100,9 @@ def test_the_c_decode_step_runs_adapter_rows_with_the_python_paths_bits(adapter,
 
 
 def test_both_c_step_schedules_give_adapter_rows_the_same_bits(adapter, smollm):
-    """One OpenMP team (up to 4 rows) or a region per op: the same tokens and logprobs for a
-    batch of adapter and base rows (the LoRA routine splits columns or rows, never a sum)."""
+    """One OpenMP team (up to 4 rows), the rows split between the threads, or a region per op:
+    the same tokens and logprobs for a batch of adapter and base rows (the LoRA routine splits
+    columns or rows, never a sum)."""
     from pdserve.engine.kernels import native
     from pdserve.engine.kernels.native import w4a8
 
@@ -115,10 +116,12 @@ def test_both_c_step_schedules_give_adapter_rows_the_same_bits(adapter, smollm):
             for i in range(3)]
     w = eng.runner.model.native_decode
     team = generate(eng, jobs, params)
-    w.team_rows = 0  # every step on a region per op
+    w.team_rows = 0  # every step's rows split between the threads
     try:
+        split = generate(eng, jobs, params)
+        w.split_rows = 0  # every step on a region per op
         per_op = generate(eng, jobs, params)
     finally:
-        w.team_rows = 4
-    assert team == per_op
+        w.team_rows, w.split_rows = 4, 2
+    assert team == split == per_op
     assert_engine_clean(eng)

@@ -86,22 +86,24 @@ def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
                              torch.tensor(lens), [], BS)
 
 
-@pytest.mark.parametrize("prompt_lens,one_region,kv", [
-    ([13], True, "fp32"), ([5, 16, 31], True, "fp32"), ([5, 16, 31], False, "fp32"),
-    ([13], True, "bf16"), ([5, 16, 31], True, "bf16"), ([5, 16, 31], False, "bf16"),
-    ([5, 16, 31, 2, 20, 9], True, "bf16"), ([5, 16, 31], True, "int8"), ([5, 16, 31], False, "int8"),
-    ([5, 16, 31, 2], True, "bf16"), ([5, 16, 31, 2], True, "fp32"),  # one team, a row an attention item
-    ([13], True, "fp8"), ([5, 16, 31, 2, 20, 9], True, "fp8")])  # 6 rows: over team_rows, so a region per op
-def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens, one_region, kv):
+@pytest.mark.parametrize("prompt_lens,schedule,kv", [
+    ([13], "team", "fp32"), ([5, 16, 31], "team", "fp32"), ([5, 16, 31], "per_op", "fp32"),
+    ([13], "team", "bf16"), ([5, 16, 31], "team", "bf16"), ([5, 16, 31], "per_op", "bf16"),
+    ([5, 16, 31, 2, 20, 9], "split", "bf16"), ([5, 16, 31], "team", "int8"), ([5, 16, 31], "per_op", "int8"),
+    ([5, 16, 31, 2], "team", "bf16"), ([5, 16, 31, 2], "team", "fp32"),  # one team, a row an attention item
+    ([5, 16, 31, 2, 20, 9], "team", "fp32"), ([5, 16, 31, 2, 20, 9, 40], "split", "int8"),
+    ([5, 16, 31, 2, 20, 9], "per_op", "bf16"), ([13], "team", "fp8"), ([5, 16, 31, 2, 20, 9], "split", "fp8")])
+def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens, schedule, kv):
     """Both paths decode from the same prefilled cache, each in its own copy; every step's
     hidden states and every layer's K/V are bitwise equal, so every greedy token is. The
-    lengths cross block boundaries (16-token blocks) during the 32 steps. Both of step.c's
-    schedules (one OpenMP team for the step, or a region per op), over fp32, bf16, int8 and fp8
-    caches (the C step's bf16 rounding and 8-bit rows of the new K/V are the Python path's:
-    the caches stay equal)."""
+    lengths cross block boundaries (16-token blocks) during the 32 steps. Each of step.c's
+    schedules (one OpenMP team for the step, the rows split between the threads, or a region
+    per op), over fp32, bf16, int8 and fp8 caches (the C step's bf16 rounding and 8-bit rows of
+    the new K/V are the Python path's: the caches stay equal)."""
     cfg, steps, kv_dtype = model.config, 32, KV_DTYPES[kv]
     width = cfg.head_dim + (4 if kv in ("int8", "fp8") else 0)  # an 8-bit row: its codes, then its scale
-    model.native_decode.one_region = one_region
+    nd = model.native_decode
+    nd.one_region, nd.team_rows, nd.split_rows = schedule != "per_op", 64 if schedule == "team" else 4, 2
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 10000, (n,), generator=g).tolist() for n in prompt_lens]
     per = (max(prompt_lens) + steps + BS - 1) // BS
@@ -127,7 +129,7 @@ def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step
     assert torch.equal(caches[True].view(torch.uint8), caches[False].view(torch.uint8))
     assert caches[True].dtype is kv_dtype and caches[True].view(torch.uint8).any()
     assert step_calls == [len(prompts)] * steps  # the native step did run
-    model.native_decode.one_region = True
+    nd.one_region, nd.team_rows = True, 4
 
 
 def _greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:

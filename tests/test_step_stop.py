@@ -197,13 +197,16 @@ def _stop_hook(word: ctypes.c_int32, threshold: int):
 
 
 @native_only
-@pytest.mark.parametrize("rows", [3, 8])  # one OpenMP team (up to team_rows), a region per op
-def test_the_native_step_stops_after_its_first_layer_when_its_word_is_below_the_threshold(model, step_calls, rows):
+@pytest.mark.parametrize("rows,split", [(3, 2), (8, 2), (8, 0)])  # one team (up to team_rows), rows split, per op
+def test_the_native_step_stops_after_its_first_layer_when_its_word_is_below_the_threshold(model, step_calls, rows,
+                                                                                             split, monkeypatch):
     """A decode step whose stop word is already below its threshold stops at its first layer's
-    end: the first layer's K/V of the new rows is in the cache, no other layer's, and nothing
-    else changed. At or above the threshold it runs to the end, bitwise as without a word."""
+    end (with its rows split between the threads, each part there): the first layer's K/V of
+    the new rows is in the cache, no other layer's, and nothing else changed. At or above the
+    threshold it runs to the end, bitwise as without a word."""
     cfg = model.config
     assert (rows <= model.native_decode.team_rows) == (rows == 3)
+    monkeypatch.setattr(model.native_decode, "split_rows", split)
     prompts = [[100 + 37 * i + j for j in range(2 + i)] for i in range(rows)]
     tables = [[1 + i] for i in range(rows)]  # each prompt and its new token in one block
     kv = torch.zeros(cfg.num_hidden_layers, 2, 1 + rows, BS, cfg.num_key_value_heads, cfg.head_dim)

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
+#include "share.h"
 #endif
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -251,9 +252,7 @@ int q8a16_matmul(const float *x, const int8_t *wq, const float *dw, float *y, in
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, xq + i * K, dx + i * G);
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t blocks = N / 8;
-        columns(xq, dx, wq, dw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
+        SHARE_COLUMNS(N / 8, columns(xq, dx, wq, dw, y, M, N, K, c0, c1));
     }
 #else
     for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, xq + i * K, dx + i * G);

@@ -31,6 +31,9 @@ BYTE_ROWS = 64
 # the caches step.c stores into (kvformat.h's codes); an 8-bit cache's rows are head_dim codes and a scale
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 STOPPED = -4  # step.c STEP_STOPPED
+# the rows of a larger decode step split between at most this many threads, each reading every
+# weight once a step (beyond, the extra reads would cost more than the barriers they save)
+SPLIT_MAX_THREADS = 4
 
 
 class Stopped(Exception):
@@ -160,6 +163,7 @@ class StepWeights:
         # ... for steps of up to this many rows: measured (bench/decode-step-results.json) one
         # team 7.9 vs 8.7 ms at 1 row, 21.4 vs 22.5 at 4; a region per op 48.6 vs 49.9 at 8, 161 vs 192 at 32
         self.team_rows = 4
+        self.split_rows = 2  # larger decode-only steps (`_schedule`): 2 the rows split between threads, 0 per op
 
     def kv_pointers(self, kv_caches: list) -> ctypes.Array:
         """Every layer's (K, V) pointers, cached while the same list of the same tensors is passed
@@ -215,10 +219,10 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     dims = _Dims(len(w.layers), w.hidden, w.heads, w.kv_heads, w.head_dim, w.inter, bs, tables.shape[1], w.eps,
                  w.head_dim ** -0.5, cos.shape[0], nb * bs, KV_FORMATS[k0.dtype], BYTE_ROWS, len(bf16_rows),
                  ranges.data_ptr() if len(bf16_rows) else None)
-    out = torch.empty_like(h)
+    out, nt = torch.empty_like(h), torch.get_num_threads()
     rc = M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                   out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                  tables.data_ptr(), lens.data_ptr(), M, torch.get_num_threads(), int(w.one_region and one_team and M <= w.team_rows),
+                  tables.data_ptr(), lens.data_ptr(), M, nt, _schedule(w, M, nt) if one_team else 0,
                   None if lora is None else ctypes.addressof(lora), *(stop or (None, 0)))
     if rc == STOPPED:
         raise Stopped(f"the stop word fell below {stop[1]}")
@@ -229,6 +233,18 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     if rc:
         raise MemoryError("decode step: no memory for its scratch buffers")
     return out
+
+
+def _schedule(w: StepWeights, M: int, nt: int) -> int:
+    """step.c's schedule for a decode-only step of M rows on nt threads: 1 one team (up to
+    team_rows rows), 2 the rows split between the threads (each part through every layer on one
+    thread, so each thread reads every weight: on up to SPLIT_MAX_THREADS threads, at least 2
+    rows each), 0 a region per op."""
+    if not w.one_region:
+        return 0
+    if M <= w.team_rows:
+        return 1
+    return w.split_rows if 1 < nt <= SPLIT_MAX_THREADS and M >= 2 * nt else 0
 
 
 def _check_rows(M: int, positions, slots, tables, lens) -> None:

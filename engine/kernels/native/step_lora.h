@@ -25,8 +25,8 @@ typedef struct {
 
 /* y (M, N) += each adapter row's update of matrix m at `layer`, output columns [n0, n1); t: a
  * scratch of max_rank floats. Every caller computes a row the same way (lora.c). */
-static void lora_cols(const step_lora *L, int64_t layer, int m, const float *x, int64_t K, float *y, int64_t N,
-                      int64_t M, int64_t n0, int64_t n1, float *t) {
+static inline void lora_cols(const step_lora *L, int64_t layer, int m, const float *x, int64_t K, float *y, int64_t N,
+                             int64_t M, int64_t n0, int64_t n1, float *t) {
     for (int64_t i = 0; i < M; i++) {
         const int32_t s = L->row_slot[i];
         if (s < 0) continue;
@@ -39,8 +39,8 @@ static void lora_cols(const step_lora *L, int64_t layer, int m, const float *x, 
 }
 
 /* lora_cols over every column, the rows split between nt threads (the per-op schedule). */
-static int lora_all(const step_lora *L, int64_t layer, int m, const float *x, int64_t K, float *y, int64_t N,
-                    int64_t M, int nt) {
+static inline int lora_all(const step_lora *L, int64_t layer, int m, const float *x, int64_t K, float *y, int64_t N,
+                           int64_t M, int nt) {
     if (!L) return 0;
     int failed = 0;
 #pragma omp parallel num_threads(nt < 1 ? 1 : nt) reduction(| : failed)

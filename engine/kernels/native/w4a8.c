@@ -26,6 +26,7 @@
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#include "share.h"
 #endif
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -148,7 +149,7 @@ static void columns(const int8_t *xq, const float *dx, const float *sx, const ui
 
 #ifdef __AVX2__
 /* The matmul around a column routine: x quantized into quads (every thread a share of the
- * rows), then each thread's share of the column blocks through `cols` (`columns` above, or
+ * rows), then the column blocks in chunks (share.h) through `cols` (`columns` above, or
  * w4a8n.c's over nibble-packed weights). Returns 0, or -1 without scratch memory. */
 typedef void (*w4a8_cols_fn)(const int8_t *, const float *, const float *, const uint8_t *, const float *,
                              const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
@@ -173,9 +174,7 @@ int w4a8_drive(const float *x, const uint8_t *wq, const float *dw, const float *
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++)
             w4a8_quantize_row(x + i * K, K, xq + i / 4 * 4 * K, dx + i / 4 * 8 * G, sx + i / 4 * 4 * G, (int)(i % 4));
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t blocks = N / 8;
-        cols(xq, dx, sx, wq, dw, mw, y, M, N, K, blocks * t / T, blocks * (t + 1) / T);
+        SHARE_COLUMNS(N / 8, cols(xq, dx, sx, wq, dw, mw, y, M, N, K, c0, c1));
     }
 #else
     for (int64_t i = 0; i < M; i++)
