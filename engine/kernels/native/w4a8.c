@@ -10,7 +10,8 @@
  * int16). Per half group the integer sum is scaled by d_x (the second half's added to the
  * first's by one multiply-add), per group that sum by d_w, and the minimum adds m_w * sum(x),
  * with the exact fp32 sum: per row and group two multiply-adds fewer than scaling each half by
- * d_w * d_x (1.07-1.12x the multiply-adds per second at 256 rows on a Zen 4, one thread).
+ * d_w * d_x (at 256 rows on a Zen 4, one thread: the tiles alone 1.07-1.11x the multiply-adds per
+ * second, the whole matmul with its quantization 1.04-1.05x).
  *
  * Weight layout (engine/kernels/native/w4a8.py `pack`), for output columns in blocks of 8 (N % 8 == 0):
  *   q  uint8 (N/8, K/4, 8, 4): column block c, k-quad t, column j, element 4t..4t+3 (0..15)
