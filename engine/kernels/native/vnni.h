@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) void w4a8_tile_vnni(const int8_t *x
     __m256 acc[8];
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m256 dv, mv, t[8];
+        __m256 dv, mv;
         w4a8_scales(dw, mw, g, hs, &dv, &mv);
         for (int h = 0; h < 2; h++) {
             __m256i wv[4];
@@ -86,14 +86,12 @@ static inline __attribute__((always_inline)) void w4a8_tile_vnni(const int8_t *x
                     a[i] = W4A8_DPBUSD(a[i], wv[t],
                                        _mm256_set1_epi32(*(const int32_t *)(xp + (i >> 2) * 4 * K + t * 16 + (i & 3) * 4)));
             for (int i = 0; i < R; i++) {
-                const __m256 f = _mm256_cvtepi32_ps(a[i]), s = _mm256_broadcast_ss(dx + (i >> 2) * 8 * G + g * 8 + h * 4 + (i & 3));
-                t[i] = h ? _mm256_fmadd_ps(f, s, t[i]) : _mm256_mul_ps(f, s);
+                const __m256 s = _mm256_mul_ps(dv, _mm256_broadcast_ss(dx + (i >> 2) * 8 * G + g * 8 + h * 4 + (i & 3)));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), s, acc[i]);
             }
         }
-        for (int i = 0; i < R; i++) {
-            acc[i] = _mm256_fmadd_ps(t[i], dv, acc[i]);
+        for (int i = 0; i < R; i++)
             acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + (i >> 2) * 4 * G + g * 4 + (i & 3)), acc[i]);
-        }
     }
     for (int i = 0; i < R && i < rows; i++) _mm256_storeu_ps(y + i * N, acc[i]);
 }
@@ -129,7 +127,7 @@ static inline __attribute__((always_inline)) void w4a8_tile_vnni512(const int8_t
     __m512 acc[8];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m512 dv, mv, t[8];
+        __m512 dv, mv;
         if (hs) { /* w4a8_scales' fp16 form: block c's 16 at dw + 8 g, block c + 1's G * 8 floats on */
             const __m256i lo = _mm256_loadu_si256((const __m256i *)(dw + g * 8));
             const __m256i hi = _mm256_loadu_si256((const __m256i *)(dw + G * 8 + g * 8));
@@ -162,14 +160,12 @@ static inline __attribute__((always_inline)) void w4a8_tile_vnni512(const int8_t
                     a[i] = _mm512_dpbusd_epi32(a[i], wv[t],
                                                _mm512_set1_epi32(*(const int32_t *)(xp + (i >> 2) * 4 * K + t * 16 + (i & 3) * 4)));
             for (int i = 0; i < R; i++) {
-                const __m512 f = _mm512_cvtepi32_ps(a[i]), s = _mm512_set1_ps(dx[(i >> 2) * 8 * G + g * 8 + h * 4 + (i & 3)]);
-                t[i] = h ? _mm512_fmadd_ps(f, s, t[i]) : _mm512_mul_ps(f, s);
+                const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(dx[(i >> 2) * 8 * G + g * 8 + h * 4 + (i & 3)]));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), s, acc[i]);
             }
         }
-        for (int i = 0; i < R; i++) {
-            acc[i] = _mm512_fmadd_ps(t[i], dv, acc[i]);
+        for (int i = 0; i < R; i++)
             acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[(i >> 2) * 4 * G + g * 4 + (i & 3)]), acc[i]);
-        }
     }
     for (int i = 0; i < R && i < rows; i++) _mm512_storeu_ps(y + i * N, acc[i]);
 }

@@ -7,11 +7,8 @@
  * multiplied against the weights' 4-bit values with vpmaddubsw: 32 multiply-adds per
  * instruction, exact in integers (a weight is 0..15, an activation -127..127: a pair sums to
  * at most 3810, and the 8 pairs a lane gathers over one half group to at most 15240, inside
- * int16). Per half group the integer sum is scaled by d_x (the second half's added to the
- * first's by one multiply-add), per group that sum by d_w, and the minimum adds m_w * sum(x),
- * with the exact fp32 sum: per row and group two multiply-adds fewer than scaling each half by
- * d_w * d_x (at 256 rows on a Zen 4, one thread: the tiles alone 1.07-1.11x the multiply-adds per
- * second, the whole matmul with its quantization 1.04-1.05x).
+ * int16). Per half group the integer sum is scaled by d_w * d_x, and per group the minimum
+ * adds m_w * sum(x), with the exact fp32 sum.
  *
  * Weight layout (engine/kernels/native/w4a8.py `pack`), for output columns in blocks of 8 (N % 8 == 0):
  *   q  uint8 (N/8, K/4, 8, 4): column block c, k-quad t, column j, element 4t..4t+3 (0..15)
@@ -93,7 +90,6 @@ static void tile(const int8_t *xq, const float *dx, const float *sx, int64_t K, 
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     for (int64_t g = 0; g < G; g++, wq += 256, xq += 128, dx += 8, sx += 4) {
         const __m256 dv = _mm256_loadu_ps(dw + g * 8), mv = _mm256_loadu_ps(mw + g * 8);
-        __m256 t0, t1, t2, t3; /* the group's sum per row, in units of its weight scale */
         for (int h = 0; h < 2; h++) { /* the group's two halves: 16 activations per scale */
             const uint8_t *w = wq + h * 128;
             const int8_t *xp = xq + h * 64;
@@ -109,17 +105,15 @@ static void tile(const int8_t *xq, const float *dx, const float *sx, int64_t K, 
             STEP(0) STEP(1) STEP(2) STEP(3)
 #undef STEP
             const float *d = dx + h * 4;
-            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a0, ones)), f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a1, ones));
-            const __m256 f2 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a2, ones)), f3 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a3, ones));
-            t0 = h ? _mm256_fmadd_ps(f0, _mm256_broadcast_ss(d), t0) : _mm256_mul_ps(f0, _mm256_broadcast_ss(d));
-            t1 = h ? _mm256_fmadd_ps(f1, _mm256_broadcast_ss(d + 1), t1) : _mm256_mul_ps(f1, _mm256_broadcast_ss(d + 1));
-            t2 = h ? _mm256_fmadd_ps(f2, _mm256_broadcast_ss(d + 2), t2) : _mm256_mul_ps(f2, _mm256_broadcast_ss(d + 2));
-            t3 = h ? _mm256_fmadd_ps(f3, _mm256_broadcast_ss(d + 3), t3) : _mm256_mul_ps(f3, _mm256_broadcast_ss(d + 3));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 1)), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a2, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 2)), acc2);
+            acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a3, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 3)), acc3);
         }
-        acc0 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx), _mm256_fmadd_ps(t0, dv, acc0));
-        acc1 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 1), _mm256_fmadd_ps(t1, dv, acc1));
-        acc2 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 2), _mm256_fmadd_ps(t2, dv, acc2));
-        acc3 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 3), _mm256_fmadd_ps(t3, dv, acc3));
+        acc0 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx), acc0);
+        acc1 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 1), acc1);
+        acc2 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 2), acc2);
+        acc3 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 3), acc3);
     }
     _mm256_storeu_ps(y, acc0);
     if (rows > 1) _mm256_storeu_ps(y + N, acc1);

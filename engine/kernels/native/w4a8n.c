@@ -34,7 +34,7 @@ static inline __attribute__((always_inline)) void tile_nib(const int8_t *xq, con
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     for (int64_t g = 0; g < K / 32; g++, wn += 128, xq += 128, dx += 8, sx += 4) {
-        __m256 dv, mv, t0, t1 = _mm256_setzero_ps(), t2 = t1, t3 = t1; /* t: w4a8.c's group sums */
+        __m256 dv, mv;
         w4a8_scales(dw, mw, g, hs, &dv, &mv);
         for (int h = 0; h < 2; h++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wn + h * 64));
@@ -51,20 +51,17 @@ static inline __attribute__((always_inline)) void tile_nib(const int8_t *xq, con
                 a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(wv[t], _mm256_set1_epi32(*(const int32_t *)(xp + t * 16 + 12))));
             }
             const float *d = dx + h * 4;
-            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a0, ones));
-            t0 = h ? _mm256_fmadd_ps(f0, _mm256_broadcast_ss(d), t0) : _mm256_mul_ps(f0, _mm256_broadcast_ss(d));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d)), acc0);
             if (R == 1) continue;
-            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a1, ones)), f2 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a2, ones));
-            const __m256 f3 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a3, ones));
-            t1 = h ? _mm256_fmadd_ps(f1, _mm256_broadcast_ss(d + 1), t1) : _mm256_mul_ps(f1, _mm256_broadcast_ss(d + 1));
-            t2 = h ? _mm256_fmadd_ps(f2, _mm256_broadcast_ss(d + 2), t2) : _mm256_mul_ps(f2, _mm256_broadcast_ss(d + 2));
-            t3 = h ? _mm256_fmadd_ps(f3, _mm256_broadcast_ss(d + 3), t3) : _mm256_mul_ps(f3, _mm256_broadcast_ss(d + 3));
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 1)), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a2, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 2)), acc2);
+            acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a3, ones)), _mm256_mul_ps(dv, _mm256_broadcast_ss(d + 3)), acc3);
         }
-        acc0 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx), _mm256_fmadd_ps(t0, dv, acc0));
+        acc0 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx), acc0);
         if (R == 1) continue;
-        acc1 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 1), _mm256_fmadd_ps(t1, dv, acc1));
-        acc2 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 2), _mm256_fmadd_ps(t2, dv, acc2));
-        acc3 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 3), _mm256_fmadd_ps(t3, dv, acc3));
+        acc1 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 1), acc1);
+        acc2 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 2), acc2);
+        acc3 = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sx + 3), acc3);
     }
     _mm256_storeu_ps(y, acc0);
     if (rows > 1) _mm256_storeu_ps(y + N, acc1);
