@@ -100,7 +100,8 @@ def test_the_c_decode_step_runs_adapter_rows_with_the_python_paths_bits(adapter,
 
 
 def test_both_c_step_schedules_give_adapter_rows_the_same_bits(adapter, smollm):
-    """One OpenMP team (up to 4 rows), the rows split between the threads, or a region per op:
+    """One OpenMP team (up to 4 rows), the rows split between the threads (from a balanced start,
+    or from one thread's part, rows changing hands), or a region per op:
     the same tokens and logprobs for a batch of adapter and base rows (the LoRA routine splits
     columns or rows, never a sum)."""
     from pdserve.engine.kernels import native
@@ -113,15 +114,17 @@ def test_both_c_step_schedules_give_adapter_rows_the_same_bits(adapter, smollm):
                                          lora=LoRAConfig(max_loras=1, modules=(("ad", str(adapter[0])),))), tok)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
     jobs = [(f"r{i}", tok.encode(f"Question {i}: what is the capital of France?"), "ad" if i % 2 else None)
-            for i in range(3)]
+            for i in range(4)]  # 4 rows: one team at team_rows 4, split (2 a thread) without it
     w = eng.runner.model.native_decode
     team = generate(eng, jobs, params)
     w.team_rows = 0  # every step's rows split between the threads
     try:
         split = generate(eng, jobs, params)
+        w.split_rows = 3  # split, every row starting on the first thread: the others take adapter rows over
+        taken = generate(eng, jobs, params)
         w.split_rows = 0  # every step on a region per op
         per_op = generate(eng, jobs, params)
     finally:
         w.team_rows, w.split_rows = 4, 2
-    assert team == split == per_op
+    assert team == split == taken == per_op
     assert_engine_clean(eng)

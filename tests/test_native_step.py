@@ -92,18 +92,26 @@ def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
     ([5, 16, 31, 2, 20, 9], "split", "bf16"), ([5, 16, 31], "team", "int8"), ([5, 16, 31], "per_op", "int8"),
     ([5, 16, 31, 2], "team", "bf16"), ([5, 16, 31, 2], "team", "fp32"),  # one team, a row an attention item
     ([5, 16, 31, 2, 20, 9], "team", "fp32"), ([5, 16, 31, 2, 20, 9, 40], "split", "int8"),
-    ([5, 16, 31, 2, 20, 9], "per_op", "bf16"), ([13], "team", "fp8"), ([5, 16, 31, 2, 20, 9], "split", "fp8")])
+    ([5, 16, 31, 2, 20, 9], "per_op", "bf16"), ([13], "team", "fp8"), ([5, 16, 31, 2, 20, 9], "split", "fp8"),
+    ([5, 16, 31, 2, 20, 9], "taken", "bf16"), ([5, 16, 31, 2, 20, 9, 40, 7], "taken", "fp32"),
+    ([5, 16, 31, 2, 20, 9], "taken", "int8")])
 def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step_calls, prompt_lens, schedule, kv):
     """Both paths decode from the same prefilled cache, each in its own copy; every step's
     hidden states and every layer's K/V are bitwise equal, so every greedy token is. The
     lengths cross block boundaries (16-token blocks) during the 32 steps. Each of step.c's
     schedules (one OpenMP team for the step, the rows split between the threads, or a region
     per op), over fp32, bf16, int8 and fp8 caches (the C step's bf16 rounding and 8-bit rows of
-    the new K/V are the Python path's: the caches stay equal)."""
+    the new K/V are the Python path's: the caches stay equal). "taken": split with every row
+    starting on the first of two threads, so the second takes rows over, layers in (the MLP
+    outputs it copies, the rows' residual stream), and rows change hands again as either
+    finishes first."""
     cfg, steps, kv_dtype = model.config, 32, KV_DTYPES[kv]
     width = cfg.head_dim + (4 if kv in ("int8", "fp8") else 0)  # an 8-bit row: its codes, then its scale
     nd = model.native_decode
-    nd.one_region, nd.team_rows, nd.split_rows = schedule != "per_op", 64 if schedule == "team" else 4, 2
+    nd.one_region, nd.team_rows = schedule != "per_op", 64 if schedule == "team" else 4
+    nd.split_rows, taken, threads = 3 if schedule == "taken" else 2, step.rows_taken(), torch.get_num_threads()
+    if schedule == "taken":
+        torch.set_num_threads(2)  # the split schedule needs two threads, whatever the host
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 10000, (n,), generator=g).tolist() for n in prompt_lens]
     per = (max(prompt_lens) + steps + BS - 1) // BS
@@ -129,7 +137,9 @@ def test_the_native_step_equals_the_python_path_over_32_greedy_steps(model, step
     assert torch.equal(caches[True].view(torch.uint8), caches[False].view(torch.uint8))
     assert caches[True].dtype is kv_dtype and caches[True].view(torch.uint8).any()
     assert step_calls == [len(prompts)] * steps  # the native step did run
-    nd.one_region, nd.team_rows = True, 4
+    assert step.rows_taken() > taken or schedule != "taken"  # rows did change hands
+    nd.one_region, nd.team_rows, nd.split_rows = True, 4, 2
+    torch.set_num_threads(threads)
 
 
 def _greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:

@@ -197,7 +197,8 @@ def _stop_hook(word: ctypes.c_int32, threshold: int):
 
 
 @native_only
-@pytest.mark.parametrize("rows,split", [(3, 2), (8, 2), (8, 0)])  # one team (up to team_rows), rows split, per op
+# one team (up to team_rows), rows split, split from one thread's part (the other takes rows over), per op
+@pytest.mark.parametrize("rows,split", [(3, 2), (8, 2), (8, 3), (8, 0)])
 def test_the_native_step_stops_after_its_first_layer_when_its_word_is_below_the_threshold(model, step_calls, rows,
                                                                                              split, monkeypatch):
     """A decode step whose stop word is already below its threshold stops at its first layer's

@@ -38,7 +38,7 @@ from .cpu import ISA_ENV, ISAS, UnknownISA, build_flags, cpu_flags, isa, isas  #
 # shared-memory collectives (shm.c, bound in engine/parallel/shm.py); the headers are shared by them
 SRC: tuple[Path, ...] | Path = tuple(Path(__file__).with_name(n)
                                      for n in ("woq.c", "attention.c", "attention_rows.c", "kv_store.c", "fused.c", "w4a8.c", "q8a16.c", "sampling.c",
-                                               "step.c", "step_team.c", "w4a8n.c", "lora.c", "peak.c", "amx.c",
+                                               "step.c", "step_split.c", "step_team.c", "w4a8n.c", "lora.c", "peak.c", "amx.c",
                                                "amx_attention.c", "bf16_attention.c", "grids.c", "shm.c"))
 HEADERS = tuple(Path(__file__).with_name(n)
                 for n in ("vecmath.h", "kvformat.h", "attend.h", "vnni.h", "flash.h", "step_lora.h", "share.h",

@@ -10,7 +10,7 @@
  * store the new rows as the cache's dtype holds them (step_put_kv: what .to() and index_copy_ do
  * there): a row's result is bitwise the Python path's. Three schedules, the same result: a
  * parallel region per op (layer); a decode step's rows split between the threads, each part
- * through every layer on one thread alone (split_step, the default above 4 rows); or the whole
+ * through every layer on one thread alone (step_split.c, the default above 4 rows); or the whole
  * step on one OpenMP team (step_team.c, the default up to 4 rows).
  *
  * A step may stop at a layer's end: each layer's end but the last reads the step's stop word (an
@@ -69,7 +69,7 @@ int step_stop_now(const int32_t *stop, int32_t threshold) {
 }
 
 
-static float *alloc_bufs(step_bufs *b, const step_dims *d, int64_t M) {
+float *step_alloc_bufs(step_bufs *b, const step_dims *d, int64_t M) {
     const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
     const int64_t widths[8] = {H, wqkv, nq, nq, H, 2 * d->inter, d->inter, H};
     int64_t total = 0;
@@ -138,10 +138,9 @@ static int attend(const step_dims *d, const float *q, const void *kc, const void
 
 /* One layer: h += delta (the previous layer's MLP output; NULL for the first), attention,
  * h += its output, and the MLP's output into b->delta. Returns 0, or -1 without memory. */
-static int layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta,
-                 step_bufs *b, const int64_t *positions, const float *cos_t, const float *sin_t,
-                 const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
-                 const step_lora *L, int64_t li) {
+int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta, step_bufs *b,
+               const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
+               const int64_t *tables, const int64_t *lens, int64_t M, int nt, const step_lora *L, int64_t li) {
     const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
     add_rms_norm_f32(h, delta, w[0], b->x, M, H, d->eps, nt);
     if (matmul(d, w, 0, b->x, b->qkv, M, wqkv, H, nt)) return -1;
@@ -159,55 +158,6 @@ static int layer(const step_dims *d, void *const *w, void *kc, void *vc, float *
     return lora_all(L, li, 3, b->act, d->inter, b->delta, H, M, nt);
 }
 
-/* Decode rows split between the threads by their work (a row's matmuls, as SPLIT_ROW_KEYS keys of
- * its context, plus its context), each part through every layer on one thread alone: the parts
- * meet only at the end, so a thread the OS takes away for a while (the router, the load
- * generator, a peer worker on the same cores) delays the step by its own absence, where a team
- * splitting each op waits for it at every op's end (32 rows, 200 tokens each, in one process
- * beside a process busy 20% of a core: 679-714 against 522-626 tok/s; alone 818-859 against
- * 753-815). Each thread reads every weight, which the step's arithmetic hides from 5 rows up
- * (bench/NOTES.md). A row's result is its own whatever its part (the kernels are batch
- * invariant). */
-#define SPLIT_ROW_KEYS 330
-static int split_step(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
-                      float *out, const int64_t *positions, const float *cos_t, const float *sin_t,
-                      const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
-                      const step_lora *L, const int32_t *stop, int32_t threshold) {
-    int64_t bounds[65], total = 0, acc = 0;
-    if (nt > 64) nt = 64;
-    for (int64_t i = 0; i < M; i++) total += SPLIT_ROW_KEYS + lens[i];
-    bounds[0] = 0;
-    for (int64_t i = 0, t = 1; i < M && t < nt; i++) {
-        acc += SPLIT_ROW_KEYS + lens[i];
-        while (t < nt && acc * nt >= total * t) bounds[t++] = i + 1;
-    }
-    for (int t = 1; t < nt; t++) if (bounds[t] < bounds[t - 1]) bounds[t] = bounds[t - 1];
-    bounds[nt] = M;
-    int failed = 0, stopped = 0;
-    const int64_t H = d->hidden, mb = d->max_blocks;
-#pragma omp parallel num_threads(nt) reduction(| : failed, stopped)
-    {
-        const int t = omp_get_thread_num();
-        const int64_t r0 = bounds[t], m = bounds[t + 1] - r0;
-        step_bufs b;
-        float *base = m > 0 ? alloc_bufs(&b, d, m) : NULL;
-        if (m > 0 && !base) failed = 1;
-        const step_lora sub = {L ? L->n_adapters : 0, L ? L->max_rank : 0, L ? L->adapters : NULL,
-                               L ? L->row_slot + r0 : NULL};
-        int rc = 0;
-        for (int64_t i = 0; base && i < d->layers && !rc; i++) {
-            rc = layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h + r0 * H, i ? b.delta : NULL, &b,
-                       positions + r0, cos_t, sin_t, slots + r0, tables + r0 * mb, lens + r0, m, 1, L ? &sub : NULL, i);
-            if (!rc && i + 1 < d->layers && step_stop_now(stop, threshold)) rc = STEP_STOPPED;
-        }
-        if (base && !rc) add_rms_norm_f32(h + r0 * H, b.delta, final_w, out + r0 * H, m, H, d->eps, 1);
-        if (rc == STEP_STOPPED) stopped = 1;
-        else if (rc) failed = 1;
-        free(base);
-    }
-    return failed ? -1 : stopped ? STEP_STOPPED : 0;
-}
-
 /* All layers of a step (decode rows, and prompt rows in runs of consecutive positions), then
  * the final norm:
  *   h (M, hidden)       the residual stream into the first layer (the embeddings, or a pipeline
@@ -219,7 +169,8 @@ static int split_step(const step_dims *d, void *const *weights, void *const *kv,
  *   tables (M, max_blocks), lens (M,) int64: each row's blocks and context length, checked
  *                       (native.paged_attention_tables)
  *   one_region          1: the whole step on one OpenMP team (step_team; decode rows only, no
- *                       bf16 ranges), 2: the rows split between the threads (split_step; the same),
+ *                       bf16 ranges), 2: the rows split between the threads (step_split.c; the same),
+ *                       3: split, every row starting on the first thread (the hand-over path),
  *                       0: each op its own region
  *   lora                the rows' LoRA adapters (step_lora above), or NULL
  *   stop, threshold     the stop word (NULL: the step never stops), read at each layer's end
@@ -237,11 +188,11 @@ int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv,
     for (int64_t i = 0; i < M; i++) /* checked here: in torch ops this cost 0.5 ms a step */
         if (positions[i] < 0 || positions[i] >= d->max_positions || slots[i] < 0 || slots[i] >= d->num_slots)
             return -2;
-    if (one_region == 2 && !d->n_bf16 && nt > 1)
-        return split_step(d, weights, kv, final_w, h, out, positions, cos_t, sin_t, slots, tables, lens, M, nt, lora,
-                          stop, threshold);
+    if ((one_region == 2 || one_region == 3) && !d->n_bf16 && nt > 1)
+        return step_split(d, weights, kv, final_w, h, out, positions, cos_t, sin_t, slots, tables, lens, M, nt, lora,
+                          stop, threshold, one_region == 3);
     step_bufs b;
-    float *base = alloc_bufs(&b, d, M);
+    float *base = step_alloc_bufs(&b, d, M);
     if (!base) return -1;
     int rc = 0;
 #ifdef __AVX2__
@@ -253,7 +204,7 @@ int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv,
     }
 #endif
     for (int64_t i = 0; i < d->layers && !rc; i++) {
-        rc = layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h, i ? b.delta : NULL, &b, positions, cos_t,
+        rc = step_layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h, i ? b.delta : NULL, &b, positions, cos_t,
                    sin_t, slots, tables, lens, M, nt, lora, i);
         if (!rc && i + 1 < d->layers && step_stop_now(stop, threshold)) rc = STEP_STOPPED;
     }

@@ -69,9 +69,20 @@ typedef struct {
     float *x, *qkv, *q, *att, *a, *gu, *act, *delta;
 } step_bufs;
 
-/* step.c: a new K or V row into its cache slot; whether the step stops at this layer's end */
+/* step.c: a new K or V row into its cache slot; whether the step stops at this layer's end; the
+ * scratch for M rows (one allocation, returned for free; NULL without memory); one layer of M rows */
 void step_put_kv(void *cache, int64_t slot, int64_t kh, int64_t nh, const float *x, const step_dims *d);
 int step_stop_now(const int32_t *stop, int32_t threshold);
+float *step_alloc_bufs(step_bufs *b, const step_dims *d, int64_t M);
+int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta, step_bufs *b,
+               const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
+               const int64_t *tables, const int64_t *lens, int64_t M, int nt, const step_lora *L, int64_t li);
+
+/* step_split.c: decode_step_llama's rows split between the threads (one_region 2; 3 `skewed`) */
+int step_split(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h, float *out,
+               const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
+               const int64_t *tables, const int64_t *lens, int64_t M, int nt, const step_lora *L,
+               const int32_t *stop, int32_t threshold, int skewed);
 
 #ifdef __AVX2__
 /* step_team.c: decode_step_llama's work on one team */

@@ -69,8 +69,15 @@ def _bound():
         lib.w4a8n_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         lib.w4a8n_matmul.restype = ctypes.c_int
         lib.w4a8n_half_scales.restype = ctypes.c_int
+        lib.decode_step_taken.restype = ctypes.c_int64
         _fn, _nib, _half = lib.decode_step_llama, lib.w4a8n_matmul, bool(lib.w4a8n_half_scales())
     return _fn
+
+
+def rows_taken() -> int:
+    """Rows the split schedule's threads have taken over from slower ones, in this process so far."""
+    _bound()
+    return int(load().decode_step_taken())
 
 
 def nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -163,7 +170,10 @@ class StepWeights:
         # ... for steps of up to this many rows: measured (bench/decode-step-results.json) one
         # team 7.9 vs 8.7 ms at 1 row, 21.4 vs 22.5 at 4; a region per op 48.6 vs 49.9 at 8, 161 vs 192 at 32
         self.team_rows = 4
-        self.split_rows = 2  # larger decode-only steps (`_schedule`): 2 the rows split between threads, 0 per op
+        # larger decode-only steps (`_schedule`): 2 the rows split between the threads (a thread done
+        # with its rows takes half of a slower one's), 0 a region per op; 3 split from every row on the
+        # first thread (the others take theirs: the hand-over path, for tests)
+        self.split_rows = 2
 
     def kv_pointers(self, kv_caches: list) -> ctypes.Array:
         """Every layer's (K, V) pointers, cached while the same list of the same tensors is passed
