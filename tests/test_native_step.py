@@ -190,16 +190,21 @@ def test_an_ineligible_model_falls_back_to_the_python_path(make_engine, step_cal
     assert step_calls == []
 
 
-def test_a_step_with_a_hook_or_tensor_parallelism_is_not_native(model):
+def test_a_step_with_a_hook_in_a_pipeline_or_tensor_parallelism_is_not_native(model):
     meta = _decode_meta([5], [[1]])
     layers = [(torch.zeros(2, BS, 3, 64), torch.zeros(2, BS, 3, 64))]
     assert native_step.usable(model, layers, meta, None)
-    assert not native_step.usable(model, layers, meta, after_layer=lambda i: None)
+    assert native_step.usable(model, layers, meta, after_layer=lambda i: None)  # the C step calls it
+    model.pp = object()  # a pipeline stage's C call takes no hook
+    try:
+        assert not native_step.usable(model, layers, meta, after_layer=lambda i: None)
+    finally:
+        model.pp = None
     n = 300  # prompt chunks of any size run natively (test_native_step_prompts.py)
     prefill = AttentionMetadata(meta.slot_mapping, 1, meta.decode_block_tables, meta.decode_seq_lens,
                                 [PrefillSpan(1, 1 + n, 0, [1] * (n // BS + 1))], BS)
     assert native_step.usable(model, layers, prefill, None)
-    assert not native_step.usable(model, layers, prefill, after_layer=lambda i: None)
+    assert native_step.usable(model, layers, prefill, after_layer=lambda i: None)
     assert native_step.usable(model, [(k.bfloat16(), v.bfloat16()) for k, v in layers], meta, None)
     small = AttentionMetadata(meta.slot_mapping, 1, meta.decode_block_tables, meta.decode_seq_lens,
                               [PrefillSpan(1, 5, 0, [1])], BS)

@@ -96,6 +96,54 @@ def test_a_step_of_many_prompt_rows_equals_the_python_path(model, step_calls, kv
     assert step_calls == [121] and 121 > step.BYTE_ROWS
 
 
+def test_a_step_with_a_layer_hook_calls_it_where_the_python_loop_does(model, step_calls):
+    """A prompt step with a layer hook (what a long prompt's step gets: KV streamed out, pauses
+    for a peer's urgent step) runs natively, calling the hook at each layer's end, once that
+    layer's K/V is in the cache and before the next layer's, and its `within` twice inside each
+    layer, as the Python layer loop does: the same calls in the same order, bitwise the same
+    hidden states and cache. What the hook raises stops the step there and comes out as itself."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(100, 10000, (40,), generator=g)
+    table = [1, 2, 3]
+    cache = torch.zeros(cfg.num_hidden_layers, 2, 4, BS, cfg.num_key_value_heads, cfg.head_dim)
+
+    def run(native_on: bool, stop_at: int | None = None):
+        caches, calls = cache.clone(), []
+        layers = [(caches[i, 0], caches[i, 1]) for i in range(cfg.num_hidden_layers)]
+
+        def hook(i):
+            written = [bool(caches[j, 0, 1:3].any()) for j in range(cfg.num_hidden_layers)]
+            calls.append(("end", i, written.index(False) if False in written else len(written)))
+            if i == stop_at:
+                raise LookupError(f"stop at {i}")
+        hook.within = lambda: calls.append(("within",))
+        meta = _prompt_meta(table)
+        saved = model.native_decode
+        model.native_decode = saved if native_on else None
+        try:
+            model.backend.prepare(meta)
+            with torch.inference_mode():
+                return model(ids, torch.arange(40), layers, meta, hook), caches, calls
+        finally:
+            model.native_decode = saved
+    (want, want_cache, want_calls), (got, got_cache, got_calls) = run(False), run(True)
+    assert got_calls == want_calls and len(want_calls) == 3 * cfg.num_hidden_layers
+    assert [c[2] for c in got_calls if c[0] == "end"] == list(range(1, cfg.num_hidden_layers + 1))
+    assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
+    assert step_calls == [40]
+    with pytest.raises(LookupError, match="stop at 4"):
+        run(True, stop_at=4)
+    assert step_calls == [40, 40]
+
+
+def _prompt_meta(table):
+    """One fresh 40-token prompt in the blocks of `table`."""
+    slots = [table[p // BS] * BS + p % BS for p in range(40)]
+    none = torch.zeros(0, dtype=torch.long)
+    return AttentionMetadata(torch.tensor(slots), 0, none.view(0, 1), none, [PrefillSpan(0, 40, 0, table, 40)], BS)
+
+
 def test_bf16_ranges_that_are_not_a_step_s_rows_are_refused(model):
     from pdserve.engine.kernels.native import step
     w = model.native_decode

@@ -343,9 +343,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, after_layer=None, lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids, positions: (T,). kv_caches: per layer (K, V) paged tensors.
-        after_layer(i): called once layer i has written its K/V (layer-wise KV streaming); the
-        one-call native step runs instead of the layer loop only for a hook that merely stops
-        it, reading its `native_stop` (native_step.usable).
+        after_layer(i): called once layer i has written its K/V (layer-wise KV streaming), its
+        `within()` inside each layer; the native step calls them there too (or reads a stop word).
         lora: which rows run under which adapter (None: all on the base model).
         Returns the final normed hidden states, (T, hidden)."""
         if lora is not None:
@@ -353,8 +352,8 @@ class LlamaForCausalLM(nn.Module):
         meta.backend_state[BF16_PROMPTS_FROM] = self.bf16_prompts_from  # None: every row in fp32
         if self.native_ops and native_step.usable(self, kv_caches, meta, after_layer, lora):
             if self.pp is None:
-                return native_step.forward(self, input_ids, positions, kv_caches, meta, lora,
-                                           getattr(after_layer, "native_stop", None))
+                stop, hook = getattr(after_layer, "native_stop", None), native_step.c_hook(after_layer)
+                return native_step.forward(self, input_ids, positions, kv_caches, meta, lora, stop, hook=hook)
             # a pipeline stage: one C call over its layers (a group's steps never stop midway); h
             # comes out as the residual stream the next stage takes, the result as the final norm
             h = self.pp.enter(self, input_ids).contiguous()

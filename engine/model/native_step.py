@@ -10,7 +10,9 @@ path calls for them (engine/kernels/native/lora.c).
 and builds the per-layer pointer array; `usable(model, kv_caches, meta, after_layer)` is the
 per-step check; `forward(...)` runs the step, which stops at a layer's end (step.Stopped) if
 it was given a stop word (the `native_stop` of the step's layer hook) and the word falls
-below its threshold. A row's result is bitwise the Python path's:
+below its threshold. Any other layer hook (KV streamed out layer by layer, a pause for a
+peer's urgent step) the C step calls where the Python layer loop would (`c_hook`).
+A row's result is bitwise the Python path's:
 the C loop calls the same kernels on the same inputs in the same order.
 """
 from __future__ import annotations
@@ -76,17 +78,17 @@ _FLOAT_KV, _CODE_KV = (torch.float32, torch.bfloat16), (torch.int8, torch.float8
 
 
 def usable(model, kv_caches: list, meta: AttentionMetadata, after_layer, lora=None) -> bool:
-    """Whether this step runs natively: a prepared model, no tensor parallelism, no per-layer
-    hook but one that only stops the step (its `native_stop`, which the C step reads instead
-    of calling it), decode and prompt rows (a prompt's rows whose attention runs in bf16 vectors,
-    AttentionMetadata.bf16_prompt_ranges, too), the C attention backend and an fp32 or bf16
+    """Whether this step runs natively: a prepared model, no tensor parallelism, a per-layer
+    hook only outside a pipeline (one that only stops the step carries its `native_stop`, which
+    the C step reads instead of calling it; any other it calls, `c_hook`), decode and prompt
+    rows (a prompt's rows whose attention runs in bf16 vectors, AttentionMetadata.bf16_prompt_ranges, too), the C attention backend and an fp32 or bf16
     cache, or an 8-bit one (int8, fp8) for decode rows only (a prompt's rows attend over a
     decoded copy in the Python path); LoRA adapters (a lora_batch.LoRABatch) with fp32 CPU
     weights; no prompt rows where the model runs them in bf16 on AMX (quant.PromptBf16Linear)."""
     rows = meta.num_decode_tokens + sum(sp.end - sp.start for sp in meta.prefills)
     return (model.native_decode is not None and model.tp is None and rows > 0
             and not (model.prompt_rows is not None and meta.prompt_ranges())  # those run on AMX
-            and (after_layer is None or hasattr(after_layer, "native_stop"))
+            and (after_layer is None or hasattr(after_layer, "native_stop") or model.pp is None)
             and isinstance(model.backend, NativeAttentionBackend)
             and (kv_caches[0][0].dtype in _FLOAT_KV or kv_caches[0][0].dtype in _CODE_KV and not meta.prefills)
             and (lora is None or all(_fp32_cpu(a) for a in lora.adapters)))
@@ -97,14 +99,30 @@ def _fp32_cpu(adapter) -> bool:
     return m is None or (m.a.dtype is torch.float32 and m.a.is_cpu)
 
 
+def c_hook(after_layer):
+    """The layer hook `after_layer` (LlamaForCausalLM.forward's) as step.run's `hook`: it is
+    called at each layer's end, and its `within` (if any) at the points inside a layer where the
+    layer loop calls it. None for no hook, or one the C step reads as a stop word."""
+    if after_layer is None or hasattr(after_layer, "native_stop"):
+        return None
+    within = getattr(after_layer, "within", None)
+
+    def hook(layer: int, where: int) -> None:
+        if where == 0:
+            after_layer(layer)
+        elif within is not None:
+            within()
+    return hook
+
+
 def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
             meta: AttentionMetadata, lora=None, stop: tuple[int, int] | None = None,
-            h: torch.Tensor | None = None) -> torch.Tensor:
+            h: torch.Tensor | None = None, hook=None) -> torch.Tensor:
     """The final normed hidden states of a decode-only step (rows as `meta` orders them);
     `lora`: the rows' adapters (lora_batch.LoRABatch) or None; `stop`: step.run's (the stop
     word's address, the threshold), or None; `h`: the residual stream into the model's layers
     (default: the embeddings of `input_ids`; a pipeline stage's input), contiguous fp32, which
-    the step leaves holding the stream after its last layer."""
+    the step leaves holding the stream after its last layer; `hook`: step.run's (`c_hook`)."""
     from pdserve.engine.kernels.native import step
     from pdserve.engine.kernels.native.lora import StepLoRA
     st = meta.backend_state
@@ -121,4 +139,4 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: 
     return step.run(model.native_decode, h, kv_caches, positions.to(torch.int64).contiguous(), rotary.cos,
                     rotary.sin, meta.slot_mapping.to(torch.int64).contiguous(), tables, lens,
                     None if lora is None else StepLoRA.of(lora.groups, h.shape[0]), one_team=not meta.prefills,
-                    stop=stop, bf16_rows=meta.bf16_prompt_ranges())
+                    stop=stop, bf16_rows=meta.bf16_prompt_ranges(), hook=hook)

@@ -137,10 +137,12 @@ static int attend(const step_dims *d, const float *q, const void *kc, const void
 }
 
 /* One layer: h += delta (the previous layer's MLP output; NULL for the first), attention,
- * h += its output, and the MLP's output into b->delta. Returns 0, or -1 without memory. */
+ * h += its output, and the MLP's output into b->delta; `hook` (or NULL) called at the pause
+ * points inside it. Returns 0, -1 without memory, or STEP_STOPPED (the hook said so). */
 int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta, step_bufs *b,
                const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
-               const int64_t *tables, const int64_t *lens, int64_t M, int nt, const step_lora *L, int64_t li) {
+               const int64_t *tables, const int64_t *lens, int64_t M, int nt, const step_lora *L, int64_t li,
+               step_hook hook) {
     const int64_t H = d->hidden, nq = d->heads * d->head_dim, wqkv = nq + 2 * d->kv_heads * d->head_dim;
     add_rms_norm_f32(h, delta, w[0], b->x, M, H, d->eps, nt);
     if (matmul(d, w, 0, b->x, b->qkv, M, wqkv, H, nt)) return -1;
@@ -150,9 +152,11 @@ int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h,
     if (attend(d, b->q, kc, vc, tables, lens, b->att, M, nt)) return -1;
     if (matmul(d, w, 1, b->att, b->a, M, H, nq, nt)) return -1;
     if (lora_all(L, li, 1, b->att, nq, b->a, H, M, nt)) return -1;
+    if (hook && hook(li, 1)) return STEP_STOPPED;
     add_rms_norm_f32(h, b->a, w[1], b->x, M, H, d->eps, nt);
     if (matmul(d, w, 2, b->x, b->gu, M, 2 * d->inter, H, nt)) return -1;
     if (lora_all(L, li, 2, b->x, H, b->gu, 2 * d->inter, M, nt)) return -1;
+    if (hook && hook(li, 2)) return STEP_STOPPED;
     silu_mul_f32(b->gu, b->act, M, d->inter, nt);
     if (matmul(d, w, 3, b->act, b->delta, M, H, d->inter, nt)) return -1;
     return lora_all(L, li, 3, b->act, d->inter, b->delta, H, M, nt);
@@ -175,6 +179,8 @@ int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h,
  *   lora                the rows' LoRA adapters (step_lora above), or NULL
  *   stop, threshold     the stop word (NULL: the step never stops), read at each layer's end
  *                       but the last: the step stops there when it is below `threshold`
+ *   hook                called at each pause point (step_hook; one_region 0 only), or NULL:
+ *                       the caller's layer hook (KV streamed out, a pause for a peer's step)
  * Returns 0, -1 when scratch memory could not be allocated, -2 (nothing run) when a position
  * or slot lies outside the tables or the cache, -3 (nothing run) for a cache format not in
  * kvformat.h, or STEP_STOPPED (-4) when it stopped: `out` is not written, `h` and the
@@ -182,12 +188,14 @@ int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h,
 int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h,
                       float *out, const int64_t *positions, const float *cos_t, const float *sin_t,
                       const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t M, int nt,
-                      int one_region, const step_lora *lora, const int32_t *stop, int32_t threshold) {
+                      int one_region, const step_lora *lora, const int32_t *stop, int32_t threshold,
+                      step_hook hook) {
     if (M <= 0) return 0;
     if (d->kv_fmt < KV_F32 || d->kv_fmt > KV_FP8) return -3;
     for (int64_t i = 0; i < M; i++) /* checked here: in torch ops this cost 0.5 ms a step */
         if (positions[i] < 0 || positions[i] >= d->max_positions || slots[i] < 0 || slots[i] >= d->num_slots)
             return -2;
+    if (hook) one_region = 0; /* its points are the per-op loop's */
     if ((one_region == 2 || one_region == 3) && !d->n_bf16 && nt > 1)
         return step_split(d, weights, kv, final_w, h, out, positions, cos_t, sin_t, slots, tables, lens, M, nt, lora,
                           stop, threshold, one_region == 3);
@@ -205,7 +213,8 @@ int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv,
 #endif
     for (int64_t i = 0; i < d->layers && !rc; i++) {
         rc = step_layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h, i ? b.delta : NULL, &b, positions, cos_t,
-                   sin_t, slots, tables, lens, M, nt, lora, i);
+                        sin_t, slots, tables, lens, M, nt, lora, i, hook);
+        if (!rc && hook && hook(i, 0)) rc = STEP_STOPPED;
         if (!rc && i + 1 < d->layers && step_stop_now(stop, threshold)) rc = STEP_STOPPED;
     }
     if (!rc) add_rms_norm_f32(h, b.delta, final_w, out, M, d->hidden, d->eps, nt);

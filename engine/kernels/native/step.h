@@ -74,9 +74,13 @@ typedef struct {
 void step_put_kv(void *cache, int64_t slot, int64_t kh, int64_t nh, const float *x, const step_dims *d);
 int step_stop_now(const int32_t *stop, int32_t threshold);
 float *step_alloc_bufs(step_bufs *b, const step_dims *d, int64_t M);
+/* A step's caller at its pause points (decode_step_llama): layer li's end (where 0), inside it
+ * after the attention (1) and after the MLP's first matmul (2); nonzero stops the step there. */
+typedef int (*step_hook)(int64_t li, int64_t where);
 int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta, step_bufs *b,
                const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
-               const int64_t *tables, const int64_t *lens, int64_t M, int nt, const step_lora *L, int64_t li);
+               const int64_t *tables, const int64_t *lens, int64_t M, int nt, const step_lora *L, int64_t li,
+               step_hook hook);
 
 /* step_split.c: decode_step_llama's rows split between the threads (one_region 2; 3 `skewed`) */
 int step_split(const step_dims *d, void *const *weights, void *const *kv, const float *final_w, float *h, float *out,

@@ -36,6 +36,10 @@ STOPPED = -4  # step.c STEP_STOPPED
 SPLIT_MAX_THREADS = 4
 
 
+# step.c's step_hook: (layer, where: 0 its end, 1 after its attention, 2 after its MLP's first matmul)
+_HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
 class Stopped(Exception):
     """`run` stopped at a layer's end: its stop word was below its threshold there. Nothing it
     computed counts: the K/V it stored (the new rows' slots, of the layers it ran) is
@@ -64,7 +68,7 @@ def _bound():
         if lib.decode_step_ptrs() != PTRS:
             raise RuntimeError("step.c and step.py disagree on the per-layer pointers")
         lib.decode_step_llama.argtypes = [ctypes.POINTER(_Dims), p, p, p, p, p, p, p, p, p, p, p, i64, ctypes.c_int,
-                                          ctypes.c_int, p, p, ctypes.c_int32]
+                                          ctypes.c_int, p, p, ctypes.c_int32, _HOOK]
         lib.decode_step_llama.restype = ctypes.c_int
         lib.w4a8n_matmul.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         lib.w4a8n_matmul.restype = ctypes.c_int
@@ -198,8 +202,8 @@ def _ranges(rows: list[tuple[int, int]], M: int, one_team: bool) -> torch.Tensor
 
 def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, lora=None,
-        one_team: bool = True, stop: tuple[int, int] | None = None, bf16_rows: list[tuple[int, int]] = ()
-        ) -> torch.Tensor:
+        one_team: bool = True, stop: tuple[int, int] | None = None, bf16_rows: list[tuple[int, int]] = (),
+        hook=None) -> torch.Tensor:
     """The final normed hidden states (M, hidden) of a step; h (M, hidden) fp32, the
     embeddings, is the residual stream afterwards. kv_caches: per layer (K, V) contiguous
     (num_blocks, block_size, kv_heads, head_dim), all fp32 or all bf16 (the new rows stored
@@ -214,7 +218,10 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     the stop word, which another thread may write meanwhile; a threshold): at each layer's end
     but the last the step stops, raising `Stopped`, if the word is below the threshold; None:
     it runs to the end. bf16_rows: (start, end) ranges of prompt rows, ascending, whose
-    attention runs in bf16 vectors (AttentionMetadata.bf16_prompt_ranges; one_team False)."""
+    attention runs in bf16 vectors (AttentionMetadata.bf16_prompt_ranges; one_team False).
+    hook(layer, where): called on this thread at each layer's end (where 0) and inside it,
+    after its attention (1) and after its MLP's first matmul (2), with a region per op; what
+    it raises stops the step there and is raised here."""
     fn = _bound()
     M = h.shape[0]
     k0 = kv_caches[0][0]
@@ -229,11 +236,14 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     dims = _Dims(len(w.layers), w.hidden, w.heads, w.kv_heads, w.head_dim, w.inter, bs, tables.shape[1], w.eps,
                  w.head_dim ** -0.5, cos.shape[0], nb * bs, KV_FORMATS[k0.dtype], BYTE_ROWS, len(bf16_rows),
                  ranges.data_ptr() if len(bf16_rows) else None)
-    out, nt = torch.empty_like(h), torch.get_num_threads()
+    out, nt, raised = torch.empty_like(h), torch.get_num_threads(), []
+    c_hook = _HOOK() if hook is None else _HOOK(_calling(hook, raised))
     rc = M and fn(ctypes.byref(dims), w.array, w.kv_pointers(kv_caches), w.final_norm.data_ptr(), h.data_ptr(),
                   out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                   tables.data_ptr(), lens.data_ptr(), M, nt, _schedule(w, M, nt) if one_team else 0,
-                  None if lora is None else ctypes.addressof(lora), *(stop or (None, 0)))
+                  None if lora is None else ctypes.addressof(lora), *(stop or (None, 0)), c_hook)
+    if raised:
+        raise raised[0]
     if rc == STOPPED:
         raise Stopped(f"the stop word fell below {stop[1]}")
     if rc == -2:
@@ -243,6 +253,18 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     if rc:
         raise MemoryError("decode step: no memory for its scratch buffers")
     return out
+
+
+def _calling(hook, raised: list):
+    """`hook` as step.c calls it: 0 to go on; 1 to stop, what it raised kept in `raised`."""
+    def call(layer: int, where: int) -> int:
+        try:
+            hook(layer, where)
+        except BaseException as e:  # noqa: BLE001 - raised again by `run`, on its thread
+            raised.append(e)
+            return 1
+        return 0
+    return call
 
 
 def _schedule(w: StepWeights, M: int, nt: int) -> int:

@@ -84,7 +84,7 @@ static int run_task(split_ctx *c, int me, step_bufs *b, int64_t from, const floa
         end = claim(t, i);
         rc = step_layer(d, c->weights + i * STEP_PTRS, c->kv[2 * i], c->kv[2 * i + 1], c->h + lo * H,
                         i ? b->delta : NULL, b, c->positions + lo, c->cos_t, c->sin_t, c->slots + lo,
-                        c->tables + lo * mb, c->lens + lo, end - lo, 1, L ? &sub : NULL, i);
+                        c->tables + lo * mb, c->lens + lo, end - lo, 1, L ? &sub : NULL, i, NULL);
         __atomic_store_n(&t->done, i, __ATOMIC_RELEASE);
         if (!rc && i + 1 < d->layers && step_stop_now(c->stop, c->threshold)) rc = STEP_STOPPED;
     }
@@ -107,7 +107,8 @@ static int run_task(split_ctx *c, int me, step_bufs *b, int64_t from, const floa
  * there is nothing worth taking. */
 static int64_t take(split_ctx *c, int me, step_bufs *b) {
     const int64_t layers = c->d->layers, H = c->d->hidden;
-    while (!__atomic_load_n(&c->abort, __ATOMIC_ACQUIRE)) {
+    /* once the step is stopping no rows change hands: taken rows run at least their next layer */
+    while (!__atomic_load_n(&c->abort, __ATOMIC_ACQUIRE) && !step_stop_now(c->stop, c->threshold)) {
         int v = -1;
         int64_t most = 0, vlo = 0;
         uint64_t vs = 0;
@@ -122,11 +123,10 @@ static int64_t take(split_ctx *c, int me, step_bufs *b) {
                                          __ATOMIC_ACQUIRE))
             continue; /* the owner claimed its next layer, or another taker came first: look again */
         for (int spins = 0; cur >= 0 && __atomic_load_n(&c->tasks[v].done, __ATOMIC_ACQUIRE) < cur; spins++) {
-            if (__atomic_load_n(&c->abort, __ATOMIC_ACQUIRE)) return -1;
+            if (__atomic_load_n(&c->abort, __ATOMIC_ACQUIRE)) return -1; /* failed or stopped: nothing counts */
             if (spins < 256) SPIN_PAUSE();
             else sched_yield(); /* the owner may be waiting for this very core */
         }
-        if (step_stop_now(c->stop, c->threshold)) return -1; /* the step is stopping: the rows count for nothing */
         if (cur >= 0)
             memcpy(b->delta, c->tasks[v].delta + (mid - vlo) * H, sizeof(float) * (size_t)((end - mid) * H));
         split_task *t = &c->tasks[me];
