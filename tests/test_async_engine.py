@@ -1,9 +1,10 @@
 """AsyncEngine: the engine on its own thread, driven from asyncio."""
 import asyncio
+import sys
 
 import pytest
 
-from pdserve.engine.core.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.core.async_engine import SWITCH_INTERVAL_S, AsyncEngine, EngineDeadError
 from pdserve.common.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -23,6 +24,7 @@ def test_concurrent_streams_match_the_sync_engine(make_engine):
 
     try:
         assert asyncio.run(main()) == expected
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S  # the engine thread gets the GIL back soon
     finally:
         ae.stop()
 
