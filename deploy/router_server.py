@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +31,22 @@ def check_exposure(router: RouterConfig, security: SecurityConfig) -> None:
                          "PDSERVE_API_KEY) or --keys-file so that only clients with a key are served")
 
 
+def bind_api(router: RouterConfig) -> socket.socket:
+    """The API's listening socket, bound before anything starts: a port in use is refused at once
+    (ValueError), and no process started meanwhile (Ray's servers, the workers', on ports the OS
+    picks) can take the port before the router listens on it."""
+    family = socket.AF_INET6 if ":" in router.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT serves
+    try:
+        sock.bind((router.host, router.port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {router.host} --port {router.port}: cannot listen there ({e.strerror}); "
+                         "choose another --port") from None
+    return sock
+
+
 def make_logger(t0: float):
     return lambda msg: print(f"[pdserve {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
@@ -50,10 +67,10 @@ def _routers(config: ClusterConfig, model_paths: list[Path], control):
     return ModelRouters(routers)
 
 
-def serve_router(config: ClusterConfig, model_paths: list[Path], log, t0: float, control=None,
-                 api: bool = True) -> None:
-    """Serve the OpenAI API until Ctrl-C or SIGTERM; prints a ready `curl` line on stdout once
-    the cluster can serve. `model_paths`: each served model's file (config.model_clusters()
+def serve_router(config: ClusterConfig, model_paths: list[Path], log, t0: float, sock: socket.socket,
+                 control=None, api: bool = True) -> None:
+    """Serve the OpenAI API on `sock` (`bind_api`'s) until Ctrl-C or SIGTERM; prints a ready
+    `curl` line on stdout once the cluster can serve. `model_paths`: each served model's file (config.model_clusters()
     alike: one Router per model). `control`: the pools this process runs (for /admin/scale and the
     autoscaler). api=False (`pdserve up --no-router`): only /health and the admin endpoints;
     the router's view of the workers is still kept for the autoscaler (its latency signals
@@ -97,7 +114,7 @@ def serve_router(config: ClusterConfig, model_paths: list[Path], log, t0: float,
             tasks.append(asyncio.ensure_future(loop.run()))
             log("autoscaler on: " + ", ".join(f"{r} 1..{scale.max_replicas}" for r in control.pools))
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             await stop_tasks(*tasks)  # before asyncio.run's own single cancel, which a Redis call can drop
             for r in routers.routers.values():
@@ -119,7 +136,9 @@ def run_router(config: ClusterConfig) -> int:
     check_exposure(config.router, config.security)
     t0 = time.monotonic()
     log = make_logger(t0)
-    log(f"router for cluster {config.registry.cluster_name!r} at {redact_url(config.registry.redis_url)}")
-    serve_router(config, [resolve_model_path(c.engine.model or None) for c in config.model_clusters()], log, t0)
+    with bind_api(config.router) as sock:
+        log(f"router for cluster {config.registry.cluster_name!r} at {redact_url(config.registry.redis_url)}")
+        serve_router(config, [resolve_model_path(c.engine.model or None) for c in config.model_clusters()], log, t0,
+                     sock)
     log("stopped")
     return 0

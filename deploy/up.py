@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.config import ClusterConfig
 
-from .router_server import check_exposure, make_logger, serve_router
+from .router_server import bind_api, check_exposure, make_logger, serve_router
 
 
 class PlacementError(ValueError):
@@ -170,6 +170,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
         _check_local_fit(config, cpus)
     from .launch import RayPools  # Ray and the workers' code: imported once the flags are known to fit
 
+    sock = bind_api(config.router)  # held from here: nothing started below can take the port
     up, clean = _Started(), False
     interrupts = Interrupts(log).install()
     try:
@@ -194,7 +195,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
         up.supervisor = threading.Thread(target=supervise, name="pool-supervisor", daemon=True)
         up.supervisor.start()
         # /admin/scale and the autoscaler act on the first model's pools
-        serve_router(config, paths, log, t0, control=RayPools(up.pools[:len(clusters[0].pools())], log), api=api)
+        serve_router(config, paths, log, t0, sock, control=RayPools(up.pools[:len(clusters[0].pools())], log), api=api)
         clean = True
         return 0
     except (KeyboardInterrupt, PlacementError):
@@ -203,6 +204,7 @@ def run_up(config: ClusterConfig, api: bool = True) -> int:
     finally:
         with interrupts.shielded():
             _stop_all(up, config.router.shutdown_grace_s, clean, log)
+        sock.close()
         interrupts.restore()
 
 

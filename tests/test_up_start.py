@@ -42,6 +42,21 @@ def test_more_tensor_parallel_ranks_than_cores_is_refused_at_once():
     _gone_after(up)
 
 
+def test_a_port_in_use_is_refused_before_anything_starts():
+    """The API's port is taken before Ray or a worker starts (so no process it starts can take it
+    meanwhile): a port another server holds is refused at once, naming the flag to change."""
+    import socket
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        up = Adopted("up", "--port", str(port), "--kv-cache-memory", "64MiB")
+        rc = up.wait_all_gone(START_S)
+    err = up.text()
+    assert rc == 2 and f"--port {port}: cannot listen there" in err and "choose another --port" in err, err
+    assert "starting a local Ray" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("phase", ["starting a local Ray", "ray: "])
 def test_ctrl_c_during_the_start_stops_everything(phase):
     """SIGINT while Ray starts, and once Ray runs (Redis started, the workers being placed
