@@ -38,6 +38,25 @@ def test_a_worker_borrows_idle_peers_threads_and_gives_them_back(tmp_path):
     assert not host.exists()  # the last one out removes the directory
 
 
+def test_a_step_under_way_gives_back_borrowed_threads_and_takes_lent_ones(tmp_path, monkeypatch):
+    """Within a step (its layer hook): a peer that became busy since the step began gets its
+    threads back at the next look, and one gone idle lends them again; an idle worker's look
+    changes nothing, and no look within CHECK_INTERVAL_S of the last."""
+    decode, d_applied = share(tmp_path, "decode-0")
+    prefill, p_applied = share(tmp_path, "prefill-0")
+    assert decode.retune() == 1 and d_applied == []  # idle: nothing to retune
+    assert decode.step_threads() == 2  # prefill idle: its thread lent
+    assert prefill.step_threads() == 1  # decode busy: its own alone
+    assert decode.retune() == 1  # mid-step: the borrowed thread goes back
+    prefill.idle()
+    assert decode.retune() == 2 and d_applied == [2, 1, 2]
+    monkeypatch.setattr(cores, "CHECK_INTERVAL_S", 60.0)
+    assert prefill.step_threads() == 1
+    assert decode.retune() == 2 and d_applied == [2, 1, 2]  # looked just now: not again yet
+    for s in (decode, prefill):
+        s.close()
+
+
 def test_never_more_than_the_machine_and_one_busy_peer_stops_lending(tmp_path):
     a, _ = share(tmp_path, "a", own=1, max_threads=2)
     b, _ = share(tmp_path, "b", own=1, max_threads=2)

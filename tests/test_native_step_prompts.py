@@ -137,6 +137,38 @@ def test_a_step_with_a_layer_hook_calls_it_where_the_python_loop_does(model, ste
     assert step_calls == [40, 40]
 
 
+def test_a_step_goes_on_with_the_threads_its_hook_leaves(model):
+    """The worker's layer hook lends or takes back cores mid-step (cores.CoreShare.retune sets
+    torch's thread count): the C step's next ops run on that count, with the same bits as a
+    step on one count throughout; a hook that leaves the count keeps it."""
+    from pdserve.engine.kernels.native import step
+    cfg, ids, table, saved = model.config, torch.randint(100, 10000, (40,)), [1, 2, 3], torch.get_num_threads()
+    cache = torch.zeros(cfg.num_hidden_layers, 2, 4, BS, cfg.num_key_value_heads, cfg.head_dim)
+
+    def run(threads: int, switch: dict):
+        caches = cache.clone()
+        layers = [(caches[i, 0], caches[i, 1]) for i in range(cfg.num_hidden_layers)]
+
+        def hook(i):
+            if i in switch:
+                torch.set_num_threads(switch[i])
+        hook.within = lambda: None
+        torch.set_num_threads(threads)
+        try:
+            meta = _prompt_meta(table)
+            model.backend.prepare(meta)
+            with torch.inference_mode():
+                out = model(ids, torch.arange(40), layers, meta, hook)
+            return out, caches, step.last_threads()
+        finally:
+            torch.set_num_threads(saved)
+    base, base_cache, n = run(2, {})
+    assert n == 2
+    for threads, switch, last in ((2, {1: 1}, 1), (1, {0: 2, 5: 1, 9: 2}, 2)):
+        got, got_cache, n = run(threads, switch)
+        assert n == last and torch.equal(got, base) and torch.equal(got_cache, base_cache)
+
+
 def _prompt_meta(table):
     """One fresh 40-token prompt in the blocks of `table`."""
     slots = [table[p // BS] * BS + p % BS for p in range(40)]

@@ -272,12 +272,14 @@ class AsyncEngine:
 
     def _between_layers(self, may_stop: bool) -> None:
         """At a layer's end of a long step: a peer on this host stepping for more urgent work
-        gets the cores until it is done (`pause_for_peers`); a request more urgent than any
+        gets the cores until it is done (`pause_for_peers`), and the step's next ops take the
+        threads the peers' states leave it (`retune`); a request more urgent than any
         here that came since the step began stops it (StepStopped, if it `may_stop`), so the
         request waits for one layer of the step, not for all of it."""
         word = self.stop_word
         if self.cores is not None:
             self.cores.pause_for_peers(word.threshold)
+            self.cores.retune()
         if may_stop and word.stops():
             raise StepStopped(f"a request of priority {word.word.value} came during a step for {word.threshold}")
 

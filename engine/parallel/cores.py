@@ -104,6 +104,19 @@ class CoreShare:
             self.threads = want
         return self.threads
 
+    def retune(self) -> int:
+        """Within a step (at a pause point), from a look at most CHECK_INTERVAL_S old: the
+        threads for the step's next ops, applied. A peer that became busy since the step began
+        gets back the cores this worker borrowed from it, and a peer gone idle lends its own: a
+        512-token chunk (0.5-0.9 s) otherwise ran on three threads for two cores to its end
+        (burst of 32 prompts on a 2-core Zen 4: its first tokens 0.96 s after the start, not 0.6)."""
+        if self.busy and self._look():
+            want = min(self.max, self.own + self._idle_threads)
+            if want != self.threads:
+                self._set(want)
+                self.threads = want
+        return self.threads
+
     def wait_for_peers(self, timeout_s: float) -> float:
         """After `step_threads` marked this worker busy for its urgent work: wait, at most
         `timeout_s`, while a peer still steps for less urgent work (it stands aside at the end of

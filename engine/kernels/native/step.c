@@ -39,6 +39,11 @@
 
 int decode_step_ptrs(void) { return STEP_PTRS; }
 
+/* The threads the last op of this process's latest step with a region per op ran on (its
+ * hook may change them midway): for tests. */
+static int last_threads;
+int decode_step_last_threads(void) { return __atomic_load_n(&last_threads, __ATOMIC_RELAXED); }
+
 /* Heads [kh, kh + nh) of a token's new K (or V) row x (nh * hd floats) into its cache slot:
  * copied (fp32), rounded to bf16 as torch's .to(torch.bfloat16) rounds (to nearest, ties to
  * even; NaN as 0x7fc0), bit for bit, or as 8-bit rows with their scales (kv_encode_row). */
@@ -136,9 +141,14 @@ static int attend(const step_dims *d, const float *q, const void *kc, const void
     return 0;
 }
 
+/* The threads a step goes on with after its hook answered `said` (step_hook): -1 to stop,
+ * else `said` if positive, else `nt`. */
+static inline int step_threads(int said, int nt) { return said < 0 ? -1 : said > 0 ? said : nt; }
+
 /* One layer: h += delta (the previous layer's MLP output; NULL for the first), attention,
  * h += its output, and the MLP's output into b->delta; `hook` (or NULL) called at the pause
- * points inside it. Returns 0, -1 without memory, or STEP_STOPPED (the hook said so). */
+ * points inside it, whose thread counts the layer's later ops take. Returns 0, -1 without
+ * memory, or STEP_STOPPED (the hook said so). */
 int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta, step_bufs *b,
                const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
                const int64_t *tables, const int64_t *lens, int64_t M, int nt, const step_lora *L, int64_t li,
@@ -152,11 +162,11 @@ int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h,
     if (attend(d, b->q, kc, vc, tables, lens, b->att, M, nt)) return -1;
     if (matmul(d, w, 1, b->att, b->a, M, H, nq, nt)) return -1;
     if (lora_all(L, li, 1, b->att, nq, b->a, H, M, nt)) return -1;
-    if (hook && hook(li, 1)) return STEP_STOPPED;
+    if (hook && (nt = step_threads(hook(li, 1), nt)) < 0) return STEP_STOPPED;
     add_rms_norm_f32(h, b->a, w[1], b->x, M, H, d->eps, nt);
     if (matmul(d, w, 2, b->x, b->gu, M, 2 * d->inter, H, nt)) return -1;
     if (lora_all(L, li, 2, b->x, H, b->gu, 2 * d->inter, M, nt)) return -1;
-    if (hook && hook(li, 2)) return STEP_STOPPED;
+    if (hook && (nt = step_threads(hook(li, 2), nt)) < 0) return STEP_STOPPED;
     silu_mul_f32(b->gu, b->act, M, d->inter, nt);
     if (matmul(d, w, 3, b->act, b->delta, M, H, d->inter, nt)) return -1;
     return lora_all(L, li, 3, b->act, d->inter, b->delta, H, M, nt);
@@ -214,10 +224,11 @@ int decode_step_llama(const step_dims *d, void *const *weights, void *const *kv,
     for (int64_t i = 0; i < d->layers && !rc; i++) {
         rc = step_layer(d, weights + i * STEP_PTRS, kv[2 * i], kv[2 * i + 1], h, i ? b.delta : NULL, &b, positions, cos_t,
                         sin_t, slots, tables, lens, M, nt, lora, i, hook);
-        if (!rc && hook && hook(i, 0)) rc = STEP_STOPPED;
+        if (!rc && hook && (nt = step_threads(hook(i, 0), nt)) < 0) rc = STEP_STOPPED;
         if (!rc && i + 1 < d->layers && step_stop_now(stop, threshold)) rc = STEP_STOPPED;
     }
     if (!rc) add_rms_norm_f32(h, b.delta, final_w, out, M, d->hidden, d->eps, nt);
+    if (!rc) __atomic_store_n(&last_threads, nt, __ATOMIC_RELAXED);
     free(base);
     return rc;
 }

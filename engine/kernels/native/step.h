@@ -75,7 +75,9 @@ void step_put_kv(void *cache, int64_t slot, int64_t kh, int64_t nh, const float 
 int step_stop_now(const int32_t *stop, int32_t threshold);
 float *step_alloc_bufs(step_bufs *b, const step_dims *d, int64_t M);
 /* A step's caller at its pause points (decode_step_llama): layer li's end (where 0), inside it
- * after the attention (1) and after the MLP's first matmul (2); nonzero stops the step there. */
+ * after the attention (1) and after the MLP's first matmul (2). Negative stops the step there;
+ * positive is the threads the step's next ops run on (a peer took its cores back, or lent its
+ * own: engine/parallel/cores.py); 0 leaves them as they are. */
 typedef int (*step_hook)(int64_t li, int64_t where);
 int step_layer(const step_dims *d, void *const *w, void *kc, void *vc, float *h, const float *delta, step_bufs *b,
                const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,

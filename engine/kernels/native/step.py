@@ -74,8 +74,16 @@ def _bound():
         lib.w4a8n_matmul.restype = ctypes.c_int
         lib.w4a8n_half_scales.restype = ctypes.c_int
         lib.decode_step_taken.restype = ctypes.c_int64
+        lib.decode_step_last_threads.restype = ctypes.c_int
         _fn, _nib, _half = lib.decode_step_llama, lib.w4a8n_matmul, bool(lib.w4a8n_half_scales())
     return _fn
+
+
+def last_threads() -> int:
+    """The threads the last op of this process's latest step with a region per op ran on (the
+    step's hook may change them midway); 0 before any."""
+    _bound()
+    return int(load().decode_step_last_threads())
 
 
 def rows_taken() -> int:
@@ -221,7 +229,8 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
     attention runs in bf16 vectors (AttentionMetadata.bf16_prompt_ranges; one_team False).
     hook(layer, where): called on this thread at each layer's end (where 0) and inside it,
     after its attention (1) and after its MLP's first matmul (2), with a region per op; what
-    it raises stops the step there and is raised here."""
+    it raises stops the step there and is raised here, and the step's later ops run on the
+    thread count (torch.get_num_threads) it leaves."""
     fn = _bound()
     M = h.shape[0]
     k0 = kv_caches[0][0]
@@ -256,14 +265,16 @@ def run(w: StepWeights, h: torch.Tensor, kv_caches: list, positions: torch.Tenso
 
 
 def _calling(hook, raised: list):
-    """`hook` as step.c calls it: 0 to go on; 1 to stop, what it raised kept in `raised`."""
+    """`hook` as step.c calls it (step_hook): it answers the threads the step's next ops run on,
+    torch's count as the hook leaves it (a worker lending or taking back cores sets it there);
+    -1 to stop, what it raised kept in `raised`."""
     def call(layer: int, where: int) -> int:
         try:
             hook(layer, where)
         except BaseException as e:  # noqa: BLE001 - raised again by `run`, on its thread
             raised.append(e)
-            return 1
-        return 0
+            return -1
+        return torch.get_num_threads()
     return call
 
 
